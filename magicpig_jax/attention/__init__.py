@@ -1,0 +1,20 @@
+"""Attention estimators for one decode step: dense, MagicPIG, and the exact LSE merge.
+
+Shape glossary: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, N cached
+keys, D head dim. Query head h reads KV head ``h // G``. All functions are pure
+and jit-able (configs are static Python objects).
+"""
+
+from magicpig_jax.attention.config import MagicPIGConfig
+from magicpig_jax.attention.dense import dense_attention
+from magicpig_jax.attention.magicpig import LSHIndex, build_lsh_index, magicpig_attention
+from magicpig_jax.attention.merge import merge_attention
+
+__all__ = [
+    "MagicPIGConfig",
+    "dense_attention",
+    "merge_attention",
+    "LSHIndex",
+    "build_lsh_index",
+    "magicpig_attention",
+]

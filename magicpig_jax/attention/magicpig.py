@@ -1,0 +1,194 @@
+"""MagicPIG: LSH sampling with self-normalized importance weights (pure-JAX reference).
+
+Source: arXiv 2410.16179, Sections 3.2-4.3: keys are centered by their mean,
+hashed with SimHash (K bits, L tables); a key is sampled when its code equals the
+query's in at least 2 tables, with probability ``u`` (Eq. (9)); the sampled keys
+enter the softmax with logit ``q·k/sqrt(D) - log u`` (self-normalized importance
+sampling, Eq. (4)), next to the static set (sinks, local window, generated
+tokens) kept exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, UInt32
+
+from magicpig_jax import lsh
+from magicpig_jax.attention._common import (
+    check_lengths,
+    check_qkv,
+    grouped_logits,
+    masked_softmax_attention,
+)
+from magicpig_jax.attention.config import MagicPIGConfig
+
+__all__ = ["LSHIndex", "build_lsh_index", "magicpig_attention", "LOG_U_FLOOR"]
+
+# Convention for the importance weight: the exact log u (no additive offset as
+# in the reference's log(u + 1e-4)), floored at log(1e-30) so that a key whose
+# true u underflows (p = 0) still gets a finite logit.
+LOG_U_FLOOR = -69.07755278982137
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LSHIndex:
+    """The hash index of one layer's keys, built after prefill (a pytree).
+
+    Attributes:
+      codes: uint32 ``[B, Hkv, N, L]``, SimHash codes of the centered keys; only
+        positions in ``[start, end)`` are meaningful.
+      mean: float32 ``[B, Hkv, D]``, the mean of the keys in ``[start, end)``
+        (zero when that range is empty), subtracted before hashing.
+      start: int32 ``[B]``, first hashed position (= min(num_sink, length)).
+      end: int32 ``[B]``, one past the last hashed position
+        (= max(length - num_local, start)).
+      projections: float32 ``[D, K*L]``, the SimHash hyperplanes; the query is
+        hashed with the same ones.
+
+    Source: arXiv 2410.16179, Section 4.3 (tables built once after prefill).
+    """
+
+    codes: UInt32[Array, "B Hkv N L"]
+    mean: Float[Array, "B Hkv D"]
+    start: Int[Array, " B"]
+    end: Int[Array, " B"]
+    projections: Float[Array, "D KL"]
+
+
+def _hashed_range(lengths: jax.Array, config: MagicPIGConfig) -> tuple[jax.Array, jax.Array]:
+    start = jnp.minimum(jnp.int32(config.num_sink), lengths)
+    end = jnp.maximum(lengths - jnp.int32(config.num_local), start)
+    return start, end
+
+
+def build_lsh_index(
+    k: Float[Array, "B Hkv N D"],
+    projections: Float[Array, "D KL"],
+    config: MagicPIGConfig,
+    lengths: Int[Array, " B"] | None = None,
+) -> LSHIndex:
+    """Center and hash the keys at positions ``[num_sink, lengths - num_local)``.
+
+    The mean is taken over exactly the hashed keys of each (row, KV head)
+    (arXiv 2410.16179, Section 4.2, "centering"); the codes are
+    :func:`magicpig_jax.lsh.simhash_codes` of ``k - mean``.
+
+    Args:
+      k: float ``[B, Hkv, N, D]`` keys (any float dtype).
+      projections: float32 ``[D, K*L]`` from :func:`magicpig_jax.lsh.simhash_projections`.
+      config: the :class:`MagicPIGConfig` (K, L, num_sink, num_local).
+      lengths: int ``[B]``, valid keys per row (default N).
+
+    Returns:
+      An :class:`LSHIndex`.
+
+    Raises:
+      ValueError: k is not 4-D, or projections is not ``[D, K*L]``.
+    """
+    if k.ndim != 4:
+        raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(k.shape)}")
+    if not isinstance(config, MagicPIGConfig):
+        raise TypeError(f"config must be a MagicPIGConfig, got {type(config).__name__}")
+    B, _, N, D = k.shape
+    if projections.shape != (D, config.K * config.L):
+        raise ValueError(
+            f"projections must be [D, K*L] = [{D}, {config.K * config.L}] for K={config.K}, "
+            f"L={config.L}, got {tuple(projections.shape)}"
+        )
+    lengths = check_lengths(lengths, B, N)
+    start, end = _hashed_range(lengths, config)
+    pos = jnp.arange(N, dtype=jnp.int32)
+    in_range = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # [B, N]
+    kf = k.astype(jnp.float32)
+    count = jnp.maximum(end - start, 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(in_range[:, None, :, None], kf, 0.0), axis=2) / count[:, None, None]
+    codes = lsh.simhash_codes(kf - mean[:, :, None, :], projections, config.K, config.L)
+    return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections)
+
+
+def sampled_mask_and_log_u(
+    q: jax.Array, k: jax.Array, index: LSHIndex, config: MagicPIGConfig, lengths: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Which keys the LSH lookup samples, and their ``log u``.
+
+    Returns ``sampled`` bool ``[B, Hkv, G, N]``, ``static`` bool ``[B, 1, 1, N]``
+    (valid keys outside the hashed range) and ``log_u`` float32 ``[B, Hkv, G, N]``.
+    """
+    B, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    pos = jnp.arange(N, dtype=jnp.int32)
+    valid = pos[None, :] < lengths[:, None]
+    in_range = (pos[None, :] >= index.start[:, None]) & (pos[None, :] < index.end[:, None]) & valid
+    q_codes = lsh.simhash_codes(q, index.projections, config.K, config.L).reshape(B, Hkv, G, 1, -1)
+    hits = jnp.sum(q_codes == index.codes[:, :, None, :, :], axis=-1, dtype=jnp.int32)
+    sampled = (hits >= 2) & in_range[:, None, None, :]
+    static = (valid & ~in_range)[:, None, None, :]
+    kc = k.astype(jnp.float32) - index.mean[:, :, None, :]
+    qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
+    dots = jnp.einsum("bhgd,bhnd->bhgn", qg, kc, precision=jax.lax.Precision.HIGHEST)
+    norms = jnp.linalg.norm(qg, axis=-1)[..., None] * jnp.linalg.norm(kc, axis=-1)[:, :, None, :]
+    cos = jnp.where(norms > 0, dots / jnp.where(norms > 0, norms, 1.0), 0.0)
+    p = lsh.collision_probability_from_cosine(cos)
+    log_u = jnp.maximum(lsh.log_sampling_probability(p, config.K, config.L), LOG_U_FLOOR)
+    return sampled, static, log_u
+
+
+def magicpig_attention(
+    q: Float[Array, "B Hq D"],
+    k: Float[Array, "B Hkv N D"],
+    v: Float[Array, "B Hkv N D"],
+    index: LSHIndex,
+    config: MagicPIGConfig,
+    lengths: Int[Array, " B"] | None = None,
+) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"], Int[Array, "B Hq"]]:
+    """One decode step of MagicPIG attention (pure-JAX reference).
+
+    Keys in the index's hashed range ``[start, end)`` are sampled when their code
+    equals the query's in at least 2 of the L tables and enter the softmax with
+    logit ``q·k/sqrt(D) - log u``; ``u`` is :func:`magicpig_jax.lsh.sampling_probability`
+    of the angle between the query and the centered key. Every other valid key
+    (sinks, local window, keys appended after the index was built) is exact.
+    Because the centering shift ``q·mean`` is the same for every logit of a query
+    it cancels in the softmax: with every key static the result equals
+    :func:`dense_attention`. ``log u`` is exact, floored at ``LOG_U_FLOOR`` = log(1e-30).
+
+    Args:
+      q: float ``[B, Hq, D]``.
+      k, v: float ``[B, Hkv, N, D]``.
+      index: the :class:`LSHIndex` built from these keys (same B, Hkv, N).
+      config: the :class:`MagicPIGConfig` the index was built with.
+      lengths: int ``[B]``, valid keys per row (default N); may exceed the
+        length the index was built at (appended keys are static).
+
+    Returns:
+      ``(out, lse, num_sampled)``: out float32 ``[B, Hq, D]``; lse float32
+      ``[B, Hq]`` on the scale of the uncentered logits (so it merges with any
+      other part via :func:`merge_attention`); num_sampled int32 ``[B, Hq]``.
+
+    Raises:
+      ValueError / TypeError: bad shapes or dtypes, or an index that does not fit.
+
+    Source: arXiv 2410.16179, Eq. (4) and (9), Sections 4.2-4.3.
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    if index.codes.shape != (B, Hkv, N, config.L):
+        raise ValueError(
+            f"index.codes must be [B, Hkv, N, L] = {(B, Hkv, N, config.L)}, got {tuple(index.codes.shape)}"
+        )
+    if index.projections.shape != (D, config.K * config.L):
+        raise ValueError(
+            f"index.projections must be [D, K*L] = {(D, config.K * config.L)}, "
+            f"got {tuple(index.projections.shape)}"
+        )
+    lengths = check_lengths(lengths, B, N)
+    sampled, static, log_u = sampled_mask_and_log_u(q, k, index, config, lengths)
+    logits = grouped_logits(q, k)
+    logits = jnp.where(sampled, logits - log_u, logits)
+    out, lse = masked_softmax_attention(logits, sampled | static, v)
+    num_sampled = jnp.sum(sampled, axis=-1, dtype=jnp.int32).reshape(B, Hq)
+    return out, lse, num_sampled

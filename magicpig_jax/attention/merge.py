@@ -1,0 +1,56 @@
+"""Exact merge of two partial softmax attentions through their log-sum-exp."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+__all__ = ["merge_attention"]
+
+
+def merge_attention(
+    out_a: Float[Array, "*batch D"],
+    lse_a: Float[Array, "*batch"],
+    out_b: Float[Array, "*batch D"],
+    lse_b: Float[Array, "*batch"],
+) -> tuple[Float[Array, "*batch D"], Float[Array, "*batch"]]:
+    """Combine two softmax attentions over disjoint key sets into the attention over their union.
+
+    With ``s_x = exp(lse_x)`` the partition functions,
+    ``out = (s_a out_a + s_b out_b) / (s_a + s_b)`` and ``lse = log(s_a + s_b)``,
+    evaluated with the max-shift so nothing overflows. Natural log throughout
+    (the reference CPU kernel's base-2 LSE is a known bug this avoids).
+    An empty part (``lse = -inf``) contributes nothing; two empty parts give
+    ``out = 0``, ``lse = -inf`` (never NaN).
+
+    Args:
+      out_a, out_b: float ``[..., D]`` partial outputs (e.g. ``[B, Hq, D]``).
+      lse_a, lse_b: float ``[...]`` natural-log LSEs (e.g. ``[B, Hq]``).
+
+    Returns:
+      ``(out, lse)`` float32 of the same shapes.
+
+    Raises:
+      ValueError: if the shapes disagree.
+
+    Source: the split-softmax identity used by FlashAttention/FlashDecoding;
+    MagicPIG merges its host (sampled) part with its accelerator (static) part
+    this way (arXiv 2410.16179, Section 4.3).
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
+        raise ValueError(
+            "merge_attention needs out_a/out_b of shape [..., D] and lse_a/lse_b of shape [...]; got "
+            f"{tuple(out_a.shape)}, {tuple(lse_a.shape)}, {tuple(out_b.shape)}, {tuple(lse_b.shape)}"
+        )
+    lse_a = lse_a.astype(jnp.float32)
+    lse_b = lse_b.astype(jnp.float32)
+    m = jnp.maximum(lse_a, lse_b)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa = jnp.where(lse_a == -jnp.inf, 0.0, jnp.exp(lse_a - m_safe))
+    wb = jnp.where(lse_b == -jnp.inf, 0.0, jnp.exp(lse_b - m_safe))
+    total = wa + wb
+    denom = jnp.where(total > 0, total, 1.0)
+    out = (wa[..., None] * out_a.astype(jnp.float32) + wb[..., None] * out_b.astype(jnp.float32))
+    out = out / denom[..., None]
+    lse = jnp.where(total > 0, m_safe + jnp.log(denom), -jnp.inf)
+    return out, lse
