@@ -83,7 +83,10 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
     vocab = _field(reader, f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is None and "blk.0.attn_q.weight" in tensors:
+        key_length = int(tensors["blk.0.attn_q.weight"].shape[-1]) // n_head  # gguf shapes are (in, out)
+    head_dim = int(key_length if key_length is not None else hidden // n_head)
     scaling = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":

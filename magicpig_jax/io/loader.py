@@ -49,7 +49,7 @@ def build_llama(config: LlamaConfig, weights: dict[str, np.ndarray], freq_factor
       ValueError: a weight has the wrong shape.
     """
     module = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), dtype=dtype, freq_factors=freq_factors))
-    module.inv_freq.value = jnp.asarray(rope_inv_freq(config, freq_factors))
+    module.inv_freq.set_value(jnp.asarray(rope_inv_freq(config, freq_factors)))
 
     def take(name: str, shape: tuple[int, ...], transpose: bool = False):
         if name not in weights:
@@ -61,7 +61,7 @@ def build_llama(config: LlamaConfig, weights: dict[str, np.ndarray], freq_factor
         return jnp.asarray(w, dtype=dtype)
 
     def set_param(param, name, transpose=False):
-        param.value = take(name, param.value.shape, transpose)
+        param.set_value(take(name, param.get_value().shape, transpose))
 
     set_param(module.embed_tokens.embedding, "model.embed_tokens.weight")
     set_param(module.norm.weight, "model.norm.weight")

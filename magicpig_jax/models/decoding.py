@@ -211,27 +211,53 @@ def decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperatu
     model = nnx.merge(graphdef, state)
     B = tokens.shape[0]
     pos = cache.lengths
-    new_len = pos + 1
-    rows = jnp.arange(B)
-    new_k, new_v = list(cache.k), list(cache.v)
-    sparse = set(spec.sparse_layers(len(new_k)))
+    sparse = set(spec.sparse_layers(len(cache.k)))
     counts = []
+    new_kv = {}
 
     def write_kv(i, k, v):
-        new_k[i] = new_k[i].at[rows, :, pos].set(k[:, 0].astype(new_k[i].dtype))
-        new_v[i] = new_v[i].at[rows, :, pos].set(v[:, 0].astype(new_v[i].dtype))
-        return new_k[i], new_v[i]
+        # Attention reads the cache as it was; the new token is merged in exactly and the
+        # cache is written once at the end of the step (writing before reading made XLA
+        # copy every layer's cache each step).
+        new_kv[i] = (k[:, 0], v[:, 0])
+        return cache.k[i], cache.v[i]
 
     def attend(i, q, k_cache, v_cache):
         if i in sparse:
-            out, _, n = magicpig_attention(q[:, 0], k_cache, v_cache, indices[i], spec.magicpig, new_len)
+            out, lse, n = magicpig_attention(q[:, 0], k_cache, v_cache, indices[i], spec.magicpig, pos)
             counts.append(n)
         else:
-            out, _ = dense_attention(q[:, 0], k_cache, v_cache, new_len)
+            out, lse = dense_attention(q[:, 0], k_cache, v_cache, pos)
+        k_new, v_new = new_kv[i]
+        self_out, self_lse = _self_attention(q[:, 0], k_new, v_new)
+        out, _ = merge_attention(out, lse, self_out, self_lse)
         return out[:, None]
 
     hidden = model.forward(tokens[:, None], pos[:, None], write_kv, attend)
     logits = model.logits(hidden[:, 0])
     next_tokens = sample_token(logits, key, temperature, top_p)
     num_sampled = jnp.stack(counts) if counts else jnp.zeros((0, B, model.config.num_heads), jnp.int32)
-    return next_tokens, logits, num_sampled, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=new_len)
+    # The barrier orders every cache write after every attention read, so XLA updates the
+    # donated cache in place instead of copying it.
+    written, logits = jax.lax.optimization_barrier(([new_kv[i] for i in range(len(cache.k))], logits))
+    new_k = tuple(_write_token(c, written[i][0], pos) for i, c in enumerate(cache.k))
+    new_v = tuple(_write_token(c, written[i][1], pos) for i, c in enumerate(cache.v))
+    return next_tokens, logits, num_sampled, KVCache(k=new_k, v=new_v, lengths=pos + 1)
+
+
+def _write_token(cache_layer, x, pos):
+    """Write ``x`` ``[B, Hkv, D]`` at position ``pos[b]`` of each row of ``cache_layer`` ``[B, Hkv, N, D]``."""
+    for b in range(x.shape[0]):
+        update = x[b][None, :, None, :].astype(cache_layer.dtype)
+        cache_layer = jax.lax.dynamic_update_slice(cache_layer, update, (b, 0, pos[b], 0))
+    return cache_layer
+
+
+def _self_attention(q, k_new, v_new):
+    """Attention of each query head ``[B, Hq, D]`` over its own token's key/value ``[B, Hkv, D]`` alone."""
+    B, Hq, D = q.shape
+    G = Hq // k_new.shape[1]
+    k_rep = jnp.repeat(k_new.astype(jnp.float32), G, axis=1)
+    v_rep = jnp.repeat(v_new.astype(jnp.float32), G, axis=1)
+    lse = jnp.sum(q.astype(jnp.float32) * k_rep, axis=-1) / jnp.float32(math.sqrt(D))
+    return v_rep, lse

@@ -1,0 +1,170 @@
+"""The ``magicpig-jax`` command line.
+
+Subcommands:
+  generate          answer a question over a long document with MagicPIG and dense attention
+  bench attention   one-layer decode attention benchmark (host op vs XLA dense vs reference)
+  study attention   estimator error versus cost (TopK, Quest, oracle sampling, MagicPIG)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main", "DEMO_DOCUMENT", "DEMO_QUESTION"]
+
+DEMO_DOCUMENT = Path(__file__).parent / "data" / "lgpl-2.1.txt"
+DEMO_QUESTION = "What is the name of the example company in the appendix that disclaims copyright?"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+
+
+def _attention_list(text: str) -> list[str]:
+    from magicpig_jax.models.decoding import BACKENDS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in BACKENDS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--attention takes a comma-separated subset of {BACKENDS}, got {text!r}")
+    return names
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="answer a question over a long document (MagicPIG next to dense)")
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
+    p.add_argument("--document", type=Path, default=None,
+                   help=f"text file to read (default: the bundled {DEMO_DOCUMENT.name}, ~5.9K tokens)")
+    p.add_argument("--question", default=None, help=f"question about the document (default: {DEMO_QUESTION!r})")
+    p.add_argument("--prompt", default=None, help="a raw user message instead of --document/--question")
+    p.add_argument("--attention", type=_attention_list, default=["magicpig", "dense"],
+                   help="comma-separated backends to decode with, sharing one prefill (default: magicpig,dense)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..32)")
+    p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
+    p.add_argument("--num-sink", type=int, default=4)
+    p.add_argument("--num-local", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="seed of projections and sampling")
+    p.add_argument("--dense-layers", type=_int_list, default=None,
+                   help="layers kept dense under MagicPIG (default: 0 and num_layers // 2)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    p.set_defaults(func=_cmd_generate)
+
+
+def build_prompt(document: str, question: str) -> str:
+    """The user message of the demo: the question, the document, the question again."""
+    return (f"Read the document and answer the question.\n\nQuestion: {question}\n\n"
+            f"Document:\n{document}\n\nQuestion: {question}")
+
+
+def _cmd_generate(args) -> int:
+    from tqdm import tqdm
+
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.generation import decode, encode_prompt, prefill
+    from magicpig_jax.io.loader import load_model
+
+    config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
+                            seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prompt is not None:
+        if args.document is not None or args.question is not None:
+            raise ValueError("--prompt cannot be combined with --document/--question")
+        prompt = args.prompt
+    else:
+        doc_path = args.document or DEMO_DOCUMENT
+        if not doc_path.is_file():
+            raise FileNotFoundError(f"--document {doc_path} does not exist")
+        prompt = build_prompt(doc_path.read_text(encoding="utf-8"), args.question or DEMO_QUESTION)
+    model = load_model(args.model)
+    print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
+    ids = encode_prompt(model, prompt, chat=not args.no_chat)
+    print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
+    state = prefill(model, [ids], args.max_new_tokens)
+    print(f"prefill: {state.seconds:.1f} s ({len(ids) / state.seconds:.0f} tokens/s)")
+    results = {}
+    for name in args.attention:
+        with tqdm(total=args.max_new_tokens - 1, desc=f"decode [{name}]", unit="tok", leave=False) as bar:
+            outs, stats = decode(model, state, attention=name, max_new_tokens=args.max_new_tokens,
+                                 config=config, dense_layers=args.dense_layers, seed=args.seed,
+                                 temperature=args.temperature, top_p=args.top_p, progress=bar.update)
+        stats["text"] = model.tokenizer.decode(outs[0])
+        stats["token_ids"] = outs[0]
+        results[name] = stats
+        print(f"\n=== answer with {name} attention ===\n{stats['text'].strip()}\n", flush=True)
+    print(_summary(results, len(ids), state.seconds))
+    if len(results) > 1:
+        texts = {n: r["text"].strip() for n, r in results.items()}
+        same = len(set(texts.values())) == 1
+        print(f"answers identical across backends: {'yes' if same else 'no'}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"prompt_tokens": len(ids), "prefill_seconds": state.seconds,
+                                         "results": results}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
+    lines = ["=== summary ===", f"prompt tokens: {prompt_tokens}    prefill: {prefill_seconds:.2f} s",
+             f"{'attention':<10} {'decode tok/s':>12} {'steps':>6} {'compile s':>9} {'sampled fraction':>17}"]
+    for name, r in results.items():
+        frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"
+        lines.append(f"{name:<10} {r['decode_tokens_per_s']:>12.2f} {r['decode_steps']:>6} "
+                     f"{r['compile_seconds']:>9.1f} {frac:>17}")
+    for name, r in results.items():
+        per = r["sampled_fraction_per_layer"]
+        if per:
+            cells = " ".join(f"{layer}:{100 * f:.1f}" for layer, f in per.items())
+            lines.append(f"{name} sampled % of context keys per decode step, by layer "
+                         f"(dense layers {r['dense_layers']}): {cells}")
+    return "\n".join(lines)
+
+
+def _add_delegate(sub, name: str, help_text: str, targets: dict[str, str]) -> None:
+    p = sub.add_parser(name, help=help_text, add_help=False)
+    p.add_argument("what", choices=sorted(targets))
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: _delegate(targets[a.what], a.rest))
+
+
+def _delegate(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``magicpig-jax``."""
+    parser = argparse.ArgumentParser(prog="magicpig-jax", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_delegate(sub, "bench", "benchmarks (JSON + PNG)", {"attention": "magicpig_jax.eval.bench_attention"})
+    _add_delegate(sub, "study", "estimator studies (JSON + PNG)", {"attention": "magicpig_jax.eval.study"})
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``magicpig-jax``; returns the exit status (2 on bad input, with the reason)."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"magicpig-jax: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
