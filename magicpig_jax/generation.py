@@ -17,11 +17,10 @@ from flax import nnx
 
 from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.io.loader import LoadedModel
+from magicpig_jax.models.backends import BACKENDS, DecodeSpec
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.config import default_dense_layers
 from magicpig_jax.models.decoding import (
-    BACKENDS,
-    DecodeSpec,
     build_indices,
     decode_step,
     hidden_to_logits,
@@ -137,13 +136,17 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
 def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpig",
            max_new_tokens: int = 64, config: MagicPIGConfig | None = None,
            dense_layers: Sequence[int] | None = None, seed: int = 0, temperature: float = 0.0,
-           top_p: float = 1.0, stop_on_eos: bool = True, progress=None) -> tuple[list[list[int]], dict]:
+           top_p: float = 1.0, stop_on_eos: bool = True, progress=None,
+           budget: int | float | None = None, page_size: int = 16,
+           forced_tokens: Sequence[Sequence[int]] | None = None,
+           logits_callback=None) -> tuple[list[list[int]], dict]:
     """Decode from a prefill with one attention backend (the prefill cache is not consumed).
 
     Args:
       model: the loaded model.
       state: a :class:`PrefillState` (its cache is copied, so it can be reused).
-      attention: one of ``"dense"``, ``"magicpig"``.
+      attention: one of :data:`magicpig_jax.models.backends.BACKENDS`
+        (``"dense"``, ``"magicpig"``, ``"topk"``, ``"quest"``, ``"oracle"``).
       max_new_tokens: tokens to generate per row (stops earlier on EOS).
       config: MagicPIG configuration (default :class:`MagicPIGConfig()`).
       dense_layers: layers kept dense under MagicPIG (default
@@ -151,6 +154,13 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       seed, temperature, top_p: sampling (temperature 0 = greedy).
       stop_on_eos: stop a row at the model's EOS token.
       progress: optional callable ``progress(n)`` called after each step.
+      budget: keys per query head for "topk"/"quest"/"oracle" (int tokens or a
+        fraction in (0, 1] of the middle range).
+      page_size: Quest's page size.
+      forced_tokens: teacher forcing: B lists of ``max_new_tokens`` ids fed instead
+        of the sampled ones (the outputs are then these ids).
+      logits_callback: optional ``callback(step, logits)`` receiving the float32
+        ``[B, V]`` NumPy logits that predict token ``step`` (step 0 = the prefill's).
 
     Returns:
       ``(token_ids per row, stats dict)`` (see :class:`Generation` for the keys).
@@ -167,7 +177,10 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
     dl = tuple(sorted(set(default_dense_layers(n_layers) if dense_layers is None else dense_layers)))
     if any(not 0 <= i < n_layers for i in dl):
         raise ValueError(f"dense_layers must be in [0, {n_layers}), got {dl}")
-    spec = DecodeSpec(backend=attention, magicpig=cfg, dense_layers=dl)
+    spec = DecodeSpec(backend=attention, magicpig=cfg, dense_layers=dl, budget=budget, page_size=page_size)
+    if forced_tokens is not None and (len(forced_tokens) != len(state.prompt_lengths)
+                                      or any(len(f) < max_new_tokens for f in forced_tokens)):
+        raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
     cache = state.cache.copy()
     if int(state.prompt_lengths.max()) + max_new_tokens > cache.capacity:
         raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the cache capacity {cache.capacity}")
@@ -183,6 +196,10 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
         first = sample_token(state.last_logits, jax.random.fold_in(jax.random.key(seed), 0),
                              jnp.float32(temperature), jnp.float32(top_p))
     temp, tp = jnp.float32(temperature), jnp.float32(top_p)
+    if forced_tokens is not None:
+        first = jnp.asarray([f[0] for f in forced_tokens], jnp.int32)
+    if logits_callback is not None:
+        logits_callback(0, np.asarray(state.last_logits))
     eos = set(model.tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = np.zeros(B, bool)
@@ -204,8 +221,12 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
             break
         ctx = np.asarray(cache.lengths) + 1
         key = jax.random.fold_in(jax.random.key(seed), t + 1)
-        tokens, _, num_sampled, cache = decode_step(graphdef, params, cache, indices, tokens, key, temp, tp,
-                                                    spec=spec)
+        tokens, logits, num_sampled, cache = decode_step(graphdef, params, cache, indices, tokens, key, temp,
+                                                         tp, spec=spec)
+        if forced_tokens is not None:
+            tokens = jnp.asarray([f[t + 1] for f in forced_tokens], jnp.int32)
+        if logits_callback is not None:
+            logits_callback(t + 1, np.asarray(logits))
         steps += 1
         if steps == 1:  # the first step compiles; time the rest
             jax.block_until_ready(tokens)
@@ -219,7 +240,8 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
         if progress is not None:
             progress(1)
     seconds = time.perf_counter() - t0
-    per_layer = {int(layer): float(f / frac_steps) for layer, f in zip(sparse, frac_sum)} if frac_steps else {}
+    per_layer = ({int(layer): float(f / frac_steps) for layer, f in zip(sparse, frac_sum, strict=True)}
+                 if frac_steps else {})
     stats = {
         "attention": attention,
         "prompt_tokens": [int(x) for x in state.prompt_lengths],

@@ -110,3 +110,33 @@ def test_decode_rejects_bad_arguments(model):
         prefill(model, [[1] * 5000], 4)
     with pytest.raises(ValueError, match="non-empty"):
         prefill(model, [[]], 4)
+
+
+@pytest.mark.parametrize("backend", ["topk", "quest", "oracle"])
+def test_budgeted_backends_with_full_budget_equal_dense(model, backend):
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 97, 300).tolist()
+    cfg = MagicPIGConfig(num_sink=4, num_local=16)
+    t_d, l_d = _decode_with_logits(model, [prompt], 4, DecodeSpec("dense"))
+    # a budget covering the whole middle range makes TopK/Quest exact
+    spec = DecodeSpec(backend, cfg, (), budget=1.0 if backend != "oracle" else 4096)
+    t_b, l_b = _decode_with_logits(model, [prompt], 4, spec)
+    if backend == "oracle":  # 4096 draws: a close, not exact, estimate
+        assert np.abs(l_b - l_d).max() < 0.5
+    else:
+        np.testing.assert_array_equal(t_b, t_d)
+        np.testing.assert_allclose(l_b, l_d, atol=1e-4, rtol=0)
+
+
+def test_budgeted_backends_touch_the_budget(model):
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 97, 500).tolist()
+    state = prefill(model, [prompt], 4)
+    cfg = MagicPIGConfig(num_sink=4, num_local=16)
+    for backend in ("topk", "quest"):
+        _, stats = decode(model, state, attention=backend, max_new_tokens=4, config=cfg, budget=32,
+                          dense_layers=[], stop_on_eos=False)
+        # 32 of the ~500 context keys per step
+        assert stats["sampled_fraction"] == pytest.approx(32 / 501.5, rel=0.01)
+    with pytest.raises(ValueError, match="needs a budget"):
+        decode(model, state, attention="topk", max_new_tokens=2)

@@ -100,7 +100,8 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     start = time.perf_counter()
     source = embedded_model_path() if path is None else Path(path)
     if not source.exists():
-        raise FileNotFoundError(f"--model path {source} does not exist (expected a .gguf file or a Hugging Face directory)")
+        raise FileNotFoundError(
+            f"--model path {source} does not exist (expected a .gguf file or a Hugging Face directory)")
     if source.is_dir():
         config, weights = read_hf_dir(source)
         tokenizer = Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids)

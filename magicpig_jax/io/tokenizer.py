@@ -87,7 +87,8 @@ class Tokenizer:
         backend.decoder = decoders.ByteLevel()
         types = meta.get("tokenizer.ggml.token_type")
         if types is not None:
-            special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in _SPECIAL_TYPES]
+            special = [AddedToken(tokens[i], special=True, normalized=False)
+                       for i, t in enumerate(types) if t in _SPECIAL_TYPES]
             backend.add_special_tokens(special)
         eos = meta.get("tokenizer.ggml.eos_token_id")
         eos_ids = [int(eos)] if eos is not None else []

@@ -4,14 +4,13 @@ Data flows prefill -> index build -> decode step. Every function takes the
 model as ``(graphdef, state)`` (weights are jit arguments, never constants) and
 the cache is donated so each step writes it in place.
 
-Attention backends for decode: ``"dense"`` (exact) and ``"magicpig"`` (LSH
-sampling, pure-JAX reference path; arXiv 2410.16179). Layers listed in
-``dense_layers`` stay dense under MagicPIG.
+Decode attention backends are in :mod:`magicpig_jax.models.backends`
+(``"dense"``, ``"magicpig"``, ``"topk"``, ``"quest"``, ``"oracle"``); layers listed
+in ``dense_layers`` stay dense under a sparse backend.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from functools import partial
 
@@ -25,9 +24,9 @@ from magicpig_jax.attention import (
     MagicPIGConfig,
     build_lsh_index,
     dense_attention,
-    magicpig_attention,
     merge_attention,
 )
+from magicpig_jax.models.backends import BACKENDS, DecodeSpec, MiddleRange, sparse_attention
 from magicpig_jax.models.cache import KVCache
 
 __all__ = [
@@ -39,37 +38,6 @@ __all__ = [
     "layer_projections",
     "sample_token",
 ]
-
-BACKENDS = ("dense", "magicpig")
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeSpec:
-    """Static description of the decode attention (hashable; a jit static argument).
-
-    Attributes:
-      backend: one of :data:`BACKENDS`.
-      magicpig: the :class:`MagicPIGConfig` (used when backend is "magicpig").
-      dense_layers: layer indices kept dense under MagicPIG.
-
-    Raises:
-      ValueError: unknown backend.
-    """
-
-    backend: str = "dense"
-    magicpig: MagicPIGConfig = MagicPIGConfig()
-    dense_layers: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"attention backend must be one of {BACKENDS}, got {self.backend!r}")
-
-    def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
-        """Layers that use the sparse backend (all but ``dense_layers``; none for "dense")."""
-        if self.backend == "dense":
-            return ()
-        return tuple(i for i in range(num_layers) if i not in set(self.dense_layers))
-
 
 def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk):
     """Causal attention of a query chunk over the cache, block by block (online LSE merge).
@@ -155,12 +123,15 @@ def layer_projections(config: MagicPIGConfig, layer: int, head_dim: int) -> jax.
 
 
 @partial(jax.jit, static_argnames=("spec", "num_layers"))
-def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple[LSHIndex | None, ...]:
-    """Build the LSH index of every sparse layer from the prefilled cache (one per layer, None if dense)."""
+def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple[LSHIndex | MiddleRange | None, ...]:
+    """Per-layer decode state built after prefill: the LSH index of every MagicPIG layer,
+    the :class:`MiddleRange` of every other sparse layer, None for dense layers."""
     out = []
     sparse = set(spec.sparse_layers(num_layers))
     for i in range(num_layers):
-        if i in sparse:
+        if i in sparse and spec.backend != "magicpig":
+            out.append(MiddleRange.from_lengths(cache.lengths, spec.magicpig))
+        elif i in sparse:
             proj = layer_projections(spec.magicpig, i, cache.k[i].shape[-1])
             out.append(build_lsh_index(cache.k[i], proj, spec.magicpig, cache.lengths))
         else:
@@ -224,7 +195,8 @@ def decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperatu
 
     def attend(i, q, k_cache, v_cache):
         if i in sparse:
-            out, lse, n = magicpig_attention(q[:, 0], k_cache, v_cache, indices[i], spec.magicpig, pos)
+            out, lse, n = sparse_attention(spec, q[:, 0], k_cache, v_cache, indices[i], pos,
+                                           jax.random.fold_in(key, 1000 + i))
             counts.append(n)
         else:
             out, lse = dense_attention(q[:, 0], k_cache, v_cache, pos)
