@@ -233,3 +233,32 @@ def _self_attention(q, k_new, v_new):
     v_rep = jnp.repeat(v_new.astype(jnp.float32), G, axis=1)
     lse = jnp.sum(q.astype(jnp.float32) * k_rep, axis=-1) / jnp.float32(math.sqrt(D))
     return v_rep, lse
+
+
+@partial(jax.jit, static_argnames=("graphdef",))
+def decode_queries(graphdef, state, cache: KVCache, tokens):
+    """The decode-step queries of every layer, with dense attention (the cache is not modified).
+
+    Args:
+      graphdef, state: the split model; cache: a prefilled :class:`KVCache`;
+      tokens: int32 ``[B]``, the token at position ``cache.lengths``.
+
+    Returns:
+      float32 ``[num_layers, B, Hq, D]`` (RoPE applied), for studies of attention.
+    """
+    model = nnx.merge(graphdef, state)
+    pos = cache.lengths
+    queries, new_kv = [], {}
+
+    def write_kv(i, k, v):
+        new_kv[i] = (k[:, 0], v[:, 0])
+        return cache.k[i], cache.v[i]
+
+    def attend(i, q, k_cache, v_cache):
+        queries.append(q[:, 0].astype(jnp.float32))
+        out, lse = dense_attention(q[:, 0], k_cache, v_cache, pos)
+        self_out, self_lse = _self_attention(q[:, 0], *new_kv[i])
+        return merge_attention(out, lse, self_out, self_lse)[0][:, None]
+
+    model.forward(tokens[:, None], pos[:, None], write_kv, attend)
+    return jnp.stack(queries)
