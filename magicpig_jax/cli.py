@@ -2,8 +2,10 @@
 
 Subcommands:
   generate          answer a question over a long document with MagicPIG and dense attention
+  convert           write a model as an orbax checkpoint (loads faster than GGUF)
   bench attention   one-layer decode attention benchmark (host op vs XLA dense vs reference)
   study attention   estimator error versus cost (TopK, Quest, oracle sampling, MagicPIG)
+  eval              RULER-style task accuracy and long-text likelihood versus cost, per method
 """
 
 from __future__ import annotations
@@ -131,6 +133,26 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="write a model's dequantized weights as an orbax checkpoint")
+    p.add_argument("model", help="GGUF file or Hugging Face directory ('embedded' = the bundled SmolLM2)")
+    p.add_argument("out", type=Path, help="checkpoint directory to create")
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_convert(args) -> int:
+    import time
+
+    from magicpig_jax.io.loader import convert_model, load_model
+
+    start = time.perf_counter()
+    out = convert_model(None if args.model == "embedded" else args.model, args.out)
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
+    model = load_model(out)
+    print(f"reloaded with --model {out} in {model.load_seconds:.2f} s")
+    return 0
+
+
 def _add_delegate(sub, name: str, help_text: str, targets: dict[str, str]) -> None:
     p = sub.add_parser(name, help=help_text, add_help=False)
     p.add_argument("what", choices=sorted(targets))
@@ -150,8 +172,13 @@ def make_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_convert(sub)
     _add_delegate(sub, "bench", "benchmarks (JSON + PNG)", {"attention": "magicpig_jax.eval.bench_attention"})
     _add_delegate(sub, "study", "estimator studies (JSON + PNG)", {"attention": "magicpig_jax.eval.study"})
+    ev = sub.add_parser("eval", help="task accuracy and likelihood versus cost (JSONL + markdown + PNG)",
+                        add_help=False, prefix_chars="\0")  # every argument goes to magicpig_jax.eval.run
+    ev.add_argument("rest", nargs=argparse.REMAINDER)
+    ev.set_defaults(func=lambda a: _delegate("magicpig_jax.eval.run", a.rest))
     return parser
 
 
@@ -161,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
         print(f"magicpig-jax: error: {err}", file=sys.stderr)
         return 2
 

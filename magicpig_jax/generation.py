@@ -221,8 +221,8 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
             break
         ctx = np.asarray(cache.lengths) + 1
         key = jax.random.fold_in(jax.random.key(seed), t + 1)
-        tokens, logits, num_sampled, cache = decode_step(graphdef, params, cache, indices, tokens, key, temp,
-                                                         tp, spec=spec)
+        tokens, logits, num_sampled, cache, indices = decode_step(graphdef, params, cache, indices, tokens, key,
+                                                                  temp, tp, spec=spec)
         if forced_tokens is not None:
             tokens = jnp.asarray([f[t + 1] for f in forced_tokens], jnp.int32)
         if logits_callback is not None:

@@ -24,8 +24,8 @@ def _decode_with_logits(model, prompts, steps, spec):
     tokens = jnp.argmax(state.last_logits, -1).astype(jnp.int32)
     toks = [np.asarray(tokens)]
     for _ in range(steps):
-        tokens, lg, _, cache = decode_step(graphdef, params, cache, indices, tokens, jax.random.key(0),
-                                           jnp.float32(0), jnp.float32(1), spec=spec)
+        tokens, lg, _, cache, indices = decode_step(graphdef, params, cache, indices, tokens, jax.random.key(0),
+                                                    jnp.float32(0), jnp.float32(1), spec=spec)
         logits.append(np.asarray(lg))
         toks.append(np.asarray(tokens))
     return np.stack(toks, 1), np.stack(logits, 1)  # [B, steps+1], [B, steps+1, V]
@@ -140,3 +140,61 @@ def test_budgeted_backends_touch_the_budget(model):
         assert stats["sampled_fraction"] == pytest.approx(32 / 501.5, rel=0.01)
     with pytest.raises(ValueError, match="needs a budget"):
         decode(model, state, attention="topk", max_new_tokens=2)
+
+
+def test_host_magicpig_decode_equals_reference_path(model):
+    """The decoder's default "magicpig" (host op on CPU) equals "magicpig-ref" before any append."""
+    rng = np.random.default_rng(6)
+    prompt = rng.integers(0, 97, 700).tolist()
+    cfg = MagicPIGConfig(K=3, L=12, num_sink=4, num_local=16)
+    host = DecodeSpec("magicpig", cfg, (0,))
+    ref = DecodeSpec("magicpig-ref", cfg, (0,))
+    assert host.uses_host and not ref.uses_host
+    t_h, l_h = _decode_with_logits(model, [prompt], 6, host)
+    t_r, l_r = _decode_with_logits(model, [prompt], 6, ref)
+    np.testing.assert_array_equal(t_h, t_r)
+    np.testing.assert_allclose(l_h, l_r, atol=2e-4, rtol=0)
+
+
+def _ref_with_appends(model, prompt, steps, cfg, buffer):
+    """Pure-JAX MagicPIG with the host path's append schedule, re-implemented step by step."""
+    from magicpig_jax import lsh
+    from magicpig_jax.models.decoding import layer_projections
+
+    spec = DecodeSpec("magicpig-ref", cfg, ())
+    state = prefill(model, [prompt], steps)
+    cache = state.cache.copy()
+    graphdef, params = nnx.split(model.module)
+    indices = list(build_indices(cache, spec, model.config.num_layers))
+    tokens = jnp.argmax(state.last_logits, -1).astype(jnp.int32)
+    toks, logits = [np.asarray(tokens)], [np.asarray(state.last_logits)]
+    for _ in range(steps):
+        tokens, lg, _, cache, indices = decode_step(graphdef, params, cache, tuple(indices), tokens,
+                                                    jax.random.key(0), jnp.float32(0), jnp.float32(1), spec=spec)
+        indices = list(indices)
+        toks.append(np.asarray(tokens))
+        logits.append(np.asarray(lg))
+        length = int(cache.lengths[0])
+        for i, idx in enumerate(indices):
+            end = int(idx.end[0])
+            if length - end >= cfg.num_local + 2 * buffer:  # the host schedule: append `buffer` keys
+                proj = layer_projections(cfg, i, model.config.head_dim)
+                codes = lsh.simhash_codes(cache.k[i] - idx.mean[:, :, None, :], proj, cfg.K, cfg.L)
+                pos = jnp.arange(cache.capacity)
+                new = (pos >= end) & (pos < end + buffer)
+                merged = jnp.where(new[None, None, :, None], codes, idx.codes)
+                indices[i] = type(idx)(codes=merged, mean=idx.mean, start=idx.start,
+                                       end=idx.end + buffer, projections=idx.projections)
+    return np.stack(toks, 1), np.stack(logits, 1)
+
+
+def test_host_appends_generated_tokens_past_the_buffer(model):
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 97, 300).tolist()
+    cfg = MagicPIGConfig(K=3, L=12, num_sink=4, num_local=8)
+    buffer, steps = 4, 30  # appends at steps 16, 20, 24, 28
+    spec = DecodeSpec("magicpig", cfg, (), generation_buffer=buffer)
+    t_h, l_h = _decode_with_logits(model, [prompt], steps, spec)
+    t_r, l_r = _ref_with_appends(model, prompt, steps, cfg, buffer)
+    np.testing.assert_array_equal(t_h, t_r)
+    np.testing.assert_allclose(l_h, l_r, atol=2e-4, rtol=0)

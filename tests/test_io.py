@@ -189,3 +189,18 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["generate", "--attention", "fast"])
     assert "--attention takes" in capsys.readouterr().err
+
+
+def test_orbax_checkpoint_roundtrip(tmp_path, tiny, capsys):
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, _hf_weights(tiny))
+    out = tmp_path / "ckpt"
+    assert cli_main(["convert", str(path), str(out)]) == 0
+    assert "reloaded" in capsys.readouterr().out
+    loaded = load_model(out)
+    ids = list(range(3, 50))
+    np.testing.assert_allclose(forward_logits(loaded, ids), forward_logits(tiny, ids), atol=1e-5, rtol=0)
+    assert loaded.tokenizer.eos_token_ids == (257,)
+    assert loaded.tokenizer.encode(" t") == [256]
+    assert cli_main(["convert", str(path), str(out)]) == 2  # refuses to overwrite
+    assert "already holds a checkpoint" in capsys.readouterr().err

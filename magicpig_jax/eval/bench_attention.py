@@ -1,0 +1,223 @@
+"""Benchmark one decode step of one layer: host MagicPIG op vs XLA dense vs the pure-JAX reference.
+
+Synthetic keys: a sink token with a large norm, the rest in a cone around a mean
+direction (as the paper observes for real keys, arXiv 2410.16179, Section 4.2), values
+Gaussian; bfloat16 KV storage; K=10, L=150, 4 sinks, 64 local tokens by default.
+
+Reported per (shape, N): time of ``host_magicpig_attention`` (sampled part on the host
++ static part in JAX + merge), of the FFI op alone, of jitted ``dense_attention`` and of
+the jitted pure-JAX ``magicpig_attention`` (skipped above ``--ref-max-n``, noted in the
+JSON); the sampled fraction; bytes touched by the op (sampled K and V rows + the bucket
+lists walked) / op time against a memcpy bandwidth measured in the same run; index bytes
+per token per KV head against KV bytes per token per KV head.
+
+Usage: ``python -m magicpig_jax.eval.bench_attention --n 8192 32768 --out runs/bench``
+(or ``magicpig-jax bench attention ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SHAPES = {"llama3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+
+
+def _timeit(fn, reps: int) -> float:
+    jax.block_until_ready(fn())  # warm-up / compile
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def _copy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
+    a = np.ones(nbytes // 8, np.float64)
+    b = np.empty_like(a)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        ts.append(time.perf_counter() - t)
+    return nbytes / min(ts)
+
+
+def _synthetic(rng, Hq, Hkv, N, D):
+    direction = rng.standard_normal(D).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    k = np.empty((1, Hkv, N, D), np.float32)
+    step = 1 << 15
+    for s in range(0, N, step):
+        e = min(N, s + step)
+        k[0, :, s:e] = 0.6 * rng.standard_normal((Hkv, e - s, D), np.float32) + 3.0 * direction
+    k[0, :, 0] = 12.0 * direction  # sink
+    v = rng.standard_normal((1, Hkv, N, D), np.float32)
+    q = (rng.standard_normal((1, Hq, D)) - 1.5 * direction).astype(np.float32)
+    return (
+        jnp.asarray(q),
+        jnp.asarray(k).astype(jnp.bfloat16),
+        jnp.asarray(v).astype(jnp.bfloat16),
+    )
+
+
+def _bucket_bytes(index, q_codes) -> int:
+    """Bytes of bucket ids the lookup walks (each id is read twice: count + emit)."""
+    offsets = np.asarray(index.offsets)  # [B, Hkv, NC, L, NB]
+    qc = np.asarray(q_codes)  # [B, Hq, L]
+    B, Hq, L = qc.shape
+    Hkv = offsets.shape[1]
+    G = Hq // Hkv
+    total = 0
+    for b in range(B):
+        for h in range(Hq):
+            off = offsets[b, h // G]  # [NC, L, NB]
+            c = qc[b, h][None, :, None].astype(np.int64)
+            lo = np.take_along_axis(off, c, axis=2)
+            hi = np.take_along_axis(off, c + 1, axis=2)
+            total += int((hi - lo).sum())
+    return 2 * 2 * total
+
+
+def run_one(shape_name, N, args, rng, copy_bw):
+    from magicpig_jax import host, lsh
+    from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, dense_attention, magicpig_attention
+
+    Hq, Hkv, D = SHAPES[shape_name]
+    cfg = MagicPIGConfig(K=args.K, L=args.L, num_sink=4, num_local=64)
+    q, k, v = _synthetic(rng, Hq, Hkv, N, D)
+    proj = jnp.asarray(rng.standard_normal((D, cfg.K * cfg.L)).astype(np.float32))
+    lengths = jnp.asarray([N], jnp.int32)
+    t = time.perf_counter()
+    hidx = jax.block_until_ready(host.host_build_index(k, proj, cfg, lengths))
+    build_s = time.perf_counter() - t
+
+    attn = jax.jit(lambda q, k, v, i, n: host.host_magicpig_attention(q, k, v, i, cfg, n))
+    t_host = _timeit(lambda: attn(q, k, v, hidx, lengths), args.reps)
+    q_codes = jax.jit(lambda q: lsh.simhash_codes(q, hidx.projections, cfg.K, cfg.L))(q)
+    op = jax.jit(lambda q, qc, k, v, i, n: host.host_sampled_attention(q, qc, k, v, i, n, window=320))
+    t_op = _timeit(lambda: op(q, q_codes, k, v, hidx, lengths), args.reps)
+    _, _, ns = attn(q, k, v, hidx, lengths)
+    dense = jax.jit(dense_attention)
+    t_dense = _timeit(lambda: dense(q, k, v, lengths), max(1, args.reps // 2))
+    ref = None
+    if N <= args.ref_max_n:
+        ri = jax.jit(build_lsh_index, static_argnames="config")(k, proj, config=cfg, lengths=lengths)
+        reff = jax.jit(lambda q, k, v, ri, n: magicpig_attention(q, k, v, ri, cfg, n))
+        ref = _timeit(lambda: reff(q, k, v, ri, lengths), max(1, args.reps // 2))
+        del ri
+    n_hashed = int(hidx.end[0] - hidx.start[0])
+    ns = np.asarray(ns)
+    row_bytes = 2 * D * k.dtype.itemsize
+    touched = int(ns.sum()) * row_bytes + _bucket_bytes(hidx, q_codes)
+    idx_bytes = host.index_nbytes(hidx)
+    res = {
+        "shape": shape_name,
+        "Hq": Hq,
+        "Hkv": Hkv,
+        "D": D,
+        "N": N,
+        "K": cfg.K,
+        "L": cfg.L,
+        "kv_dtype": "bfloat16",
+        "build_s": build_s,
+        "host_attention_ms": 1e3 * t_host,
+        "host_op_only_ms": 1e3 * t_op,
+        "dense_ms": 1e3 * t_dense,
+        "reference_ms": None if ref is None else 1e3 * ref,
+        "reference_skipped": None if ref is not None else f"N > --ref-max-n={args.ref_max_n} (memory)",
+        "speedup_vs_dense": t_dense / t_host,
+        "sampled_fraction": float(ns.mean() / max(n_hashed, 1)),
+        "mean_sampled_per_head": float(ns.mean()),
+        "bytes_touched": touched,
+        "touched_GBps": touched / t_op / 1e9,
+        "copy_GBps": copy_bw / 1e9,
+        "fraction_of_copy_bw": touched / t_op / copy_bw,
+        "index_bytes_per_token_per_kv_head": idx_bytes / (N * Hkv),
+        "kv_bytes_per_token_per_kv_head": row_bytes,
+        "index_to_kv_ratio": idx_bytes / (N * Hkv * row_bytes),
+        "threads": os.cpu_count(),
+    }
+    return res
+
+
+def _plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for shape in sorted({r["shape"] for r in results}):
+        rs = sorted((r for r in results if r["shape"] == shape), key=lambda r: r["N"])
+        ns = [r["N"] for r in rs]
+        ax.plot(ns, [r["host_attention_ms"] for r in rs], "o-", label=f"{shape} host MagicPIG")
+        ax.plot(ns, [r["dense_ms"] for r in rs], "s--", label=f"{shape} XLA dense")
+        refs = [(r["N"], r["reference_ms"]) for r in rs if r["reference_ms"] is not None]
+        if refs:
+            ax.plot(*zip(*refs, strict=True), "^:", label=f"{shape} JAX reference")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context N")
+    ax.set_ylabel("ms per layer decode step (B=1)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    p = argparse.ArgumentParser(prog="magicpig-jax bench attention", description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, nargs="+", default=[8192, 32768, 131072], help="context lengths")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--K", type=int, default=10)
+    p.add_argument("--L", type=int, default=150)
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions (median)")
+    p.add_argument("--ref-max-n", type=int, default=32768,
+                   help="skip the pure-JAX reference above this N (its codes and hit counts are O(N*L))")
+    p.add_argument("--out", default="runs/bench_attention", help="output prefix (.json and .png)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if any(n < 128 for n in args.n):
+        p.error("--n values must be >= 128")
+    rng = np.random.default_rng(args.seed)
+    copy_bw = _copy_bandwidth()
+    results = []
+    jobs = [(s, n) for s in args.shapes for n in sorted(args.n)]
+    for shape, n in tqdm(jobs, desc="bench attention"):
+        results.append(run_one(shape, n, args, rng, copy_bw))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"copy_GBps": copy_bw / 1e9, "results": results}, f, indent=2)
+    plotted = _plot(results, args.out + ".png")
+    hdr = (
+        f"{'shape':14s} {'N':>7s} {'host ms':>8s} {'op ms':>7s} {'dense ms':>9s} {'ref ms':>8s} "
+        f"{'x dense':>7s} {'sampled':>8s} {'GB/s':>6s} {'%copy':>6s} {'idx/kv':>6s}"
+    )
+    print(hdr)
+    for r in results:
+        ref = "skip" if r["reference_ms"] is None else f"{r['reference_ms']:.1f}"
+        print(f"{r['shape']:14s} {r['N']:7d} {r['host_attention_ms']:8.2f} {r['host_op_only_ms']:7.2f} "
+              f"{r['dense_ms']:9.1f} {ref:>8s} {r['speedup_vs_dense']:7.1f} {r['sampled_fraction']:8.4f} "
+              f"{r['touched_GBps']:6.2f} {100 * r['fraction_of_copy_bw']:6.1f} {r['index_to_kv_ratio']:6.3f}")
+    wrote = f"{args.out}.json" + (" and .png" if plotted else "")
+    print(f"copy bandwidth {copy_bw / 1e9:.2f} GB/s; wrote {wrote}")
+    return 0 if math.isfinite(copy_bw) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""Orbax checkpoints of a converted model: dequantized float32 weights, config, tokenizer.
+
+``magicpig-jax convert MODEL OUT`` writes one; ``load_model(OUT)`` reads it back
+(faster than parsing and dequantizing a GGUF).
+
+Layout of ``OUT/``: ``magicpig_model.json`` (the :class:`LlamaConfig`, tokenizer
+extras, format version), ``tokenizer.json`` (``tokenizers``), ``weights/`` (an
+``orbax-checkpoint`` PyTree checkpoint of the Hugging Face-named weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from magicpig_jax.models.config import LlamaConfig
+
+__all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "MARKER"]
+
+MARKER = "magicpig_model.json"
+FORMAT_VERSION = 1
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """True if ``path`` is a directory written by :func:`save_checkpoint`."""
+    return (Path(path) / MARKER).is_file()
+
+
+def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.ndarray], tokenizer,
+                    freq_factors: np.ndarray | None = None) -> Path:
+    """Write a converted model to the directory ``out`` (created; must not already hold a checkpoint).
+
+    Args:
+      out: destination directory.
+      config: the model's :class:`LlamaConfig`.
+      weights: Hugging Face-named float32 ``(out, in)`` arrays.
+      tokenizer: the :class:`magicpig_jax.io.tokenizer.Tokenizer`.
+      freq_factors: optional RoPE frequency factors ``[D/2]``.
+
+    Returns:
+      the directory.
+
+    Raises:
+      FileExistsError: ``out`` already holds a checkpoint.
+    """
+    import orbax.checkpoint as ocp
+
+    out = Path(out).absolute()
+    if is_checkpoint(out):
+        raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")
+    out.mkdir(parents=True, exist_ok=True)
+    tree = {k.replace(".", "/"): np.asarray(v, np.float32) for k, v in weights.items()}
+    if freq_factors is not None:
+        tree["rope_freqs"] = np.asarray(freq_factors, np.float32)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(out / "weights", tree)
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "config": dataclasses.asdict(config),
+        "chat_template": tokenizer.chat_template,
+        "eos_token_ids": list(tokenizer.eos_token_ids),
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+    (out / MARKER).write_text(json.dumps(meta, indent=1))
+    return out
+
+
+def read_checkpoint(path: str | Path):
+    """Read a checkpoint written by :func:`save_checkpoint`.
+
+    Returns:
+      ``(config, weights, tokenizer, freq_factors)``.
+
+    Raises:
+      FileNotFoundError: not a checkpoint directory.
+      ValueError: an unknown format version.
+    """
+    import orbax.checkpoint as ocp
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from magicpig_jax.io.tokenizer import Tokenizer
+
+    path = Path(path).absolute()
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a magicpig_jax checkpoint (no {MARKER})")
+    meta = json.loads((path / MARKER).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"unsupported checkpoint format_version {meta.get('format_version')!r} in {path}")
+    cfg = dict(meta["config"])
+    if cfg.get("rope_scaling") is not None:
+        cfg["rope_scaling"] = tuple(tuple(item) for item in cfg["rope_scaling"])
+    cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
+    config = LlamaConfig(**cfg)
+    with ocp.StandardCheckpointer() as ckpt:
+        tree = ckpt.restore(path / "weights")
+    freq_factors = tree.pop("rope_freqs", None)
+    weights = {k.replace("/", "."): np.asarray(v) for k, v in tree.items()}
+    tokenizer = Tokenizer(HFTokenizer.from_file(str(path / "tokenizer.json")),
+                          chat_template=meta.get("chat_template"), eos_token_ids=meta.get("eos_token_ids", ()),
+                          bos_token_id=meta.get("bos_token_id"))
+    return config, weights, tokenizer, None if freq_factors is None else np.asarray(freq_factors)
