@@ -4,6 +4,7 @@ Subcommands:
   generate          answer a question over a long document with MagicPIG and dense attention
   convert           write a model as an orbax checkpoint (loads faster than GGUF)
   bench attention   one-layer decode attention benchmark (host op vs XLA dense vs reference)
+  bench decode      end-to-end decode tokens/s, dense vs MagicPIG, per prompt length
   study attention   estimator error versus cost (TopK, Quest, oracle sampling, MagicPIG)
   eval              RULER-style task accuracy and long-text likelihood versus cost, per method
 """
@@ -173,7 +174,8 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
-    _add_delegate(sub, "bench", "benchmarks (JSON + PNG)", {"attention": "magicpig_jax.eval.bench_attention"})
+    _add_delegate(sub, "bench", "benchmarks (JSON + PNG)", {"attention": "magicpig_jax.eval.bench_attention",
+                                                          "decode": "magicpig_jax.eval.bench_decode"})
     _add_delegate(sub, "study", "estimator studies (JSON + PNG)", {"attention": "magicpig_jax.eval.study"})
     ev = sub.add_parser("eval", help="task accuracy and likelihood versus cost (JSONL + markdown + PNG)",
                         add_help=False, prefix_chars="\0")  # every argument goes to magicpig_jax.eval.run
