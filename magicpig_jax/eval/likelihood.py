@@ -1,0 +1,150 @@
+"""Long-text likelihood: teacher-forced decoding of real prose, each method against dense.
+
+A sample is ``length`` tokens of real prose (no chat template). The first
+``length - n`` tokens are prefilled densely once; the last ``n`` tokens (256 by default)
+are then *teacher-forced* through :func:`magicpig_jax.generation.decode` with each
+attention method (``forced_tokens=``), and ``logits_callback=`` collects the next-token
+distribution at every forced position. This measures the decode-time approximation alone:
+prefill is dense and shared, as in MagicPIG (arXiv 2410.16179, Section 4.3, "prefill is
+dense"; the paper's own quality metric on perplexity-like tasks is in Section 5.1).
+
+Metrics of a method ``m`` over the ``n`` forced positions (natural logs):
+
+* ``nll``: mean ``-log p_m(x_t | x_<t)`` of the true next token; ``ppl = exp(nll)``;
+* ``kl``: mean ``KL(p_dense || p_m) = sum_v p_dense(v) (log p_dense(v) - log p_m(v))``, the
+  divergence of the method's next-token distribution from dense (0 for dense itself);
+* ``top1``: fraction of positions where ``argmax p_m == argmax p_dense``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from magicpig_jax.eval.corpus import load_prose
+from magicpig_jax.eval.tasks import sample_seed
+
+__all__ = ["LikelihoodSample", "make_likelihood_sample", "log_softmax", "LogitsRecorder", "compare_to_dense"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LikelihoodSample:
+    """``length`` token ids of prose; the last ``forced`` are teacher-forced.
+
+    Attributes:
+      length, index, seed: identification (``seed`` from :func:`sample_seed`).
+      ids: the ``length`` token ids.
+      forced: number of teacher-forced tokens at the end.
+      paragraph: index of the first paragraph used.
+    """
+
+    length: int
+    index: int
+    seed: int
+    ids: tuple[int, ...]
+    forced: int
+    paragraph: int
+
+    @property
+    def prefix(self) -> list[int]:
+        """The densely prefilled ids."""
+        return list(self.ids[: self.length - self.forced])
+
+    @property
+    def targets(self) -> list[int]:
+        """The teacher-forced ids."""
+        return list(self.ids[self.length - self.forced:])
+
+
+def make_likelihood_sample(encode: Callable[[str], list[int]], length: int, index: int, *, seed: int = 0,
+                           haystack: str = "jargon", forced: int = 256) -> LikelihoodSample:
+    """Real prose of exactly ``length`` tokens, starting at a seeded paragraph.
+
+    Paragraphs (see :func:`magicpig_jax.eval.corpus.load_prose`) are joined with blank lines,
+    from a paragraph chosen by :func:`sample_seed` ``("likelihood", length, index, seed)``,
+    wrapping around the corpus, until the text has at least ``length`` tokens; the ids are
+    cut to ``length``.
+
+    Args:
+      encode: text -> token ids (no chat template).
+      length: tokens in the sample.
+      index, seed: sample identification.
+      haystack: prose source.
+      forced: teacher-forced tokens at the end (``1 <= forced < length``).
+
+    Raises:
+      ValueError: ``forced`` out of range, or the corpus is shorter than ``length`` tokens.
+    """
+    if not 1 <= forced < length:
+        raise ValueError(f"need 1 <= forced < length, got forced={forced}, length={length}")
+    paras = load_prose(haystack)
+    s = sample_seed("likelihood", length, index, seed)
+    start = random.Random(s).randrange(len(paras))
+    text, ids = "", []
+    for i in range(len(paras)):
+        text += ("\n\n" if text else "") + paras[(start + i) % len(paras)]
+        if len(text) >= 2 * length or i == len(paras) - 1:  # cheap check first, then tokenize
+            ids = encode(text)
+            if len(ids) >= length:
+                break
+    if len(ids) < length:
+        raise ValueError(f"haystack {haystack!r} has fewer than {length} tokens")
+    return LikelihoodSample(length=length, index=index, seed=s, ids=tuple(ids[:length]), forced=forced,
+                            paragraph=start)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Natural-log softmax over the last axis, in float64."""
+    x = np.asarray(logits, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+class LogitsRecorder:
+    """A ``logits_callback`` for :func:`decode` that keeps float32 log-probabilities of row 0.
+
+    After decoding ``n`` forced tokens, :attr:`logp` is ``[n, V]`` (position t predicts
+    forced token t).
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.rows: list[np.ndarray | None] = [None] * n
+
+    def __call__(self, step: int, logits: np.ndarray) -> None:
+        if 0 <= step < self.n:
+            self.rows[step] = log_softmax(np.asarray(logits)[0]).astype(np.float32)
+
+    @property
+    def logp(self) -> np.ndarray:
+        missing = [i for i, r in enumerate(self.rows) if r is None]
+        if missing:
+            raise RuntimeError(f"no logits recorded at steps {missing[:5]}...")
+        return np.stack(self.rows)  # type: ignore[arg-type]
+
+
+def compare_to_dense(logp: np.ndarray, logp_dense: np.ndarray, targets: Sequence[int]) -> dict:
+    """NLL, perplexity, mean KL(dense || method) and top-1 agreement (see the module docstring).
+
+    Args:
+      logp: ``[n, V]`` log-probabilities of the method.
+      logp_dense: ``[n, V]`` log-probabilities of dense attention.
+      targets: the ``n`` true next tokens.
+
+    Returns:
+      ``{"nll", "ppl", "kl", "kl_max", "top1"}`` (floats).
+    """
+    lp = np.asarray(logp, np.float64)
+    ld = np.asarray(logp_dense, np.float64)
+    t = np.asarray(targets, np.int64)
+    if lp.shape != ld.shape or lp.shape[0] != t.shape[0]:
+        raise ValueError(f"shape mismatch: {lp.shape}, {ld.shape}, {t.shape}")
+    nll = float(-lp[np.arange(t.shape[0]), t].mean())
+    kl_t = (np.exp(ld) * (ld - lp)).sum(axis=-1)
+    kl_t = np.maximum(kl_t, 0.0)  # rounding can give -1e-12
+    top1 = float((lp.argmax(-1) == ld.argmax(-1)).mean())
+    return {"nll": nll, "ppl": float(np.exp(nll)), "kl": float(kl_t.mean()), "kl_max": float(kl_t.max()),
+            "top1": top1}
