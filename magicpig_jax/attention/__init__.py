@@ -1,10 +1,16 @@
-"""Attention estimators for one decode step: dense, MagicPIG, and the exact LSE merge.
+"""Attention estimators for one decode step: dense, MagicPIG, baselines, and the exact LSE merge.
 
 Shape glossary: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, N cached
 keys, D head dim. Query head h reads KV head ``h // G``. All functions are pure
 and jit-able (configs are static Python objects).
 """
 
+from magicpig_jax.attention.baselines import (
+    budget_tokens,
+    oracle_sampling_attention,
+    quest_attention,
+    topk_attention,
+)
 from magicpig_jax.attention.config import MagicPIGConfig
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.magicpig import LSHIndex, build_lsh_index, magicpig_attention
@@ -17,4 +23,8 @@ __all__ = [
     "LSHIndex",
     "build_lsh_index",
     "magicpig_attention",
+    "topk_attention",
+    "quest_attention",
+    "oracle_sampling_attention",
+    "budget_tokens",
 ]

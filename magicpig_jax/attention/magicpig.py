@@ -42,7 +42,8 @@ class LSHIndex:
       codes: uint32 ``[B, Hkv, N, L]``, SimHash codes of the centered keys; only
         positions in ``[start, end)`` are meaningful.
       mean: float32 ``[B, Hkv, D]``, the mean of the keys in ``[start, end)``
-        (zero when that range is empty), subtracted before hashing.
+        (zero when that range is empty, or for an index built with ``center=False``),
+        subtracted before hashing.
       start: int32 ``[B]``, first hashed position (= min(num_sink, length)).
       end: int32 ``[B]``, one past the last hashed position
         (= max(length - num_local, start)).
@@ -70,6 +71,8 @@ def build_lsh_index(
     projections: Float[Array, "D KL"],
     config: MagicPIGConfig,
     lengths: Int[Array, " B"] | None = None,
+    *,
+    center: bool = True,
 ) -> LSHIndex:
     """Center and hash the keys at positions ``[num_sink, lengths - num_local)``.
 
@@ -82,6 +85,8 @@ def build_lsh_index(
       projections: float32 ``[D, K*L]`` from :func:`magicpig_jax.lsh.simhash_projections`.
       config: the :class:`MagicPIGConfig` (K, L, num_sink, num_local).
       lengths: int ``[B]``, valid keys per row (default N).
+      center: static; ``False`` builds the uncentered ablation (``mean = 0``: raw
+        keys are hashed and their raw angles give ``u``), for studies only.
 
     Returns:
       An :class:`LSHIndex`.
@@ -93,6 +98,8 @@ def build_lsh_index(
         raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(k.shape)}")
     if not isinstance(config, MagicPIGConfig):
         raise TypeError(f"config must be a MagicPIGConfig, got {type(config).__name__}")
+    if not isinstance(center, bool):
+        raise TypeError(f"center must be a bool, got {type(center).__name__} {center!r}")
     B, _, N, D = k.shape
     if projections.shape != (D, config.K * config.L):
         raise ValueError(
@@ -106,6 +113,8 @@ def build_lsh_index(
     kf = k.astype(jnp.float32)
     count = jnp.maximum(end - start, 1).astype(jnp.float32)
     mean = jnp.sum(jnp.where(in_range[:, None, :, None], kf, 0.0), axis=2) / count[:, None, None]
+    if not center:
+        mean = jnp.zeros_like(mean)
     codes = lsh.simhash_codes(kf - mean[:, :, None, :], projections, config.K, config.L)
     return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections)
 

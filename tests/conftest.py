@@ -1,0 +1,44 @@
+"""Test-suite configuration shared by every test module.
+
+* Runtime shape/dtype checking: the jaxtyping import hook (with beartype)
+  wraps every annotated function of ``magicpig_jax.attention`` and
+  ``magicpig_jax.lsh``, so a call whose arrays disagree with the ``Float[Array,
+  "B Hq D"]``-style annotations raises ``jaxtyping.TypeCheckError`` (a
+  ``TypeError``) in tests. It must be installed before anything imports those
+  modules, hence at the top of this conftest; ``test_attention.py`` asserts it
+  is active.
+* Strict JAX numerics for the attention/LSH tests only: the ``strict_jax``
+  fixture turns on ``jax_numpy_dtype_promotion="strict"`` and
+  ``jax_numpy_rank_promotion="raise"`` (as equinox's test suite does). It is
+  opt-in per module (``pytestmark = pytest.mark.usefixtures("strict_jax")``) so
+  that model/tokenizer/CLI tests run under JAX defaults.
+* Hypothesis: a deterministic, database-less profile (``derandomize=True``,
+  no deadline) so CI runs the same examples every time.
+"""
+
+from __future__ import annotations
+
+import jaxtyping
+
+jaxtyping.install_import_hook(["magicpig_jax.attention", "magicpig_jax.lsh"], "beartype.beartype")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "magicpig",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("magicpig")
+
+
+@pytest.fixture(scope="module")
+def strict_jax():
+    """Strict dtype promotion and no implicit rank promotion for the whole module."""
+    with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
+        yield

@@ -1,0 +1,43 @@
+"""Run every proof check in proofs/ (each must pass, and must fail on its deliberately wrong variant)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROOFS = Path(__file__).resolve().parent.parent / "proofs"
+SCRIPTS = sorted(p for p in PROOFS.glob("*.py") if not p.name.startswith("_"))
+TIMEOUT_S = 120  # each script is designed for < 20 s on a 2-core machine
+
+
+def _run(script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(script), *args], cwd=PROOFS, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+
+
+def test_every_proof_has_a_check_and_vice_versa():
+    docs = {p.stem for p in PROOFS.glob("*.md") if p.name != "README.md"}
+    checks = {p.stem for p in SCRIPTS}
+    assert docs == checks
+    assert len(docs) >= 7
+    readme = (PROOFS / "README.md").read_text()
+    for stem in docs:
+        assert f"({stem}.md)" in readme and f"({stem}.py)" in readme, stem
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_proof_check_passes(script):
+    result = _run(script)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "all checks passed" in result.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_proof_check_fails_on_a_wrong_statement(script):
+    result = _run(script, "--perturb")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "FAIL:" in result.stdout
