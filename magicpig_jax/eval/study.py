@@ -398,6 +398,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("runs/study"), help="output directory")
     p.add_argument("--capture", type=Path, default=None,
                    help=".npz with q [layers, Hq, D], k and v [layers, Hkv, N, D]")
+    p.add_argument("--capture-from-model", action="store_true",
+                   help="capture q/k/v from the embedded SmolLM2 on --capture-text first (written to OUT/capture.npz)")
+    p.add_argument("--capture-text", type=Path, default=Path("/usr/share/common-licenses/GPL-3"),
+                   help="real prose prefilled for --capture-from-model (default: GPL-3, 7.6K tokens)")
     p.add_argument("--no-synthetic", action="store_true", help="skip the synthetic cases")
     p.add_argument("--profiles", default=",".join(PROFILES), help=f"synthetic profiles, subset of {PROFILES}")
     p.add_argument("--n", type=int, default=4096, help="synthetic keys per head")
@@ -462,6 +466,18 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(args.seed)
         for profile in profiles:
             cases.append(("synthetic", profile, *synthetic_case(rng, profile, args.n, args.head_dim, args.heads)))
+    if args.capture_from_model:
+        if args.capture is not None:
+            raise ValueError("--capture-from-model and --capture are exclusive")
+        from magicpig_jax.eval.capture import capture_qkv
+        from magicpig_jax.io.loader import load_model
+
+        if not args.capture_text.is_file():
+            raise FileNotFoundError(f"--capture-text {args.capture_text} does not exist")
+        data = capture_qkv(load_model(), args.capture_text.read_text(encoding="utf-8"))
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.capture = args.out / "capture.npz"
+        np.savez(args.capture, **data)
     if args.capture is not None:
         cases += [("capture", name, q, k, v) for name, q, k, v in _load_capture(args.capture, args.layers)]
     if not cases:
