@@ -95,30 +95,37 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
         message says how to install the embedded model.
       ValueError: unsupported architecture or malformed file.
     """
+    start = time.perf_counter()
+    source, (config, weights, tokenizer, freq_factors) = _read_source(path)
+    module = build_llama(config, weights, freq_factors)
+    return LoadedModel(module, config, tokenizer, source, time.perf_counter() - start)
+
+
+def _read_source(path: str | Path | None):
+    """``(source, (config, weights, tokenizer, freq_factors))`` of any supported model path."""
     from magicpig_jax.io.checkpoint import is_checkpoint, read_checkpoint
     from magicpig_jax.io.gguf_model import read_gguf
     from magicpig_jax.io.hf_model import read_hf_dir
 
-    start = time.perf_counter()
     source = embedded_model_path() if path is None else Path(path)
     if not source.exists():
         raise FileNotFoundError(
             f"--model path {source} does not exist (expected a .gguf file or a Hugging Face directory)")
     if source.is_dir() and is_checkpoint(source):
-        config, weights, tokenizer, freq_factors = read_checkpoint(source)
-    elif source.is_dir():
+        return source, read_checkpoint(source)
+    if source.is_dir():
         config, weights = read_hf_dir(source)
-        tokenizer = Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids)
-        freq_factors = None
-    else:
-        config, weights, meta, freq_factors = read_gguf(source)
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-    module = build_llama(config, weights, freq_factors)
-    return LoadedModel(module, config, tokenizer, source, time.perf_counter() - start)
+        return source, (config, weights, Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids), None)
+    config, weights, meta, freq_factors = read_gguf(source)
+    return source, (config, weights, Tokenizer.from_gguf_metadata(meta), freq_factors)
 
 
 def convert_model(path: str | Path | None, out: str | Path) -> Path:
-    """Convert a GGUF file / Hugging Face directory (None = embedded model) to an orbax checkpoint.
+    """Convert a model (None = the embedded one) to an orbax checkpoint.
+
+    Args:
+      path: as :func:`load_model` (a GGUF file, a Hugging Face directory, a checkpoint).
+      out: the checkpoint directory to create.
 
     Returns:
       the checkpoint directory (see :mod:`magicpig_jax.io.checkpoint`).
@@ -127,17 +134,6 @@ def convert_model(path: str | Path | None, out: str | Path) -> Path:
       FileNotFoundError, ValueError: as :func:`load_model`; FileExistsError if ``out`` holds a checkpoint.
     """
     from magicpig_jax.io.checkpoint import save_checkpoint
-    from magicpig_jax.io.gguf_model import read_gguf
-    from magicpig_jax.io.hf_model import read_hf_dir
 
-    source = embedded_model_path() if path is None else Path(path)
-    if not source.exists():
-        raise FileNotFoundError(f"model path {source} does not exist")
-    if source.is_dir():
-        config, weights = read_hf_dir(source)
-        tokenizer = Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids)
-        freq_factors = None
-    else:
-        config, weights, meta, freq_factors = read_gguf(source)
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    _, (config, weights, tokenizer, freq_factors) = _read_source(path)
     return save_checkpoint(out, config, weights, tokenizer, freq_factors)
