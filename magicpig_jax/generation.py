@@ -139,7 +139,7 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
            top_p: float = 1.0, stop_on_eos: bool = True, progress=None,
            budget: int | float | None = None, page_size: int = 16,
            forced_tokens: Sequence[Sequence[int]] | None = None,
-           logits_callback=None) -> tuple[list[list[int]], dict]:
+           logits_callback=None, mesh=None) -> tuple[list[list[int]], dict]:
     """Decode from a prefill with one attention backend (the prefill cache is not consumed).
 
     Args:
@@ -161,6 +161,9 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
         of the sampled ones (the outputs are then these ids).
       logits_callback: optional ``callback(step, logits)`` receiving the float32
         ``[B, V]`` NumPy logits that predict token ``step`` (step 0 = the prefill's).
+      mesh: optional ``("batch", "kv_heads")`` mesh from
+        :func:`magicpig_jax.distributed.make_mesh`: the cache and the host indices are
+        sharded over it and each device runs the host op on its own shard.
 
     Returns:
       ``(token_ids per row, stats dict)`` (see :class:`Generation` for the keys).
@@ -177,11 +180,16 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
     dl = tuple(sorted(set(default_dense_layers(n_layers) if dense_layers is None else dense_layers)))
     if any(not 0 <= i < n_layers for i in dl):
         raise ValueError(f"dense_layers must be in [0, {n_layers}), got {dl}")
-    spec = DecodeSpec(backend=attention, magicpig=cfg, dense_layers=dl, budget=budget, page_size=page_size)
+    spec = DecodeSpec(backend=attention, magicpig=cfg, dense_layers=dl, budget=budget, page_size=page_size,
+                      mesh=mesh)
     if forced_tokens is not None and (len(forced_tokens) != len(state.prompt_lengths)
                                       or any(len(f) < max_new_tokens for f in forced_tokens)):
         raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
     cache = state.cache.copy()
+    if mesh is not None:
+        from magicpig_jax import distributed as dist
+
+        cache = jax.tree.map(lambda x: dist.shard_kv(mesh, x) if x.ndim == 4 else dist.shard_rows(mesh, x), cache)
     if int(state.prompt_lengths.max()) + max_new_tokens > cache.capacity:
         raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the cache capacity {cache.capacity}")
     graphdef, params = nnx.split(model.module)

@@ -69,6 +69,7 @@ class DecodeSpec:
     page_size: int = 16
     generation_buffer: int = 256
     host: bool | None = None
+    mesh: object = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -149,6 +150,11 @@ def sparse_attention(spec: DecodeSpec, q, k, v, state, lengths, key):
     if spec.uses_host:
         from magicpig_jax.host import host_magicpig_attention
 
+        if spec.mesh is not None:
+            from magicpig_jax.distributed import sharded_magicpig_attention
+
+            return sharded_magicpig_attention(spec.mesh, q, k, v, state, spec.magicpig, lengths,
+                                              static_window=spec.static_window)
         return host_magicpig_attention(q, k, v, state, spec.magicpig, lengths, static_window=spec.static_window)
     if spec.backend in ("magicpig", "magicpig-ref"):
         return magicpig_attention(q, k, v, state, spec.magicpig, lengths)
@@ -194,6 +200,10 @@ def host_append_due(spec: DecodeSpec, index, k_cache, lengths):
     def append(index):
         pos = jnp.clip(end[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :], 0, N - 1)
         k_new = jnp.take_along_axis(k_cache, pos[:, None, :, None], axis=2)
+        if spec.mesh is not None:
+            from magicpig_jax.distributed import sharded_append
+
+            return sharded_append(spec.mesh, index, k_new, jnp.where(due, T, 0).astype(jnp.int32))
         return host_append(index, k_new, jnp.where(due, T, 0).astype(jnp.int32))
 
     # Hashing T keys costs T*D*K*L flops: only on the steps where some row is due.

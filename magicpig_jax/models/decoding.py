@@ -135,7 +135,13 @@ def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple[LS
             from magicpig_jax.host import host_build_index
 
             proj = layer_projections(spec.magicpig, i, cache.k[i].shape[-1])
-            out.append(host_build_index(cache.k[i], proj, spec.magicpig, cache.lengths, capacity=cache.capacity))
+            if spec.mesh is not None:
+                from magicpig_jax.distributed import sharded_build_index
+
+                out.append(sharded_build_index(spec.mesh, cache.k[i], proj, spec.magicpig, cache.lengths,
+                                               capacity=cache.capacity))
+            else:
+                out.append(host_build_index(cache.k[i], proj, spec.magicpig, cache.lengths, capacity=cache.capacity))
         elif i in sparse:
             proj = layer_projections(spec.magicpig, i, cache.k[i].shape[-1])
             out.append(build_lsh_index(cache.k[i], proj, spec.magicpig, cache.lengths))

@@ -1,0 +1,216 @@
+"""magicpig_jax.offload: the accelerator offload path, with two CPU devices standing in for the two sides.
+
+'Accelerator' = cpu:0, host = cpu:1 (two virtual CPU devices, so the checks run in a
+subprocess that sets ``XLA_FLAGS`` before JAX starts). The offloaded step must equal
+``host_magicpig_attention`` and the pure-JAX ``magicpig_attention``, with the KV cache
+and the index staying on the host device and only small arrays on the accelerator.
+``examples/accelerator_check.py`` is run too (CPU-only: accelerator = host = the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHECKS = textwrap.dedent(r'''
+    import json, os, traceback
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    import jax, jax.numpy as jnp, numpy as np
+    from magicpig_jax import host, offload
+    from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, magicpig_attention
+
+    accel, host_dev = jax.devices()
+    R = {"devices": [str(accel), str(host_dev)]}
+    B, Hq, Hkv, N, D = 3, 8, 2, 400, 16
+    cfg = MagicPIGConfig(K=6, L=20, num_sink=3, num_local=8)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, Hq, D), np.float32)
+    k = rng.standard_normal((B, Hkv, N, D), np.float32) + np.float32(0.5)
+    v = rng.standard_normal((B, Hkv, N, D), np.float32)
+    proj = rng.standard_normal((D, cfg.K * cfg.L), np.float32)
+    lengths = np.array([400, 250, 17], np.int32)
+
+    build = jax.jit(host.host_build_index, static_argnames=("config", "capacity"))
+    attend = jax.jit(host.host_magicpig_attention, static_argnames=("config", "static_window"))
+    ref_build = jax.jit(build_lsh_index, static_argnames=("config",))
+    ref_attend = jax.jit(magicpig_attention, static_argnames=("config",))
+
+    def check(name, fn):
+        try:
+            R[name] = fn()
+        except Exception:
+            R[name] = {"error": traceback.format_exc()}
+
+    def compare(got, want):
+        out, lse, ns = (np.asarray(x) for x in got)
+        want = [np.asarray(x) for x in want]
+        fin = np.isfinite(want[1])
+        return {
+            "ns_equal": bool(np.array_equal(ns, want[2])),
+            "out_diff": float(np.max(np.abs(out - want[0]))),
+            "lse_diff": float(np.max(np.abs(lse[fin] - want[1][fin]))),
+            "lse_inf_equal": bool(np.array_equal(np.isneginf(lse), np.isneginf(want[1]))),
+            "any_sampled": bool(ns.sum() > 0),
+        }
+
+    def devices_of(tree):
+        return sorted({str(d) for leaf in jax.tree.leaves(tree) for d in leaf.devices()})
+
+    def case(window, dtype):
+        kk, vv = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+        k_h, v_h = jax.device_put((kk, vv), host_dev)
+        index = build(k_h, jax.device_put(proj, host_dev), cfg, jax.device_put(lengths, host_dev), capacity=N)
+        a_state, h_state = offload.prepare_offload(k_h, v_h, index, cfg, lengths, accel_device=accel,
+                                                   host_device=host_dev, static_window=window)
+        got = offload.offload_magicpig_attention(jax.device_put(q, accel), a_state, h_state, cfg)
+        res = {"vs_host": compare(got, attend(jnp.asarray(q), kk, vv, index, cfg, jnp.asarray(lengths),
+                                              static_window=h_state.window))}
+        ri = ref_build(kk, jnp.asarray(proj), cfg, jnp.asarray(lengths))
+        res["vs_pure_jax"] = compare(got, ref_attend(jnp.asarray(q), kk, vv, ri, cfg, jnp.asarray(lengths)))
+        res["out_device"] = devices_of(got[:2])
+        res["num_sampled_device"] = devices_of(got[2])
+        res["accel_state_devices"] = devices_of(a_state)
+        res["host_state_devices"] = devices_of(h_state)
+        res["accel_bytes"] = int(sum(x.nbytes for x in jax.tree.leaves(a_state)))
+        res["kv_bytes"] = int(k_h.nbytes + v_h.nbytes)
+        res["window"] = h_state.window
+        W = min(h_state.window, N)
+        res["static_bytes"] = int(2 * B * Hkv * (cfg.num_sink + W) * D * kk.dtype.itemsize + proj.nbytes + 2 * B * 4)
+        return res
+
+    for window, dtype in ((0, "float32"), (20, "float32"), (None, "float32"), (20, "bfloat16")):
+        check(f"case_{window}_{dtype}", lambda w=window, d=dtype: case(w, jnp.dtype(d)))
+
+    def parts_run_where_placed():
+        # The host part is compiled for, and runs on, the host device only; the accelerator part never
+        # receives the cache.
+        k_h, v_h = jax.device_put((k, v), host_dev)
+        index = build(k_h, jax.device_put(proj, host_dev), cfg, jax.device_put(lengths, host_dev), capacity=N)
+        a_state, h_state = offload.prepare_offload(k_h, v_h, index, cfg, lengths, accel_device=accel,
+                                                   host_device=host_dev, static_window=20)
+        q_a = jax.device_put(q, accel)
+        codes, o_s, l_s = offload.accelerator_part(q_a, a_state, K=cfg.K, L=cfg.L)
+        acc_args = [tuple(x.shape) for x in jax.tree.leaves((q_a, a_state))]
+        q_h, c_h = jax.device_put((q_a, codes), host_dev)
+        o_h, l_h, ns = offload.host_part(q_h, c_h, h_state)
+        ref_codes = np.asarray(jax.jit(host.lsh.simhash_codes, static_argnums=(2, 3))(jnp.asarray(q), jnp.asarray(proj),
+                                                                                    cfg.K, cfg.L))
+        return {
+            "codes_device": devices_of(codes), "static_device": devices_of((o_s, l_s)),
+            "host_out_device": devices_of((o_h, l_h, ns)),
+            "accel_arg_shapes": acc_args,
+            "codes_equal": bool(np.array_equal(np.asarray(codes), ref_codes)),
+        }
+
+    check("parts", parts_run_where_placed)
+
+    def errors():
+        out = {}
+        k_h = jax.device_put(k, host_dev)
+        index = build(k_h, jax.device_put(proj, host_dev), cfg, jax.device_put(lengths, host_dev), capacity=N)
+        cases = {
+            "window": lambda: offload.prepare_offload(k_h, k_h, index, cfg, lengths, accel_device=accel,
+                                                      host_device=host_dev, static_window=-1),
+            "lengths": lambda: offload.prepare_offload(k_h, k_h, index, cfg, np.array([401, 1, 1], np.int32),
+                                                       accel_device=accel, host_device=host_dev),
+            "config": lambda: offload.prepare_offload(k_h, k_h, index, MagicPIGConfig(K=7, L=20), lengths,
+                                                      accel_device=accel, host_device=host_dev),
+        }
+        for name, fn in cases.items():
+            try:
+                fn()
+                out[name] = "no error"
+            except ValueError as e:
+                out[name] = "ValueError: " + str(e)
+        return out
+
+    check("errors", errors)
+    print("RESULT " + json.dumps(R))
+''')
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+@pytest.fixture(scope="module")
+def results():
+    proc = subprocess.run([sys.executable, "-c", _CHECKS], capture_output=True, text=True, env=_env(), timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _ok(res: dict, name: str) -> dict:
+    r = res[name]
+    assert "error" not in r, r.get("error")
+    return r
+
+
+def _assert_equal(r: dict, tol: float) -> None:
+    assert r["ns_equal"] and r["lse_inf_equal"] and r["any_sampled"], r
+    assert r["out_diff"] <= tol and r["lse_diff"] <= tol, r
+
+
+CASES = ["case_0_float32", "case_20_float32", "case_None_float32", "case_20_bfloat16"]
+
+
+def test_two_devices(results):
+    assert len(set(results["devices"])) == 2
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_offload_equals_host_op_and_reference(results, name):
+    r = _ok(results, name)
+    _assert_equal(r["vs_host"], 1e-6)
+    _assert_equal(r["vs_pure_jax"], 2e-5)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_cache_and_index_stay_on_the_host(results, name):
+    r = _ok(results, name)
+    accel, host_dev = results["devices"]
+    assert r["host_state_devices"] == [host_dev]
+    assert r["accel_state_devices"] == [accel]
+    assert r["out_device"] == [accel]
+    assert r["num_sampled_device"] == [host_dev]
+    assert r["accel_bytes"] == r["static_bytes"]  # hyperplanes + sinks + tail window only
+    if r["window"] <= 20:
+        assert r["accel_bytes"] < r["kv_bytes"] / 4
+
+
+def test_parts_run_where_placed(results):
+    r = _ok(results, "parts")
+    accel, host_dev = results["devices"]
+    assert r["codes_device"] == [accel] and r["static_device"] == [accel]
+    assert r["host_out_device"] == [host_dev]
+    assert r["codes_equal"]
+    assert all(400 not in shape for shape in r["accel_arg_shapes"])  # no N-sized array on the accelerator
+
+
+def test_errors(results):
+    e = _ok(results, "errors")
+    assert "static_window" in e["window"]
+    assert "lengths must be in [0, 400]" in e["lengths"]
+    assert "K=7" in e["config"]
+
+
+def test_accelerator_check_script_runs_on_cpu():
+    cmd = [sys.executable, str(ROOT / "examples" / "accelerator_check.py"), "--batch", "2", "--q-heads", "4",
+           "--kv-heads", "2", "--head-dim", "32", "--context", "2048", "--layers", "1", "--steps", "2",
+           "--K", "8", "--L", "40", "--num-local", "16"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "offloaded result matches host-only: OK" in proc.stdout
+    assert "(cpu); host:" in proc.stdout
