@@ -2,8 +2,8 @@
 
 The C++ handlers (``host_ops/magicpig_host.cc``, built by ``pip install`` through
 scikit-build-core + CMake into ``magicpig_jax._host_ops``) are registered with
-``jax.ffi.register_ffi_target(..., platform="cpu")`` the first time an op of this
-module is used. Everything they read and write is an XLA buffer: the index is the
+``jax.ffi.register_ffi_target(..., platform="cpu")`` when this module is imported.
+Everything they read and write is an XLA buffer: the index is the
 pytree :class:`HostIndex` returned by :func:`host_build_index` and passed back in,
 so it lives in host memory as JAX arrays, works inside ``jax.jit``, and the
 handlers keep no state between calls (they are safe to run from several threads).
@@ -657,3 +657,8 @@ def host_magicpig_attention(
     if return_mask:
         return out, lse, res[2], res[3]
     return out, lse, res[2]
+
+
+# Register the FFI targets as soon as this module is imported (the decoder imports it
+# whenever the "magicpig" backend runs on the CPU); the ops call _ops() again, a no-op.
+_ops()
