@@ -59,6 +59,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="storage of the KV cache (the host op reads either)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.set_defaults(func=_cmd_generate)
 
@@ -73,7 +75,7 @@ def _cmd_generate(args) -> int:
     from tqdm import tqdm
 
     from magicpig_jax.attention import MagicPIGConfig
-    from magicpig_jax.generation import decode, encode_prompt, prefill
+    from magicpig_jax.generation import decode, encode_prompt, kv_cache_dtype, prefill
     from magicpig_jax.io.loader import load_model
 
     config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
@@ -93,7 +95,7 @@ def _cmd_generate(args) -> int:
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
     ids = encode_prompt(model, prompt, chat=not args.no_chat)
     print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
-    state = prefill(model, [ids], args.max_new_tokens)
+    state = prefill(model, [ids], args.max_new_tokens, cache_dtype=kv_cache_dtype(args.kv_dtype))
     print(f"prefill: {state.seconds:.1f} s ({len(ids) / state.seconds:.0f} tokens/s)")
     results = {}
     for name in args.attention:

@@ -74,6 +74,17 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def kv_cache_dtype(name: str):
+    """The JAX dtype of a KV-cache storage name (``"float32"`` or ``"bfloat16"``).
+
+    Raises:
+      ValueError: any other name.
+    """
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"kv_dtype must be 'float32' or 'bfloat16', got {name!r}")
+    return jnp.float32 if name == "float32" else jnp.bfloat16
+
+
 def encode_prompt(model: LoadedModel, prompt: str, chat: bool = True) -> list[int]:
     """Token ids of the user's ``prompt``, wrapped in the model's chat template unless ``chat=False``."""
     if chat:
@@ -271,7 +282,7 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
 def generate(model: LoadedModel, prompt: str, *, attention: str = "magicpig", max_new_tokens: int = 128,
              config: MagicPIGConfig | None = None, seed: int = 0, chat: bool = True,
              temperature: float = 0.0, top_p: float = 1.0,
-             dense_layers: Sequence[int] | None = None) -> Generation:
+             dense_layers: Sequence[int] | None = None, kv_dtype: str = "float32") -> Generation:
     """Generate a reply to ``prompt`` with the chosen attention.
 
     Args:
@@ -283,6 +294,7 @@ def generate(model: LoadedModel, prompt: str, *, attention: str = "magicpig", ma
       seed, temperature, top_p: sampling (temperature 0 = greedy).
       chat: apply the chat template.
       dense_layers: layers kept dense (default {0, num_layers // 2}).
+      kv_dtype: storage of the KV cache, ``"float32"`` or ``"bfloat16"``.
 
     Returns:
       a :class:`Generation` with ``.text``, ``.token_ids``, ``.stats``.
@@ -291,7 +303,7 @@ def generate(model: LoadedModel, prompt: str, *, attention: str = "magicpig", ma
       ValueError: prompt longer than the model's context, unknown attention, bad parameters.
     """
     ids = encode_prompt(model, prompt, chat)
-    state = prefill(model, [ids], max_new_tokens)
+    state = prefill(model, [ids], max_new_tokens, cache_dtype=kv_cache_dtype(kv_dtype))
     outs, stats = decode(model, state, attention=attention, max_new_tokens=max_new_tokens, config=config,
                          dense_layers=dense_layers, seed=seed, temperature=temperature, top_p=top_p)
     return Generation(model.tokenizer.decode(outs[0]), outs[0], stats)

@@ -198,3 +198,19 @@ def test_host_appends_generated_tokens_past_the_buffer(model):
     t_r, l_r = _ref_with_appends(model, prompt, steps, cfg, buffer)
     np.testing.assert_array_equal(t_h, t_r)
     np.testing.assert_allclose(l_h, l_r, atol=2e-4, rtol=0)
+
+
+def test_bfloat16_kv_cache_host_decode_is_close_to_float32(model):
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, 97, 500).tolist()
+    cfg = MagicPIGConfig(K=3, L=12, num_sink=4, num_local=16)
+    logits = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        state = prefill(model, [prompt], 4, cache_dtype=dtype)
+        assert state.cache.k[0].dtype == dtype
+        got = []
+        decode(model, state, attention="magicpig", max_new_tokens=4, config=cfg, dense_layers=(),
+               stop_on_eos=False, logits_callback=lambda t, lg: got.append(lg))
+        logits[dtype] = np.stack(got)
+    assert np.isfinite(logits[jnp.bfloat16]).all()
+    assert np.abs(logits[jnp.bfloat16] - logits[jnp.float32]).max() < 0.1
