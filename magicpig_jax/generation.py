@@ -25,6 +25,7 @@ from magicpig_jax.models.decoding import (
     decode_step,
     hidden_to_logits,
     prefill_chunk,
+    sample_token,
 )
 
 __all__ = ["PrefillState", "Generation", "prefill", "decode", "generate", "encode_prompt", "forward_logits", "CHUNK"]
@@ -211,7 +212,6 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
     index_seconds = time.perf_counter() - t0
     first = jnp.argmax(state.last_logits, axis=-1).astype(jnp.int32)
     if temperature > 0:
-        from magicpig_jax.models.decoding import sample_token
         first = sample_token(state.last_logits, jax.random.fold_in(jax.random.key(seed), 0),
                              jnp.float32(temperature), jnp.float32(top_p))
     temp, tp = jnp.float32(temperature), jnp.float32(top_p)

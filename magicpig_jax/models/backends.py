@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from magicpig_jax.attention import (
     MagicPIGConfig,
+    budget_tokens,
     dense_attention,
     magicpig_attention,
     merge_attention,
@@ -163,10 +164,10 @@ def sparse_attention(spec: DecodeSpec, q, k, v, state, lengths, key):
     mk, mv = _shift_rows(k, state.start), _shift_rows(v, state.start)
     if spec.backend == "topk":
         out, lse = topk_attention(q, mk, mv, spec.budget, mid_len)
-        used = jnp.minimum(_budget(spec.budget, mid_len), mid_len)
+        used = jnp.minimum(budget_tokens(spec.budget, mid_len), mid_len)
     elif spec.backend == "quest":
         out, lse = quest_attention(q, mk, mv, spec.page_size, spec.budget, mid_len)
-        used = jnp.minimum(_budget(spec.budget, mid_len), mid_len)
+        used = jnp.minimum(budget_tokens(spec.budget, mid_len), mid_len)
     elif spec.backend == "oracle":
         out, lse, distinct = oracle_sampling_attention(key, q, mk, mv, spec.budget, mid_len)
         used = distinct
@@ -176,12 +177,6 @@ def sparse_attention(spec: DecodeSpec, q, k, v, state, lengths, key):
     s_out, s_lse = _static_part(q, k, v, state, lengths)
     out, lse = merge_attention(out, lse, s_out, s_lse)
     return out, lse, used
-
-
-def _budget(budget, mid_len):
-    from magicpig_jax.attention import budget_tokens
-
-    return budget_tokens(budget, mid_len)
 
 
 def host_append_due(spec: DecodeSpec, index, k_cache, lengths):
