@@ -29,6 +29,16 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
 
 
+def _budget(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"--budget takes an int or a float, got {text!r}") from err
+
+
 def _attention_list(text: str) -> list[str]:
     from magicpig_jax.models.decoding import BACKENDS
 
@@ -59,6 +69,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--budget", type=_budget, default=None,
+                   help="keys per query head for topk/quest/oracle: a token count (int) or a fraction in (0, 1]")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage of the KV cache (the host op reads either)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
@@ -80,6 +92,9 @@ def _cmd_generate(args) -> int:
 
     config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
                             seed=args.seed)
+    needs_budget = [a for a in args.attention if a in ("topk", "quest", "oracle")]
+    if needs_budget and args.budget is None:
+        raise ValueError(f"attention {needs_budget[0]!r} needs a budget: pass --budget TOKENS or --budget FRACTION")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prompt is not None:
@@ -102,7 +117,8 @@ def _cmd_generate(args) -> int:
         with tqdm(total=args.max_new_tokens - 1, desc=f"decode [{name}]", unit="tok", leave=False) as bar:
             outs, stats = decode(model, state, attention=name, max_new_tokens=args.max_new_tokens,
                                  config=config, dense_layers=args.dense_layers, seed=args.seed,
-                                 temperature=args.temperature, top_p=args.top_p, progress=bar.update)
+                                 temperature=args.temperature, top_p=args.top_p, progress=bar.update,
+                                 budget=args.budget)
         stats["text"] = model.tokenizer.decode(outs[0])
         stats["token_ids"] = outs[0]
         results[name] = stats

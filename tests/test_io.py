@@ -204,3 +204,18 @@ def test_orbax_checkpoint_roundtrip(tmp_path, tiny, capsys):
     assert loaded.tokenizer.encode(" t") == [256]
     assert cli_main(["convert", str(path), str(out)]) == 2  # refuses to overwrite
     assert "already holds a checkpoint" in capsys.readouterr().err
+
+
+def test_cli_generate_with_a_budgeted_baseline(tmp_path, tiny, capsys):
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, _hf_weights(tiny))
+    out = tmp_path / "r.json"
+    code = cli_main(["generate", "--model", str(path), "--prompt", "a t a t a t " * 40, "--no-chat",
+                     "--attention", "topk,dense", "--budget", "0.5", "--num-local", "8", "--max-new-tokens", "4",
+                     "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"topk", "dense"}
+    assert 0.3 < results["topk"]["sampled_fraction"] < 0.6
+    assert cli_main(["generate", "--model", str(path), "--prompt", "hi", "--no-chat", "--attention", "quest"]) == 2
+    assert "needs a budget" in capsys.readouterr().err
