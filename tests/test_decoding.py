@@ -210,7 +210,7 @@ def test_bfloat16_kv_cache_host_decode_is_close_to_float32(model):
         assert state.cache.k[0].dtype == dtype
         got = []
         decode(model, state, attention="magicpig", max_new_tokens=4, config=cfg, dense_layers=(),
-               stop_on_eos=False, logits_callback=lambda t, lg: got.append(lg))
+               stop_on_eos=False, logits_callback=lambda t, lg, got=got: got.append(lg))
         logits[dtype] = np.stack(got)
     assert np.isfinite(logits[jnp.bfloat16]).all()
     assert np.abs(logits[jnp.bfloat16] - logits[jnp.float32]).max() < 0.1
