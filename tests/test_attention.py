@@ -28,15 +28,7 @@ from magicpig_jax.attention import (
 
 pytestmark = pytest.mark.usefixtures("strict_jax")
 
-# Jitted entry points: one compilation per shape is much cheaper than op-by-op eager
-# dispatch on a 2-core CI machine. Runtime shape checks still run (at trace time).
-dense_j = jax.jit(dense_attention)
-merge_j = jax.jit(merge_attention)
-topk_j = jax.jit(topk_attention, static_argnames="budget")
-quest_j = jax.jit(quest_attention, static_argnames=("page_size", "budget"))
-oracle_j = jax.jit(oracle_sampling_attention, static_argnames="budget")
-magicpig_j = jax.jit(magicpig_attention, static_argnames="config")
-build_j = jax.jit(build_lsh_index, static_argnames="config")
+from tests._jitted import build_j, dense_j, magicpig_j, merge_j, oracle_j, quest_j, topk_j  # noqa: E402
 
 
 def make_qkv(seed, B=2, Hq=4, Hkv=2, N=24, D=16, scale=1.0, cone=0.0, dtype=jnp.float32):

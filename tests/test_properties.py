@@ -22,24 +22,12 @@ from scipy import stats
 from magicpig_jax import lsh
 from magicpig_jax.attention import (
     MagicPIGConfig,
-    build_lsh_index,
-    dense_attention,
-    magicpig_attention,
-    merge_attention,
     oracle_sampling_attention,
-    quest_attention,
-    topk_attention,
 )
 
 pytestmark = pytest.mark.usefixtures("strict_jax")
 
-dense_j = jax.jit(dense_attention)
-merge_j = jax.jit(merge_attention)
-topk_j = jax.jit(topk_attention, static_argnames="budget")
-quest_j = jax.jit(quest_attention, static_argnames=("page_size", "budget"))
-oracle_j = jax.jit(oracle_sampling_attention, static_argnames="budget")
-magicpig_j = jax.jit(magicpig_attention, static_argnames="config")
-build_j = jax.jit(build_lsh_index, static_argnames="config")
+from tests._jitted import build_j, dense_j, magicpig_j, merge_j, oracle_j, quest_j, topk_j  # noqa: E402
 
 seeds = st.integers(0, 2**31 - 1)
 Z = 6.0  # CLT bound: P(|N(0,1)| > 6) = 2e-9 per coordinate
