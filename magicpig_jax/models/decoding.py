@@ -5,7 +5,8 @@ model as ``(graphdef, state)`` (weights are jit arguments, never constants) and
 the cache is donated so each step writes it in place.
 
 Decode attention backends are in :mod:`magicpig_jax.models.backends`
-(``"dense"``, ``"magicpig"``, ``"topk"``, ``"quest"``, ``"oracle"``); layers listed
+(``"dense"``, ``"magicpig"`` (the host op on CPU), ``"magicpig-ref"``, ``"topk"``,
+``"quest"``, ``"oracle"``); layers listed
 in ``dense_layers`` stay dense under a sparse backend.
 """
 
@@ -37,6 +38,8 @@ __all__ = [
     "decode_step",
     "layer_projections",
     "sample_token",
+    "decode_queries",
+    "hidden_to_logits",
 ]
 
 def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk):
