@@ -28,21 +28,17 @@ from magicpig_jax.attention import (
 
 pytestmark = pytest.mark.usefixtures("strict_jax")
 
-from tests._jitted import build_j, dense_j, magicpig_j, merge_j, oracle_j, quest_j, topk_j  # noqa: E402
-
-
-def make_qkv(seed, B=2, Hq=4, Hkv=2, N=24, D=16, scale=1.0, cone=0.0, dtype=jnp.float32):
-    """Random q, k, v; ``cone`` adds a shared key offset (keys in a narrow cone, as in real models)."""
-    rng = np.random.default_rng(seed)
-    q = rng.normal(size=(B, Hq, D)) * scale
-    k = rng.normal(size=(B, Hkv, N, D)) * scale + cone * rng.normal(size=(B, Hkv, 1, D))
-    v = rng.normal(size=(B, Hkv, N, D))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
-
-
-def i32(x):
-    return jnp.asarray(np.asarray(x), jnp.int32)
-
+from tests._jitted import (  # noqa: E402
+    build_j,
+    dense_j,
+    i32,
+    magicpig_j,
+    make_qkv,
+    merge_j,
+    oracle_j,
+    quest_j,
+    topk_j,
+)
 
 # ----------------------------------------------------------------------------- test harness
 

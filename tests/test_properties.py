@@ -27,22 +27,25 @@ from magicpig_jax.attention import (
 
 pytestmark = pytest.mark.usefixtures("strict_jax")
 
-from tests._jitted import build_j, dense_j, magicpig_j, merge_j, oracle_j, quest_j, topk_j  # noqa: E402
+from tests._jitted import (  # noqa: E402
+    build_j,
+    dense_j,
+    i32,
+    magicpig_j,
+    make_qkv,
+    merge_j,
+    oracle_j,
+    quest_j,
+    topk_j,
+)
 
 seeds = st.integers(0, 2**31 - 1)
 Z = 6.0  # CLT bound: P(|N(0,1)| > 6) = 2e-9 per coordinate
 
 
-def rand_qkv(seed, B=2, Hq=4, Hkv=2, N=24, D=8, scale=1.0, cone=0.0, dtype=jnp.float32):
-    rng = np.random.default_rng(seed)
-    q = rng.normal(size=(B, Hq, D)) * scale
-    k = rng.normal(size=(B, Hkv, N, D)) * scale + cone * rng.normal(size=(B, Hkv, 1, D))
-    v = rng.normal(size=(B, Hkv, N, D))
-    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
-
-
-def i32(x):
-    return jnp.asarray(np.asarray(x), jnp.int32)
+def rand_qkv(seed, D=8, **kwargs):
+    """Random q, k, v with head dim 8 by default (see :func:`tests._jitted.make_qkv`)."""
+    return make_qkv(seed, D=D, **kwargs)
 
 
 def finite_or_empty(out, lse):
