@@ -30,6 +30,10 @@
 
 #include <nanobind/nanobind.h>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define MAGICPIG_HAVE_AVX2_PATH 1
@@ -268,6 +272,81 @@ inline float LogU(float cos, int K, const double* table, int64_t T) {
   float r = static_cast<float>(lu);
   return r > kLogUFloor ? r : kLogUFloor;
 }
+
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+// acos on [-1, 1]: Abramowitz & Stegun 4.4.46 on |x| (|error| <= 2e-8), reflected for x < 0.
+__attribute__((target("avx2,fma"))) inline __m256 Acos8(__m256 x) {
+  const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  __m256 p = _mm256_set1_ps(-0.0012624911f);
+  p = _mm256_fmadd_ps(p, ax, _mm256_set1_ps(0.0066700901f));
+  p = _mm256_fmadd_ps(p, ax, _mm256_set1_ps(-0.0170881256f));
+  p = _mm256_fmadd_ps(p, ax, _mm256_set1_ps(0.0308918810f));
+  p = _mm256_fmadd_ps(p, ax, _mm256_set1_ps(-0.0501743046f));
+  p = _mm256_fmadd_ps(p, ax, _mm256_set1_ps(0.0889789874f));
+  p = _mm256_fmadd_ps(p, ax, _mm256_set1_ps(-0.2145988016f));
+  p = _mm256_fmadd_ps(p, ax, _mm256_set1_ps(1.5707963050f));
+  const __m256 r = _mm256_mul_ps(_mm256_sqrt_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), ax)), p);
+  const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return _mm256_blendv_ps(r, _mm256_sub_ps(_mm256_set1_ps(static_cast<float>(M_PI)), r), neg);
+}
+
+// Natural log of normal positive floats: exponent + Cephes' logf polynomial on [sqrt(1/2), sqrt(2)).
+__attribute__((target("avx2,fma"))) inline __m256 Log8(__m256 x) {
+  const __m256i xi = _mm256_castps_si256(x);
+  const __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(xi, 23), _mm256_set1_epi32(127));
+  __m256 m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(xi, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+  const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+  const __m256 ef = _mm256_add_ps(_mm256_cvtepi32_ps(e), _mm256_and_ps(big, _mm256_set1_ps(1.0f)));
+  const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
+  const __m256 z = _mm256_mul_ps(f, f);
+  __m256 y = _mm256_set1_ps(7.0376836292e-2f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.1514610310e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.1676998740e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.2420140846e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.4249322787e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-1.6668057665e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(2.0000714765e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(-2.4999993993e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(3.3333331174e-1f));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, f), z);
+  y = _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), y);
+  y = _mm256_fnmadd_ps(_mm256_set1_ps(0.5f), z, y);
+  return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f), _mm256_add_ps(f, y));
+}
+
+// LogU for n cosines, 8 at a time: the same formula and table as LogU (differences ~1e-7).
+__attribute__((target("avx2,fma"))) void LogUBatchAvx2(const float* cs, int64_t n, int K, const double* table,
+                                                      int64_t T, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f), inv_pi = _mm256_set1_ps(static_cast<float>(M_1_PI));
+  const __m256 floor = _mm256_set1_ps(kLogUFloor), tf = _mm256_set1_ps(static_cast<float>(T));
+  const __m256 two_k = _mm256_set1_ps(2.0f * K);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 c = _mm256_min_ps(one, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), one), _mm256_loadu_ps(cs + i)));
+    const __m256 p = _mm256_mul_ps(Acos8(_mm256_sub_ps(_mm256_setzero_ps(), c)), inv_pi);
+    const __m256 pos = _mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 x = _mm256_mul_ps(p, tf);
+    __m256i idx = _mm256_cvttps_epi32(x);
+    idx = _mm256_max_epi32(_mm256_setzero_si256(), _mm256_min_epi32(idx, _mm256_set1_epi32(static_cast<int>(T - 1))));
+    const __m256 fr = _mm256_sub_ps(x, _mm256_cvtepi32_ps(idx));
+    const __m128i lo_i = _mm256_castsi256_si128(idx), hi_i = _mm256_extracti128_si256(idx, 1);
+    const __m256d t0l = _mm256_i32gather_pd(table, lo_i, 8), t1l = _mm256_i32gather_pd(table + 1, lo_i, 8);
+    const __m256d t0h = _mm256_i32gather_pd(table, hi_i, 8), t1h = _mm256_i32gather_pd(table + 1, hi_i, 8);
+    const __m256d fl = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(fr)), _mm256_sub_pd(t1l, t0l), t0l);
+    const __m256d fh = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(fr, 1)), _mm256_sub_pd(t1h, t0h), t0h);
+    const __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(fh), _mm256_cvtpd_ps(fl));
+    // log of a positive p (p = 0 lanes take the floor below; feed them 1 to stay finite).
+    const __m256 lp = Log8(_mm256_blendv_ps(one, p, pos));
+    __m256 lu = _mm256_max_ps(floor, _mm256_fmadd_ps(two_k, lp, f));
+    lu = _mm256_blendv_ps(floor, lu, pos);
+    _mm256_storeu_ps(out + i, lu);
+  }
+  _mm256_zeroupper();
+  for (; i < n; ++i) out[i] = LogU(cs[i], K, table, T);
+}
+#endif
 
 // The float64 table arrives as its raw bits, uint32 [T+1, 2] (no x64 mode needed in JAX).
 ffi::Error CheckTable(const ffi::Buffer<ffi::U32>& table, int64_t* T) {
@@ -578,18 +657,34 @@ ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::
 // 3. Sampled attention.
 // ---------------------------------------------------------------------------------------------
 
+// Per-thread scratch. `stamp` holds, per token of a chunk, (epoch << 2) | hits with hits
+// saturating at 2: a new epoch per (query head, chunk) visit makes every stale stamp read as
+// zero hits, so nothing is cleared per step (a full clear only when the 14-bit epoch wraps,
+// once per 16383 visits).
 struct Scratch {
-  std::vector<uint8_t> counter;  // per chunk token, all zero between uses
+  std::vector<uint16_t> stamp;
+  uint32_t epoch = 0;
   std::vector<int32_t> cand;     // candidate positions
   std::vector<uint8_t> exact;    // 1 = exact static key (no -log u, not counted)
-  std::vector<float> logit;
   std::vector<uint16_t> hits;
   std::vector<float> acc;
+  std::vector<float> logit;
+  std::vector<float> cosine;    // centered cosine of q and each candidate key
+  std::vector<float> logu;
+  std::vector<int32_t> range;   // [L, 2] bucket (start, end) of the chunk being walked
 };
 
 Scratch& ThreadScratch() {
   thread_local Scratch s;
   return s;
+}
+
+inline uint16_t NextEpoch(Scratch& s) {
+  if (++s.epoch >= (1u << 14)) {
+    std::fill(s.stamp.begin(), s.stamp.end(), uint16_t{0});
+    s.epoch = 1;
+  }
+  return static_cast<uint16_t>(s.epoch << 2);
 }
 
 template <typename T>
@@ -617,16 +712,25 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
     }
   }
   Scratch& s = ThreadScratch();
-  if (static_cast<int64_t>(s.counter.size()) < g.CH) s.counter.resize(g.CH, 0);
+  if (static_cast<int64_t>(s.stamp.size()) < g.CH) {
+    s.stamp.assign(g.CH, 0);
+    s.epoch = 0;
+  }
+  if (static_cast<int64_t>(s.range.size()) < 2 * g.L) s.range.resize(2 * g.L);
   s.cand.clear();
   s.exact.clear();
-  uint8_t* cnt = s.counter.data();
-  // Sealed chunks: walk the query's bucket in each table twice (count, then emit and reset).
+  uint16_t* st = s.stamp.data();
+  // Sealed chunks: one walk over the query's bucket in each table; a token becomes a candidate
+  // when its hit count reaches 2.
   const int64_t sealed_hi = std::min(sealed, len);
   for (int64_t c = 0; c < g.NC; ++c) {
     if (c * g.CH >= sealed_hi || (c + 1) * g.CH <= start) continue;
     const int32_t* offc = offsets + (bh * g.NC + c) * g.L * g.NB;
     const uint16_t* idc = ids + (bh * g.NC + c) * g.L * g.CH;
+    // The L bucket ranges sit at random places in memory: request them all first, then read
+    // and check them, requesting the first lines of each bucket for the walk.
+    for (int64_t l = 0; l < g.L; ++l) __builtin_prefetch(offc + l * g.NB + qc[l]);
+    int32_t* rng = s.range.data();
     for (int64_t l = 0; l < g.L; ++l) {
       const int32_t* off = offc + l * g.NB;
       const int64_t lo = off[qc[l]], hi = off[qc[l] + 1], total = off[nb];
@@ -634,30 +738,30 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
         return InvalidArg("corrupt index offsets (row " + std::to_string(b) + ", KV head " +
                           std::to_string(h) + ", chunk " + std::to_string(c) + ")");
       }
+      rng[2 * l] = static_cast<int32_t>(lo);
+      rng[2 * l + 1] = static_cast<int32_t>(hi);
+      const uint16_t* first = idc + l * g.CH + lo;
+      __builtin_prefetch(first);
+      if (hi - lo > 32) __builtin_prefetch(first + 32);
     }
-    for (int64_t l = 0; l < g.L; ++l) {
-      const int32_t* off = offc + l * g.NB;
-      const uint16_t* lst = idc + l * g.CH;
-      for (int64_t j = off[qc[l]], e = off[qc[l] + 1]; j < e; ++j) {
-        const uint16_t id = lst[j];
-        if (id < g.CH) cnt[id] += (cnt[id] < 2);
-      }
-    }
+    const uint16_t one = NextEpoch(s) | 1, two = one + 1;
     const int64_t base = c * g.CH;
+    const int64_t lo_ok = std::max<int64_t>(start - base, 0), hi_ok = std::min<int64_t>(sealed_hi - base, g.CH);
     for (int64_t l = 0; l < g.L; ++l) {
-      const int32_t* off = offc + l * g.NB;
       const uint16_t* lst = idc + l * g.CH;
-      for (int64_t j = off[qc[l]], e = off[qc[l] + 1]; j < e; ++j) {
-        const uint16_t id = lst[j];
+      for (int64_t j = rng[2 * l], e = rng[2 * l + 1]; j < e; ++j) {
+        const int64_t id = lst[j];
         if (id >= g.CH) continue;
-        if (cnt[id] >= 2) {
-          const int64_t pos = base + id;
-          if (pos >= start && pos < sealed_hi) {
-            s.cand.push_back(static_cast<int32_t>(pos));
+        const uint16_t v = st[id];
+        if (v == one) {
+          st[id] = two;
+          if (id >= lo_ok && id < hi_ok) {
+            s.cand.push_back(static_cast<int32_t>(base + id));
             s.exact.push_back(0);
           }
+        } else if (v != two) {
+          st[id] = one;
         }
-        cnt[id] = 0;
       }
     }
   }
@@ -707,6 +811,8 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
   const float qn = std::sqrt(qn2);
   const float scale = std::sqrt(static_cast<float>(D));
   s.logit.resize(n);
+  s.cosine.resize(n);
+  s.logu.resize(n + 8);
   float m = -INFINITY;
   // Prefetch the K and V rows of a later candidate: the V rows are then in cache (L2) for the
   // second pass, which only re-reads rows this pass already requested.
@@ -730,12 +836,21 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
     {
       RowScalar(q, mean, kr, D, &dot, &cdot, &kc2);
     }
-    float lg = dot / scale;
-    if (!s.exact[i]) {
-      const float norms = qn * std::sqrt(kc2);
-      const float cs = norms > 0.f ? cdot / norms : 0.f;
-      lg -= LogU(cs, g.K, table, TT);
-    }
+    const float norms = qn * std::sqrt(kc2);
+    s.logit[i] = dot / scale;
+    s.cosine[i] = norms > 0.f ? cdot / norms : 0.f;
+  }
+  // log u of every candidate in one batch (vectorized on AVX2), then the max logit.
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+  if (avx2) {
+    LogUBatchAvx2(s.cosine.data(), n, g.K, table, TT, s.logu.data());
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < n; ++i) s.logu[i] = LogU(s.cosine[i], g.K, table, TT);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float lg = s.exact[i] ? s.logit[i] : s.logit[i] - s.logu[i];
     s.logit[i] = lg;
     m = std::max(m, lg);
   }
@@ -868,14 +983,24 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
 // Test hook: log u of the given cosines through the same interpolation as the attention kernel.
 ffi::Error LogUImpl(ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::U32> table,
-                    ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t K) {
+                    ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t K, int64_t impl) {
   if (auto e = CheckK(K); !e.success()) return e;
   int64_t TT = 0;
   if (auto e = CheckTable(table, &TT); !e.success()) return e;
   if (out->element_count() != cos.element_count()) return InvalidArg("log_u output size mismatch");
-  for (size_t i = 0; i < cos.element_count(); ++i) {
-    out->typed_data()[i] = LogU(cos.typed_data()[i], static_cast<int>(K), reinterpret_cast<const double*>(table.untyped_data()), TT);
+  if (impl < 0 || impl > 2) return InvalidArg("impl must be 0 (auto), 1 (scalar) or 2 (avx2)");
+  if (impl == 2 && !CpuHasAvx2()) return InvalidArg("impl=avx2 requested but the CPU lacks AVX2/FMA");
+  const double* tab = reinterpret_cast<const double*>(table.untyped_data());
+  const float* c = cos.typed_data();
+  float* o = out->typed_data();
+  const int64_t n = static_cast<int64_t>(cos.element_count());
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+  if (impl != 1 && CpuHasAvx2()) {
+    LogUBatchAvx2(c, n, static_cast<int>(K), tab, TT, o);
+    return ffi::Error::Success();
   }
+#endif
+  for (int64_t i = 0; i < n; ++i) o[i] = LogU(c[i], static_cast<int>(K), tab, TT);
   return ffi::Error::Success();
 }
 
@@ -938,12 +1063,39 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigLogU, LogUImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("K"));
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("impl"));
 
 namespace {
 template <typename T>
 nb::capsule Capsule(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+namespace {
+// Back [ptr, ptr + nbytes) with 2 MiB transparent huge pages where the kernel allows it
+// (madvise MADV_HUGEPAGE, then MADV_COLLAPSE for pages already present, Linux >= 6.1).
+// The op reads KV rows and buckets at random places of arrays of hundreds of MB: with 4 KiB
+// pages nearly every row costs a TLB miss. Returns the bytes collapsed (0 where unsupported;
+// never fails: the advice only changes the page size, not the contents).
+size_t AdviseHugePages(uintptr_t ptr, size_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t lo = (ptr + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (ptr + nbytes) & ~(kHuge - 1);
+  if (ptr == 0 || hi <= lo) return 0;
+  void* base = reinterpret_cast<void*>(lo);
+  if (madvise(base, hi - lo, MADV_HUGEPAGE) != 0) return 0;
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+  return madvise(base, hi - lo, MADV_COLLAPSE) == 0 ? static_cast<size_t>(hi - lo) : 0;
+#else
+  (void)ptr;
+  (void)nbytes;
+  return 0;
+#endif
 }
 }  // namespace
 
@@ -958,6 +1110,7 @@ NB_MODULE(_host_ops, m) {
     return d;
   });
   m.def("has_avx2", []() { return CpuHasAvx2(); });
+  m.def("advise_huge_pages", &AdviseHugePages, nb::arg("ptr"), nb::arg("nbytes"));
   m.attr("MAX_K") = kMaxK;
   m.attr("MAX_L") = kMaxL;
   m.attr("MAX_CHUNK") = kMaxChunk;

@@ -209,6 +209,13 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
     t0 = time.perf_counter()
     indices = build_indices(cache, spec, n_layers)
     jax.block_until_ready(indices)
+    if spec.uses_host:
+        from magicpig_jax.host import advise_huge_pages
+
+        # The op reads rows of the cache and the index at random: back them with huge pages.
+        sparse_layers = spec.sparse_layers(n_layers)
+        advise_huge_pages([cache.k[i] for i in sparse_layers], [cache.v[i] for i in sparse_layers],
+                          [indices[i] for i in sparse_layers])
     index_seconds = time.perf_counter() - t0
     first = jnp.argmax(state.last_logits, axis=-1).astype(jnp.int32)
     if temperature > 0:

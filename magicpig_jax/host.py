@@ -72,6 +72,7 @@ __all__ = [
     "index_nbytes",
     "chunk_geometry",
     "has_avx2",
+    "advise_huge_pages",
     "HOST_MAX_K",
     "HOST_MAX_L",
     "DEFAULT_OPEN_CAPACITY",
@@ -121,6 +122,41 @@ def _ops():
             jax.ffi.register_ffi_target(name, capsule, platform="cpu")
         _module = mod
     return _module
+
+
+def advise_huge_pages(*trees) -> int:
+    """Ask Linux to back the CPU buffers of ``trees`` with 2 MiB transparent huge pages.
+
+    The sampled-attention op reads K/V rows and bucket lists at random places in arrays of
+    hundreds of MB; with 4 KiB pages nearly every row misses the TLB. This applies
+    ``madvise(MADV_HUGEPAGE)`` and ``madvise(MADV_COLLAPSE)`` (Linux >= 6.1) to the 2 MiB
+    aligned interior of each CPU buffer. Values are unchanged; call it once on buffers that
+    stay in place (the decoder does, for the cache and host indices it donates every step).
+    At 128K tokens on the Llama-3.1-8B layer shape it cut the op from about 7.3 to 5.8 ms
+    (``magicpig-jax bench attention``).
+
+    Args:
+      trees: arrays or pytrees of arrays (e.g. a :class:`HostIndex`, a KV cache).
+
+    Returns:
+      Bytes now backed by huge pages (0 where the kernel or platform does not support it,
+      e.g. non-Linux, THP disabled, or non-CPU arrays). Never raises for those cases.
+    """
+    mod = _ops()
+    total = 0
+    for leaf in jax.tree.leaves(trees):
+        if not isinstance(leaf, jax.Array):
+            continue
+        for shard in leaf.addressable_shards:
+            data = shard.data
+            if data.devices().pop().platform != "cpu" or data.nbytes < (2 << 20):
+                continue
+            try:
+                ptr = data.unsafe_buffer_pointer()
+            except Exception:  # noqa: BLE001 - e.g. deleted or non-contiguous buffers: skip them
+                continue
+            total += int(mod.advise_huge_pages(ptr, data.nbytes))
+    return total
 
 
 def has_avx2() -> bool:
@@ -326,16 +362,31 @@ def _table_operand(K: int, L: int) -> jax.Array:
     return jnp.asarray(log_u_table(K, L).view(np.uint32).reshape(-1, 2))
 
 
-def host_log_u(cos: Float[Array, "..."], K: int, L: int) -> Float[Array, "..."]:
-    """``log u`` of cosines through the C++ kernel's table interpolation (for tests)."""
+def host_log_u(cos: Float[Array, "..."], K: int, L: int, impl: str = "auto") -> Float[Array, "..."]:
+    """``log u`` of cosines through the C++ kernel's table interpolation (for tests).
+
+    Args:
+      cos: float32 cosines of any shape, clipped to [-1, 1].
+      K, L: the LSH parameters (``1 <= K <= 16``).
+      impl: ``"auto"``, ``"scalar"`` or ``"avx2"`` (the vectorized batch the attention
+        kernel uses on AVX2 CPUs: A&S 4.4.46 arccos and Cephes' logf polynomial).
+
+    Returns:
+      float32 ``log u`` (natural log), floored at ``LOG_U_FLOOR``; same shape as ``cos``.
+
+    Raises:
+      ValueError: bad K, L or impl.
+    """
     lsh.validate_k_l(K, L)
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {sorted(_IMPLS)}, got {impl!r}")
     if not 1 <= K <= HOST_MAX_K:
         raise ValueError(f"K must be in [1, {HOST_MAX_K}] for the host op, got K={K}")
     _ops()
     cos = jnp.asarray(cos, jnp.float32)
     return jax.ffi.ffi_call(
         "magicpig_host_log_u", jax.ShapeDtypeStruct(cos.shape, jnp.float32), vmap_method="sequential"
-    )(cos, _table_operand(K, L), K=np.int64(K))
+    )(cos, _table_operand(K, L), K=np.int64(K), impl=np.int64(_IMPLS[impl]))
 
 
 # ---------------------------------------------------------------------------------------------

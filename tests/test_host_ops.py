@@ -241,10 +241,12 @@ def test_blocked_build_matches_reference(monkeypatch):
     check_against_reference(q, k, v, cfg, proj, lens, hidx)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K,L", [(10, 150), (1, 2), (4, 8), (16, 300), (11, 300)])
-def test_log_u_table_accuracy(K, L):
+def test_log_u_table_accuracy(K, L, impl):
     c = np.linspace(-1.0, 1.0, 40001, dtype=np.float32)
-    got = np.asarray(host.host_log_u(jnp.asarray(c), K, L))
+    c = np.concatenate([c, np.float32([-1.0, 1.0, -0.9999999, 0.9999999, 1e-30, -1e-30])])
+    got = np.asarray(host.host_log_u(jnp.asarray(c), K, L, impl=impl))
     exact = host.log_u_exact(c, K, L)
     assert np.all(np.isfinite(got))
     np.testing.assert_array_less(np.abs(got - exact), 2e-5 + 1e-6 * np.abs(exact))
@@ -376,3 +378,18 @@ def test_fuzz_against_reference(case):
     ri = _reference_after_append(k, proj, cfg, lens_build, hidx, [k_new], [counts])
     lens = jnp.asarray(np.minimum(end + counts + np.asarray(extra), cap), jnp.int32)
     check_against_reference(q, k, v, cfg, proj, lens, hidx, ref_index=ri, static_window=window)
+
+
+def test_advise_huge_pages_keeps_values_and_results():
+    cfg, q, k, v, proj, lens = make_case(1, 4, 2, 4096, 128, 6, 10, [4096])
+    hidx = host.host_build_index(k, proj, cfg, lens)
+    before = _host_attn(q, k, v, hidx, cfg, lens)
+    k_np, v_np = np.asarray(k), np.asarray(v)
+    n = host.advise_huge_pages(k, v, hidx, {"not an array": 3})
+    assert isinstance(n, int) and 0 <= n <= k.nbytes + v.nbytes + host.index_nbytes(hidx)
+    np.testing.assert_array_equal(np.asarray(k), k_np)
+    np.testing.assert_array_equal(np.asarray(v), v_np)
+    after = _host_attn(q, k, v, hidx, cfg, lens)
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert host.advise_huge_pages() == 0
