@@ -22,7 +22,7 @@ from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.config import default_dense_layers
 from magicpig_jax.models.decoding import (
     build_indices,
-    decode_step,
+    compiled_decode_step,
     hidden_to_logits,
     prefill_chunk,
     sample_token,
@@ -205,6 +205,9 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
     if int(state.prompt_lengths.max()) + max_new_tokens > cache.capacity:
         raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the cache capacity {cache.capacity}")
     graphdef, params = nnx.split(model.module)
+    leaves, treedef = jax.tree.flatten(params)
+    step = compiled_decode_step(graphdef, treedef, spec)
+    base_key = jax.random.key(seed)
     B = cache.lengths.shape[0]
     t0 = time.perf_counter()
     indices = build_indices(cache, spec, n_layers)
@@ -246,9 +249,8 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
         if done.all() or t == max_new_tokens - 1:
             break
         ctx = np.asarray(cache.lengths) + 1
-        key = jax.random.fold_in(jax.random.key(seed), t + 1)
-        tokens, logits, num_sampled, cache, indices = decode_step(graphdef, params, cache, indices, tokens, key,
-                                                                  temp, tp, spec=spec)
+        tokens, logits, num_sampled, cache, indices = step(leaves, cache, indices, tokens, base_key,
+                                                           np.int32(t + 1), temp, tp)
         if forced_tokens is not None:
             tokens = jnp.asarray([f[t + 1] for f in forced_tokens], jnp.int32)
         if logits_callback is not None:

@@ -54,7 +54,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt16, UInt32
 
 from magicpig_jax import lsh
-from magicpig_jax.attention._common import check_lengths, check_qkv
+from magicpig_jax.attention._common import check_lengths, check_qkv, grouped_logits, masked_softmax_attention
 from magicpig_jax.attention.config import MagicPIGConfig
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.magicpig import LOG_U_FLOOR, LSHIndex, build_lsh_index
@@ -696,14 +696,16 @@ def host_magicpig_attention(
     if ns > 0:
         o_s, l_s = dense_attention(q, k[:, :, :ns], v[:, :, :ns], jnp.minimum(start, lengths))
         out, lse = merge_attention(out, lse, o_s, l_s)
-    # Tail [max(end, len - W), len), gathered newest first so the valid keys form a prefix.
+    # Tail [max(end, len - W), len): one contiguous slice of W positions per row starting at
+    # s = clip(len - W, 0, N - W) (a copy, not a gather), masked to the tail range.
     W = min(static_window, N)
     if W > 0:
-        idx = jnp.clip(lengths[:, None] - 1 - jnp.arange(W, dtype=jnp.int32)[None, :], 0, N - 1)
-        kt = jnp.take_along_axis(k, idx[:, None, :, None], axis=2)
-        vt = jnp.take_along_axis(v, idx[:, None, :, None], axis=2)
-        count = jnp.maximum(lengths - jnp.maximum(end, lengths - W), 0)
-        o_t, l_t = dense_attention(q, kt, vt, count)
+        s = jnp.clip(lengths - W, 0, N - W)
+        kt = jax.vmap(lambda x, st: jax.lax.dynamic_slice_in_dim(x, st, W, axis=1))(k, s)
+        vt = jax.vmap(lambda x, st: jax.lax.dynamic_slice_in_dim(x, st, W, axis=1))(v, s)
+        j = jnp.arange(W, dtype=jnp.int32)[None, :] + s[:, None]
+        in_tail = (j >= jnp.maximum(end, lengths - W)[:, None]) & (j < lengths[:, None])
+        o_t, l_t = masked_softmax_attention(grouped_logits(q, kt), in_tail[:, None, None, :], vt)
         out, lse = merge_attention(out, lse, o_t, l_t)
     if return_mask:
         return out, lse, res[2], res[3]
