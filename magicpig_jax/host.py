@@ -27,14 +27,16 @@ Bytes per token per KV head: ``2 L`` (ids) + ``4 L (2^K + 1) / CH`` (offsets)
 + ``2 L OPEN / C``; at K=10, L=150, C=128K: 300 + 9.4 + 0.6 = 310 B, i.e. 0.61x the
 512 B of bf16 K+V at D=128 (the reference's int32 layout: 600 B, 1.17x).
 
-Lookup (per query head): for every chunk, walk the query's bucket of each table
-twice over a per-thread uint8 counter (saturating increments, then emit the ids
-with count >= 2 and reset exactly the touched counters), so no per-step work is
-proportional to N besides the walk itself; the open chunk is compared code by code.
+Lookup (per query head): for every chunk, walk the query's bucket of each table once
+over a per-thread array of 16-bit stamps ``(epoch << 2) | hits`` (a new epoch per
+chunk visit makes stale stamps read as zero hits; an id is emitted when its hits reach
+2), so nothing is cleared per step and no per-step work is proportional to N besides
+the walk itself; the open chunk is compared code by code. The K/V rows of the
+candidates are prefetched; :func:`advise_huge_pages` backs the buffers with huge pages.
 ``log u`` is tabulated: ``log u = 2K log p + f(p)`` with ``f = log(u / p^(2K))``,
 a smooth function of ``p`` on ``[0, 1]`` tabulated in float64 on 2^14 + 1 points
-(:func:`log_u_table`) and interpolated linearly; its accuracy against the exact
-form is tested. Work is split over (row, query head) with XLA's intra-op thread
+(:func:`log_u_table`) and interpolated linearly (on AVX2, 8 candidates at a time with
+polynomial arccos and log); its accuracy against the exact form is tested. Work is split over (row, query head) with XLA's intra-op thread
 pool; the inner loops have an AVX2/FMA variant chosen at run time.
 """
 
