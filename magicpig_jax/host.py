@@ -36,8 +36,9 @@ candidates are prefetched; :func:`advise_huge_pages` backs the buffers with huge
 ``log u`` is tabulated: ``log u = 2K log p + f(p)`` with ``f = log(u / p^(2K))``,
 a smooth function of ``p`` on ``[0, 1]`` tabulated in float64 on 2^14 + 1 points
 (:func:`log_u_table`) and interpolated linearly (on AVX2, 8 candidates at a time with
-polynomial arccos and log); its accuracy against the exact form is tested. Work is split over (row, query head) with XLA's intra-op thread
-pool; the inner loops have an AVX2/FMA variant chosen at run time.
+polynomial arccos and log); its accuracy against the exact form is tested. Work is
+split over (row, query head) with XLA's intra-op thread pool; the inner loops have an
+AVX2/FMA variant chosen at run time.
 """
 
 from __future__ import annotations
