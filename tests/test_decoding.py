@@ -214,3 +214,41 @@ def test_bfloat16_kv_cache_host_decode_is_close_to_float32(model):
         logits[dtype] = np.stack(got)
     assert np.isfinite(logits[jnp.bfloat16]).all()
     assert np.abs(logits[jnp.bfloat16] - logits[jnp.float32]).max() < 0.1
+
+
+@pytest.mark.parametrize("backend", ["dense", "magicpig"])
+def test_compiled_step_equals_decode_step_and_is_cached(model, backend):
+    from magicpig_jax.models.decoding import compiled_decode_step
+
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, model.config.vocab_size, 200).tolist()
+    spec = DecodeSpec(backend, magicpig=MagicPIGConfig(K=4, L=8, num_sink=2, num_local=8), dense_layers=(0,))
+    state = prefill(model, [prompt], 8)
+    graphdef, params = nnx.split(model.module)
+    leaves, treedef = jax.tree.flatten(params)
+    step = compiled_decode_step(graphdef, treedef, spec)
+    graphdef2, params2 = nnx.split(model.module)  # a new split of the same model hits the cache
+    assert compiled_decode_step(graphdef2, jax.tree.structure(params2), spec) is step
+    tokens = jnp.argmax(state.last_logits, -1).astype(jnp.int32)
+    c1, c2 = state.cache.copy(), state.cache.copy()
+    i1, i2 = build_indices(c1, spec, model.config.num_layers), build_indices(c2, spec, model.config.num_layers)
+    key = jax.random.key(5)
+    t1, l1, n1, c1, i1 = decode_step(graphdef, params, c1, i1, tokens, jax.random.fold_in(key, 3), jnp.float32(0.7),
+                                     jnp.float32(0.9), spec=spec)
+    t2, l2, n2, c2, i2 = step(leaves, c2, i2, tokens, key, np.int32(3), jnp.float32(0.7), jnp.float32(0.9))
+    np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
+    np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    np.testing.assert_array_equal(np.asarray(n1), np.asarray(n2))
+    np.testing.assert_array_equal(np.asarray(c1.k[1]), np.asarray(c2.k[1]))
+
+
+def test_greedy_sampling_skips_the_sort_but_sampling_still_samples():
+    from magicpig_jax.models.decoding import sample_token
+
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 50)), jnp.float32)
+    greedy = sample_token(logits, jax.random.key(0), jnp.float32(0), jnp.float32(1))
+    np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))
+    draws = {int(sample_token(logits, jax.random.key(s), jnp.float32(1.0), jnp.float32(1.0))[0]) for s in range(40)}
+    assert len(draws) > 1  # temperature 1 over 50 similar logits: not always the argmax
+    top = sample_token(logits, jax.random.key(1), jnp.float32(1.0), jnp.float32(1e-6))
+    np.testing.assert_array_equal(np.asarray(top), np.argmax(np.asarray(logits), -1))  # top-p -> argmax only

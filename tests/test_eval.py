@@ -296,3 +296,16 @@ def test_real_model_small_eval(tmp_path, capsys):
     assert 0 < lik["magicpig:10x150"]["kl"] < 1 and 0 < lik["topk:32"]["kl"] < 1
     assert all(1 < r["ppl"] < 1000 for r in lik.values())
     assert (out / "accuracy_vs_cost.png").is_file() and (out / "kl_vs_cost.png").is_file()
+
+
+def test_llama_cpp_peer_validates_before_loading(tmp_path, monkeypatch):
+    from magicpig_jax.eval import bench_decode
+    from magicpig_jax.eval.peer import llama_cpp_decode
+
+    with pytest.raises(ValueError, match="steps"):
+        llama_cpp_decode(tmp_path / "model.gguf", [1, 2, 3], 1)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        llama_cpp_decode(tmp_path / "model.gguf", [], 4)
+    monkeypatch.setattr(bench_decode, "llama_cpp_available", lambda: False)
+    with pytest.raises(SystemExit):
+        bench_decode.main(["--peer", "llama.cpp", "--lengths", "128"])
