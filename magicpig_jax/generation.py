@@ -222,7 +222,7 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
     index_seconds = time.perf_counter() - t0
     first = jnp.argmax(state.last_logits, axis=-1).astype(jnp.int32)
     if temperature > 0:
-        first = sample_token(state.last_logits, jax.random.fold_in(jax.random.key(seed), 0),
+        first = sample_token(state.last_logits, jax.random.fold_in(base_key, 0),
                              jnp.float32(temperature), jnp.float32(top_p))
     temp, tp = jnp.float32(temperature), jnp.float32(top_p)
     if forced_tokens is not None:

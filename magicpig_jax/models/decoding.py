@@ -244,7 +244,8 @@ decode_step = partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argn
     _decode_step)
 
 
-_STEP_CACHE: dict[tuple, object] = {}
+_STEP_CACHE: dict[tuple, object] = {}  # insertion-ordered; oldest evicted first
+_STEP_CACHE_SIZE = 64
 
 
 def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
@@ -272,6 +273,8 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
                             top_p, spec)
 
     fn = jax.jit(step, donate_argnames=("cache", "indices"))
+    if len(_STEP_CACHE) >= _STEP_CACHE_SIZE:  # bounded: each entry holds compiled executables
+        _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
     _STEP_CACHE[key] = fn
     return fn
 
