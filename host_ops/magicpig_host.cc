@@ -34,83 +34,26 @@
 #include <sys/mman.h>
 #endif
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MAGICPIG_HAVE_AVX2_PATH 1
-#endif
-
-#include "xla/ffi/api/ffi.h"
+#include "ffi_util.h"
 
 namespace ffi = xla::ffi;
 namespace nb = nanobind;
 
 namespace {
 
+using magicpig::CpuHasAvx2;
+using magicpig::InvalidArg;
+using magicpig::ReadyFuture;
+using magicpig::RunParallel;
+using magicpig::Shape;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+using magicpig::Hsum;
+#endif
+
 constexpr int kMaxK = 16;
 constexpr int64_t kMaxL = 4096;
 constexpr int64_t kMaxChunk = 65536;
 constexpr float kLogUFloor = -69.07755278982137f;  // LOG_U_FLOOR of attention/magicpig.py
-
-std::string Shape(ffi::Span<const int64_t> d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-ffi::Error InvalidArg(const std::string& msg) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "magicpig host op: " + msg);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Parallel driver: split `n` work items over XLA's intra-op pool; never blocks on the tasks it
-// schedules (returns a future that completes when the last worker is done).
-// ---------------------------------------------------------------------------------------------
-
-ffi::Future ReadyFuture(const ffi::Error& err) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  if (err.success()) {
-    promise.SetAvailable();
-  } else {
-    promise.SetError(err);
-  }
-  return future;
-}
-
-template <typename Work>
-ffi::Future RunParallel(ffi::ThreadPool& pool, int64_t n, int64_t max_threads, Work work) {
-  if (n <= 0) return ReadyFuture(ffi::Error::Success());
-  int64_t nt = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n));
-  if (max_threads > 0) nt = std::min(nt, max_threads);
-  struct Shared {
-    explicit Shared(Work w) : work(std::move(w)) {}
-    std::atomic<int64_t> next{0};
-    Work work;
-  };
-  auto shared = std::make_shared<Shared>(std::move(work));
-  ffi::CountDownPromise promise(nt);
-  ffi::Future future(promise);
-  auto worker = [shared, promise, n]() mutable {
-    ffi::Error err = ffi::Error::Success();
-    for (;;) {
-      int64_t i = shared->next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n) break;
-      ffi::Error e = shared->work(i);
-      if (!e.success()) {
-        err = e;
-        shared->next.store(n, std::memory_order_relaxed);  // stop the others early
-        break;
-      }
-    }
-    promise.CountDown(err);
-  };
-  for (int64_t t = 1; t < nt; ++t) {
-    auto copy = worker;
-    pool.Schedule(std::move(copy));
-  }
-  worker();
-  return future;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Numeric kernels: scalar and AVX2/FMA variants (chosen at run time).
@@ -165,16 +108,6 @@ void OpenHitsScalar(const uint16_t* open, int64_t L, int64_t stride, int64_t n, 
 
 #ifdef MAGICPIG_HAVE_AVX2_PATH
 
-__attribute__((target("avx2,fma"))) inline float Hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  __m128 sh = _mm_movehdup_ps(lo);
-  __m128 s = _mm_add_ps(lo, sh);
-  sh = _mm_movehl_ps(sh, s);
-  s = _mm_add_ss(s, sh);
-  return _mm_cvtss_f32(s);
-}
 
 __attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 __attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
@@ -243,14 +176,7 @@ __attribute__((target("avx2,fma"))) void OpenHitsAvx2(const uint16_t* open, int6
     }
   }
 }
-
-bool CpuHasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-#else
-bool CpuHasAvx2() { return false; }
-#endif
+#endif  // MAGICPIG_HAVE_AVX2_PATH
 
 // ---------------------------------------------------------------------------------------------
 // log u from the cosine: log u = 2K log p + f(p), f tabulated on a uniform grid of p in [0, 1]
@@ -1066,6 +992,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigLogU, LogUImpl,
                                   .Attr<int64_t>("K")
                                   .Attr<int64_t>("impl"));
 
+// Defined in quant_matvec.cc.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigQuantMatvec);
+
 namespace {
 template <typename T>
 nb::capsule Capsule(T* fn) {
@@ -1100,13 +1029,14 @@ size_t AdviseHugePages(uintptr_t ptr, size_t nbytes) {
 }  // namespace
 
 NB_MODULE(_host_ops, m) {
-  m.doc() = "MagicPIG host-memory LSH index and sampled attention (XLA FFI handlers, CPU).";
+  m.doc() = "MagicPIG host-memory LSH index, sampled attention and quantized matvec (XLA FFI handlers, CPU).";
   m.def("registrations", []() {
     nb::dict d;
     d["magicpig_host_build"] = Capsule(MagicpigBuild);
     d["magicpig_host_append"] = Capsule(MagicpigAppend);
     d["magicpig_host_attention"] = Capsule(MagicpigAttention);
     d["magicpig_host_log_u"] = Capsule(MagicpigLogU);
+    d["magicpig_quant_matvec"] = Capsule(MagicpigQuantMatvec);
     return d;
   });
   m.def("has_avx2", []() { return CpuHasAvx2(); });

@@ -12,7 +12,7 @@ from tokenizers import pre_tokenizers
 
 import magicpig_jax
 from magicpig_jax.cli import main as cli_main
-from magicpig_jax.generation import forward_logits
+from magicpig_jax.generation import decode, forward_logits, prefill
 from magicpig_jax.io import embedded
 from magicpig_jax.io.loader import load_model
 from tests._tiny import TINY, tiny_model
@@ -57,7 +57,9 @@ def _byte_vocab() -> tuple[list[str], list[str]]:
     return tokens, ["Ġ t"]
 
 
-def _write_gguf(path, weights, arch="llama", n_vocab=None):
+def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None):
+    """A tiny GGUF; with ``quant`` ("Q4_1"/"Q8_0") the matrices whose input dim is a
+    multiple of 32 are stored quantized, the rest as F32."""
     cfg = TINY
     tokens, merges = _byte_vocab()
     w = gguf.GGUFWriter(str(path), arch)
@@ -87,7 +89,11 @@ def _write_gguf(path, weights, arch="llama", n_vocab=None):
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(gname, value)
+        if quant and value.ndim == 2 and value.shape[1] % 32 == 0:
+            qtype = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(gname, gguf.quants.quantize(np.asarray(value, np.float32), qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -219,3 +225,33 @@ def test_cli_generate_with_a_budgeted_baseline(tmp_path, tiny, capsys):
     assert 0.3 < results["topk"]["sampled_fraction"] < 0.6
     assert cli_main(["generate", "--model", str(path), "--prompt", "hi", "--no-chat", "--attention", "quest"]) == 2
     assert "needs a budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q8_0"])
+def test_quantized_gguf_keeps_its_blocks_for_decoding(tmp_path, tiny, capsys, quant):
+    path = tmp_path / "q.gguf"
+    _write_gguf(path, _hf_weights(tiny), quant=quant)
+    packed, plain = load_model(path), load_model(path, packed_weights=False)
+    layer = packed.module.layers[1]
+    assert layer.self_attn.q_proj.qtype == quant and layer.self_attn.o_proj.qtype == quant
+    assert layer.mlp.down_proj.packed is None  # input dim 48: stored as F32
+    assert packed.module.tied_qtype is None  # the tiny model has an untied lm_head (in dim 32)
+    assert packed.module.lm_head.qtype == quant
+    # decode steps (packed, with the q/k rows un-permuted like the float weights) = float32 decode
+    ids = list(range(3, 60))
+    state = prefill(packed, [ids], max_new_tokens=4)
+    runs = []
+    for model in (packed, plain):
+        steps = []
+        toks, _ = decode(model, state, attention="dense", max_new_tokens=4, stop_on_eos=False,
+                         logits_callback=lambda i, lg, steps=steps: steps.append(np.asarray(lg)))
+        runs.append((toks, np.stack(steps)))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_allclose(runs[0][1], runs[1][1], atol=1e-4, rtol=0)
+    # the blocks survive an orbax checkpoint
+    out = tmp_path / "ckpt"
+    assert cli_main(["convert", str(path), str(out)]) == 0
+    capsys.readouterr()
+    again = load_model(out)
+    np.testing.assert_array_equal(np.asarray(again.module.layers[1].self_attn.q_proj.packed[...]),
+                                  np.asarray(layer.self_attn.q_proj.packed[...]))

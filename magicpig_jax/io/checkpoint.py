@@ -52,7 +52,9 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     if is_checkpoint(out):
         raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")
     out.mkdir(parents=True, exist_ok=True)
-    tree = {k.replace(".", "/"): np.asarray(v, np.float32) for k, v in weights.items()}
+    # float weights as float32; raw GGUF blocks (uint8, see io.gguf_model.packed_key) as they are
+    tree = {k.replace(".", "/"): np.asarray(v, np.uint8 if np.asarray(v).dtype == np.uint8 else np.float32)
+            for k, v in weights.items()}
     if freq_factors is not None:
         tree["rope_freqs"] = np.asarray(freq_factors, np.float32)
     with ocp.StandardCheckpointer() as ckpt:

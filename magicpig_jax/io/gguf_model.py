@@ -6,9 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from magicpig_jax.host_matvec import QUANT_TYPES
 from magicpig_jax.models.config import LlamaConfig
 
-__all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows"]
+__all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key"]
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -42,6 +43,14 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def packed_key(name: str, qtype: str) -> str:
+    """Key of a weight's raw GGUF blocks in the weights dict: ``"<name>_<qtype>"``, lower case.
+
+    E.g. ``model.layers.0.self_attn.q_proj.weight_q4_1`` (uint8 ``[Out, In/32*20]``).
+    """
+    return f"{name}_{qtype.lower()}"
+
+
 def _field(reader, name, default=None):
     field = reader.fields.get(name)
     return default if field is None else field.contents()
@@ -53,6 +62,9 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
     Every tensor type that ``gguf.quants.dequantize`` knows (F32, F16, BF16, Q4_0,
     Q4_1, Q8_0, K-quants, ...) is dequantized to float32 in the Hugging Face
     ``(out, in)`` layout and naming (``model.layers.{i}.self_attn.q_proj.weight``...).
+    Matrices stored as Q4_1 or Q8_0 also keep their raw blocks, uint8 ``[out, in/32 *
+    block bytes]`` under :func:`packed_key` (rows in the same order as the float32
+    weight), for the decode-time matvec of :mod:`magicpig_jax.host_matvec`.
 
     Returns:
       ``(config, weights, tokenizer_metadata, rope_freq_factors)``.
@@ -115,6 +127,8 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
     freq_factors = None
     for name, t in tensors.items():
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        qtype = t.tensor_type.name
+        blocks = np.asarray(t.data) if qtype in QUANT_TYPES and w.ndim == 2 else None
         if name == "rope_freqs.weight":
             freq_factors = w.reshape(-1)
             continue
@@ -122,14 +136,17 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
             _, idx, rest = name.split(".", 2)
             if rest not in _LAYER_NAMES:
                 raise ValueError(f"unexpected tensor {name} in {path} for a Llama model")
-            if rest == "attn_q.weight":
-                w = unpermute_rope_rows(w, n_head)
-            elif rest == "attn_k.weight":
-                w = unpermute_rope_rows(w, n_kv)
-            weights[f"model.layers.{int(idx)}.{_LAYER_NAMES[rest]}"] = w
+            if rest in ("attn_q.weight", "attn_k.weight"):
+                heads = n_head if rest == "attn_q.weight" else n_kv
+                w = unpermute_rope_rows(w, heads)
+                blocks = None if blocks is None else unpermute_rope_rows(blocks, heads)
+            key = f"model.layers.{int(idx)}.{_LAYER_NAMES[rest]}"
         elif name in _GLOBAL_NAMES:
-            weights[_GLOBAL_NAMES[name]] = w
+            key = _GLOBAL_NAMES[name]
         else:
             raise ValueError(f"unexpected tensor {name} in {path} for a Llama model")
+        weights[key] = w
+        if blocks is not None:
+            weights[packed_key(key, qtype)] = blocks
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
     return config, weights, meta, freq_factors

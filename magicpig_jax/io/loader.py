@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from magicpig_jax.host_matvec import QUANT_TYPES
 from magicpig_jax.io.embedded import embedded_model_path
+from magicpig_jax.io.gguf_model import packed_key
 from magicpig_jax.io.tokenizer import Tokenizer
 from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
 from magicpig_jax.models.llama import Llama
@@ -38,11 +40,14 @@ class LoadedModel:
 
 
 def build_llama(config: LlamaConfig, weights: dict[str, np.ndarray], freq_factors=None,
-                dtype=jnp.float32) -> Llama:
+                dtype=jnp.float32, packed_weights: bool = True) -> Llama:
     """Instantiate a :class:`Llama` from Hugging Face-named ``(out, in)`` weights.
 
     The module is created abstractly (``nnx.eval_shape``) and every parameter is
     assigned from ``weights``; linear kernels are transposed to ``(in, out)``.
+    With ``packed_weights``, raw GGUF blocks found under
+    :func:`magicpig_jax.io.gguf_model.packed_key` are attached to their layers
+    (:meth:`magicpig_jax.models.linear.Linear.set_packed`) for the decode-time matvec.
 
     Raises:
       KeyError: a weight is missing (the message names it).
@@ -63,22 +68,36 @@ def build_llama(config: LlamaConfig, weights: dict[str, np.ndarray], freq_factor
     def set_param(param, name, transpose=False):
         param.set_value(take(name, param.get_value().shape, transpose))
 
+    def packed(name):
+        if not packed_weights:
+            return None, None
+        for qtype in QUANT_TYPES:
+            if packed_key(name, qtype) in weights:
+                return weights[packed_key(name, qtype)], qtype
+        return None, None
+
+    def set_linear(linear, name):
+        set_param(linear.kernel, name, transpose=True)
+        linear.set_packed(*packed(name))
+
     set_param(module.embed_tokens.embedding, "model.embed_tokens.weight")
     set_param(module.norm.weight, "model.norm.weight")
     if module.lm_head is not None:
-        set_param(module.lm_head.kernel, "lm_head.weight", transpose=True)
+        set_linear(module.lm_head, "lm_head.weight")
+    else:
+        module.set_tied_packed(*packed("model.embed_tokens.weight"))
     for i, layer in enumerate(module.layers):
         p = f"model.layers.{i}."
         set_param(layer.input_layernorm.weight, p + "input_layernorm.weight")
         set_param(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            set_param(getattr(layer.self_attn, proj).kernel, p + f"self_attn.{proj}.weight", transpose=True)
+            set_linear(getattr(layer.self_attn, proj), p + f"self_attn.{proj}.weight")
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            set_param(getattr(layer.mlp, proj).kernel, p + f"mlp.{proj}.weight", transpose=True)
+            set_linear(getattr(layer.mlp, proj), p + f"mlp.{proj}.weight")
     return module
 
 
-def load_model(path: str | Path | None = None) -> LoadedModel:
+def load_model(path: str | Path | None = None, packed_weights: bool = True) -> LoadedModel:
     """Load a Llama-family model for decoding.
 
     Args:
@@ -86,9 +105,11 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
         a ``.gguf`` file, a Hugging Face directory (``config.json``,
         ``*.safetensors``, ``tokenizer.json``), or an orbax checkpoint directory
         written by ``magicpig-jax convert``.
+      packed_weights: keep the GGUF blocks of Q4_1/Q8_0 matrices for decoding
+        (:mod:`magicpig_jax.models.linear`); False decodes with the float32 weights only.
 
     Returns:
-      a :class:`LoadedModel` (float32 weights).
+      a :class:`LoadedModel` (float32 weights, plus the packed blocks where the file has them).
 
     Raises:
       FileNotFoundError: the path (or the embedded package) is missing; the
@@ -97,7 +118,7 @@ def load_model(path: str | Path | None = None) -> LoadedModel:
     """
     start = time.perf_counter()
     source, (config, weights, tokenizer, freq_factors) = _read_source(path)
-    module = build_llama(config, weights, freq_factors)
+    module = build_llama(config, weights, freq_factors, packed_weights=packed_weights)
     return LoadedModel(module, config, tokenizer, source, time.perf_counter() - start)
 
 

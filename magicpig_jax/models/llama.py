@@ -19,6 +19,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
+from magicpig_jax.models.linear import Linear, PackedWeight, make_packed, packed_matmul
 
 __all__ = ["Llama", "RopeFrequencies", "apply_rope"]
 
@@ -56,9 +57,8 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                      precision=jax.lax.Precision.HIGHEST)
+def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype) -> Linear:
+    return Linear(din, dout, rngs=rngs, dtype=dtype)
 
 
 class Attention(nnx.Module):
@@ -133,6 +133,25 @@ class Llama(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, rngs, dtype)
         self.inv_freq = RopeFrequencies(jnp.asarray(rope_inv_freq(config, freq_factors)))
+        # GGUF blocks of the tied output projection (the embedding table), for decoding.
+        self.tied_packed: PackedWeight | None = nnx.data(None)
+        self.tied_qtype: str | None = None
+
+    def set_tied_packed(self, blocks, qtype: str | None) -> None:
+        """Attach (None: remove) the GGUF blocks of the tied embedding ``[V, H]`` (see :class:`Linear`).
+
+        Raises:
+          ValueError: the model has an untied ``lm_head`` (use ``lm_head.set_packed``), or
+            the blocks' shape or ``qtype`` is wrong.
+          TypeError: ``blocks`` is not uint8.
+        """
+        if self.lm_head is not None:
+            raise ValueError("the output projection is untied: attach its blocks with lm_head.set_packed")
+        if blocks is None:
+            self.tied_packed, self.tied_qtype = nnx.data(None), None
+            return
+        self.tied_packed = nnx.data(make_packed(blocks, qtype, self.config.vocab_size, self.config.hidden_size))
+        self.tied_qtype = qtype
 
     def forward(
         self,
@@ -163,6 +182,7 @@ class Llama(nnx.Module):
         """Next-token logits (float32) from final hidden states."""
         if self.lm_head is None:
             w = self.embed_tokens.embedding[...]
-            return jnp.einsum("...h,vh->...v", h.astype(jnp.float32), w.astype(jnp.float32),
-                              precision=jax.lax.Precision.HIGHEST)
+            packed = None if self.tied_packed is None else self.tied_packed[...]
+            return packed_matmul(h.astype(jnp.float32), w.astype(jnp.float32), packed, self.tied_qtype,
+                                 transposed=False)
         return self.lm_head(h).astype(jnp.float32)

@@ -1,0 +1,113 @@
+// Helpers shared by the host-op translation units: error values, the parallel driver over
+// XLA's intra-op thread pool, and run-time CPU feature checks.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define MAGICPIG_HAVE_AVX2_PATH 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace magicpig {
+
+namespace ffi = xla::ffi;
+
+// "[d0, d1, ...]" of a buffer's dimensions, for error messages.
+inline std::string Shape(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+inline ffi::Error InvalidArg(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "magicpig host op: " + msg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parallel driver: split `n` work items over XLA's intra-op pool; never blocks on the tasks it
+// schedules (returns a future that completes when the last worker is done).
+// ---------------------------------------------------------------------------------------------
+
+inline ffi::Future ReadyFuture(const ffi::Error& err) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (err.success()) {
+    promise.SetAvailable();
+  } else {
+    promise.SetError(err);
+  }
+  return future;
+}
+
+// Runs work(i) for i in [0, n) on at most max_threads (<= 0: all) threads of `pool`, the
+// calling thread included. `work` returns an ffi::Error; the first failure stops the rest.
+template <typename Work>
+ffi::Future RunParallel(ffi::ThreadPool& pool, int64_t n, int64_t max_threads, Work work) {
+  if (n <= 0) return ReadyFuture(ffi::Error::Success());
+  int64_t nt = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n));
+  if (max_threads > 0) nt = std::min(nt, max_threads);
+  struct Shared {
+    explicit Shared(Work w) : work(std::move(w)) {}
+    std::atomic<int64_t> next{0};
+    Work work;
+  };
+  auto shared = std::make_shared<Shared>(std::move(work));
+  ffi::CountDownPromise promise(nt);
+  ffi::Future future(promise);
+  auto worker = [shared, promise, n]() mutable {
+    ffi::Error err = ffi::Error::Success();
+    for (;;) {
+      int64_t i = shared->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) break;
+      ffi::Error e = shared->work(i);
+      if (!e.success()) {
+        err = e;
+        shared->next.store(n, std::memory_order_relaxed);  // stop the others early
+        break;
+      }
+    }
+    promise.CountDown(err);
+  };
+  for (int64_t t = 1; t < nt; ++t) {
+    auto copy = worker;
+    pool.Schedule(std::move(copy));
+  }
+  worker();
+  return future;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU features, checked at run time (the library is built without -march flags).
+// ---------------------------------------------------------------------------------------------
+
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+// AVX2 + FMA + F16C (every AVX2 CPU made so far has F16C; it is checked all the same).
+inline bool CpuHasAvx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+}
+
+__attribute__((target("avx2,fma"))) inline float Hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  s = _mm_add_ss(s, sh);
+  return _mm_cvtss_f32(s);
+}
+#else
+inline bool CpuHasAvx2() { return false; }
+#endif
+
+}  // namespace magicpig
