@@ -65,7 +65,7 @@ def test_matches_the_dequantized_gguf_tensor(gguf_tensors, name, impl):
 @given(
     qtype=st.sampled_from(sorted(QUANT_TYPES)),
     rows=st.integers(1, 13),  # the AVX2 Q4_1 kernel takes 4 rows at a time: remainders too
-    nb=st.integers(1, 5),
+    nb=st.integers(1, 19),
     m=st.integers(1, 3),
     impl=st.sampled_from(IMPLS),
     seed=st.integers(0, 2**31 - 1),
@@ -162,9 +162,13 @@ def models():
 def test_embedded_model_keeps_its_gguf_blocks(models):
     packed, plain = models
     layer = packed.module.layers[4]
-    assert layer.self_attn.q_proj.qtype == "Q4_1" and layer.mlp.down_proj.packed[...].shape == (576, 960)
+    assert layer.self_attn.qkv_qtype == "Q4_1" and layer.self_attn.qkv_packed[...].shape == (576 + 2 * 192, 360)
+    assert layer.mlp.gate_up_qtype == "Q4_1" and layer.mlp.gate_up_packed[...].shape == (2 * 1536, 360)
+    assert layer.self_attn.o_proj.qtype == "Q4_1" and layer.mlp.down_proj.packed[...].shape == (576, 960)
+    assert layer.self_attn.q_proj.packed is None  # its rows live in qkv_packed
     assert packed.module.tied_qtype == "Q8_0" and packed.module.tied_packed[...].shape == (49152, 612)
     assert plain.module.layers[4].self_attn.q_proj.packed is None and plain.module.tied_packed is None
+    assert plain.module.layers[4].self_attn.qkv_packed is None and plain.module.layers[4].mlp.gate_up_packed is None
 
 
 def test_packed_decode_matches_float32_decode(models):

@@ -233,7 +233,8 @@ def test_quantized_gguf_keeps_its_blocks_for_decoding(tmp_path, tiny, capsys, qu
     _write_gguf(path, _hf_weights(tiny), quant=quant)
     packed, plain = load_model(path), load_model(path, packed_weights=False)
     layer = packed.module.layers[1]
-    assert layer.self_attn.q_proj.qtype == quant and layer.self_attn.o_proj.qtype == quant
+    assert layer.self_attn.qkv_qtype == quant and layer.self_attn.o_proj.qtype == quant
+    assert layer.mlp.gate_up_qtype == quant
     assert layer.mlp.down_proj.packed is None  # input dim 48: stored as F32
     assert packed.module.tied_qtype is None  # the tiny model has an untied lm_head (in dim 32)
     assert packed.module.lm_head.qtype == quant
@@ -253,5 +254,5 @@ def test_quantized_gguf_keeps_its_blocks_for_decoding(tmp_path, tiny, capsys, qu
     assert cli_main(["convert", str(path), str(out)]) == 0
     capsys.readouterr()
     again = load_model(out)
-    np.testing.assert_array_equal(np.asarray(again.module.layers[1].self_attn.q_proj.packed[...]),
-                                  np.asarray(layer.self_attn.q_proj.packed[...]))
+    np.testing.assert_array_equal(np.asarray(again.module.layers[1].self_attn.qkv_packed[...]),
+                                  np.asarray(layer.self_attn.qkv_packed[...]))

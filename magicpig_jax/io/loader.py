@@ -94,6 +94,11 @@ def build_llama(config: LlamaConfig, weights: dict[str, np.ndarray], freq_factor
             set_linear(getattr(layer.self_attn, proj), p + f"self_attn.{proj}.weight")
         for proj in ("gate_proj", "up_proj", "down_proj"):
             set_linear(getattr(layer.mlp, proj), p + f"mlp.{proj}.weight")
+        # one decode matvec for q/k/v and one for gate/up; their own blocks are then not needed
+        for block, parts in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+            if block.fuse_packed():
+                for name in parts:
+                    getattr(block, name).set_packed(None, None)
     return module
 
 

@@ -19,7 +19,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
-from magicpig_jax.models.linear import Linear, PackedWeight, make_packed, packed_matmul
+from magicpig_jax.models.linear import Linear, PackedWeight, fuse_packed, fused_matmul, make_packed, packed_matmul
 
 __all__ = ["Llama", "RopeFrequencies", "apply_rope"]
 
@@ -71,13 +71,28 @@ class Attention(nnx.Module):
         self.k_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
         self.v_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
         self.o_proj = _linear(config.num_heads * D, H, rngs, dtype)
+        self.qkv_packed: PackedWeight | None = nnx.data(None)  # q, k, v blocks stacked (decode)
+        self.qkv_qtype: str | None = None
+
+    def fuse_packed(self) -> bool:
+        """Stack the packed blocks of q/k/v into one matrix (:func:`fuse_packed`), if all have them.
+
+        Returns whether they were stacked."""
+        packed, qtype = fuse_packed([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_packed, self.qkv_qtype = nnx.data(packed), qtype
+        return packed is not None
 
     def qkv(self, x: Float[Array, "B T H"], positions: Int[Array, "B T"], inv_freq: jax.Array):
         """Return q ``[B, T, Hq, D]`` and k, v ``[B, T, Hkv, D]``, RoPE applied to q and k."""
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        if self.qkv_packed is not None:
+            q, k, v = fused_matmul(x, [self.q_proj.kernel[...], self.k_proj.kernel[...], self.v_proj.kernel[...]],
+                                   self.qkv_packed[...], self.qkv_qtype)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
@@ -88,9 +103,24 @@ class MLP(nnx.Module):
         self.gate_proj = _linear(config.hidden_size, config.intermediate_size, rngs, dtype)
         self.up_proj = _linear(config.hidden_size, config.intermediate_size, rngs, dtype)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, rngs, dtype)
+        self.gate_up_packed: PackedWeight | None = nnx.data(None)  # gate and up blocks stacked (decode)
+        self.gate_up_qtype: str | None = None
+
+    def fuse_packed(self) -> bool:
+        """Stack the packed blocks of gate/up into one matrix (:func:`fuse_packed`), if both have them.
+
+        Returns whether they were stacked."""
+        packed, qtype = fuse_packed([self.gate_proj, self.up_proj])
+        self.gate_up_packed, self.gate_up_qtype = nnx.data(packed), qtype
+        return packed is not None
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_packed is not None:
+            gate, up = fused_matmul(x, [self.gate_proj.kernel[...], self.up_proj.kernel[...]],
+                                    self.gate_up_packed[...], self.gate_up_qtype)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
