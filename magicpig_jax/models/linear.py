@@ -60,6 +60,17 @@ def _host_matvec_available() -> bool:
     return True
 
 
+def _packed_or_dense(x, packed, qtype, dense, post=lambda y: y):
+    """``post(quant_matvec(x, packed))`` for decode-sized calls on CPU, else ``dense(x)``."""
+    if packed is None or math.prod(x.shape[:-1]) > MATVEC_MAX_TOKENS or not _host_matvec_available():
+        return dense(x)
+    from magicpig_jax.host_matvec import quant_matvec
+
+    # Only the branch of the platform being compiled for is lowered: on GPU/TPU the
+    # CPU-only FFI target is never referenced.
+    return jax.lax.platform_dependent(x, cpu=lambda x: post(quant_matvec(x, packed, qtype)), default=dense)
+
+
 def packed_matmul(
     x: Float[Array, "*M In"],
     dense_weight: Float[Array, "Out In"] | Float[Array, "In Out"],
@@ -85,14 +96,7 @@ def packed_matmul(
         eq = "...i,io->...o" if transposed else "...i,oi->...o"
         return jnp.einsum(eq, x, dense_weight.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
 
-    rows = math.prod(x.shape[:-1])
-    if packed is None or rows > MATVEC_MAX_TOKENS or not _host_matvec_available():
-        return dense(x)
-    from magicpig_jax.host_matvec import quant_matvec
-
-    # Only the branch of the platform being compiled for is lowered: on GPU/TPU the
-    # CPU-only FFI target is never referenced.
-    return jax.lax.platform_dependent(x, cpu=lambda x: quant_matvec(x, packed, qtype), default=dense)
+    return _packed_or_dense(x, packed, qtype, dense)
 
 
 def fused_matmul(
@@ -114,17 +118,8 @@ def fused_matmul(
         return tuple(jnp.einsum("...i,io->...o", x, k.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
                      for k in kernels)
 
-    rows = math.prod(x.shape[:-1])
-    if packed is None or rows > MATVEC_MAX_TOKENS or not _host_matvec_available():
-        return dense(x)
-    from magicpig_jax.host_matvec import quant_matvec
-
     splits = np.cumsum([k.shape[1] for k in kernels])[:-1].tolist()
-
-    def cpu(x):
-        return tuple(jnp.split(quant_matvec(x, packed, qtype), splits, axis=-1))
-
-    return jax.lax.platform_dependent(x, cpu=cpu, default=dense)
+    return _packed_or_dense(x, packed, qtype, dense, post=lambda y: tuple(jnp.split(y, splits, axis=-1)))
 
 
 def fuse_packed(linears: list[Linear]) -> tuple[PackedWeight | None, str | None]:
