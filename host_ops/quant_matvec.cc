@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -223,6 +224,11 @@ __attribute__((target("avx2,fma,f16c"))) float DotQ8_0Avx2(const uint8_t* row, c
 }
 #endif  // MAGICPIG_HAVE_AVX2_PATH
 
+// Bytes of weights kept requested ahead of the kernels (software prefetch). Measured on the
+// 2-core machine, decoding SmolLM2 at 256 tokens of context: 18.0 ms/token without, 16.1 with
+// 4096 (2048 and 8192 within noise of it, 16384 worse).
+constexpr int64_t kPrefetchAhead = 4096;
+
 using DotFn = float (*)(const uint8_t*, const float*, const float*, int64_t);
 
 DotFn PickKernel(int64_t qtype, bool avx2) {
@@ -296,6 +302,8 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const int64_t row_bytes = nb * bb;
   const int64_t rows_per_item = std::max<int64_t>(8, (int64_t{64} << 10) / row_bytes / 4 * 4);
   const int64_t items = (Out + rows_per_item - 1) / rows_per_item;
+  const int64_t ahead = kPrefetchAhead;
+  const uint8_t* w_end = wp + Out * row_bytes;
   return RunParallel(pool, items, max_threads,
                      [=](int64_t item) -> ffi::Error {
                        const float* xk = permuted ? prep->xperm.data() : xp;  // what the kernels read
@@ -303,10 +311,21 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                        const int64_t r0 = item * rows_per_item;
                        const int64_t r1 = std::min(Out, r0 + rows_per_item);
                        int64_t r = r0;
+                       // The weights are read once per token, so they come from DRAM: request
+                       // the first lines of the item, then keep `ahead` bytes in flight.
+                       const uint8_t* pf = wp + r0 * row_bytes;
+                       const uint8_t* pf_end = std::min(w_end, wp + r1 * row_bytes);
+                       const uint8_t* pf_stop = std::min(pf_end, pf + ahead);
+                       for (; pf < pf_stop; pf += 64) __builtin_prefetch(pf);
+                       auto keep_ahead = [&](int64_t row) {
+                         const uint8_t* want = std::min(pf_end, wp + row * row_bytes + ahead);
+                         for (; pf < want; pf += 64) __builtin_prefetch(pf);
+                       };
 #ifdef MAGICPIG_HAVE_AVX2_PATH
                        if (four) {
                          float y4[4];
                          for (; r + 4 <= r1; r += 4) {
+                           keep_ahead(r + 4);
                            for (int64_t t = 0; t < M; ++t) {
                              DotQ4_1Avx2x4(wp + r * row_bytes, row_bytes, xk + t * In, xsum + t * nb,
                                            nb, y4);
@@ -316,6 +335,7 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                        }
 #endif
                        for (; r < r1; ++r) {
+                         keep_ahead(r + 1);
                          const uint8_t* row = wp + r * row_bytes;
                          for (int64_t t = 0; t < M; ++t) {
                            yp[t * Out + r] = dot(row, xk + t * In, xsum + t * nb, nb);
