@@ -992,8 +992,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigLogU, LogUImpl,
                                   .Attr<int64_t>("K")
                                   .Attr<int64_t>("impl"));
 
-// Defined in quant_matvec.cc.
+// Defined in quant_matvec.cc and exact_attention.cc.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigQuantMatvec);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigExactAttention);
 
 namespace {
 template <typename T>
@@ -1029,7 +1030,7 @@ size_t AdviseHugePages(uintptr_t ptr, size_t nbytes) {
 }  // namespace
 
 NB_MODULE(_host_ops, m) {
-  m.doc() = "MagicPIG host-memory LSH index, sampled attention and quantized matvec (XLA FFI handlers, CPU).";
+  m.doc() = "MagicPIG host-memory LSH index, sampled and exact attention, and quantized matvec (XLA FFI handlers, CPU).";
   m.def("registrations", []() {
     nb::dict d;
     d["magicpig_host_build"] = Capsule(MagicpigBuild);
@@ -1037,6 +1038,7 @@ NB_MODULE(_host_ops, m) {
     d["magicpig_host_attention"] = Capsule(MagicpigAttention);
     d["magicpig_host_log_u"] = Capsule(MagicpigLogU);
     d["magicpig_quant_matvec"] = Capsule(MagicpigQuantMatvec);
+    d["magicpig_exact_attention"] = Capsule(MagicpigExactAttention);
     return d;
   });
   m.def("has_avx2", []() { return CpuHasAvx2(); });

@@ -217,6 +217,12 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
             out, lse, n = sparse_attention(spec, q[:, 0], k_cache, v_cache, indices[i], pos,
                                            jax.random.fold_in(key, 1000 + i))
             counts.append(n)
+        elif spec.uses_host and spec.mesh is None:
+            # A dense layer of a host MagicPIG run: the same exact attention, in the host op
+            # (one pass over each KV head's keys for its G query heads, K/V read in place).
+            from magicpig_jax.host_exact import host_exact_attention
+
+            out, lse = host_exact_attention(q[:, 0], k_cache, v_cache, pos)
         else:
             out, lse = dense_attention(q[:, 0], k_cache, v_cache, pos)
         k_new, v_new = new_kv[i]

@@ -1,0 +1,160 @@
+"""The exact host attention of the dense layers (magicpig_jax.host_exact) against float64 NumPy,
+its edge cases and errors, and its use by the host MagicPIG decoder."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from magicpig_jax import host
+from magicpig_jax.attention import MagicPIGConfig
+from magicpig_jax.host_exact import MAX_GROUP, host_exact_attention
+from magicpig_jax.models.backends import DecodeSpec
+from magicpig_jax.models.cache import KVCache
+from magicpig_jax.models.config import LlamaConfig
+from magicpig_jax.models.decoding import build_indices, decode_step
+from magicpig_jax.models.llama import Llama
+
+IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
+_exact = jax.jit(host_exact_attention, static_argnames=("impl", "max_threads"))
+
+
+def reference(q, k, v, lengths):
+    """float64 softmax attention with GQA over the first lengths[b] keys: (out, lse)."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    out = np.zeros((B, Hq, D))
+    lse = np.full((B, Hq), -np.inf)
+    for b in range(B):
+        n = int(np.clip(lengths[b], 0, k.shape[2]))
+        if n == 0:
+            continue
+        for h in range(Hq):
+            s = k[b, h // G, :n] @ q[b, h] / np.sqrt(D)
+            m = s.max()
+            e = np.exp(s - m)
+            out[b, h] = e @ v[b, h // G, :n] / e.sum()
+            lse[b, h] = m + np.log(e.sum())
+    return out, lse
+
+
+@st.composite
+def problems(draw):
+    B = draw(st.integers(1, 3))
+    Hkv = draw(st.integers(1, 3))
+    G = draw(st.integers(1, 4))
+    N = draw(st.integers(0, 300))
+    D = draw(st.sampled_from([1, 7, 8, 20, 64, 72]))
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    lengths = draw(st.lists(st.integers(-3, N + 3), min_size=B, max_size=B))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return B, Hkv * G, Hkv, N, D, dtype, lengths, seed
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@given(problems())
+def test_matches_float64_reference(impl, p):
+    B, Hq, Hkv, N, D, dtype, lengths, seed = p
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, Hq, D)) * 2, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
+    out, lse = _exact(q, k, v, jnp.asarray(lengths, jnp.int32), impl=impl)
+    ref_out, ref_lse = reference(q, k, v, lengths)
+    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-4)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_rows_cross_work_items(impl):
+    """Rows longer than one work item (2048 keys) and blocks (128 keys) merge exactly."""
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, N, D = 2, 9, 3, 5000, 64
+    q = jnp.asarray(rng.standard_normal((B, Hq, D)) * 3, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), jnp.float32)
+    lengths = [4999, 2049]
+    out, lse = _exact(q, k, v, jnp.asarray(lengths, jnp.int32), impl=impl)
+    ref_out, ref_lse = reference(q, k, v, lengths)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_equals_dense_attention_and_one_thread():
+    from magicpig_jax.attention import dense_attention
+
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((1, 6, 32)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 2, 3000, 32)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((1, 2, 3000, 32)), jnp.bfloat16)
+    lengths = jnp.asarray([2900], jnp.int32)
+    out, lse = host_exact_attention(q, k, v, lengths)
+    ref_out, ref_lse = dense_attention(q, k, v, lengths)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-5)
+    out1, lse1 = host_exact_attention(q, k, v, lengths, max_threads=1)
+    np.testing.assert_allclose(np.asarray(out1), np.asarray(out), atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_finite_inputs_never_give_nan(impl):
+    rng = np.random.default_rng(5)
+    q = np.asarray(rng.standard_normal((1, 4, 16)), np.float32)
+    k = np.asarray(rng.standard_normal((1, 2, 300, 16)), np.float32)
+    v = np.asarray(rng.standard_normal((1, 2, 300, 16)), np.float32)
+    q[0, 0, 3] = np.inf
+    q[0, 1, 0] = np.nan
+    k[0, 1, 200, 5] = np.inf
+    q[0, 2:, 5] = 1.0  # heads 2-3 (KV head 1): a +inf logit
+    out, lse = _exact(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([300], jnp.int32), impl=impl)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    # Heads 0-1 (inf/NaN query) and 2-3 (a +inf logit) have non-finite logits: reported empty.
+    assert np.all(lse == -np.inf) and np.all(out == 0)
+
+
+def test_bad_input_errors_name_the_parameter():
+    q = jnp.zeros((1, 4, 8), jnp.float32)
+    k = jnp.zeros((1, 2, 10, 8), jnp.float32)
+    with pytest.raises(ValueError, match="impl"):
+        host_exact_attention(q, k, k, impl="avx512")
+    with pytest.raises(ValueError, match="max_threads"):
+        host_exact_attention(q, k, k, max_threads=-1)
+    with pytest.raises(TypeError, match="k and v"):
+        host_exact_attention(q, k, k.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="k and v"):
+        host_exact_attention(q, k.astype(jnp.float16), k.astype(jnp.float16))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        host_exact_attention(jnp.zeros((1, 3, 8), jnp.float32), k, k)
+    with pytest.raises(ValueError, match="lengths"):
+        host_exact_attention(q, k, k, jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="G = Hq / Hkv"):
+        kk = jnp.zeros((1, 1, 4, 8), jnp.float32)
+        host_exact_attention(jnp.zeros((1, MAX_GROUP + 1, 8), jnp.float32), kk, kk)
+
+
+def test_host_decoder_runs_its_dense_layers_in_the_op():
+    """A host MagicPIG decode step lowers its dense layers to the op, and no XLA dense path is left."""
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+    from flax import nnx
+
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    cache = KVCache.zeros(cfg, 1, 256)
+    cache = KVCache(k=cache.k, v=cache.v, lengths=jnp.asarray([100], jnp.int32))
+    spec = DecodeSpec(backend="magicpig", magicpig=MagicPIGConfig(K=4, L=8), dense_layers=(0,), host=True)
+    indices = build_indices(cache, spec, cfg.num_layers)
+    hlo = decode_step.lower(graphdef, state, cache, indices, jnp.asarray([1], jnp.int32), jax.random.key(0),
+                            jnp.float32(0), jnp.float32(1), spec=spec).as_text()
+    assert hlo.count("magicpig_exact_attention") >= 1
+    assert "magicpig_host_attention" in hlo
