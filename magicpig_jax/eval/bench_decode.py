@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from magicpig_jax.attention import MagicPIGConfig
-    from magicpig_jax.generation import decode, prefill
+    from magicpig_jax.generation import decode, kv_cache_dtype, prefill
     from magicpig_jax.io.loader import load_model
 
     p = argparse.ArgumentParser(prog="magicpig-jax bench decode", description=__doc__.splitlines()[0])
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--K", type=int, default=10)
     p.add_argument("--L", type=int, default=150)
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="storage of our KV cache (llama.cpp keeps its own at its default, float16)")
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="permit prompts longer than the trained context (timing only)")
     p.add_argument("--peer", choices=PEERS, action="append", default=[],
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 "compile_seconds": None, "peer_version": r["version"], "threads": r["threads"], "tokens": r["tokens"],
             })
             bar.update(1)
-        state = prefill(model, [ids], args.steps, allow_beyond_context=args.allow_beyond_context)
+        state = prefill(model, [ids], args.steps, allow_beyond_context=args.allow_beyond_context,
+                        cache_dtype=kv_cache_dtype(args.kv_dtype))
         for method in args.methods:
             outs, stats = decode(model, state, attention=method, max_new_tokens=args.steps + 1, config=cfg,
                                  stop_on_eos=False)
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "time": time.strftime("%Y-%m-%d %H:%M"),
-            "K": args.K, "L": args.L, "steps": args.steps,
+            "K": args.K, "L": args.L, "steps": args.steps, "kv_dtype": args.kv_dtype,
             "note": "ms_per_token: mean over steps after the first; tokens_equal_to_dense: greedy tokens "
                     "equal position by position to our dense decode of the same prompt"}
     print(f"{'prompt':>7} {'method':>13} {'ms/token':>9} {'tok/s':>7} {'sampled':>8} {'same tokens as dense':>21}")
