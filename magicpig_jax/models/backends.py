@@ -49,7 +49,9 @@ class DecodeSpec:
       backend: one of :data:`BACKENDS`.
       magicpig: the :class:`MagicPIGConfig`; its ``num_sink``/``num_local`` define the
         static set of every sparse backend, K/L/seed are MagicPIG's.
-      dense_layers: layer indices kept dense under a sparse backend.
+      dense_layers: layer indices kept dense under a sparse backend (exact attention: in
+        the host op :func:`magicpig_jax.host_exact.host_exact_attention` when ``uses_host``
+        and no mesh, else :func:`dense_attention` in XLA).
       budget: keys per query head for "topk"/"quest"/"oracle": an ``int`` token count
         or a ``float`` in (0, 1], a fraction of the middle range.
       page_size: Quest's page size (tokens).
