@@ -30,6 +30,7 @@ namespace {
 
 using magicpig::CpuHasAvx2;
 using magicpig::InvalidArg;
+using magicpig::Load;
 using magicpig::ReadyFuture;
 using magicpig::RunParallel;
 using magicpig::Shape;
@@ -39,25 +40,16 @@ constexpr int64_t kSpan = 2048;   // keys per work item
 constexpr int64_t kAheadRows = 32;  // K/V rows requested ahead of use
 constexpr int64_t kMaxG = 64;    // query heads per KV head
 
-inline float Bf16(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline float At(const float* p, int64_t i) { return p[i]; }
-inline float At(const uint16_t* p, int64_t i) { return Bf16(p[i]); }
-
 template <typename T>
 float DotScalar(const float* q, const T* k, int64_t D) {
   float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) s += q[d] * At(k, d);
+  for (int64_t d = 0; d < D; ++d) s += q[d] * Load(k, d);
   return s;
 }
 
 template <typename T>
 void AxpyScalar(float w, const T* v, float* acc, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) acc[d] += w * At(v, d);
+  for (int64_t d = 0; d < D; ++d) acc[d] += w * Load(v, d);
 }
 
 // x[j] *= scale for j < n; returns the largest x[j] (NaNs ignored; -inf when there is none).
@@ -73,6 +65,7 @@ inline float ScaleMaxScalar(float* x, int64_t n, float scale) {
 
 #ifdef MAGICPIG_HAVE_AVX2_PATH
 using magicpig::Hsum;
+using magicpig::Load8;
 
 __attribute__((target("avx2,fma"))) float ScaleMaxAvx2(float* x, int64_t n, float scale) {
   const __m256 sv = _mm256_set1_ps(scale);
@@ -91,12 +84,6 @@ __attribute__((target("avx2,fma"))) float ScaleMaxAvx2(float* x, int64_t n, floa
   return m;
 }
 
-__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 template <typename T>
 __attribute__((target("avx2,fma"))) float DotAvx2(const float* q, const T* k, int64_t D) {
   __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
@@ -107,7 +94,7 @@ __attribute__((target("avx2,fma"))) float DotAvx2(const float* q, const T* k, in
   }
   for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Load8(k + d), a);
   float s = Hsum(_mm256_add_ps(a, b));
-  for (; d < D; ++d) s += q[d] * At(k, d);
+  for (; d < D; ++d) s += q[d] * Load(k, d);
   _mm256_zeroupper();
   return s;
 }
@@ -166,7 +153,7 @@ __attribute__((target("avx2,fma"))) void AccumulateAvx2(const float* e, const T*
   }
   for (; d < D; ++d) {
     float a = acc[d];
-    for (int64_t j = 0; j < n; ++j) a += e[j] * At(v, j * D + d);
+    for (int64_t j = 0; j < n; ++j) a += e[j] * Load(v, j * D + d);
     acc[d] = a;
   }
   _mm256_zeroupper();

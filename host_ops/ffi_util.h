@@ -1,10 +1,11 @@
 // Helpers shared by the host-op translation units: error values, the parallel driver over
-// XLA's intra-op thread pool, and run-time CPU feature checks.
+// XLA's intra-op thread pool, run-time CPU feature checks, and K/V element loads.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
@@ -108,6 +109,28 @@ __attribute__((target("avx2,fma"))) inline float Hsum(__m256 v) {
 }
 #else
 inline bool CpuHasAvx2() { return false; }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// K/V row elements: float32, or bfloat16 stored as uint16 (exact widening to float32).
+// ---------------------------------------------------------------------------------------------
+
+inline float Bf16ToF32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float Load(const float* p, int64_t i) { return p[i]; }
+inline float Load(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
+
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+// Eight consecutive elements as float32.
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 #endif
 
 }  // namespace magicpig

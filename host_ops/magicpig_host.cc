@@ -43,11 +43,13 @@ namespace {
 
 using magicpig::CpuHasAvx2;
 using magicpig::InvalidArg;
+using magicpig::Load;
 using magicpig::ReadyFuture;
 using magicpig::RunParallel;
 using magicpig::Shape;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
 using magicpig::Hsum;
+using magicpig::Load8;
 #endif
 
 constexpr int kMaxK = 16;
@@ -58,20 +60,6 @@ constexpr float kLogUFloor = -69.07755278982137f;  // LOG_U_FLOOR of attention/m
 // ---------------------------------------------------------------------------------------------
 // Numeric kernels: scalar and AVX2/FMA variants (chosen at run time).
 // ---------------------------------------------------------------------------------------------
-
-inline float Bf16ToF32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-template <typename T>
-inline float Load(const T* p, int64_t i);
-template <>
-inline float Load<float>(const float* p, int64_t i) { return p[i]; }
-template <>
-inline float Load<uint16_t>(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
 
 // dot = q.k, cdot = q.(k - mean), kc2 = |k - mean|^2.
 template <typename T>
@@ -108,12 +96,6 @@ void OpenHitsScalar(const uint16_t* open, int64_t L, int64_t stride, int64_t n, 
 
 #ifdef MAGICPIG_HAVE_AVX2_PATH
 
-
-__attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 template <typename T>
 __attribute__((target("avx2,fma"))) void RowAvx2(const float* q, const float* mean, const T* k,
