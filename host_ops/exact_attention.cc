@@ -28,6 +28,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using magicpig::AxpyScalar;
 using magicpig::CpuHasAvx2;
 using magicpig::InvalidArg;
 using magicpig::Load;
@@ -45,11 +46,6 @@ float DotScalar(const float* q, const T* k, int64_t D) {
   float s = 0.f;
   for (int64_t d = 0; d < D; ++d) s += q[d] * Load(k, d);
   return s;
-}
-
-template <typename T>
-void AxpyScalar(float w, const T* v, float* acc, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) acc[d] += w * Load(v, d);
 }
 
 // x[j] *= scale for j < n; returns the largest x[j] (NaNs ignored; -inf when there is none).

@@ -124,6 +124,12 @@ inline float Bf16ToF32(uint16_t h) {
 inline float Load(const float* p, int64_t i) { return p[i]; }
 inline float Load(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
 
+// acc[0:D] += w * v[0:D].
+template <typename T>
+void AxpyScalar(float w, const T* v, float* acc, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) acc[d] += w * Load(v, d);
+}
+
 #ifdef MAGICPIG_HAVE_AVX2_PATH
 // Eight consecutive elements as float32.
 __attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -41,6 +41,7 @@ namespace nb = nanobind;
 
 namespace {
 
+using magicpig::AxpyScalar;
 using magicpig::CpuHasAvx2;
 using magicpig::InvalidArg;
 using magicpig::Load;
@@ -76,11 +77,6 @@ void RowScalar(const float* q, const float* mean, const T* k, int64_t D, float* 
   *dot = a;
   *cdot = b;
   *kc2 = c;
-}
-
-template <typename T>
-void AxpyScalar(float w, const T* v, float* acc, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) acc[d] += w * Load(v, d);
 }
 
 // Per-position hit counts of the open chunk: hits[i] = #{l : open[l][i] == qc[l]}.

@@ -15,10 +15,10 @@
 // Operands: x float32 [M, In], w uint8 [Out, In/32 * block bytes]; result float32 [M, Out].
 // Every shape is validated; bad input returns an ffi::Error (never a crash or a stray read).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -302,7 +302,6 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const int64_t row_bytes = nb * bb;
   const int64_t rows_per_item = std::max<int64_t>(8, (int64_t{64} << 10) / row_bytes / 4 * 4);
   const int64_t items = (Out + rows_per_item - 1) / rows_per_item;
-  const int64_t ahead = kPrefetchAhead;
   const uint8_t* w_end = wp + Out * row_bytes;
   return RunParallel(pool, items, max_threads,
                      [=](int64_t item) -> ffi::Error {
@@ -312,13 +311,13 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                        const int64_t r1 = std::min(Out, r0 + rows_per_item);
                        int64_t r = r0;
                        // The weights are read once per token, so they come from DRAM: request
-                       // the first lines of the item, then keep `ahead` bytes in flight.
+                       // the first lines of the item, then keep kPrefetchAhead bytes in flight.
                        const uint8_t* pf = wp + r0 * row_bytes;
                        const uint8_t* pf_end = std::min(w_end, wp + r1 * row_bytes);
-                       const uint8_t* pf_stop = std::min(pf_end, pf + ahead);
+                       const uint8_t* pf_stop = std::min(pf_end, pf + kPrefetchAhead);
                        for (; pf < pf_stop; pf += 64) __builtin_prefetch(pf);
                        auto keep_ahead = [&](int64_t row) {
-                         const uint8_t* want = std::min(pf_end, wp + row * row_bytes + ahead);
+                         const uint8_t* want = std::min(pf_end, wp + row * row_bytes + kPrefetchAhead);
                          for (; pf < want; pf += 64) __builtin_prefetch(pf);
                        };
 #ifdef MAGICPIG_HAVE_AVX2_PATH
