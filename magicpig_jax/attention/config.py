@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+
 from magicpig_jax.lsh import validate_k_l
 
-__all__ = ["MagicPIGConfig"]
+__all__ = ["MagicPIGConfig", "GENERATION_BUFFER"]
+
+# Generated tokens stay in the static set until ``GENERATION_BUFFER`` more follow them; then they
+# are hashed into the index in one append (the reference keeps a generation buffer of 256 tokens,
+# arXiv 2410.16179, Section 5). The unhashed tail ``[end, length)`` is therefore never longer than
+# ``num_local + 2 * GENERATION_BUFFER`` positions: that bound is :meth:`MagicPIGConfig.static_window`.
+GENERATION_BUFFER = 256
 
 
 def _check_count(name: str, value: object) -> None:
@@ -47,3 +56,28 @@ class MagicPIGConfig:
         _check_count("num_sink", self.num_sink)
         _check_count("num_local", self.num_local)
         _check_count("seed", self.seed)
+
+    def hashed_range(self, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The hashed range ``[start, end)`` of each row: the keys that are neither sinks nor local.
+
+        ``start = min(num_sink, length)`` and ``end = max(length - num_local, start)``
+        (arXiv 2410.16179, Section 5: the static set is the sinks plus the local window).
+
+        Args:
+          lengths: int ``[B]`` valid keys per row.
+
+        Returns:
+          ``(start, end)``, int32 ``[B]`` each, ``0 <= start <= end <= length``.
+        """
+        lengths = jnp.asarray(lengths).astype(jnp.int32)
+        start = jnp.minimum(jnp.int32(self.num_sink), lengths)
+        return start, jnp.maximum(lengths - jnp.int32(self.num_local), start)
+
+    def static_window(self, generation_buffer: int = GENERATION_BUFFER) -> int:
+        """The longest unhashed tail ``[end, length)``: ``num_local + 2 * generation_buffer`` positions.
+
+        The local window plus up to two generation buffers of decoded tokens that are not yet
+        appended to the index (an append of ``generation_buffer`` keys is due once the tail
+        reaches this length). Every decode path attends these positions exactly.
+        """
+        return self.num_local + 2 * generation_buffer

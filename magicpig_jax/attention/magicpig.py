@@ -60,12 +60,6 @@ class LSHIndex:
     projections: Float[Array, "D KL"]
 
 
-def _hashed_range(lengths: jax.Array, config: MagicPIGConfig) -> tuple[jax.Array, jax.Array]:
-    start = jnp.minimum(jnp.int32(config.num_sink), lengths)
-    end = jnp.maximum(lengths - jnp.int32(config.num_local), start)
-    return start, end
-
-
 def build_lsh_index(
     k: Float[Array, "B Hkv N D"],
     projections: Float[Array, "D KL"],
@@ -107,7 +101,7 @@ def build_lsh_index(
             f"L={config.L}, got {tuple(projections.shape)}"
         )
     lengths = check_lengths(lengths, B, N)
-    start, end = _hashed_range(lengths, config)
+    start, end = config.hashed_range(lengths)
     pos = jnp.arange(N, dtype=jnp.int32)
     in_range = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # [B, N]
     kf = k.astype(jnp.float32)
