@@ -76,7 +76,7 @@ def monotonicity_check() -> None:
 
 
 def solver_check() -> None:
-    from magicpig_jax.eval.study import tables_for_fraction
+    from magicpig_jax.attention.cost_model import tables_for_fraction
 
     rng = np.random.default_rng(1)
     dists = {

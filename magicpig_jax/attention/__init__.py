@@ -12,6 +12,7 @@ from magicpig_jax.attention.baselines import (
     topk_attention,
 )
 from magicpig_jax.attention.config import MagicPIGConfig
+from magicpig_jax.attention.cost_model import expected_sampled_fraction, tables_for_fraction
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.magicpig import LSHIndex, build_lsh_index, magicpig_attention
 from magicpig_jax.attention.merge import merge_attention
@@ -27,4 +28,6 @@ __all__ = [
     "quest_attention",
     "oracle_sampling_attention",
     "budget_tokens",
+    "expected_sampled_fraction",
+    "tables_for_fraction",
 ]
