@@ -2,7 +2,7 @@
 
 A sample is ``length`` tokens of real prose (no chat template). The first
 ``length - n`` tokens are prefilled densely once; the last ``n`` tokens (256 by default)
-are then *teacher-forced* through :func:`magicpig_jax.generation.decode` with each
+are then *teacher-forced* through :func:`magicpig_jax.eval.forcing.forced_decode` with each
 attention method (``forced_tokens=``), and ``logits_callback=`` collects the next-token
 distribution at every forced position. This measures the decode-time approximation alone:
 prefill is dense and shared, as in MagicPIG (arXiv 2410.16179, Section 4.3, "prefill is
@@ -104,7 +104,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class LogitsRecorder:
-    """A ``logits_callback`` for :func:`decode` that keeps float32 log-probabilities of row 0.
+    """A ``logits_callback`` for :func:`~magicpig_jax.eval.forcing.forced_decode`: float32 log-probabilities of row 0.
 
     After decoding ``n`` forced tokens, :attr:`logp` is ``[n, V]`` (position t predicts
     forced token t).

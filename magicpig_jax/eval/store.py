@@ -1,0 +1,153 @@
+"""The results of ``magicpig-jax eval`` on disk: the crash-safe record file and the run's provenance.
+
+In the output folder:
+
+* ``results.jsonl``: one JSON record per (sample, method), appended and fsync'ed as soon as
+  it is computed (:class:`ResultStore`); a partially written last line is dropped on load.
+* ``config.json``: the settings fingerprint every record of the folder shares
+  (:func:`check_fingerprint`); a run with other settings is refused.
+* ``runs.jsonl``: one line per invocation: machine, wall time, records added
+  (:func:`log_invocation`, :func:`read_runs`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+__all__ = [
+    "RESULTS",
+    "record_key",
+    "ResultStore",
+    "machine_info",
+    "check_fingerprint",
+    "log_invocation",
+    "read_runs",
+]
+
+RESULTS = "results.jsonl"
+
+
+def record_key(rec: dict) -> tuple:
+    """The identity of a record: (kind, task, length, index, method)."""
+    return (rec["kind"], rec["task"], int(rec["length"]), int(rec["index"]), rec["method"])
+
+
+class ResultStore:
+    """The append-only JSONL results file, crash-safe.
+
+    Loading drops a partially written last line (no trailing newline, or not valid JSON)
+    by truncating the file to the last complete record; later duplicates of a key are
+    ignored. :meth:`append` writes one line, flushes and fsyncs it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.records: dict[tuple, dict] = {}
+        if not self.path.exists():
+            return
+        data = self.path.read_bytes()
+        keep = len(data)
+        lines = data.split(b"\n")
+        if data and not data.endswith(b"\n"):
+            keep -= len(lines[-1])
+            lines = lines[:-1]
+        good = 0
+        for raw in lines:
+            if not raw.strip():
+                good += len(raw) + 1
+                continue
+            try:
+                rec = json.loads(raw)
+            except json.JSONDecodeError:
+                keep = good  # a corrupt line: drop it and everything after it
+                break
+            self.records.setdefault(record_key(rec), rec)
+            good += len(raw) + 1
+        if keep < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(keep)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.records
+
+    def get(self, key: tuple) -> dict | None:
+        return self.records.get(key)
+
+    def append(self, rec: dict) -> None:
+        """Write ``rec`` as one line, flushed and fsync'ed.
+
+        Raises:
+          RuntimeError: a record with the same :func:`record_key` is already stored.
+        """
+        key = record_key(rec)
+        if key in self.records:
+            raise RuntimeError(f"duplicate record {key}")
+        line = json.dumps(rec, sort_keys=True) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self.records[key] = rec
+
+
+def machine_info() -> dict:
+    """The machine a run happened on (for the results' provenance)."""
+    import jax
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return info
+
+
+def check_fingerprint(out: Path, fingerprint: dict) -> None:
+    """Pin ``fingerprint`` in ``out/config.json``, or check it against the one already there.
+
+    Raises:
+      ValueError: ``out`` holds results of different settings (the message lists old and new values).
+    """
+    cfg_path = Path(out) / "config.json"
+    if cfg_path.exists():
+        old = json.loads(cfg_path.read_text()).get("fingerprint", {})
+        diff = {k: (old.get(k), v) for k, v in fingerprint.items() if old.get(k) != v}
+        if diff:
+            raise ValueError(f"{out} holds results of other settings {diff} (old, new); use another --out")
+    else:
+        cfg_path.write_text(json.dumps({"fingerprint": fingerprint}, indent=2) + "\n")
+
+
+def log_invocation(out: Path, t_start: float, added: int) -> None:
+    """Append one line to ``out/runs.jsonl``: start (UTC), wall seconds, records added, machine, argv.
+
+    ``t_start`` is the invocation's start in ``time.time()`` seconds.
+
+    Skipped when the invocation added nothing and took at most a second (a no-op rerun).
+    """
+    wall = time.time() - t_start
+    if not added and wall <= 1:
+        return
+    entry = {"start": datetime.datetime.fromtimestamp(t_start, datetime.UTC).isoformat(timespec="seconds"),
+             "wall_seconds": round(wall, 1), "records_added": added, "machine": machine_info(),
+             "argv": sys.argv}
+    with open(Path(out) / "runs.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def read_runs(out: Path) -> list[dict]:
+    """Every line of ``out/runs.jsonl`` (empty when there is none)."""
+    path = Path(out) / "runs.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]

@@ -1,0 +1,142 @@
+"""magicpig_jax.eval.run: the resumable runner and the ``magicpig-jax eval`` command.
+
+The runner logic runs on the tiny random model of ``tests/_tiny.py`` with a character-level
+tokenizer; one small configuration of the real command runs on the embedded SmolLM2.
+Haystack: ``/usr/share/common-licenses`` (no apt package needed).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from magicpig_jax import cli
+from magicpig_jax.eval.methods import parse_methods
+from magicpig_jax.eval.report import finish
+from magicpig_jax.eval.run import EvalSettings, run_eval
+from magicpig_jax.io.loader import LoadedModel
+from magicpig_jax.io.tokenizer import Tokenizer
+from tests._tiny import TINY, tiny_model
+
+HAY = "licenses"
+
+
+def test_cli_eval_is_wired(capsys, tmp_path):
+    assert cli.main(["eval", "--tasks", "bogus", "--out", str(tmp_path)]) == 2
+    assert "unknown task" in capsys.readouterr().err
+    assert cli.main(["eval", "--methods", "dense,flash", "--out", str(tmp_path)]) == 2
+
+
+# --- the runner on the tiny model -------------------------------------------------------------
+
+def char_model(seed: int = 0) -> LoadedModel:
+    """The tiny random model with a character-level tokenizer (96 characters + EOS = 97 ids)."""
+    chars = [chr(i) for i in range(32, 127)] + ["\n"]
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    assert len(vocab) == TINY.vocab_size
+    backend = HFTokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}\n{% endif %}"
+    tok = Tokenizer(backend, chat_template=template, eos_token_ids=())  # no EOS: every decode runs to the end
+    m = tiny_model(seed)
+    return LoadedModel(m.module, m.config, tok, m.source)
+
+
+class Interrupt(Exception):
+    pass
+
+
+def _settings(**kw) -> EvalSettings:
+    base = dict(tasks=["niah_single", "vt"], lengths=[768], samples=2,
+                methods=parse_methods("dense,magicpig:4x8,topk", "magicpig:4x8"), haystack=HAY,
+                likelihood_tokens=8, likelihood_samples=1, max_new_tokens=4, budget_from="magicpig:4x8",
+                page_size=64)  # coarse budget rounding: fewer TopK/oracle compilations
+    base.update(kw)
+    return EvalSettings(**base)
+
+
+def test_runner_resumes_without_loss_or_duplicates(tmp_path):
+    model = char_model()
+    settings = _settings()
+    out = tmp_path / "run"
+    seen: list[dict] = []
+
+    def stop_after_7(rec):
+        seen.append(rec)
+        if len(seen) == 7:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        run_eval(model, settings, out, on_record=stop_after_7, progress=False)
+    first = (out / "results.jsonl").read_text().splitlines()
+    assert len(first) == 7
+    # a crash mid-write leaves half a line: it is dropped on resume
+    with open(out / "results.jsonl", "a") as f:
+        f.write('{"kind": "task", "trunc')
+    again: list[dict] = []
+    store = run_eval(model, settings, out, on_record=again.append, progress=False)
+    lines = (out / "results.jsonl").read_text().splitlines()
+    total = (2 * 2 + 1) * 3  # (samples x tasks + likelihood samples) x methods
+    assert len(again) == total - 7 and len(lines) == total and lines[:7] == first
+    recs = [json.loads(x) for x in lines]
+    keys = [(r["kind"], r["task"], r["length"], r["index"], r["method"]) for r in recs]
+    assert len(set(keys)) == total and len(store.records) == total
+    # complete: a third run computes nothing
+    nothing: list[dict] = []
+    run_eval(model, settings, out, on_record=nothing.append, progress=False)
+    assert nothing == []
+    # values
+    by = {k: r for k, r in zip(keys, recs, strict=True)}
+    for r in recs:
+        assert r["prompt_tokens"] <= 768 and 0 <= r.get("score", 0) <= 1
+        if r["method"] == "dense":
+            assert r["sampled_fraction"] == 1.0
+        else:
+            assert 0 < r["sampled_fraction"] < 1
+        if r["backend"] == "topk":  # budget = the reference's measured count, in whole pages
+            ref = by[(r["kind"], r["task"], r["length"], r["index"], "magicpig:4x8")]
+            assert r["budget_measured_keys"] == pytest.approx(ref["mean_sampled_keys"])
+            assert r["budget"] % 64 == 0 and abs(r["budget"] - ref["mean_sampled_keys"]) <= 32
+    lik = {r["method"]: r for r in recs if r["kind"] == "likelihood"}
+    assert lik["dense"]["kl"] == 0.0 and lik["dense"]["top1"] == 1.0
+    assert all(r["kl"] >= 0 and r["ppl"] > 1 for r in lik.values())
+    text = finish(store, settings, out, "tiny")
+    assert "| dense |" in text and "magicpig:4x8" in text
+    for name in ("summary.md", "summary.json", "accuracy_vs_cost.png", "kl_vs_cost.png", "runs.jsonl"):
+        assert (out / name).stat().st_size > 0
+    # other settings in the same folder are refused
+    with pytest.raises(ValueError, match="other settings"):
+        run_eval(model, _settings(seed=5), out, progress=False)
+
+
+# --- the real command on the embedded model ---------------------------------------------------
+
+@pytest.mark.slow
+def test_real_model_small_eval(tmp_path, capsys):
+    out = tmp_path / "real"
+    # a fixed TopK budget keeps this to one TopK compilation (the measured budget is tested above)
+    rc = cli.main(["eval", "--tasks", "niah_single", "--lengths", "512", "--samples", "1",
+                   "--methods", "dense,magicpig:10x150,topk:32", "--likelihood-tokens", "6",
+                   "--max-new-tokens", "8", "--haystack", HAY, "--out", str(out), "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "### Context 512 tokens" in printed and "| magicpig:10x150 |" in printed
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(recs) == 6
+    task = {r["method"]: r for r in recs if r["kind"] == "task"}
+    lik = {r["method"]: r for r in recs if r["kind"] == "likelihood"}
+    assert task["dense"]["score"] == 1.0  # SmolLM2 finds one needle in 512 tokens of license text
+    assert task["dense"]["outputs"][0] in task["dense"]["prediction"]
+    for r in recs:
+        assert 400 <= r["prompt_tokens"] <= 512
+        assert r["sampled_fraction"] == 1.0 if r["method"] == "dense" else 0 < r["sampled_fraction"] < 0.2
+    mp = task["magicpig:10x150"]
+    assert set(map(int, mp["sampled_fraction_per_layer"])) == set(range(30)) - {0, 15}
+    assert lik["dense"]["kl"] == 0.0 and lik["dense"]["top1"] == 1.0
+    assert 0 < lik["magicpig:10x150"]["kl"] < 1 and 0 < lik["topk:32"]["kl"] < 1
+    assert all(1 < r["ppl"] < 1000 for r in lik.values())
+    assert (out / "accuracy_vs_cost.png").is_file() and (out / "kl_vs_cost.png").is_file()
