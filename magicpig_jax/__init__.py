@@ -11,9 +11,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-# Importing the package registers the host op's XLA FFI targets (platform "cpu").
-from magicpig_jax import host as _host  # noqa: E402,F401
-
 __all__ = ["load_model", "generate", "__version__"]
 
 

@@ -62,6 +62,8 @@ from jax.sharding import PartitionSpec as P
 
 from magicpig_jax import host
 from magicpig_jax.attention.config import MagicPIGConfig
+from magicpig_jax.host._ext import impl_code
+from magicpig_jax.host.validate import check_config, check_index, check_int
 
 __all__ = [
     "BATCH",
@@ -224,14 +226,14 @@ def sharded_build_index(
       ValueError / TypeError: a bad mesh, a split that does not divide ``B`` or ``Hkv``,
       or any error of ``host_build_index``.
     """
-    host._check_config(config)
+    check_config(config)
     if not hasattr(k, "ndim") or k.ndim != 4:
         raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(getattr(k, 'shape', ()))}")
     B, Hkv, N, D = k.shape
     _check_split(mesh, B, Hkv)
     _check_rows("lengths", lengths, B, N)
     if capacity is not None:
-        host._check_int("capacity", capacity, N, 2**31 - 1)
+        check_int("capacity", capacity, N, 2**31 - 1)
     if projections.shape != (D, config.K * config.L):
         raise ValueError(f"projections must be [D, K*L] = [{D}, {config.K * config.L}], "
                          f"got {tuple(projections.shape)}")
@@ -336,7 +338,7 @@ def sharded_magicpig_attention(
     Raises:
       ValueError / TypeError: a bad mesh or split, or any error of ``host_magicpig_attention``.
     """
-    host._check_config(config)
+    check_config(config)
     for name, x, nd in (("q", q, 3), ("k", k, 4), ("v", v, 4)):
         if not hasattr(x, "ndim") or x.ndim != nd:
             raise ValueError(f"{name} must have {nd} dimensions, got shape {tuple(getattr(x, 'shape', ()))}")
@@ -344,13 +346,12 @@ def sharded_magicpig_attention(
     _check_split(mesh, B, Hkv, q.shape[1])
     if not isinstance(host_index, host.HostIndex):
         raise TypeError(f"host_index must be a HostIndex, got {type(host_index).__name__}")
-    host._check_index(host_index, config, B, Hkv, D)
+    check_index(host_index, config, B, Hkv, D)
     _check_rows("lengths", lengths, B, N)
     if static_window is None:
-        static_window = config.num_local + host.DEFAULT_GENERATION_BUFFER
-    static_window = host._check_int("static_window", static_window, 0, 2**31 - 1)
-    if impl not in host._IMPLS:
-        raise ValueError(f"impl must be one of {sorted(host._IMPLS)}, got {impl!r}")
+        static_window = config.static_window()
+    static_window = check_int("static_window", static_window, 0, 2**31 - 1)
+    impl_code(impl)
     lengths = jnp.full((B,), N, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)
     return _attention(q, k, v, host_index, lengths, mesh=mesh, config=config, static_window=static_window,
                       impl=impl, max_threads=max_threads)

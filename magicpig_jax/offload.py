@@ -44,6 +44,7 @@ from magicpig_jax import host, lsh
 from magicpig_jax.attention.config import MagicPIGConfig
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.merge import merge_attention
+from magicpig_jax.host.validate import check_config, check_index, check_int, check_lengths_strict
 
 __all__ = [
     "StaticKV",
@@ -155,7 +156,7 @@ def prepare_offload(
       lengths: int ``[B]`` valid keys per row (default N).
       accel_device, host_device: the two devices (``host_device`` must be a CPU device).
       static_window: tail positions attended exactly on the accelerator (default
-        ``num_local + 256``, as ``host_magicpig_attention``).
+        :meth:`MagicPIGConfig.static_window`, as ``host_magicpig_attention``).
 
     Returns:
       ``(AccelState on accel_device, HostState on host_device)``.
@@ -166,13 +167,13 @@ def prepare_offload(
     if host_device.platform != "cpu":
         raise ValueError(f"host_device must be a CPU device (the host op runs on the CPU platform), "
                          f"got {host_device}")
-    host._check_config(config)
+    check_config(config)
     B, Hkv, N, D = k.shape
-    host._check_index(index, config, B, Hkv, D)
+    check_index(index, config, B, Hkv, D)
     if static_window is None:
-        static_window = config.num_local + host.DEFAULT_GENERATION_BUFFER
-    static_window = host._check_int("static_window", static_window, 0, 2**31 - 1)
-    lengths = host._check_lengths_strict(lengths, B, N)
+        static_window = config.static_window()
+    static_window = check_int("static_window", static_window, 0, 2**31 - 1)
+    lengths = check_lengths_strict(lengths, B, N)
     k, v, index, lengths = jax.device_put((k, v, index, lengths), host_device)
     static = static_kv(k, v, index.start, index.end, lengths, num_sink=config.num_sink, window=static_window)
     accel = AccelState(projections=index.projections, static=static)

@@ -1,4 +1,4 @@
-"""The exact host attention of the dense layers (magicpig_jax.host_exact) against float64 NumPy,
+"""The exact host attention of the dense layers (magicpig_jax.host.exact) against float64 NumPy,
 its edge cases and errors, and its use by the host MagicPIG decoder."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from magicpig_jax import host
 from magicpig_jax.attention import MagicPIGConfig
-from magicpig_jax.host_exact import MAX_GROUP, host_exact_attention
+from magicpig_jax.host import MAX_GROUP, host_exact_attention
 from magicpig_jax.models.backends import DecodeSpec
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.config import LlamaConfig

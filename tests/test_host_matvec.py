@@ -1,4 +1,4 @@
-"""The quantized decode matvec (magicpig_jax.host_matvec, models.linear) against float64
+"""The quantized decode matvec (magicpig_jax.host.matvec, models.linear) against float64
 NumPy of gguf-py's own dequantization, and the packed model against the float32 one."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from magicpig_jax import host
 from magicpig_jax.generation import decode, prefill
-from magicpig_jax.host_matvec import QUANT_TYPES, packed_row_bytes, quant_matvec
+from magicpig_jax.host import QUANT_TYPES, packed_row_bytes, quant_matvec
 from magicpig_jax.io.embedded import embedded_model_path
 from magicpig_jax.io.loader import load_model
 from magicpig_jax.models.linear import MATVEC_MAX_TOKENS, Linear

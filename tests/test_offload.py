@@ -24,7 +24,7 @@ _CHECKS = textwrap.dedent(r'''
     import json, os, traceback
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     import jax, jax.numpy as jnp, numpy as np
-    from magicpig_jax import host, offload
+    from magicpig_jax import host, lsh, offload
     from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, magicpig_attention
 
     accel, host_dev = jax.devices()
@@ -101,8 +101,8 @@ _CHECKS = textwrap.dedent(r'''
         acc_args = [tuple(x.shape) for x in jax.tree.leaves((q_a, a_state))]
         q_h, c_h = jax.device_put((q_a, codes), host_dev)
         o_h, l_h, ns = offload.host_part(q_h, c_h, h_state)
-        ref_codes = np.asarray(jax.jit(host.lsh.simhash_codes, static_argnums=(2, 3))(jnp.asarray(q), jnp.asarray(proj),
-                                                                                    cfg.K, cfg.L))
+        ref_codes = np.asarray(jax.jit(lsh.simhash_codes, static_argnums=(2, 3))(jnp.asarray(q), jnp.asarray(proj),
+                                                                               cfg.K, cfg.L))
         return {
             "codes_device": devices_of(codes), "static_device": devices_of((o_s, l_s)),
             "host_out_device": devices_of((o_h, l_h, ns)),

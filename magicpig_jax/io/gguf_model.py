@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from magicpig_jax.host_matvec import QUANT_TYPES
+from magicpig_jax.io.gguf_blocks import QUANT_TYPES
 from magicpig_jax.models.config import LlamaConfig
 
 __all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key"]
@@ -64,7 +64,7 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
     ``(out, in)`` layout and naming (``model.layers.{i}.self_attn.q_proj.weight``...).
     Matrices stored as Q4_1 or Q8_0 also keep their raw blocks, uint8 ``[out, in/32 *
     block bytes]`` under :func:`packed_key` (rows in the same order as the float32
-    weight), for the decode-time matvec of :mod:`magicpig_jax.host_matvec`.
+    weight), for the decode-time matvec of :mod:`magicpig_jax.host.matvec`.
 
     Returns:
       ``(config, weights, tokenizer_metadata, rope_freq_factors)``.

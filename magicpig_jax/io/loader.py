@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from magicpig_jax.host_matvec import QUANT_TYPES
 from magicpig_jax.io.embedded import embedded_model_path
+from magicpig_jax.io.gguf_blocks import QUANT_TYPES
 from magicpig_jax.io.gguf_model import packed_key
 from magicpig_jax.io.tokenizer import Tokenizer
 from magicpig_jax.models.config import LlamaConfig, rope_inv_freq

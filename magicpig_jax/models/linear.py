@@ -4,7 +4,7 @@ Prefill multiplies a weight by hundreds of tokens at once (XLA's float32 GEMM on
 ``kernel``); decoding multiplies it by one token per row, and then the cost is the bytes
 of the weight. A :class:`Linear` loaded from a quantized GGUF file also holds the tensor's
 raw blocks (:class:`PackedWeight`); calls with at most :data:`MATVEC_MAX_TOKENS` token rows
-then use :func:`magicpig_jax.host_matvec.quant_matvec` on CPU, which reads those blocks
+then use :func:`magicpig_jax.host.matvec.quant_matvec` on CPU, which reads those blocks
 (6x fewer bytes than float32 for Q4_1) and equals the float32 product up to summation order.
 On other backends, or without packed blocks, the float32 kernel is used.
 
@@ -39,7 +39,7 @@ def make_packed(blocks: np.ndarray | jax.Array, qtype: str, out_features: int, i
         ``[Out, In / 32 * block_bytes(qtype)]``.
       TypeError: ``blocks`` is not uint8.
     """
-    from magicpig_jax.host_matvec import packed_row_bytes
+    from magicpig_jax.host.matvec import packed_row_bytes
 
     rb = packed_row_bytes(qtype, in_features)
     if np.dtype(blocks.dtype) != np.uint8:
@@ -52,9 +52,9 @@ def make_packed(blocks: np.ndarray | jax.Array, qtype: str, out_features: int, i
 
 def _host_matvec_available() -> bool:
     try:
-        from magicpig_jax.host import _ops
+        from magicpig_jax.host._ext import ops
 
-        _ops()
+        ops()
     except ImportError:
         return False
     return True
@@ -64,7 +64,7 @@ def _packed_or_dense(x, packed, qtype, dense, post=lambda y: y):
     """``post(quant_matvec(x, packed))`` for decode-sized calls on CPU, else ``dense(x)``."""
     if packed is None or math.prod(x.shape[:-1]) > MATVEC_MAX_TOKENS or not _host_matvec_available():
         return dense(x)
-    from magicpig_jax.host_matvec import quant_matvec
+    from magicpig_jax.host.matvec import quant_matvec
 
     # Only the branch of the platform being compiled for is lowered: on GPU/TPU the
     # CPU-only FFI target is never referenced.

@@ -8,11 +8,7 @@ them in registers, in float32, exactly as ggml's ``dequantize_row_q4_1``/``_q8_0
 ``gguf.quants.dequantize``) do; the activations stay float32 (llama.cpp rounds them to 8
 bits). The product therefore equals ``x @ dequantize(w).T`` up to float32 summation order.
 
-Block formats (ggml ``ggml-common.h``; each row of ``In`` weights is ``In / 32`` blocks):
-
-* ``Q4_1``, 20 bytes: f16 ``d``, f16 ``m``, 16 bytes of 4-bit ``q``;
-  ``w[j] = d * q[j] + m`` (low nibbles are weights 0..15, high nibbles 16..31);
-* ``Q8_0``, 34 bytes: f16 ``d``, 32 int8 ``q``; ``w[j] = d * q[j]``.
+The block formats and their sizes are in :mod:`magicpig_jax.io.gguf_blocks` (re-exported here).
 
 Work is split over rows with XLA's intra-op thread pool; the inner loop has an AVX2/FMA/F16C
 variant chosen at run time and a portable scalar one.
@@ -25,35 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, UInt8
 
-from magicpig_jax.host import _IMPLS, _ops
+from magicpig_jax.host._ext import impl_code, ops
+from magicpig_jax.io.gguf_blocks import BLOCK_SIZE, QUANT_TYPES, block_bytes, packed_row_bytes
 
 __all__ = ["QUANT_TYPES", "BLOCK_SIZE", "block_bytes", "packed_row_bytes", "quant_matvec"]
-
-BLOCK_SIZE = 32  # weights per block (QK4_1 == QK8_0 == 32)
-QUANT_TYPES = {"Q4_1": (3, 20), "Q8_0": (8, 34)}  # name -> (ggml_type id, bytes per block)
-
-
-def block_bytes(qtype: str) -> int:
-    """Bytes per block of 32 weights of a supported GGUF type.
-
-    Raises:
-      ValueError: ``qtype`` is not one of :data:`QUANT_TYPES` (``"Q4_1"``, ``"Q8_0"``).
-    """
-    if qtype not in QUANT_TYPES:
-        raise ValueError(f"qtype must be one of {sorted(QUANT_TYPES)}, got {qtype!r}")
-    return QUANT_TYPES[qtype][1]
-
-
-def packed_row_bytes(qtype: str, in_features: int) -> int:
-    """Bytes of one packed row of ``in_features`` weights: ``in_features / 32 * block_bytes``.
-
-    Raises:
-      ValueError: unknown ``qtype``, or ``in_features`` not a positive multiple of 32.
-    """
-    bb = block_bytes(qtype)
-    if not isinstance(in_features, int) or in_features <= 0 or in_features % BLOCK_SIZE:
-        raise ValueError(f"in_features must be a positive multiple of {BLOCK_SIZE}, got {in_features!r}")
-    return in_features // BLOCK_SIZE * bb
 
 
 def quant_matvec(
@@ -87,10 +58,9 @@ def quant_matvec(
       TypeError: ``packed`` is not uint8.
       ImportError: the native extension is not built.
 
-    Source: ggml ``dequantize_row_q4_1`` / ``dequantize_row_q8_0`` (block layouts above).
+    Source: ggml ``dequantize_row_q4_1`` / ``dequantize_row_q8_0`` (:mod:`magicpig_jax.io.gguf_blocks`).
     """
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {sorted(_IMPLS)}, got {impl!r}")
+    code = impl_code(impl)
     x = jnp.asarray(x)
     packed = jnp.asarray(packed)
     if x.ndim < 1:
@@ -103,13 +73,13 @@ def quant_matvec(
                          f"got shape {packed.shape}")
     if not isinstance(max_threads, int) or max_threads < 0:
         raise ValueError(f"max_threads must be an int >= 0, got {max_threads!r}")
-    _ops()
+    ops()
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     y = jax.ffi.ffi_call(
         "magicpig_quant_matvec",
         jax.ShapeDtypeStruct((x2.shape[0], packed.shape[0]), jnp.float32),
         vmap_method="sequential",
-    )(x2, packed, qtype=np.int64(QUANT_TYPES[qtype][0]), impl=np.int64(_IMPLS[impl]),
+    )(x2, packed, qtype=np.int64(QUANT_TYPES[qtype][0]), impl=np.int64(code),
       max_threads=np.int64(max_threads))
     return y.reshape(*lead, packed.shape[0]).astype(x.dtype)

@@ -1,0 +1,223 @@
+"""Building the host index after prefill and appending keys to it (XLA FFI, CPU).
+
+The mean and the SimHash codes of the centered keys are computed in JAX exactly as
+:func:`magicpig_jax.attention.build_lsh_index` does (arXiv 2410.16179, Section 4.2); the C++
+handlers ``magicpig_host_build`` and ``magicpig_host_append`` (``host_ops/magicpig_host.cc``)
+sort them into the chunked tables of :class:`~magicpig_jax.host.index.HostIndex`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, UInt32
+
+from magicpig_jax import lsh
+from magicpig_jax.attention.config import MagicPIGConfig
+from magicpig_jax.attention.magicpig import LSHIndex, build_lsh_index
+from magicpig_jax.host._ext import ops
+from magicpig_jax.host.index import DEFAULT_OPEN_CAPACITY, MAX_CHUNK, HostIndex, chunk_geometry
+from magicpig_jax.host.validate import check_config, check_int, check_lengths_strict
+
+__all__ = ["host_build_index", "host_append", "host_key_codes", "build_lsh_index_blocked", "CODES_BLOCK_BYTES"]
+
+# Above this many bytes of float32 projections ``[B, Hkv, N, K*L]`` the codes are computed in
+# blocks of positions (:func:`build_lsh_index_blocked`), so the temporary stays bounded.
+CODES_BLOCK_BYTES = 512 << 20
+
+
+def host_build_index(
+    k: Float[Array, "B Hkv N D"],
+    projections: Float[Array, "D KL"],
+    config: MagicPIGConfig,
+    lengths: Int[Array, " B"] | None = None,
+    capacity: int | None = None,
+    open_capacity: int = DEFAULT_OPEN_CAPACITY,
+    max_threads: int = 0,
+    chunk_size: int | None = None,
+) -> HostIndex:
+    """Build the host index of one layer after prefill (mirrors :func:`build_lsh_index`).
+
+    The mean and the SimHash codes of the centered keys of the hashed range
+    (:meth:`MagicPIGConfig.hashed_range`) are computed in JAX exactly as
+    :func:`build_lsh_index` does (it is called); the FFI op sorts them into the chunked tables.
+
+    Args:
+      k: float ``[B, Hkv, N, D]`` keys.
+      projections: float32 ``[D, K*L]``.
+      config: :class:`MagicPIGConfig` with ``1 <= K <= 16`` and ``2 <= L <= 4096``.
+      lengths: int ``[B]`` valid keys per row (default N); concrete values outside
+        ``[0, N]`` raise.
+      capacity: positions the index must hold, including later appends
+        (default N; must be in ``[N, 2^31 - 1]``).
+      open_capacity: size of the open chunk, ``[1, 65536]`` (default 512).
+      max_threads: cap on worker threads (0 = XLA's intra-op pool size).
+      chunk_size: positions per chunk, ``[1, 65536]`` (default: balanced chunks of
+        at most 65536).
+
+    Returns:
+      A :class:`HostIndex`.
+
+    Raises:
+      TypeError / ValueError: naming the bad parameter and the allowed values.
+      ImportError: the native extension is not built.
+
+    Source: arXiv 2410.16179, Sections 4.2-4.3.
+    """
+    check_config(config)
+    if not hasattr(k, "ndim") or k.ndim != 4:
+        raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(getattr(k, 'shape', ()))}")
+    if not jnp.issubdtype(k.dtype, jnp.floating):
+        raise TypeError(f"k must be a floating dtype (float32 or bfloat16), got {k.dtype}")
+    B, Hkv, N, D = k.shape
+    capacity = N if capacity is None else check_int("capacity", capacity, N, 2**31 - 1)
+    open_capacity = check_int("open_capacity", open_capacity, 1, MAX_CHUNK)
+    max_threads = check_int("max_threads", max_threads, 0, 4096)
+    if chunk_size is not None:
+        chunk_size = check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
+    lengths = check_lengths_strict(lengths, B, N)
+    if B * Hkv * N * config.K * config.L * 4 <= CODES_BLOCK_BYTES:
+        ref = build_lsh_index(k, projections, config, lengths)
+    else:
+        ref = build_lsh_index_blocked(k, projections, config, lengths)
+    ops()
+    nc, ch = chunk_geometry(capacity)
+    nbk = (1 << config.K) + 1
+    out_types = (
+        jax.ShapeDtypeStruct((B, Hkv, nc, config.L, ch), jnp.uint16),
+        jax.ShapeDtypeStruct((B, Hkv, nc, config.L, nbk), jnp.int32),
+        jax.ShapeDtypeStruct((B, Hkv, config.L, open_capacity), jnp.uint16),
+        jax.ShapeDtypeStruct((B, 3), jnp.int32),
+    )
+    ids, offsets, open_codes, bounds = jax.ffi.ffi_call(
+        "magicpig_host_build", out_types, vmap_method="sequential"
+    )(ref.codes, ref.start.astype(jnp.int32), ref.end.astype(jnp.int32),
+      K=np.int64(config.K), max_threads=np.int64(max_threads))
+    return HostIndex(ids=ids, offsets=offsets, open_codes=open_codes, bounds=bounds, mean=ref.mean,
+                     projections=ref.projections.astype(jnp.float32), K=config.K, L=config.L)
+
+
+def build_lsh_index_blocked(
+    k: Float[Array, "B Hkv N D"],
+    projections: Float[Array, "D KL"],
+    config: MagicPIGConfig,
+    lengths: Int[Array, " B"],
+) -> LSHIndex:
+    """:func:`build_lsh_index` with the codes computed over blocks of positions.
+
+    Same mean and the same per-key formula; the float32 ``[.., N, K*L]`` projection
+    temporary is bounded by :data:`CODES_BLOCK_BYTES` instead of growing with N.
+
+    Args:
+      k: float ``[B, Hkv, N, D]``; projections: float32 ``[D, K*L]``; lengths: int ``[B]``.
+
+    Returns:
+      The :class:`LSHIndex` that :func:`build_lsh_index` returns (codes uint32 ``[B, Hkv, N, L]``).
+    """
+    B, Hkv, N, D = k.shape
+    small = build_lsh_index(k[:, :, :0], projections, config, jnp.zeros_like(lengths))
+    del small  # validates the arguments the same way
+    start, end = config.hashed_range(lengths)
+    pos = jnp.arange(N, dtype=jnp.int32)
+    in_range = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+    count = jnp.maximum(end - start, 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(in_range[:, None, :, None], k.astype(jnp.float32), 0.0), axis=2)
+    mean = mean / count[:, None, None]
+    blk = max(1, CODES_BLOCK_BYTES // (B * Hkv * config.K * config.L * 4))
+    nblk = -(-N // blk)
+    kp = jnp.pad(k, ((0, 0), (0, 0), (0, nblk * blk - N), (0, 0)))
+    kp = jnp.moveaxis(kp.reshape(B, Hkv, nblk, blk, D), 2, 0)
+
+    def codes_of(kb):
+        kc = kb.astype(jnp.float32) - mean[:, :, None, :]
+        return lsh.simhash_codes(kc, projections, config.K, config.L)
+
+    codes = jax.lax.map(codes_of, kp)  # [nblk, B, Hkv, blk, L]
+    codes = jnp.moveaxis(codes, 0, 2).reshape(B, Hkv, nblk * blk, config.L)[:, :, :N]
+    return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections)
+
+
+def host_key_codes(index: HostIndex, k_new: Float[Array, "B Hkv T D"]) -> UInt32[Array, "B Hkv T L"]:
+    """SimHash codes of new keys, centered by the index's mean (what :func:`host_append` inserts)."""
+    kf = jnp.asarray(k_new).astype(jnp.float32) - index.mean[:, :, None, :]
+    return lsh.simhash_codes(kf, index.projections, index.K, index.L)
+
+
+def _check_counts(counts, B: int, T: int) -> jax.Array:
+    """int32 ``[B]`` counts in ``[0, T]`` (default T); concrete values outside raise ``ValueError``."""
+    if counts is None:
+        return jnp.full((B,), T, jnp.int32)
+    if not isinstance(counts, jax.core.Tracer):
+        c = np.asarray(counts)
+        if c.shape != (B,) or not np.issubdtype(c.dtype, np.integer):
+            raise ValueError(f"counts must be int [B] = [{B}], got {c.dtype} {list(c.shape)}")
+        if c.size and (c.min() < 0 or c.max() > T):
+            raise ValueError(f"counts must be in [0, T={T}], got {c.tolist()}")
+    counts = jnp.asarray(counts)
+    if counts.shape != (B,) or not jnp.issubdtype(counts.dtype, jnp.integer):
+        raise ValueError(f"counts must be int [B] = [{B}], got {counts.dtype} {list(counts.shape)}")
+    return counts.astype(jnp.int32)
+
+
+def host_append(
+    index: HostIndex,
+    k_new: Float[Array, "B Hkv T D"],
+    counts: Int[Array, " B"] | None = None,
+    max_threads: int = 0,
+) -> HostIndex:
+    """Insert keys into the index at positions ``end[b], end[b] + 1, ...`` of each row.
+
+    Row b appends its first ``counts[b]`` new keys (default T); the hashed range
+    becomes ``[start, end + counts)``, so these keys move from the static set to the
+    sampled set (e.g. decode tokens leaving a generation buffer). They are centered
+    with the index's mean (arXiv 2410.16179, Section 4.2). The buffers are aliased
+    input -> output, so under ``jax.jit`` with the index donated the append is in
+    place: O(L) per key, plus a merge of the open chunk into the sorted chunks each
+    time it fills. The capacity is static; appending past it fails at run time.
+
+    Args:
+      index: the :class:`HostIndex` (donate it under jit).
+      k_new: float ``[B, Hkv, T, D]`` the new keys (uncentered).
+      counts: int ``[B]`` in ``[0, T]`` (default T).
+      max_threads: cap on worker threads (0 = XLA's pool size).
+
+    Returns:
+      The updated :class:`HostIndex`.
+
+    Raises:
+      TypeError / ValueError: bad shapes, dtypes or counts (run-time errors from the
+      op for capacity overflow).
+      ImportError: the native extension is not built.
+    """
+    if not isinstance(index, HostIndex):
+        raise TypeError(f"index must be a HostIndex, got {type(index).__name__}")
+    if not hasattr(k_new, "ndim") or k_new.ndim != 4:
+        raise ValueError(f"k_new must be [B, Hkv, T, D], got shape {tuple(getattr(k_new, 'shape', ()))}")
+    if not jnp.issubdtype(k_new.dtype, jnp.floating):
+        raise TypeError(f"k_new must be a floating dtype, got {k_new.dtype}")
+    B, Hkv, T, D = k_new.shape
+    if index.mean.shape != (B, Hkv, D):
+        raise ValueError(
+            f"k_new {tuple(k_new.shape)} does not match the index (mean {tuple(index.mean.shape)})"
+        )
+    max_threads = check_int("max_threads", max_threads, 0, 4096)
+    counts = _check_counts(counts, B, T)
+    ops()
+    codes = host_key_codes(index, k_new)
+    out_types = (
+        jax.ShapeDtypeStruct(index.ids.shape, jnp.uint16),
+        jax.ShapeDtypeStruct(index.offsets.shape, jnp.int32),
+        jax.ShapeDtypeStruct(index.open_codes.shape, jnp.uint16),
+        jax.ShapeDtypeStruct(index.bounds.shape, jnp.int32),
+    )
+    ids, offsets, open_codes, bounds = jax.ffi.ffi_call(
+        "magicpig_host_append",
+        out_types,
+        vmap_method="sequential",
+        input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3},
+    )(index.ids, index.offsets, index.open_codes, index.bounds, codes, counts,
+      K=np.int64(index.K), max_threads=np.int64(max_threads))
+    return dataclasses.replace(index, ids=ids, offsets=offsets, open_codes=open_codes, bounds=bounds)
