@@ -91,6 +91,7 @@ def check_against_reference(q, k, v, cfg, proj, lengths, hidx, ref_index=None, i
 def test_matches_reference(impl, B, Hq, Hkv, N, D, K, L, lengths):
     cfg, q, k, v, proj, lens = make_case(B, Hq, Hkv, N, D, K, L, lengths)
     hidx = _build(k, proj, cfg, lens, chunk_size=64, open_capacity=7)
+    assert hidx.ids.shape[2:] == (-(-N // 64), L, 64)  # chunk_size is honoured: several chunks
     ns = check_against_reference(q, k, v, cfg, proj, lens, hidx, impl=impl)
     assert int(np.asarray(ns).sum()) > 0
 

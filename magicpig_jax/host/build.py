@@ -84,7 +84,7 @@ def host_build_index(
     else:
         ref = build_lsh_index_blocked(k, projections, config, lengths)
     ops()
-    nc, ch = chunk_geometry(capacity)
+    nc, ch = chunk_geometry(capacity, chunk_size)
     nbk = (1 << config.K) + 1
     out_types = (
         jax.ShapeDtypeStruct((B, Hkv, nc, config.L, ch), jnp.uint16),
