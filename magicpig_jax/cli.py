@@ -40,7 +40,7 @@ def _budget(text: str) -> int | float:
 
 
 def _attention_list(text: str) -> list[str]:
-    from magicpig_jax.models.decoding import BACKENDS
+    from magicpig_jax.models.backends import BACKENDS
 
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in BACKENDS]
@@ -83,29 +83,53 @@ def build_prompt(document: str, question: str) -> str:
             f"Document:\n{document}\n\nQuestion: {question}")
 
 
+def _check_json_path(path: Path | None) -> None:
+    """Refuse a ``--json`` destination that cannot be written, before any work."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"--json {path} is a directory; give a file path")
+    parent = path.parent if str(path.parent) else Path(".")
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise ValueError(f"--json {path}: {existing} is not a directory")
+
+
+def _generate_prompt(args) -> str:
+    """The user message: ``--prompt``, or the question over ``--document`` (checked before loading)."""
+    if args.prompt is not None:
+        if args.document is not None or args.question is not None:
+            raise ValueError("--prompt cannot be combined with --document/--question")
+        return args.prompt
+    doc_path = args.document or DEMO_DOCUMENT
+    if doc_path.is_dir():
+        raise ValueError(f"--document {doc_path} is a directory; give a text file")
+    if not doc_path.is_file():
+        raise FileNotFoundError(f"--document {doc_path} does not exist")
+    return build_prompt(doc_path.read_text(encoding="utf-8"), args.question or DEMO_QUESTION)
+
+
 def _cmd_generate(args) -> int:
     from tqdm import tqdm
 
     from magicpig_jax.attention import MagicPIGConfig
-    from magicpig_jax.generation import decode, encode_prompt, kv_cache_dtype, prefill
+    from magicpig_jax.generation import Sampling, decode, encode_prompt, kv_cache_dtype, prefill
     from magicpig_jax.io.loader import load_model
+    from magicpig_jax.models.backends import DecodeSpec
 
+    # Every argument is checked before the model is loaded.
     config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
                             seed=args.seed)
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     needs_budget = [a for a in args.attention if a in ("topk", "quest", "oracle")]
     if needs_budget and args.budget is None:
         raise ValueError(f"attention {needs_budget[0]!r} needs a budget: pass --budget TOKENS or --budget FRACTION")
+    for name in args.attention:
+        DecodeSpec(backend=name, magicpig=config, budget=args.budget)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.prompt is not None:
-        if args.document is not None or args.question is not None:
-            raise ValueError("--prompt cannot be combined with --document/--question")
-        prompt = args.prompt
-    else:
-        doc_path = args.document or DEMO_DOCUMENT
-        if not doc_path.is_file():
-            raise FileNotFoundError(f"--document {doc_path} does not exist")
-        prompt = build_prompt(doc_path.read_text(encoding="utf-8"), args.question or DEMO_QUESTION)
+    _check_json_path(args.json)
+    prompt = _generate_prompt(args)
     model = load_model(args.model)
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
     ids = encode_prompt(model, prompt, chat=not args.no_chat)
@@ -116,9 +140,8 @@ def _cmd_generate(args) -> int:
     for name in args.attention:
         with tqdm(total=args.max_new_tokens - 1, desc=f"decode [{name}]", unit="tok", leave=False) as bar:
             outs, stats = decode(model, state, attention=name, max_new_tokens=args.max_new_tokens,
-                                 config=config, dense_layers=args.dense_layers, seed=args.seed,
-                                 temperature=args.temperature, top_p=args.top_p, progress=bar.update,
-                                 budget=args.budget)
+                                 config=config, dense_layers=args.dense_layers, sampling=sampling,
+                                 progress=bar.update, budget=args.budget)
         stats["text"] = model.tokenizer.decode(outs[0])
         stats["token_ids"] = outs[0]
         results[name] = stats
@@ -141,7 +164,8 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
              f"{'attention':<10} {'decode tok/s':>12} {'steps':>6} {'compile s':>9} {'sampled fraction':>17}"]
     for name, r in results.items():
         frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"
-        lines.append(f"{name:<10} {r['decode_tokens_per_s']:>12.2f} {r['decode_steps']:>6} "
+        rate = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.2f}"
+        lines.append(f"{name:<10} {rate:>12} {r['decode_steps']:>6} "
                      f"{r['compile_seconds']:>9.1f} {frac:>17}")
     for name, r in results.items():
         per = r["sampled_fraction_per_layer"]

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from magicpig_jax.attention import MagicPIGConfig
-from magicpig_jax.generation import decode, forward_logits, prefill
+from magicpig_jax.eval.forcing import forced_decode
+from magicpig_jax.generation import Sampling, decode, forward_logits, prefill
 from magicpig_jax.models.decoding import DecodeSpec, build_indices, decode_step
 from tests._tiny import tiny_model
 
@@ -88,12 +89,12 @@ def test_magicpig_decode_samples_and_reports_fraction(model):
 def test_sampling_is_seeded(model):
     prompt = list(range(1, 30))
     state = prefill(model, [prompt], 10)
-    a, _ = decode(model, state, attention="dense", max_new_tokens=10, temperature=1.0, top_p=0.9,
-                  seed=3, stop_on_eos=False)
-    b, _ = decode(model, state, attention="dense", max_new_tokens=10, temperature=1.0, top_p=0.9,
-                  seed=3, stop_on_eos=False)
-    c, _ = decode(model, state, attention="dense", max_new_tokens=10, temperature=1.0, top_p=0.9,
-                  seed=4, stop_on_eos=False)
+    a, _ = decode(model, state, attention="dense", max_new_tokens=10,
+                  sampling=Sampling(temperature=1.0, top_p=0.9, seed=3), stop_on_eos=False)
+    b, _ = decode(model, state, attention="dense", max_new_tokens=10,
+                  sampling=Sampling(temperature=1.0, top_p=0.9, seed=3), stop_on_eos=False)
+    c, _ = decode(model, state, attention="dense", max_new_tokens=10,
+                  sampling=Sampling(temperature=1.0, top_p=0.9, seed=4), stop_on_eos=False)
     assert a == b
     assert a != c
 
@@ -105,7 +106,7 @@ def test_decode_rejects_bad_arguments(model):
     with pytest.raises(ValueError, match="dense_layers"):
         decode(model, state, attention="magicpig", dense_layers=[7], max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p"):
-        decode(model, state, attention="dense", top_p=0.0, max_new_tokens=2)
+        decode(model, state, attention="dense", sampling=Sampling(top_p=0.0), max_new_tokens=2)
     with pytest.raises(ValueError, match="longer than the model's context"):
         prefill(model, [[1] * 5000], 4)
     with pytest.raises(ValueError, match="non-empty"):
@@ -209,8 +210,8 @@ def test_bfloat16_kv_cache_host_decode_is_close_to_float32(model):
         state = prefill(model, [prompt], 4, cache_dtype=dtype)
         assert state.cache.k[0].dtype == dtype
         got = []
-        decode(model, state, attention="magicpig", max_new_tokens=4, config=cfg, dense_layers=(),
-               stop_on_eos=False, logits_callback=lambda t, lg, got=got: got.append(lg))
+        forced_decode(model, state, attention="magicpig", max_new_tokens=4, config=cfg, dense_layers=(),
+                      stop_on_eos=False, logits_callback=lambda t, lg, got=got: got.append(lg))
         logits[dtype] = np.stack(got)
     assert np.isfinite(logits[jnp.bfloat16]).all()
     assert np.abs(logits[jnp.bfloat16] - logits[jnp.float32]).max() < 0.1

@@ -11,16 +11,19 @@ from magicpig_jax.attention.baselines import (
     quest_attention,
     topk_attention,
 )
-from magicpig_jax.attention.config import MagicPIGConfig
+from magicpig_jax.attention.config import GENERATION_BUFFER, MagicPIGConfig
 from magicpig_jax.attention.cost_model import expected_sampled_fraction, tables_for_fraction
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.magicpig import LSHIndex, build_lsh_index, magicpig_attention
 from magicpig_jax.attention.merge import merge_attention
+from magicpig_jax.attention.static import static_attention
 
 __all__ = [
     "MagicPIGConfig",
+    "GENERATION_BUFFER",
     "dense_attention",
     "merge_attention",
+    "static_attention",
     "LSHIndex",
     "build_lsh_index",
     "magicpig_attention",

@@ -54,7 +54,7 @@ __all__ = [
 _MAX_DEN = 1 << 15
 
 
-def _check_budget(budget: object) -> fractions.Fraction | int:
+def check_budget(budget: object) -> fractions.Fraction | int:
     """Validate ``budget``; return it as an int (tokens) or a Fraction in (0, 1]."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(
@@ -89,7 +89,7 @@ def budget_tokens(budget: int | float, lengths: Int[Array, " B"]) -> Int[Array, 
       TypeError: ``budget`` is neither int nor float (bool is rejected).
       ValueError: an int budget < 1 or a float outside ``(0, 1]``.
     """
-    b = _check_budget(budget)
+    b = check_budget(budget)
     lengths = jnp.asarray(lengths).astype(jnp.int32)
     if isinstance(b, int):
         return jnp.full(lengths.shape, b, dtype=jnp.int32)
@@ -101,7 +101,7 @@ def budget_tokens(budget: int | float, lengths: Int[Array, " B"]) -> Int[Array, 
 
 def _max_budget_tokens(budget: int | float, N: int) -> int:
     """Static upper bound of :func:`budget_tokens` over rows of length <= N."""
-    b = _check_budget(budget)
+    b = check_budget(budget)
     if isinstance(b, int):
         return b
     return -((-b.numerator * N) // b.denominator)  # exact ceil
@@ -175,13 +175,13 @@ def topk_attention(
       TypeError: non-float q/k/v, non-integer lengths, or a budget of the wrong type.
     """
     B, _, _, N, _ = check_qkv(q, k, v)
-    _check_budget(budget)
+    check_budget(budget)
     lengths = check_lengths(lengths, B, N)
     keep = topk_mask(q, k, budget, lengths)
     return masked_softmax_attention(grouped_logits(q, k), keep, v)
 
 
-def _check_page_size(page_size: object) -> int:
+def check_page_size(page_size: object) -> int:
     if isinstance(page_size, bool) or not isinstance(page_size, int):
         raise TypeError(f"page_size must be an int, got {type(page_size).__name__} {page_size!r}")
     if page_size < 1:
@@ -213,7 +213,7 @@ def quest_page_scores(
 
     Source: Quest (Tang et al., ICML 2024, arXiv 2406.10774), Section 3.2, Algorithm 1.
     """
-    _check_page_size(page_size)
+    check_page_size(page_size)
     B, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -309,8 +309,8 @@ def quest_attention(
     compared against MagicPIG in arXiv 2410.16179, Section 5.
     """
     B, _, _, N, _ = check_qkv(q, k, v)
-    _check_page_size(page_size)
-    _check_budget(budget)
+    check_page_size(page_size)
+    check_budget(budget)
     lengths = check_lengths(lengths, B, N)
     if N == 0:
         return masked_softmax_attention(grouped_logits(q, k), valid_mask(lengths, N), v)
@@ -365,7 +365,7 @@ def oracle_sampling_attention(
     Source: arXiv 2410.16179, Section 3.2, Definition 3.1, Theorems 3.2 and 3.3.
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
-    _check_budget(budget)
+    check_budget(budget)
     lengths = check_lengths(lengths, B, N)
     logits = grouped_logits(q, k)
     valid = valid_mask(lengths, N)

@@ -12,13 +12,17 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from magicpig_jax.generation import decode
+from magicpig_jax.decode_loop import DecodeHooks, Sampling, run_decode
+from magicpig_jax.generation import decode_spec
 
 __all__ = ["forced_decode"]
 
 
 def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None = None,
-                  logits_callback: Callable[[int, np.ndarray], None] | None = None, **decode_kwargs):
+                  logits_callback: Callable[[int, np.ndarray], None] | None = None, attention: str = "magicpig",
+                  max_new_tokens: int = 64, config=None, dense_layers=None, budget=None, page_size: int = 16,
+                  sampling: Sampling | None = None, stop_on_eos: bool = True,
+                  progress=None, mesh=None):
     """:func:`magicpig_jax.generation.decode` with teacher forcing and a per-step logits hook.
 
     Args:
@@ -27,7 +31,8 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
         ones (the returned ids are then these ids); None samples as usual.
       logits_callback: ``callback(step, logits)`` receiving the float32 ``[B, V]`` NumPy
         logits that predict token ``step`` (step 0 = the prefill's).
-      decode_kwargs: every other keyword of :func:`~magicpig_jax.generation.decode`.
+      attention, max_new_tokens, config, dense_layers, budget, page_size, sampling, stop_on_eos,
+        progress, mesh: as for :func:`~magicpig_jax.generation.decode`.
 
     Returns:
       ``(token_ids per row, stats dict)``, as :func:`~magicpig_jax.generation.decode`.
@@ -36,4 +41,7 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
       ValueError: ``forced_tokens`` without one list of ``max_new_tokens`` ids per row, and
         every error of :func:`~magicpig_jax.generation.decode`.
     """
-    return decode(model, state, forced_tokens=forced_tokens, logits_callback=logits_callback, **decode_kwargs)
+    spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh)
+    hooks = DecodeHooks(forced_tokens=forced_tokens, on_logits=logits_callback)
+    return run_decode(model, state, spec, max_new_tokens, sampling or Sampling(), stop_on_eos=stop_on_eos,
+                      progress=progress, hooks=hooks)

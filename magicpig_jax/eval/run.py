@@ -201,7 +201,7 @@ class _Loop:
 
         from magicpig_jax.attention import MagicPIGConfig
         from magicpig_jax.eval.forcing import forced_decode
-        from magicpig_jax.generation import decode
+        from magicpig_jax.generation import Sampling, decode
 
         s = self.settings
         budget, measured = m.budget, None
@@ -210,7 +210,7 @@ class _Loop:
         config = MagicPIGConfig(K=m.K or 10, L=m.L or 150, num_sink=s.num_sink, num_local=s.num_local, seed=s.seed)
         bar = tqdm(total=max(n_new - 1, 0), desc=desc, unit="tok", leave=False, disable=not self.progress)
         kw = dict(attention=m.backend, max_new_tokens=n_new, config=config, dense_layers=self.dense_layers,
-                  seed=s.seed, budget=budget, page_size=s.page_size, progress=bar.update)
+                  sampling=Sampling(seed=s.seed), budget=budget, page_size=s.page_size, progress=bar.update)
         try:
             if forced is None:
                 outs, stats = decode(self.model, state, **kw)

@@ -19,15 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from magicpig_jax import lsh
-from magicpig_jax.attention import (
-    LSHIndex,
-    MagicPIGConfig,
-    build_lsh_index,
-    dense_attention,
-    merge_attention,
-)
-from magicpig_jax.models.backends import BACKENDS, DecodeSpec, MiddleRange, host_append_due, sparse_attention
+from magicpig_jax.attention import dense_attention, merge_attention
+from magicpig_jax.models.backends import BACKENDS, DecodeSpec, backend_for, layer_projections
 from magicpig_jax.models.cache import KVCache
 
 __all__ = [
@@ -120,38 +113,14 @@ def hidden_to_logits(graphdef, state, hidden):
     return nnx.merge(graphdef, state).logits(hidden)
 
 
-def layer_projections(config: MagicPIGConfig, layer: int, head_dim: int) -> jax.Array:
-    """SimHash projections of one layer: ``simhash_projections(fold_in(key(seed), layer), D, K, L)``."""
-    key = jax.random.fold_in(jax.random.key(config.seed), layer)
-    return lsh.simhash_projections(key, head_dim, config.K, config.L)
-
-
 @partial(jax.jit, static_argnames=("spec", "num_layers"))
-def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple[LSHIndex | MiddleRange | None, ...]:
-    """Per-layer decode state built after prefill: the LSH index of every MagicPIG layer,
-    the :class:`MiddleRange` of every other sparse layer, None for dense layers."""
-    out = []
+def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple:
+    """Per-layer decode state built after prefill by the spec's backend (:func:`backend_for`):
+    an index or a hashed range for every sparse layer, None for the dense layers."""
+    backend = backend_for(spec)
     sparse = set(spec.sparse_layers(num_layers))
-    for i in range(num_layers):
-        if i in sparse and spec.backend not in ("magicpig", "magicpig-ref"):
-            out.append(MiddleRange.from_lengths(cache.lengths, spec.magicpig))
-        elif i in sparse and spec.uses_host:
-            from magicpig_jax.host import host_build_index
-
-            proj = layer_projections(spec.magicpig, i, cache.k[i].shape[-1])
-            if spec.mesh is not None:
-                from magicpig_jax.distributed import sharded_build_index
-
-                out.append(sharded_build_index(spec.mesh, cache.k[i], proj, spec.magicpig, cache.lengths,
-                                               capacity=cache.capacity))
-            else:
-                out.append(host_build_index(cache.k[i], proj, spec.magicpig, cache.lengths, capacity=cache.capacity))
-        elif i in sparse:
-            proj = layer_projections(spec.magicpig, i, cache.k[i].shape[-1])
-            out.append(build_lsh_index(cache.k[i], proj, spec.magicpig, cache.lengths))
-        else:
-            out.append(None)
-    return tuple(out)
+    return tuple(backend.build(spec, cache.k[i], cache.lengths, i, cache.capacity) if i in sparse else None
+                 for i in range(num_layers))
 
 
 def sample_token(logits, key, temperature, top_p):
@@ -199,6 +168,7 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
       S = number of sparse layers (0 for dense).
     """
     model = nnx.merge(graphdef, state)
+    backend = backend_for(spec)
     B = tokens.shape[0]
     pos = cache.lengths
     sparse = set(spec.sparse_layers(len(cache.k)))
@@ -214,17 +184,11 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
 
     def attend(i, q, k_cache, v_cache):
         if i in sparse:
-            out, lse, n = sparse_attention(spec, q[:, 0], k_cache, v_cache, indices[i], pos,
-                                           jax.random.fold_in(key, 1000 + i))
+            out, lse, n = backend.attend(spec, q[:, 0], k_cache, v_cache, indices[i], pos,
+                                         jax.random.fold_in(key, 1000 + i))
             counts.append(n)
-        elif spec.uses_host and spec.mesh is None:
-            # A dense layer of a host MagicPIG run: the same exact attention, in the host op
-            # (one pass over each KV head's keys for its G query heads, K/V read in place).
-            from magicpig_jax.host_exact import host_exact_attention
-
-            out, lse = host_exact_attention(q[:, 0], k_cache, v_cache, pos)
         else:
-            out, lse = dense_attention(q[:, 0], k_cache, v_cache, pos)
+            out, lse = backend.attend_dense(q[:, 0], k_cache, v_cache, pos)
         k_new, v_new = new_kv[i]
         self_out, self_lse = _self_attention(q[:, 0], k_new, v_new)
         out, _ = merge_attention(out, lse, self_out, self_lse)
@@ -240,9 +204,8 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     new_k = tuple(_write_token(c, written[i][0], pos) for i, c in enumerate(cache.k))
     new_v = tuple(_write_token(c, written[i][1], pos) for i, c in enumerate(cache.v))
     indices = list(indices)
-    if spec.uses_host:
-        for i in sparse:
-            indices[i] = host_append_due(spec, indices[i], new_k[i], pos + 1)
+    for i in sparse:
+        indices[i] = backend.after_step(spec, indices[i], new_k[i], pos + 1)
     return next_tokens, logits, num_sampled, KVCache(k=new_k, v=new_v, lengths=pos + 1), tuple(indices)
 
 

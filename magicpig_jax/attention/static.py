@@ -1,0 +1,87 @@
+"""Exact attention over the static set: the sink tokens and the unhashed tail.
+
+Every sparse method keeps some keys exactly (arXiv 2410.16179, Section 5): the first
+``num_sink`` tokens, the local window of the prompt, and the generated tokens not yet
+moved into the sampled set. With the hashed range ``[start, end)`` of
+:meth:`MagicPIGConfig.hashed_range`, these are ``[0, start)`` and ``[end, length)``.
+This module is the one implementation of that part; each sparse backend merges it with
+its estimate of the middle range through :func:`merge_attention`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from magicpig_jax.attention._common import check_qkv, grouped_logits, masked_softmax_attention
+from magicpig_jax.attention.merge import merge_attention
+
+__all__ = ["static_attention"]
+
+
+def static_attention(
+    q: Float[Array, "B Hq D"],
+    k: Float[Array, "B Hkv N D"],
+    v: Float[Array, "B Hkv N D"],
+    start: Int[Array, " B"],
+    end: Int[Array, " B"],
+    lengths: Int[Array, " B"],
+    *,
+    num_sink: int,
+    window: int | None = None,
+) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
+    """Exact softmax attention over the static keys ``[0, start) ∪ [max(end, lengths - window), lengths)``.
+
+    With ``window=None`` the whole tail ``[end, lengths)`` is attended, through a mask over
+    all N positions (no copy of the cache). With an int ``window`` W only the last W
+    positions are read (a slice of the sinks and a slice of W positions per row), so the cost
+    does not grow with N; the caller attends the keys of ``[end, lengths - W)``, if any,
+    elsewhere (the host op does).
+
+    Args:
+      q: float ``[B, Hq, D]``.
+      k, v: float ``[B, Hkv, N, D]``.
+      start: int32 ``[B]``, ``0 <= start <= min(num_sink, lengths)``: the sinks are ``[0, start)``.
+      end: int32 ``[B]``, ``start <= end``: the tail starts here.
+      lengths: int32 ``[B]`` valid keys per row, in ``[0, N]``.
+      num_sink: static bound on ``start`` (the sinks are read from the first ``num_sink``
+        positions), ``>= 0``.
+      window: static int ``>= 0`` or None (see above).
+
+    Returns:
+      ``(out, lse)``: out float32 ``[B, Hq, D]``, natural-log LSE float32 ``[B, Hq]``;
+      out 0 and lse ``-inf`` for a row with no static key.
+
+    Raises:
+      ValueError: bad shapes, a negative ``num_sink`` or ``window``.
+
+    Source: arXiv 2410.16179, Section 5 (the static set) and Eq. (4) (the parts merged by LSE).
+    """
+    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    if num_sink < 0:
+        raise ValueError(f"num_sink must be >= 0, got num_sink={num_sink}")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 or None, got window={window}")
+    pos = jnp.arange(N, dtype=jnp.int32)[None, :]
+    if window is None:
+        mask = (pos < start[:, None]) | ((pos >= end[:, None]) & (pos < lengths[:, None]))
+        return masked_softmax_attention(grouped_logits(q, k), mask[:, None, None, :], v)
+    out = jnp.zeros((B, Hq, D), jnp.float32)
+    lse = jnp.full((B, Hq), -jnp.inf, jnp.float32)
+    ns = min(num_sink, N)
+    if ns > 0:
+        sink = pos[:, :ns] < start[:, None]
+        o_s, l_s = masked_softmax_attention(grouped_logits(q, k[:, :, :ns]), sink[:, None, None, :], v[:, :, :ns])
+        out, lse = merge_attention(out, lse, o_s, l_s)
+    W = min(window, N)
+    if W > 0:
+        # One contiguous slice of W positions per row, starting at s = clip(len - W, 0, N - W).
+        s = jnp.clip(lengths - W, 0, N - W)
+        kt = jax.vmap(lambda x, st: jax.lax.dynamic_slice_in_dim(x, st, W, axis=1))(k, s)
+        vt = jax.vmap(lambda x, st: jax.lax.dynamic_slice_in_dim(x, st, W, axis=1))(v, s)
+        j = pos[:, :W] + s[:, None]
+        tail = (j >= jnp.maximum(end, lengths - W)[:, None]) & (j < lengths[:, None])
+        o_t, l_t = masked_softmax_attention(grouped_logits(q, kt), tail[:, None, None, :], vt)
+        out, lse = merge_attention(out, lse, o_t, l_t)
+    return out, lse

@@ -1,0 +1,223 @@
+"""The decode loop: a Python loop over the jitted decode step, with EOS, sampling and statistics.
+
+:func:`run_decode` takes a built :class:`DecodeSpec`; users call
+:func:`magicpig_jax.generation.decode` or :func:`magicpig_jax.generation.generate`. The loop
+stays in Python (not a ``while_loop`` inside jit) because it syncs with the host every token
+for EOS and statistics, and evaluation feeds tokens and reads logits through
+:class:`DecodeHooks` (:func:`magicpig_jax.eval.forcing.forced_decode`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from magicpig_jax.models.backends import DecodeSpec, backend_for
+from magicpig_jax.models.cache import KVCache
+from magicpig_jax.models.decoding import build_indices, compiled_decode_step, sample_token
+
+__all__ = ["Sampling", "DecodeHooks", "run_decode"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen.
+
+    Attributes:
+      temperature: ``>= 0``; 0 is greedy (argmax).
+      top_p: nucleus mass in ``(0, 1]`` (Holtzman et al. 2020); 1 keeps the whole vocabulary.
+      seed: seed of the sampling key, an int ``>= 0`` (not the SimHash projections: those use
+        :attr:`MagicPIGConfig.seed`).
+
+    Raises:
+      ValueError: a value out of range, naming the field.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got temperature={self.temperature!r}")
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer) or self.seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got seed={self.seed!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeHooks:
+    """Evaluation hooks of the decode loop (see :func:`magicpig_jax.eval.forcing.forced_decode`).
+
+    Attributes:
+      forced_tokens: B lists of at least ``max_new_tokens`` ids fed instead of the sampled ones.
+      on_logits: ``callback(step, logits)`` with the float32 ``[B, V]`` NumPy logits that
+        predict token ``step`` (step 0 = the prefill's).
+    """
+
+    forced_tokens: Sequence[Sequence[int]] | None = None
+    on_logits: Callable[[int, np.ndarray], None] | None = None
+
+
+def run_decode(model, state, spec: DecodeSpec, max_new_tokens: int,
+               sampling: Sampling, *, stop_on_eos: bool = True, progress=None,
+               hooks: DecodeHooks | None = None) -> tuple[list[list[int]], dict]:
+    """The decode loop of :func:`decode` for a built :class:`DecodeSpec` (``hooks``: evaluation only)."""
+    hooks = hooks or DecodeHooks()
+    B = len(state.prompt_lengths)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if hooks.forced_tokens is not None and (len(hooks.forced_tokens) != B
+                                            or any(len(f) < max_new_tokens for f in hooks.forced_tokens)):
+        raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
+    cache = _decode_cache(state, spec, max_new_tokens)
+    t0 = time.perf_counter()
+    indices = build_indices(cache, spec, model.config.num_layers)
+    jax.block_until_ready(indices)
+    sparse = spec.sparse_layers(model.config.num_layers)
+    backend_for(spec).prepare(spec, [cache.k[i] for i in sparse], [cache.v[i] for i in sparse],
+                              [indices[i] for i in sparse])
+    index_seconds = time.perf_counter() - t0
+    # A row stops at max_new_tokens or where its next token would need a position past the
+    # context: token i is predicted at position prompt_length + i - 1.
+    max_positions, limit_name = position_limit(model, state)
+    limits = np.minimum(max_new_tokens, max_positions - state.prompt_lengths + 1)
+    loop = _DecodeLoop(model, spec, sampling, hooks, B, len(sparse))
+    for b in np.nonzero(limits < max_new_tokens)[0]:
+        loop.stop_reasons[b] = limit_name
+    outputs = loop.run(state.last_logits, cache, indices, limits, stop_on_eos, progress)
+    stats = loop.stats(spec, state, outputs, index_seconds)
+    return outputs, stats
+
+
+def _decode_cache(state, spec: DecodeSpec, max_new_tokens: int) -> KVCache:
+    """A copy of the prefill cache (sharded over ``spec.mesh`` if any), checked for capacity."""
+    cache = state.cache.copy()
+    if spec.mesh is not None:
+        from magicpig_jax import distributed as dist
+
+        mesh = spec.mesh
+        cache = jax.tree.map(lambda x: dist.shard_kv(mesh, x) if x.ndim == 4 else dist.shard_rows(mesh, x), cache)
+    if int(state.prompt_lengths.max()) + max_new_tokens > cache.capacity:
+        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the cache capacity {cache.capacity}")
+    return cache
+
+
+# Jitted once: sampling the first token eagerly would retrace lax.cond's branches every call.
+_sample_token_jit = jax.jit(sample_token)
+
+
+def position_limit(model, state) -> tuple[int, str]:
+    """The number of positions a row may fill, and the name of what sets it.
+
+    The model's context (``max_position_embeddings``, "context"), or a shorter sliding
+    window ("sliding_window": attention to the last W positions equals full attention only
+    while a sequence fits in W); the cache capacity when the prefill allowed positions past the
+    context (timing experiments).
+    """
+    if state.allow_beyond_context:
+        return state.cache.capacity, "context"
+    window = getattr(model.config, "sliding_window", None)
+    ctx = model.config.max_position_embeddings
+    if window is not None and window < ctx:
+        return int(window), "sliding_window"
+    return int(ctx), "context"
+
+
+class _DecodeLoop:
+    """The Python loop over the jitted decode step: EOS bookkeeping, hooks and statistics."""
+
+    def __init__(self, model, spec: DecodeSpec, sampling: Sampling, hooks: DecodeHooks,
+                 B: int, num_sparse: int):
+        self.model, self.sampling, self.hooks, self.B = model, sampling, hooks, B
+        graphdef, params = nnx.split(model.module)
+        self.leaves, treedef = jax.tree.flatten(params)
+        self.step = compiled_decode_step(graphdef, treedef, spec)
+        self.base_key = jax.random.key(sampling.seed)
+        self.eos = set(model.tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
+        self.frac_sum = np.zeros(num_sparse)
+        self.frac_steps = self.steps = 0
+        self.compile_seconds = self.seconds = 0.0
+        self.stop_reasons: list[str] = ["length"] * B
+
+    def _first(self, last_logits) -> jax.Array:
+        if self.hooks.forced_tokens is not None:
+            return jnp.asarray([f[0] for f in self.hooks.forced_tokens], jnp.int32)
+        if self.sampling.temperature > 0:
+            return _sample_token_jit(last_logits, jax.random.fold_in(self.base_key, 0),
+                                jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p))
+        return jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
+
+    def run(self, last_logits, cache, indices, limits: np.ndarray, stop_on_eos, progress) -> list[list[int]]:
+        """Decode until every row stopped; row b emits at most ``limits[b]`` tokens."""
+        hooks = self.hooks
+        if hooks.on_logits is not None:
+            hooks.on_logits(0, np.asarray(last_logits))
+        temp, tp = jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p)
+        outputs: list[list[int]] = [[] for _ in range(self.B)]
+        done = np.zeros(self.B, bool)
+        tokens = self._first(last_logits)
+        t0 = time.perf_counter()
+        for t in range(int(limits.max())):
+            tok = np.asarray(tokens)
+            for b in np.nonzero(~done)[0]:
+                outputs[b].append(int(tok[b]))
+                if stop_on_eos and int(tok[b]) in self.eos:
+                    self.stop_reasons[b], done[b] = "eos", True
+                elif len(outputs[b]) >= limits[b]:
+                    done[b] = True
+            if done.all():
+                break
+            ctx = np.asarray(cache.lengths) + 1
+            tokens, logits, num_sampled, cache, indices = self.step(self.leaves, cache, indices, tokens,
+                                                                    self.base_key, np.int32(t + 1), temp, tp)
+            if hooks.forced_tokens is not None:
+                tokens = jnp.asarray([f[t + 1] for f in hooks.forced_tokens], jnp.int32)
+            if hooks.on_logits is not None:
+                hooks.on_logits(t + 1, np.asarray(logits))
+            self.steps += 1
+            if self.steps == 1:  # the first step compiles; time the rest
+                jax.block_until_ready(tokens)
+                self.compile_seconds = time.perf_counter() - t0
+                t0 = time.perf_counter()
+            if len(self.frac_sum):
+                ns = np.asarray(num_sampled, np.float64)  # [S, B, Hq]
+                self.frac_sum += (ns / ctx[None, :, None]).mean(axis=2)[:, ~done].mean(axis=1)
+                self.frac_steps += 1
+            if progress is not None:
+                progress(1)
+        self.seconds = time.perf_counter() - t0
+        return outputs
+
+    def stats(self, spec: DecodeSpec, state, outputs, index_seconds: float) -> dict:
+        sparse = spec.sparse_layers(self.model.config.num_layers)
+        per_layer = ({int(layer): float(f / self.frac_steps) for layer, f in zip(sparse, self.frac_sum, strict=True)}
+                     if self.frac_steps else {})
+        steps, seconds = self.steps, self.seconds
+        dense = spec.backend == "dense"
+        return {
+            "attention": spec.backend,
+            "prompt_tokens": [int(x) for x in state.prompt_lengths],
+            "prefill_seconds": state.seconds,
+            "decode_tokens": sum(len(o) for o in outputs),
+            "decode_steps": steps,
+            "decode_seconds": seconds,
+            # None (JSON null) when undefined: fewer than two steps.
+            "decode_tokens_per_s": ((steps - 1) * self.B / seconds) if seconds > 0 and steps > 1 else None,
+            "stop_reasons": list(self.stop_reasons),
+            "compile_seconds": self.compile_seconds,
+            "index_build_seconds": index_seconds,
+            "dense_layers": list(range(self.model.config.num_layers)) if dense else list(spec.dense_layers),
+            "magicpig": None if dense else dataclasses.asdict(spec.magicpig),
+            "sampled_fraction_per_layer": per_layer,
+            "sampled_fraction": float(np.mean(list(per_layer.values()))) if per_layer else None,
+        }

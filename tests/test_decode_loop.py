@@ -1,0 +1,90 @@
+"""The decode loop: where rows stop (EOS, length, context), sampling, compilation, strict JSON stats."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from magicpig_jax.decode_loop import Sampling
+from magicpig_jax.generation import decode, prefill
+from tests._tiny import TINY, tiny_model
+
+
+@pytest.fixture(scope="module")
+def small_context_model():
+    return tiny_model(0, dataclasses.replace(TINY, max_position_embeddings=32))
+
+
+@pytest.mark.parametrize("attention", ["dense", "magicpig"])
+def test_decode_stops_at_the_context(small_context_model, attention):
+    # Context 32, prompt 30: tokens are predicted at positions 29, 30, 31 -> 3 tokens, then stop.
+    model = small_context_model
+    state = prefill(model, [list(range(1, 31))], 10)
+    outs, stats = decode(model, state, attention=attention, max_new_tokens=10, stop_on_eos=False)
+    assert len(outs[0]) == 3
+    assert stats["stop_reasons"] == ["context"]
+    assert stats["decode_steps"] == 2  # two steps feed positions 30 and 31; nothing is written at 32
+
+
+def test_rows_stop_at_their_own_limit(small_context_model):
+    model = small_context_model
+    state = prefill(model, [list(range(1, 31)), list(range(1, 11))], 5)
+    outs, stats = decode(model, state, attention="dense", max_new_tokens=5, stop_on_eos=False)
+    assert [len(o) for o in outs] == [3, 5]
+    assert stats["stop_reasons"] == ["context", "length"]
+
+
+def test_one_token_gives_strict_json(small_context_model):
+    model = small_context_model
+    state = prefill(model, [[1, 2, 3]], 1)
+    _, stats = decode(model, state, attention="dense", max_new_tokens=1)
+    assert stats["decode_tokens_per_s"] is None
+    json.loads(json.dumps(stats, allow_nan=False))
+
+
+def test_sliding_window_shorter_than_the_prompt_is_refused():
+    model = tiny_model(0, dataclasses.replace(TINY, sliding_window=8))
+    with pytest.raises(ValueError, match="sliding_window"):
+        prefill(model, [list(range(1, 12))], 2)
+    state = prefill(model, [list(range(1, 6))], 8)
+    outs, stats = decode(model, state, attention="dense", max_new_tokens=8, stop_on_eos=False)
+    assert len(outs[0]) == 8 - 5 + 1 and stats["stop_reasons"] == ["sliding_window"]
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0),
+                                         ("top_p", 1.5), ("seed", -1)])
+def test_sampling_rejects_values_out_of_range(field, value):
+    with pytest.raises(ValueError, match=field):
+        Sampling(**{field: value})
+
+
+def test_second_sampled_call_compiles_nothing(small_context_model):
+    model = small_context_model
+    state = prefill(model, [[1, 2, 3]], 4)
+    sampling = Sampling(temperature=0.8, top_p=0.9, seed=1)
+    first, _ = decode(model, state, attention="dense", max_new_tokens=4, sampling=sampling, stop_on_eos=False)
+    compiles = []
+
+    def count(event, *args, **kwargs):
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        again, _ = decode(model, state, attention="dense", max_new_tokens=4, sampling=sampling, stop_on_eos=False)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert again == first
+    assert compiles == []
+
+
+def test_decode_takes_sampling_only_as_a_dataclass(small_context_model):
+    model = small_context_model
+    state = prefill(model, [[1, 2, 3]], 2)
+    with pytest.raises(TypeError, match="seed"):
+        decode(model, state, max_new_tokens=2, seed=1)
+    assert np.isfinite(np.asarray(state.last_logits)).all()
