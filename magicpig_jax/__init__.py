@@ -14,15 +14,22 @@ __version__ = "0.1.0"
 __all__ = ["load_model", "generate", "__version__"]
 
 
-def load_model(path=None):
-    """Load a model (None = the embedded SmolLM2-135M-Instruct); see :func:`magicpig_jax.io.loader.load_model`."""
-    from magicpig_jax.io.loader import load_model as _load
+def __getattr__(name: str):
+    """``load_model`` and ``generate`` are the real functions, imported on first access.
 
-    return _load(path)
+    Importing them lazily keeps ``import magicpig_jax.lsh`` free of Flax and the loaders, while
+    ``help(magicpig_jax.generate)`` and ``inspect.signature`` show the real signature.
+    """
+    if name == "load_model":
+        from magicpig_jax.io.loader import load_model
+
+        return load_model
+    if name == "generate":
+        from magicpig_jax.generation import generate
+
+        return generate
+    raise AttributeError(f"module 'magicpig_jax' has no attribute {name!r}")
 
 
-def generate(model, prompt, **kwargs):
-    """Generate a reply; see :func:`magicpig_jax.generation.generate`."""
-    from magicpig_jax.generation import generate as _generate
-
-    return _generate(model, prompt, **kwargs)
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
