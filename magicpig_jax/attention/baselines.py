@@ -318,6 +318,24 @@ def quest_attention(
     return masked_softmax_attention(grouped_logits(q, k), keep, v)
 
 
+def _inverse_cdf_draws(rng, w: jax.Array, S: int) -> jax.Array:
+    """int32 ``[B, Hkv, G, S]``: S i.i.d. indices per head drawn from the weights ``w`` ``[B, Hkv, G, N]``.
+
+    One uniform per draw, with shape ``[B, Hq, S]`` (so a head's draws do not depend on the
+    grouping of heads), located in the float32 cumulative sum of ``w``.
+    """
+    B, Hkv, G, N = w.shape
+    cdf = jnp.cumsum(w, axis=-1)
+    u = jax.random.uniform(rng, (B, Hkv * G, S), dtype=jnp.float32).reshape(B, Hkv, G, S)
+    x = u * cdf[..., -1:]
+    idx = jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(cdf.reshape(-1, N), x.reshape(-1, S))
+    # x < total, so idx lands on a key of positive weight; only a rounding of
+    # x up to the total can give N: map that to the last key of positive weight.
+    positive = w.reshape(-1, N) > 0
+    last = N - 1 - jnp.argmax(positive[:, ::-1], axis=-1).astype(jnp.int32)
+    return jnp.minimum(idx.astype(jnp.int32), last[:, None]).reshape(B, Hkv, G, S)
+
+
 def oracle_sampling_attention(
     rng: Key[Array, ""] | UInt32[Array, "2"],
     q: Float[Array, "B Hq D"],
@@ -378,16 +396,7 @@ def oracle_sampling_attention(
     G = Hq // Hkv
     lse_g = jnp.where(jnp.isfinite(lse), lse, 0.0).reshape(B, Hkv, G, 1)
     w = jnp.where(valid, jnp.exp(logits - lse_g), 0.0)  # [B, Hkv, G, N]
-    cdf = jnp.cumsum(w, axis=-1)
-    u = jax.random.uniform(rng, (B, Hq, S), dtype=jnp.float32).reshape(B, Hkv, G, S)
-    x = u * cdf[..., -1:]
-    flat_cdf = cdf.reshape(-1, N)
-    idx = jax.vmap(lambda c, t: jnp.searchsorted(c, t, side="right"))(flat_cdf, x.reshape(-1, S))
-    # x < total, so idx lands on a key of positive weight; only a rounding of
-    # x up to the total can give N: map that to the last key of positive weight.
-    positive = w.reshape(-1, N) > 0
-    last = N - 1 - jnp.argmax(positive[:, ::-1], axis=-1).astype(jnp.int32)
-    idx = jnp.minimum(idx.astype(jnp.int32), last[:, None]).reshape(B, Hkv, G, S)
+    idx = _inverse_cdf_draws(rng, w, S)
     used = (jnp.arange(S, dtype=jnp.int32)[None, :] < draws[:, None]).astype(jnp.float32)
     used = jnp.broadcast_to(used[:, None, None, :], idx.shape)
     counts = jax.vmap(lambda i, c: jnp.zeros((N,), jnp.float32).at[i].add(c))(
