@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention._common import (
@@ -48,4 +47,3 @@ def dense_attention(
     return masked_softmax_attention(logits, valid_mask(lengths, N), v)
 
 
-dense_attention_jit = jax.jit(dense_attention)

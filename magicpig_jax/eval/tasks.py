@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import random
 import re
 import string
@@ -420,8 +419,3 @@ def make_sample(task: str, length: int, index: int, count_tokens: Callable[[str,
     _check(task, prompt, outputs)
     return Sample(task=task, length=length, index=index, seed=s, prompt=prompt, answer_prefix=prefix,
                   outputs=outputs, max_new_tokens=new, units=lo)
-
-
-def approx_token_count(prompt: str, answer_prefix: str) -> int:
-    """A model-free token count (about 4/3 tokens per whitespace word), for tests and previews."""
-    return math.ceil(len((prompt + " " + answer_prefix).split()) * 4 / 3)
