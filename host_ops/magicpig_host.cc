@@ -4,7 +4,7 @@
 // arXiv 2410.16179, Sections 4.2-4.3 (SimHash tables, "collides in >= 2 of L tables",
 // importance weight 1/u of Eq. (9), self-normalized estimate of Eq. (4)).
 //
-// Index layout (all plain XLA buffers, no global state; see magicpig_jax/host.py):
+// Index layout (all plain XLA buffers, no global state; see magicpig_jax/host/index.py):
 //   ids      uint16 [B, Hkv, NC, L, CH]   per chunk and table, token ids (pos - c*CH) sorted by bucket
 //   offsets  int32  [B, Hkv, NC, L, 2^K+1] bucket starts; offsets[..., 2^K] = tokens in the chunk
 //   open     uint16 [B, Hkv, L, OPEN]      codes of the open (unsorted) chunk, scanned linearly
@@ -28,16 +28,10 @@
 #include <utility>
 #include <vector>
 
-#include <nanobind/nanobind.h>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "ffi_util.h"
+#include "handlers.h"
 
 namespace ffi = xla::ffi;
-namespace nb = nanobind;
 
 namespace {
 
@@ -53,9 +47,9 @@ using magicpig::Hsum;
 using magicpig::Load8;
 #endif
 
-constexpr int kMaxK = 16;
-constexpr int64_t kMaxL = 4096;
-constexpr int64_t kMaxChunk = 65536;
+using magicpig::kMaxChunk;
+using magicpig::kMaxK;
+using magicpig::kMaxL;
 constexpr float kLogUFloor = -69.07755278982137f;  // LOG_U_FLOOR of attention/magicpig.py
 
 // ---------------------------------------------------------------------------------------------
@@ -158,7 +152,7 @@ __attribute__((target("avx2,fma"))) void OpenHitsAvx2(const uint16_t* open, int6
 
 // ---------------------------------------------------------------------------------------------
 // log u from the cosine: log u = 2K log p + f(p), f tabulated on a uniform grid of p in [0, 1]
-// (f = log(u / p^(2K)) is smooth on [0, 1]; the table comes from magicpig_jax/host.py, float64).
+// (f = log(u / p^(2K)) is smooth on [0, 1]; the table comes from magicpig_jax/host/log_u.py, float64).
 // ---------------------------------------------------------------------------------------------
 
 inline float LogU(float cos, int K, const double* table, int64_t T) {
@@ -591,46 +585,49 @@ inline uint16_t NextEpoch(Scratch& s) {
   return static_cast<uint16_t>(s.epoch << 2);
 }
 
-template <typename T>
-ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64_t D, int64_t Nmax,
-                     const float* q_all, const uint32_t* qc_all, const T* k_all, const T* v_all,
-                     const uint16_t* ids, const int32_t* offsets, const uint16_t* open,
-                     const int32_t* bnd, const float* mean_all, int32_t length, int64_t window,
-                     const double* table, int64_t TT, bool avx2, float* out, float* lse, int32_t* nsamp,
-                     uint8_t* mask) {
-  const int64_t G = Hq / g.Hkv;
-  const int64_t h = hq / G;
+// One sampled-attention call: its geometry, its buffers (whole, every row and head) and its
+// options. A work item (row b, query head hq) reads its slices of them.
+struct AttendArgs {
+  Geometry g;
+  int64_t Hq = 0, D = 0, Nmax = 0;
+  const float* q = nullptr;          // [B, Hq, D]
+  const uint32_t* q_codes = nullptr; // [B, Hq, L]
+  const void* k = nullptr;           // [B, Hkv, Nmax, D] float32, or bfloat16 as uint16
+  const void* v = nullptr;           // as k
+  const uint16_t* ids = nullptr;     // [B, Hkv, NC, L, CH]
+  const int32_t* offsets = nullptr;  // [B, Hkv, NC, L, 2^K+1]
+  const uint16_t* open = nullptr;    // [B, Hkv, L, OPEN]
+  const int32_t* bounds = nullptr;   // [B, 3]
+  const float* mean = nullptr;       // [B, Hkv, D]
+  const int32_t* lengths = nullptr;  // [B]
+  int64_t window = 0;                // tail positions left to the caller
+  const double* table = nullptr;     // log-u table, T + 1 entries
+  int64_t T = 0;
+  bool avx2 = false;
+  float* out = nullptr;              // [B, Hq, D]
+  float* lse = nullptr;              // [B, Hq]
+  int32_t* nsamp = nullptr;          // [B, Hq]
+  uint8_t* mask = nullptr;           // [B, Hq, Nmax], or null
+};
+
+// The sampled keys of (b, h) into s.cand (s.exact = 0): tokens of [start, min(sealed, len)) that
+// collide with the query codes qc in >= 2 tables of the sorted chunks, then those of the open
+// chunk [sealed, min(end, len)).
+ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint32_t* qc, int64_t len,
+                          Scratch& s) {
+  const Geometry& g = a.g;
   const int64_t bh = b * g.Hkv + h;
-  const float* q = q_all + (b * Hq + hq) * D;
-  const uint32_t* qc = qc_all + (b * Hq + hq) * g.L;
-  const float* mean = mean_all + bh * D;
-  const T* kb = k_all + bh * Nmax * D;
-  const T* vb = v_all + bh * Nmax * D;
-  const int64_t len = std::min<int64_t>(std::max<int32_t>(length, 0), Nmax);
+  const int32_t* bnd = a.bounds + 3 * b;
   const int64_t start = bnd[0], end = bnd[1], sealed = bnd[2];
   const int64_t nb = g.NB - 1;
-  for (int64_t l = 0; l < g.L; ++l) {
-    if (qc[l] >= static_cast<uint64_t>(nb)) {
-      return InvalidArg("query code " + std::to_string(qc[l]) + " does not fit in K=" + std::to_string(g.K) +
-                        " bits");
-    }
-  }
-  Scratch& s = ThreadScratch();
-  if (static_cast<int64_t>(s.stamp.size()) < g.CH) {
-    s.stamp.assign(g.CH, 0);
-    s.epoch = 0;
-  }
-  if (static_cast<int64_t>(s.range.size()) < 2 * g.L) s.range.resize(2 * g.L);
-  s.cand.clear();
-  s.exact.clear();
   uint16_t* st = s.stamp.data();
   // Sealed chunks: one walk over the query's bucket in each table; a token becomes a candidate
   // when its hit count reaches 2.
   const int64_t sealed_hi = std::min(sealed, len);
   for (int64_t c = 0; c < g.NC; ++c) {
     if (c * g.CH >= sealed_hi || (c + 1) * g.CH <= start) continue;
-    const int32_t* offc = offsets + (bh * g.NC + c) * g.L * g.NB;
-    const uint16_t* idc = ids + (bh * g.NC + c) * g.L * g.CH;
+    const int32_t* offc = a.offsets + (bh * g.NC + c) * g.L * g.NB;
+    const uint16_t* idc = a.ids + (bh * g.NC + c) * g.L * g.CH;
     // The L bucket ranges sit at random places in memory: request them all first, then read
     // and check them, requesting the first lines of each bucket for the walk.
     for (int64_t l = 0; l < g.L; ++l) __builtin_prefetch(offc + l * g.NB + qc[l]);
@@ -673,9 +670,9 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
   const int64_t n_open = std::max<int64_t>(0, std::min(end, len) - sealed);
   if (n_open > 0) {
     if (static_cast<int64_t>(s.hits.size()) < n_open) s.hits.resize(n_open);
-    const uint16_t* ob = open + bh * g.L * g.OPEN;
+    const uint16_t* ob = a.open + bh * g.L * g.OPEN;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-    if (avx2) {
+    if (a.avx2) {
       OpenHitsAvx2(ob, g.L, g.OPEN, n_open, qc, s.hits.data());
     } else
 #endif
@@ -689,26 +686,16 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
       }
     }
   }
-  int32_t n_sampled = static_cast<int32_t>(s.cand.size());
-  // Unhashed keys past the index that the JAX static window does not cover: exact.
-  const int64_t over_hi = std::max(end, len - std::max<int64_t>(window, 0));
-  for (int64_t pos = std::max(end, start); pos < std::min(over_hi, len); ++pos) {
-    s.cand.push_back(static_cast<int32_t>(pos));
-    s.exact.push_back(1);
-  }
-  if (mask != nullptr) {
-    uint8_t* mrow = mask + (b * Hq + hq) * Nmax;
-    std::memset(mrow, 0, Nmax);
-    for (int32_t i = 0; i < n_sampled; ++i) mrow[s.cand[i]] = 1;
-  }
-  nsamp[b * Hq + hq] = n_sampled;
-  float* o = out + (b * Hq + hq) * D;
+  return ffi::Error::Success();
+}
+
+// Softmax attention of query q over the candidate rows s.cand of kb/vb (logit q.k/sqrt(D), minus
+// log u for the sampled ones): o [D] and *lse; o = 0, *lse = -inf when the sum is not positive.
+template <typename T>
+void AttendCandidates(const AttendArgs& a, const float* q, const float* mean, const T* kb, const T* vb,
+                      Scratch& s, float* o, float* lse) {
+  const int64_t D = a.D;
   const int64_t n = static_cast<int64_t>(s.cand.size());
-  if (n == 0) {
-    std::fill(o, o + D, 0.0f);
-    lse[b * Hq + hq] = -INFINITY;
-    return ffi::Error::Success();
-  }
   // Logits: q.k / sqrt(D) - log u.
   float qn2 = 0.f;
   for (int64_t d = 0; d < D; ++d) qn2 += q[d] * q[d];
@@ -733,7 +720,7 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
     const T* kr = kb + static_cast<int64_t>(s.cand[i]) * D;
     float dot, cdot, kc2;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-    if (avx2) {
+    if (a.avx2) {
       RowAvx2(q, mean, kr, D, &dot, &cdot, &kc2);
     } else
 #endif
@@ -745,13 +732,14 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
     s.cosine[i] = norms > 0.f ? cdot / norms : 0.f;
   }
   // log u of every candidate in one batch (vectorized on AVX2), then the max logit.
+  const int K = a.g.K;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-  if (avx2) {
-    LogUBatchAvx2(s.cosine.data(), n, g.K, table, TT, s.logu.data());
+  if (a.avx2) {
+    LogUBatchAvx2(s.cosine.data(), n, K, a.table, a.T, s.logu.data());
   } else
 #endif
   {
-    for (int64_t i = 0; i < n; ++i) s.logu[i] = LogU(s.cosine[i], g.K, table, TT);
+    for (int64_t i = 0; i < n; ++i) s.logu[i] = LogU(s.cosine[i], K, a.table, a.T);
   }
   for (int64_t i = 0; i < n; ++i) {
     const float lg = s.exact[i] ? s.logit[i] : s.logit[i] - s.logu[i];
@@ -769,7 +757,7 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
     sum += e;
     const T* vr = vb + static_cast<int64_t>(s.cand[i]) * D;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-    if (avx2) {
+    if (a.avx2) {
       AxpyAvx2(e, vr, acc, D);
     } else
 #endif
@@ -780,11 +768,63 @@ ffi::Error AttendOne(const Geometry& g, int64_t b, int64_t hq, int64_t Hq, int64
   if (sum > 0.0 && std::isfinite(sum)) {
     const float inv = static_cast<float>(1.0 / sum);
     for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
-    lse[b * Hq + hq] = m_safe + static_cast<float>(std::log(sum));
+    *lse = m_safe + static_cast<float>(std::log(sum));
   } else {
     std::fill(o, o + D, 0.0f);
-    lse[b * Hq + hq] = -INFINITY;
+    *lse = -INFINITY;
   }
+}
+
+// Work item (row b, query head hq): the sampled keys, the unhashed keys the caller's window
+// does not cover (exact), then attention over them. T is float (float32 K/V) or uint16_t (bf16).
+template <typename T>
+ffi::Error AttendOne(const AttendArgs& a, int64_t b, int64_t hq) {
+  const Geometry& g = a.g;
+  const int64_t G = a.Hq / g.Hkv;
+  const int64_t h = hq / G;
+  const int64_t bh = b * g.Hkv + h;
+  const int64_t item = b * a.Hq + hq;
+  const uint32_t* qc = a.q_codes + item * g.L;
+  const int64_t len = std::min<int64_t>(std::max<int32_t>(a.lengths[b], 0), a.Nmax);
+  const int64_t start = a.bounds[3 * b], end = a.bounds[3 * b + 1];
+  const int64_t nb = g.NB - 1;
+  for (int64_t l = 0; l < g.L; ++l) {
+    if (qc[l] >= static_cast<uint64_t>(nb)) {
+      return InvalidArg("query code " + std::to_string(qc[l]) + " does not fit in K=" + std::to_string(g.K) +
+                        " bits");
+    }
+  }
+  Scratch& s = ThreadScratch();
+  if (static_cast<int64_t>(s.stamp.size()) < g.CH) {
+    s.stamp.assign(g.CH, 0);
+    s.epoch = 0;
+  }
+  if (static_cast<int64_t>(s.range.size()) < 2 * g.L) s.range.resize(2 * g.L);
+  s.cand.clear();
+  s.exact.clear();
+  if (auto e = CollectSampled(a, b, h, qc, len, s); !e.success()) return e;
+  const int32_t n_sampled = static_cast<int32_t>(s.cand.size());
+  // Unhashed keys past the index that the JAX static window does not cover: exact.
+  const int64_t over_hi = std::max(end, len - std::max<int64_t>(a.window, 0));
+  for (int64_t pos = std::max(end, start); pos < std::min(over_hi, len); ++pos) {
+    s.cand.push_back(static_cast<int32_t>(pos));
+    s.exact.push_back(1);
+  }
+  if (a.mask != nullptr) {
+    uint8_t* mrow = a.mask + item * a.Nmax;
+    std::memset(mrow, 0, a.Nmax);
+    for (int32_t i = 0; i < n_sampled; ++i) mrow[s.cand[i]] = 1;
+  }
+  a.nsamp[item] = n_sampled;
+  float* o = a.out + item * a.D;
+  if (s.cand.empty()) {
+    std::fill(o, o + a.D, 0.0f);
+    a.lse[item] = -INFINITY;
+    return ffi::Error::Success();
+  }
+  const T* kb = static_cast<const T*>(a.k) + bh * a.Nmax * a.D;
+  const T* vb = static_cast<const T*>(a.v) + bh * a.Nmax * a.D;
+  AttendCandidates<T>(a, a.q + item * a.D, a.mean + bh * a.D, kb, vb, s, o, a.lse + item);
   return ffi::Error::Success();
 }
 
@@ -857,31 +897,32 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (impl == 2 && !CpuHasAvx2()) return ReadyFuture(InvalidArg("impl=avx2 requested but the CPU lacks AVX2/FMA"));
   const bool avx2 = (impl == 0 || impl == 2) && CpuHasAvx2();
   const bool bf16 = k.element_type() == ffi::BF16;
-  const float* q_p = q.typed_data();
-  const uint32_t* qc_p = q_codes.typed_data();
-  const void* k_p = k.untyped_data();
-  const void* v_p = v.untyped_data();
-  const uint16_t* ids_p = ids.typed_data();
-  const int32_t* off_p = offsets.typed_data();
-  const uint16_t* open_p = open.typed_data();
-  const int32_t* bnd_p = bounds.typed_data();
-  const float* mean_p = mean.typed_data();
-  const int32_t* len_p = lengths.typed_data();
-  const double* tab_p = reinterpret_cast<const double*>(table.untyped_data());
-  float* out_p = out->typed_data();
-  float* lse_p = lse->typed_data();
-  int32_t* ns_p = nsamp->typed_data();
-  uint8_t* mask_p = want_mask ? mask->typed_data() : nullptr;
-  return RunParallel(pool, g.B * Hq, max_threads, [=](int64_t item) -> ffi::Error {
-    const int64_t b = item / Hq, hq = item % Hq;
-    if (bf16) {
-      return AttendOne<uint16_t>(g, b, hq, Hq, D, Nmax, q_p, qc_p, static_cast<const uint16_t*>(k_p),
-                                 static_cast<const uint16_t*>(v_p), ids_p, off_p, open_p, bnd_p + 3 * b,
-                                 mean_p, len_p[b], window, tab_p, TT, avx2, out_p, lse_p, ns_p, mask_p);
-    }
-    return AttendOne<float>(g, b, hq, Hq, D, Nmax, q_p, qc_p, static_cast<const float*>(k_p),
-                            static_cast<const float*>(v_p), ids_p, off_p, open_p, bnd_p + 3 * b, mean_p,
-                            len_p[b], window, tab_p, TT, avx2, out_p, lse_p, ns_p, mask_p);
+  AttendArgs a;
+  a.g = g;
+  a.Hq = Hq;
+  a.D = D;
+  a.Nmax = Nmax;
+  a.q = q.typed_data();
+  a.q_codes = q_codes.typed_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.ids = ids.typed_data();
+  a.offsets = offsets.typed_data();
+  a.open = open.typed_data();
+  a.bounds = bounds.typed_data();
+  a.mean = mean.typed_data();
+  a.lengths = lengths.typed_data();
+  a.window = window;
+  a.table = reinterpret_cast<const double*>(table.untyped_data());
+  a.T = TT;
+  a.avx2 = avx2;
+  a.out = out->typed_data();
+  a.lse = lse->typed_data();
+  a.nsamp = nsamp->typed_data();
+  a.mask = want_mask ? mask->typed_data() : nullptr;
+  return RunParallel(pool, g.B * Hq, max_threads, [a, bf16](int64_t item) -> ffi::Error {
+    const int64_t b = item / a.Hq, hq = item % a.Hq;
+    return bf16 ? AttendOne<uint16_t>(a, b, hq) : AttendOne<float>(a, b, hq);
   });
 }
 
@@ -969,59 +1010,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigLogU, LogUImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("K")
                                   .Attr<int64_t>("impl"));
-
-// Defined in quant_matvec.cc and exact_attention.cc.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigQuantMatvec);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigExactAttention);
-
-namespace {
-template <typename T>
-nb::capsule Capsule(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-}  // namespace
-
-namespace {
-// Back [ptr, ptr + nbytes) with 2 MiB transparent huge pages where the kernel allows it
-// (madvise MADV_HUGEPAGE, then MADV_COLLAPSE for pages already present, Linux >= 6.1).
-// The op reads KV rows and buckets at random places of arrays of hundreds of MB: with 4 KiB
-// pages nearly every row costs a TLB miss. Returns the bytes collapsed (0 where unsupported;
-// never fails: the advice only changes the page size, not the contents).
-size_t AdviseHugePages(uintptr_t ptr, size_t nbytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const uintptr_t lo = (ptr + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (ptr + nbytes) & ~(kHuge - 1);
-  if (ptr == 0 || hi <= lo) return 0;
-  void* base = reinterpret_cast<void*>(lo);
-  if (madvise(base, hi - lo, MADV_HUGEPAGE) != 0) return 0;
-#ifndef MADV_COLLAPSE
-#define MADV_COLLAPSE 25
-#endif
-  return madvise(base, hi - lo, MADV_COLLAPSE) == 0 ? static_cast<size_t>(hi - lo) : 0;
-#else
-  (void)ptr;
-  (void)nbytes;
-  return 0;
-#endif
-}
-}  // namespace
-
-NB_MODULE(_host_ops, m) {
-  m.doc() = "MagicPIG host-memory LSH index, sampled and exact attention, and quantized matvec (XLA FFI handlers, CPU).";
-  m.def("registrations", []() {
-    nb::dict d;
-    d["magicpig_host_build"] = Capsule(MagicpigBuild);
-    d["magicpig_host_append"] = Capsule(MagicpigAppend);
-    d["magicpig_host_attention"] = Capsule(MagicpigAttention);
-    d["magicpig_host_log_u"] = Capsule(MagicpigLogU);
-    d["magicpig_quant_matvec"] = Capsule(MagicpigQuantMatvec);
-    d["magicpig_exact_attention"] = Capsule(MagicpigExactAttention);
-    return d;
-  });
-  m.def("has_avx2", []() { return CpuHasAvx2(); });
-  m.def("advise_huge_pages", &AdviseHugePages, nb::arg("ptr"), nb::arg("nbytes"));
-  m.attr("MAX_K") = kMaxK;
-  m.attr("MAX_L") = kMaxL;
-  m.attr("MAX_CHUNK") = kMaxChunk;
-}

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ffi_util.h"
+#include "handlers.h"
 
 namespace ffi = xla::ffi;
 

@@ -1,0 +1,25 @@
+// The XLA FFI handlers of the host op (one per jax.ffi.ffi_call target), for the module that
+// registers them (module.cc), and the index limits they share with it.
+#pragma once
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace magicpig {
+
+constexpr int kMaxK = 16;             // bucket offsets are 2^K + 1 int32 per chunk and table
+constexpr int64_t kMaxL = 4096;       // tables
+constexpr int64_t kMaxChunk = 65536;  // positions per chunk (uint16 token ids)
+
+}  // namespace magicpig
+
+// magicpig_host.cc: the LSH index and the sampled attention (arXiv 2410.16179, Sections 4.2-4.3).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigBuild);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigAppend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigAttention);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigLogU);
+// quant_matvec.cc: the decode matvec on GGUF Q4_1 / Q8_0 blocks.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigQuantMatvec);
+// exact_attention.cc: exact attention of the dense layers.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigExactAttention);
