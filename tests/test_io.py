@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import gguf
 import numpy as np
@@ -10,11 +12,11 @@ import pytest
 from safetensors.numpy import save_file
 from tokenizers import pre_tokenizers
 
-import magicpig_jax
 from magicpig_jax.cli import main as cli_main
 from magicpig_jax.generation import decode, forward_logits, prefill
 from magicpig_jax.io import embedded
 from magicpig_jax.io.loader import load_model
+from magicpig_jax.io.tokenizer import Tokenizer
 from tests._tiny import TINY, tiny_model
 
 _LAYER = {
@@ -57,12 +59,18 @@ def _byte_vocab() -> tuple[list[str], list[str]]:
     return tokens, ["Ġ t"]
 
 
-def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None):
+# the tiny model with a vocabulary of the byte-level tokenizer's 258 tokens
+CFG = dataclasses.replace(TINY, vocab_size=258)
+
+
+def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None, skip=(), extra=None, extra_tensors=None,
+                pre="smollm"):
     """A tiny GGUF; with ``quant`` ("Q4_1"/"Q8_0") the matrices whose input dim is a
-    multiple of 32 are stored quantized, the rest as F32."""
-    cfg = TINY
+    multiple of 32 are stored quantized, the rest as F32. Metadata keys in ``skip`` are
+    left out; ``extra`` maps more keys to values."""
+    cfg = CFG
     tokens, merges = _byte_vocab()
-    w = gguf.GGUFWriter(str(path), arch)
+    w = _SkippingWriter(str(path), arch, skip)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -73,11 +81,20 @@ def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(n_vocab or cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_merges(merges)
     w.add_token_types([1] * (len(tokens) - 1) + [3])
     w.add_eos_token_id(len(tokens) - 1)
+    for key, value in (extra or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
     for name, value in weights.items():
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
@@ -94,15 +111,29 @@ def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None):
             w.add_tensor(gname, gguf.quants.quantize(np.asarray(value, np.float32), qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, value)
+    for gname, value in (extra_tensors or {}).items():
+        w.add_tensor(gname, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
+class _SkippingWriter(gguf.GGUFWriter):
+    """A GGUFWriter that drops the metadata keys in ``skip`` (for missing-key tests)."""
+
+    def __init__(self, path, arch, skip):
+        self._skip = set(skip)
+        super().__init__(path, arch)
+
+    def add_key_value(self, key, val, vtype, sub_type=None):
+        if key not in self._skip:
+            super().add_key_value(key, val, vtype, sub_type)
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    return tiny_model(5)
+    return tiny_model(5, CFG)
 
 
 def test_gguf_roundtrip_undoes_rope_permutation(tmp_path, tiny):
@@ -118,24 +149,35 @@ def test_gguf_roundtrip_undoes_rope_permutation(tmp_path, tiny):
     assert loaded.tokenizer.encode(" t") == [256]
 
 
+def _hf_config(cfg=CFG, **extra) -> dict:
+    return {
+        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
+        "eos_token_id": 5, **extra}
+
+
+def _byte_tokenizer_json(path) -> None:
+    tokens, merges = _byte_vocab()
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": [1] * (len(tokens) - 1) + [3]}
+    Tokenizer.from_gguf_metadata(meta).backend.save(str(path))
+
+
 def test_hf_directory_loads_the_same_model(tmp_path, tiny):
     folder = tmp_path / "hf"
     folder.mkdir()
     save_file(_hf_weights(tiny), str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": TINY.vocab_size, "hidden_size": TINY.hidden_size,
-        "intermediate_size": TINY.intermediate_size, "num_hidden_layers": TINY.num_layers,
-        "num_attention_heads": TINY.num_heads, "num_key_value_heads": TINY.num_kv_heads, "head_dim": TINY.head_dim,
-        "rope_theta": TINY.rope_theta, "rms_norm_eps": TINY.rms_norm_eps,
-        "max_position_embeddings": TINY.max_position_embeddings, "tie_word_embeddings": False,
-        "eos_token_id": 5}))
-    embedded_tok = magicpig_jax.load_model().tokenizer
-    embedded_tok.backend.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(json.dumps(_hf_config()))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    _byte_tokenizer_json(folder / "tokenizer.json")
     loaded = load_model(folder)
     ids = list(range(3, 40))
     np.testing.assert_allclose(forward_logits(loaded, ids), forward_logits(tiny, ids), atol=1e-5, rtol=0)
-    assert loaded.tokenizer.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
-    assert loaded.config.eos_token_ids == (5,)
+    assert loaded.tokenizer.encode(" t 42") == [256, 220, 19, 17]  # smollm: digits one by one
+    assert loaded.config.eos_token_ids == (5, 7)
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny):
@@ -256,3 +298,106 @@ def test_quantized_gguf_keeps_its_blocks_for_decoding(tmp_path, tiny, capsys, qu
     again = load_model(out)
     np.testing.assert_array_equal(np.asarray(again.module.layers[1].self_attn.qkv_packed[...]),
                                   np.asarray(layer.self_attn.qkv_packed[...]))
+
+
+# --- issue 12, input 8: a missing or unknown GGUF key is an error naming it -----------------------
+
+@pytest.mark.parametrize("key", ["llama.attention.head_count", "llama.feed_forward_length", "llama.block_count",
+                                 "llama.context_length", "llama.attention.layer_norm_rms_epsilon",
+                                 "tokenizer.ggml.merges", "tokenizer.ggml.tokens", "tokenizer.ggml.model",
+                                 "tokenizer.ggml.pre"])
+def test_missing_gguf_key_is_named(tmp_path, tiny, capsys, key):
+    path = tmp_path / "missing.gguf"
+    _write_gguf(path, _hf_weights(tiny), skip=[key])
+    with pytest.raises(ValueError, match=re.escape(f"'{key}'")):
+        load_model(path)
+    assert cli_main(["generate", "--model", str(path), "--prompt", "hi", "--no-chat"]) == 2
+    assert key in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"llama.attention.clamp_kqv": 8.0}, "llama.attention.clamp_kqv"),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "'yarn'"),
+    ({"llama.expert_count": 8}, "llama.expert_count"),
+    ({"llama.rope.dimension_count": 8}, "partial RoPE"),
+    ({"tokenizer.ggml.precompiled_charsmap": "x"}, "tokenizer.ggml.precompiled_charsmap"),
+    ({"pre": "falcon"}, "unsupported tokenizer.ggml.pre 'falcon'"),
+])
+def test_unimplemented_gguf_metadata_is_refused(tmp_path, tiny, extra, named):
+    path = tmp_path / "x.gguf"
+    pre = extra.pop("pre", "smollm")
+    _write_gguf(path, _hf_weights(tiny), extra=extra, pre=pre)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        load_model(path)
+
+
+def test_unused_gguf_tensor_is_refused(tmp_path, tiny):
+    weights = _hf_weights(tiny)
+    path = tmp_path / "extra.gguf"
+    _write_gguf(path, weights, extra_tensors={"blk.0.attn_sinks.weight": np.zeros(4, np.float32)})
+    with pytest.raises(ValueError, match="unexpected tensor blk.0.attn_sinks.weight"):
+        load_model(path)
+    path = tmp_path / "layer.gguf"
+    _write_gguf(path, weights, extra_tensors={"blk.7.attn_norm.weight": np.ones(CFG.hidden_size, np.float32)})
+    with pytest.raises(ValueError, match="unexpected tensor blk.7.attn_norm.weight"):
+        load_model(path)
+
+
+def test_hf_config_fields_that_change_the_model_are_refused(tmp_path):
+    from magicpig_jax.models.config import LlamaConfig
+
+    base = _hf_config()
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma2'"):
+        LlamaConfig.from_hf_config({**base, "model_type": "gemma2"})
+    with pytest.raises(ValueError, match="'logit_scale'"):
+        LlamaConfig.from_hf_config({**base, "logit_scale": 0.5})
+    with pytest.raises(ValueError, match="'hidden_act' = 'gelu'"):
+        LlamaConfig.from_hf_config({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="'mlp_bias' = True"):
+        LlamaConfig.from_hf_config({**base, "mlp_bias": True})
+    with pytest.raises(ValueError, match="quantization_config"):
+        LlamaConfig.from_hf_config({**base, "quantization_config": {"quant_method": "gptq"}})
+    with pytest.raises(ValueError, match="'yarn'"):
+        LlamaConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    # fields that do not change the computation are accepted
+    cfg = LlamaConfig.from_hf_config({**base, "torch_dtype": "bfloat16", "use_cache": True, "attention_dropout": 0.0,
+                                      "architectures": ["LlamaForCausalLM"], "pretraining_tp": 1})
+    assert cfg.rms_norm_eps == CFG.rms_norm_eps and not cfg.qkv_bias and cfg.sliding_window is None
+    assert LlamaConfig.from_hf_config({**base, "attention_bias": True}).o_bias
+    missing = dict(base)
+    del missing["num_attention_heads"]
+    with pytest.raises(ValueError, match="'num_attention_heads'"):
+        LlamaConfig.from_hf_config(missing)
+
+
+def test_hf_sliding_window_is_recorded():
+    from magicpig_jax.models.config import LlamaConfig
+
+    base = _hf_config()
+    mistral = {**base, "model_type": "mistral"}
+    assert LlamaConfig.from_hf_config({**mistral, "sliding_window": 4096}).sliding_window == 4096
+    assert LlamaConfig.from_hf_config({**mistral, "sliding_window": None}).sliding_window is None
+    assert LlamaConfig.from_hf_config(mistral).sliding_window == 4096  # transformers' default
+    qwen = {**base, "model_type": "qwen2", "sliding_window": 64, "max_window_layers": 1}
+    assert LlamaConfig.from_hf_config({**qwen, "use_sliding_window": False}).sliding_window is None
+    assert LlamaConfig.from_hf_config({**qwen, "use_sliding_window": True}).sliding_window == 64
+    # every layer below max_window_layers attends to everything: no window in use
+    assert LlamaConfig.from_hf_config({**qwen, "use_sliding_window": True,
+                                       "max_window_layers": CFG.num_layers}).sliding_window is None
+    with pytest.raises(ValueError, match="sliding_window"):
+        LlamaConfig.from_hf_config({**base, "sliding_window": 128})  # llama has none
+
+
+def test_sliding_window_refuses_longer_sequences(tmp_path):
+    """A 1-layer model with a window of 4: exact up to 4 positions, refused past them."""
+    from magicpig_jax.models.config import LlamaConfig
+
+    cfg = LlamaConfig.from_hf_config({**_hf_config(), "model_type": "mistral", "num_hidden_layers": 1,
+                                      "sliding_window": 4})
+    assert cfg.sliding_window == 4
+    cfg.check_positions(4)
+    with pytest.raises(ValueError, match="sliding_window of 4"):
+        cfg.check_positions(5)
+    model = tiny_model(1, cfg)
+    # within the window, full causal attention is the windowed attention: the logits are defined
+    assert np.isfinite(forward_logits(model, [3, 4, 5, 6])).all()

@@ -66,6 +66,9 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
         "chat_template": tokenizer.chat_template,
         "eos_token_ids": list(tokenizer.eos_token_ids),
         "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "add_bos_token": tokenizer.add_bos_token,
+        "add_eos_token": tokenizer.add_eos_token,
     }
     (out / MARKER).write_text(json.dumps(meta, indent=1))
     return out
@@ -103,5 +106,7 @@ def read_checkpoint(path: str | Path):
     weights = {k.replace("/", "."): np.asarray(v) for k, v in tree.items()}
     tokenizer = Tokenizer(HFTokenizer.from_file(str(path / "tokenizer.json")),
                           chat_template=meta.get("chat_template"), eos_token_ids=meta.get("eos_token_ids", ()),
-                          bos_token_id=meta.get("bos_token_id"))
+                          bos_token_id=meta.get("bos_token_id"), eos_token_id=meta.get("eos_token_id"),
+                          add_bos_token=meta.get("add_bos_token", False),
+                          add_eos_token=meta.get("add_eos_token", False))
     return config, weights, tokenizer, None if freq_factors is None else np.asarray(freq_factors)

@@ -1,4 +1,14 @@
-"""Read a Llama-family GGUF file with ``gguf``: config, dequantized weights, tokenizer metadata."""
+"""Read a Llama-family GGUF file with ``gguf``: config, dequantized weights, tokenizer metadata.
+
+Architectures (``general.architecture``): ``llama`` (Llama 1/2/3.x, Mistral, TinyLlama,
+SmolLM...), ``qwen2`` (Qwen2/2.5: q/k/v biases) and ``qwen3`` (per-head q/k RMSNorm).
+llama.cpp's converter permutes the q/k rows of ``llama`` models for its pairwise RoPE
+(undone here); ``qwen2``/``qwen3`` use NEOX-style RoPE and are stored unpermuted.
+
+Every ``<arch>.*`` metadata key and every tensor is either used or an error naming it
+(a key this reader does not know may change the computation); a missing required key
+is an error naming the key (:class:`GGUFMetadataError`).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +17,18 @@ from pathlib import Path
 import numpy as np
 
 from magicpig_jax.io.gguf_blocks import QUANT_TYPES
-from magicpig_jax.models.config import LlamaConfig
+from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 
-__all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key"]
+__all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "GGUFMetadataError"]
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute)
+_PERMUTED_ARCHITECTURES = ("llama",)
+
+
+class GGUFMetadataError(ValueError):
+    """A GGUF file lacks a required metadata key or holds a malformed one (the message names it)."""
+
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -24,15 +41,54 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_BIAS_NAMES = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+}
+_QK_NORM_NAMES = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# per-layer tensors each architecture may hold (llama.cpp's llama loads optional q/k/v/o biases)
+_ARCH_LAYER_NAMES = {
+    "llama": {**_LAYER_NAMES, **_BIAS_NAMES},
+    "qwen2": {**_LAYER_NAMES, **_BIAS_NAMES},
+    "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 
+# ``<arch>.`` keys read below; anything else under the architecture's prefix is refused.
+_ARCH_KEYS = {
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "attention.sliding_window",
+    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "expert_count", "expert_used_count", "tensor_data_layout",
+}
+# tokenizer keys Tokenizer.from_gguf_metadata reads, or that do not change the token ids
+_TOKENIZER_KEYS = {
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores", "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id", "tokenizer.ggml.unknown_token_id",
+    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.seperator_token_id", "tokenizer.ggml.mask_token_id",
+    "tokenizer.ggml.cls_token_id", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
+    "tokenizer.ggml.add_sep_token", "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.remove_extra_whitespaces",
+    "tokenizer.ggml.prefix_token_id", "tokenizer.ggml.suffix_token_id", "tokenizer.ggml.middle_token_id",
+    "tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.fim_mid_token_id",
+    "tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.fim_rep_token_id", "tokenizer.ggml.fim_sep_token_id",
+    "tokenizer.chat_template", "tokenizer.chat_templates", "tokenizer.huggingface.json",
+}
+
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's row permutation of q/k projections (``[n_head*D, in]``).
+    """Undo llama.cpp's row permutation of q/k projections (``[n_head*D, ...]``: weights or biases).
 
     llama.cpp's converter interleaves the two rotary halves of each head for its
     pairwise RoPE; the Hugging Face layout (rotate-half) is restored with
@@ -56,8 +112,46 @@ def _field(reader, name, default=None):
     return default if field is None else field.contents()
 
 
+def _required(reader, name, path):
+    value = _field(reader, name)
+    if value is None:
+        raise GGUFMetadataError(f"{path} has no {name!r} metadata key, which a {_field(reader, 'general.architecture')}"
+                                " model needs")
+    return value
+
+
+def _check_keys(reader, arch: str, path) -> None:
+    """Refuse metadata this reader does not implement (a key could change the computation)."""
+    general_type = _field(reader, "general.type")
+    if general_type not in (None, "model"):
+        raise UnsupportedConfigError(f"{path} is a GGUF {general_type!r} (general.type), not a model")
+    split_count = _field(reader, "split.count")
+    if split_count is not None and int(split_count) > 1:
+        raise UnsupportedConfigError(
+            f"{path} is one part of a split GGUF (split.count = {split_count}); merge the parts first "
+            "(llama-gguf-split --merge)")
+    unknown = []
+    for key in reader.fields:
+        if key.startswith("GGUF."):
+            continue
+        if key.startswith(f"{arch}."):
+            if key[len(arch) + 1:] not in _ARCH_KEYS:
+                unknown.append(key)
+        elif key.startswith("tokenizer."):
+            if key not in _TOKENIZER_KEYS and not key.startswith("tokenizer.chat_template."):
+                unknown.append(key)
+    if unknown:
+        raise UnsupportedConfigError(
+            f"{path}: metadata key(s) {', '.join(map(repr, sorted(unknown)))} are not implemented "
+            "(they may change the computation)")
+    for key in ("expert_count", "expert_used_count"):
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None and int(value) != 0:
+            raise UnsupportedConfigError(f"{path}: {arch}.{key} = {value}: mixture-of-experts models are not supported")
+
+
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict, np.ndarray | None]:
-    """Parse a GGUF file of a Llama-family model.
+    """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``).
 
     Every tensor type that ``gguf.quants.dequantize`` knows (F32, F16, BF16, Q4_0,
     Q4_1, Q8_0, K-quants, ...) is dequantized to float32 in the Hugging Face
@@ -71,8 +165,11 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
 
     Raises:
       FileNotFoundError: no such file.
-      ValueError: not a GGUF file, or ``general.architecture`` is not supported
-        (the message lists the supported ones).
+      GGUFMetadataError (a ValueError): a required metadata key is missing (named).
+      UnsupportedConfigError (a ValueError): ``general.architecture`` is not supported
+        (the message lists the supported ones), or a metadata key, value or tensor is
+        not implemented (named).
+      ValueError: not a GGUF file.
     """
     import gguf
 
@@ -84,67 +181,100 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
     except Exception as err:  # gguf raises ValueError/struct errors on bad magic
         raise ValueError(f"{path} is not a readable GGUF file: {err}") from err
     arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise GGUFMetadataError(f"{path} has no 'general.architecture' metadata key")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
+        raise UnsupportedConfigError(
             f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    _check_keys(reader, arch, path)
+    n_head = int(_required(reader, f"{arch}.attention.head_count", path))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    hidden = int(_required(reader, f"{arch}.embedding_length", path))
+    n_layers = int(_required(reader, f"{arch}.block_count", path))
     tensors = {t.name: t for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if "token_embd.weight" not in tensors:
+        raise UnsupportedConfigError(f"{path} has no token_embd.weight tensor")
+    vocab = int(tensors["token_embd.weight"].shape[-1])  # gguf shapes are (in, out): (hidden, vocab)
+    declared_vocab = _field(reader, f"{arch}.vocab_size")
+    if declared_vocab is not None and int(declared_vocab) != vocab:
+        raise GGUFMetadataError(f"{path}: {arch}.vocab_size = {declared_vocab} but token_embd.weight has {vocab} rows")
     key_length = _field(reader, f"{arch}.attention.key_length")
     if key_length is None and "blk.0.attn_q.weight" in tensors:
-        key_length = int(tensors["blk.0.attn_q.weight"].shape[-1]) // n_head  # gguf shapes are (in, out)
+        key_length = int(tensors["blk.0.attn_q.weight"].shape[-1]) // n_head
     head_dim = int(key_length if key_length is not None else hidden // n_head)
+    value_length = _field(reader, f"{arch}.attention.value_length")
+    if value_length is not None and int(value_length) != head_dim:
+        raise UnsupportedConfigError(
+            f"{path}: {arch}.attention.value_length = {value_length} differs from the key length {head_dim}")
+    rope_dims = _field(reader, f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedConfigError(
+            f"{path}: {arch}.rope.dimension_count = {rope_dims} < head dim {head_dim}: partial RoPE is not implemented")
     scaling = None
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
-        scaling = (("factor", float(_field(reader, f"{arch}.rope.scaling.factor"))), ("rope_type", "linear"))
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eos_ids = [int(eos)] if eos is not None else []
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    if eot is not None and int(eot) not in eos_ids:
-        eos_ids.append(int(eot))
+        factor = _required(reader, f"{arch}.rope.scaling.factor", path)
+        scaling = (("factor", float(factor)), ("rope_type", "linear"))
+    elif scaling_type not in (None, "none"):
+        raise UnsupportedConfigError(
+            f"{path}: {arch}.rope.scaling.type = {scaling_type!r} is not implemented (supported: none, linear; "
+            "Llama 3.1 scaling comes as the rope_freqs.weight tensor)")
+    eos_ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = _field(reader, key)
+        if value is not None and int(value) not in eos_ids:
+            eos_ids.append(int(value))
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    has = {name.split(".", 2)[2] for name in tensors if name.startswith("blk.0.")}
+    if arch == "qwen2" and "attn_q.bias" not in has:
+        raise UnsupportedConfigError(f"{path}: a qwen2 model needs q/k/v biases; blk.0.attn_q.bias is missing")
+    if arch == "qwen3" and "attn_q_norm.weight" not in has:
+        raise UnsupportedConfigError(f"{path}: a qwen3 model needs q/k norms; blk.0.attn_q_norm.weight is missing")
     config = LlamaConfig(
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length", path)),
+        num_layers=n_layers,
         num_heads=n_head,
         num_kv_heads=n_kv,
         head_dim=head_dim,
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_required(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        max_position_embeddings=int(_required(reader, f"{arch}.context_length", path)),
         tie_word_embeddings="output.weight" not in tensors,
         eos_token_ids=tuple(eos_ids),
+        qkv_bias="attn_q.bias" in has,
+        o_bias="attn_output.bias" in has,
+        qk_norm="attn_q_norm.weight" in has,
+        sliding_window=None if window is None or int(window) == 0 else int(window),
     )
+    layer_names = _ARCH_LAYER_NAMES[arch]
     weights: dict[str, np.ndarray] = {}
     freq_factors = None
     for name, t in tensors.items():
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        qtype = t.tensor_type.name
-        blocks = np.asarray(t.data) if qtype in QUANT_TYPES and w.ndim == 2 else None
-        if name == "rope_freqs.weight":
-            freq_factors = w.reshape(-1)
+        if name == "rope_freqs.weight" and arch == "llama":
+            freq_factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
             continue
         if name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
-            if rest not in _LAYER_NAMES:
-                raise ValueError(f"unexpected tensor {name} in {path} for a Llama model")
-            if rest in ("attn_q.weight", "attn_k.weight"):
-                heads = n_head if rest == "attn_q.weight" else n_kv
-                w = unpermute_rope_rows(w, heads)
-                blocks = None if blocks is None else unpermute_rope_rows(blocks, heads)
-            key = f"model.layers.{int(idx)}.{_LAYER_NAMES[rest]}"
+            if rest not in layer_names or not idx.isdigit() or int(idx) >= n_layers:
+                raise UnsupportedConfigError(f"unexpected tensor {name} in {path} for a {arch} model")
+            key = f"model.layers.{int(idx)}.{layer_names[rest]}"
         elif name in _GLOBAL_NAMES:
             key = _GLOBAL_NAMES[name]
         else:
-            raise ValueError(f"unexpected tensor {name} in {path} for a Llama model")
+            raise UnsupportedConfigError(f"unexpected tensor {name} in {path} for a {arch} model")
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        qtype = t.tensor_type.name
+        blocks = np.asarray(t.data) if qtype in QUANT_TYPES and w.ndim == 2 else None
+        if arch in _PERMUTED_ARCHITECTURES and name.startswith("blk."):
+            rest = name.split(".", 2)[2]
+            if rest.startswith(("attn_q.", "attn_k.")):
+                heads = n_head if rest.startswith("attn_q.") else n_kv
+                w = unpermute_rope_rows(w, heads)
+                blocks = None if blocks is None else unpermute_rope_rows(blocks, heads)
         weights[key] = w
         if blocks is not None:
             weights[packed_key(key, qtype)] = blocks

@@ -1,29 +1,45 @@
-"""Read a Hugging Face Llama directory: ``config.json`` + ``*.safetensors``."""
+"""Read a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (llama, mistral, qwen2, qwen3)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 
-from magicpig_jax.models.config import LlamaConfig
+from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 
-__all__ = ["read_hf_dir"]
+__all__ = ["read_hf_dir", "read_generation_eos_ids"]
+
+
+def read_generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
+    """``eos_token_id`` of ``generation_config.json`` (an int or a list), or ``()`` if absent."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
 def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """Parse a Hugging Face model directory of a Llama-family model.
 
     Weights are read with ``safetensors`` (any float dtype, converted to
-    float32) in the Hugging Face naming and ``(out, in)`` layout.
+    float32) in the Hugging Face naming and ``(out, in)`` layout. The stop ids of the
+    config are those of ``config.json`` and ``generation_config.json`` together.
+    Rotary ``inv_freq`` buffers (recomputed) are skipped; with tied embeddings an
+    ``lm_head.weight`` equal to the embedding is dropped, a different one refused.
 
     Returns:
       ``(config, weights)``.
 
     Raises:
       FileNotFoundError: ``config.json`` or the ``*.safetensors`` files are missing.
-      ValueError: the model type is not Llama-family.
+      UnsupportedConfigError (a ValueError): the model type or a config field is not
+        supported (see :meth:`LlamaConfig.from_hf_config`).
     """
     from safetensors import safe_open
 
@@ -32,6 +48,9 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face model directory needs config.json")
     config = LlamaConfig.from_hf_config(json.loads(cfg_path.read_text()))
+    eos = list(config.eos_token_ids)
+    eos += [e for e in read_generation_eos_ids(folder) if e not in eos]
+    config = dataclasses.replace(config, eos_token_ids=tuple(eos))
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")
@@ -39,5 +58,15 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     for file in files:
         with safe_open(str(file), framework="flax") as f:
             for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name in weights:
+                    raise ValueError(f"weight {name!r} appears in more than one safetensors file of {folder}")
                 weights[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+    if config.tie_word_embeddings and "lm_head.weight" in weights:
+        embed = weights.get("model.embed_tokens.weight")
+        if embed is None or not np.array_equal(embed, weights["lm_head.weight"]):
+            raise UnsupportedConfigError(
+                f"{folder}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
+        del weights["lm_head.weight"]
     return config, weights

@@ -50,15 +50,18 @@ def build_llama(config: LlamaConfig, weights: dict[str, np.ndarray], freq_factor
     (:meth:`magicpig_jax.models.linear.Linear.set_packed`) for the decode-time matvec.
 
     Raises:
-      KeyError: a weight is missing (the message names it).
-      ValueError: a weight has the wrong shape.
+      ValueError: a weight is missing or has the wrong shape, or ``weights`` holds one
+        the model does not use (e.g. a bias or norm that ``config`` does not declare);
+        the message names it.
     """
     module = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), dtype=dtype, freq_factors=freq_factors))
     module.inv_freq.set_value(jnp.asarray(rope_inv_freq(config, freq_factors)))
+    used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...], transpose: bool = False):
         if name not in weights:
-            raise KeyError(f"weight {name!r} missing from the checkpoint")
+            raise ValueError(f"weight {name!r} missing from the checkpoint")
+        used.add(name)
         w = weights[name]
         w = w.T if transpose else w
         if tuple(w.shape) != tuple(shape):
@@ -88,17 +91,31 @@ def build_llama(config: LlamaConfig, weights: dict[str, np.ndarray], freq_factor
         module.set_tied_packed(*packed("model.embed_tokens.weight"))
     for i, layer in enumerate(module.layers):
         p = f"model.layers.{i}."
+        attn = layer.self_attn
         set_param(layer.input_layernorm.weight, p + "input_layernorm.weight")
         set_param(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            set_linear(getattr(layer.self_attn, proj), p + f"self_attn.{proj}.weight")
+            set_linear(getattr(attn, proj), p + f"self_attn.{proj}.weight")
         for proj in ("gate_proj", "up_proj", "down_proj"):
             set_linear(getattr(layer.mlp, proj), p + f"mlp.{proj}.weight")
+        for bias, proj in ((attn.q_bias, "q_proj"), (attn.k_bias, "k_proj"), (attn.v_bias, "v_proj"),
+                           (attn.o_bias, "o_proj")):
+            if bias is not None:
+                set_param(bias, p + f"self_attn.{proj}.bias")
+        if attn.q_norm is not None:
+            set_param(attn.q_norm.weight, p + "self_attn.q_norm.weight")
+            set_param(attn.k_norm.weight, p + "self_attn.k_norm.weight")
         # one decode matvec for q/k/v and one for gate/up; their own blocks are then not needed
-        for block, parts in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+        for block, parts in ((attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
             if block.fuse_packed():
                 for name in parts:
                     getattr(block, name).set_packed(None, None)
+    packed_names = {packed_key(name, qtype) for name in used for qtype in QUANT_TYPES}
+    unused = sorted(k for k in weights if k not in used and k not in packed_names)
+    if unused:
+        shown = ", ".join(unused[:8]) + (f" (and {len(unused) - 8} more)" if len(unused) > 8 else "")
+        raise ValueError(f"the checkpoint has weights this {type(config).__name__} does not use: {shown}; "
+                         "refusing to load a model whose computation would differ")
     return module
 
 
@@ -141,9 +158,16 @@ def _read_source(path: str | Path | None):
         return source, read_checkpoint(source)
     if source.is_dir():
         config, weights = read_hf_dir(source)
-        return source, (config, weights, Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids), None)
-    config, weights, meta, freq_factors = read_gguf(source)
-    return source, (config, weights, Tokenizer.from_gguf_metadata(meta), freq_factors)
+        tokenizer = Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids)
+        freq_factors = None
+    else:
+        config, weights, meta, freq_factors = read_gguf(source)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    n_tokens = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    if n_tokens > config.vocab_size:
+        raise ValueError(f"{source}: the tokenizer has {n_tokens} tokens but the model's vocabulary only "
+                         f"{config.vocab_size}")
+    return source, (config, weights, tokenizer, freq_factors)
 
 
 def convert_model(path: str | Path | None, out: str | Path) -> Path:

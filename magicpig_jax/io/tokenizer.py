@@ -1,58 +1,219 @@
-"""Byte-level BPE tokenizer and chat template, built with ``tokenizers`` and ``jinja2``."""
+"""Tokenizers built with ``tokenizers`` from GGUF metadata or a ``tokenizer.json``; chat templates with ``jinja2``.
+
+GGUF tokenizers (``tokenizer.ggml.model``):
+
+* ``gpt2``: byte-level BPE from ``tokenizer.ggml.tokens``/``merges``, with the pre-tokenizer
+  that ``tokenizer.ggml.pre`` names, built as the family's Hugging Face ``tokenizer.json``
+  builds it (see :data:`PRE_TOKENIZERS`): ``llama-bpe`` (Llama 3.x; also ``llama3``,
+  ``llama-v3``), ``smaug-bpe``, ``qwen2`` (Qwen2/2.5/3, NFC-normalized; also
+  ``deepseek-r1-qwen``), ``tekken`` (Mistral Nemo), ``smollm`` and ``default``/``gpt-2``
+  (GPT-2's byte-level split). Another name is an error naming it.
+* ``llama``: SentencePiece BPE (Llama 2, Mistral 7B, TinyLlama) from the pieces and their
+  ``tokenizer.ggml.scores``: merges ranked by the score of the merged piece, byte fallback,
+  spaces escaped to ``▁`` and one prefixed to every text fragment (llama.cpp's
+  ``add_space_prefix``; the legacy Llama ``tokenizer.json`` does the same).
+
+Control tokens (GGUF type 3) and the unknown token are *special*; user-defined tokens
+(type 4) are added tokens that are always matched, as in ``tokenizers``.
+
+Special tokens in user text. :meth:`Tokenizer.encode` parses special-token strings
+(``"<|im_end|>"`` becomes the control token) unless ``parse_special=False``, which
+encodes them as the literal characters. :meth:`Tokenizer.encode_chat`, the path for a
+user's messages, encodes message contents literally by default: control tokens come
+only from the template, so a message cannot close its turn or open a system turn.
+``parse_special=True`` there is the opt-in for raw prompts.
+
+BOS/EOS. ``add_bos_token``/``add_eos_token`` come from the GGUF flags (defaults as
+llama.cpp: true for SentencePiece, ``llama-bpe`` and ``tekken``, else false) or from
+``tokenizer_config.json`` (else from what the ``tokenizer.json`` post-processor adds).
+``encode(..., add_special_tokens=True)`` and :meth:`Tokenizer.encode_chat` add BOS only
+when the ids do not already start with it (a template that renders ``bos_token``
+gives exactly one).
+"""
 
 from __future__ import annotations
 
+import datetime
+import functools
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-__all__ = ["Tokenizer"]
-
-# GGUF token types (llama.cpp's llama_token_type): 3 = control, 4 = user-defined.
-_SPECIAL_TYPES = (3, 4)
+__all__ = ["Tokenizer", "ChatTemplateError", "TokenizerMetadataError", "PRE_TOKENIZERS", "render_chat_template"]
 
 
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer for llama.cpp's ``tokenizer.ggml.pre`` name."""
+class ChatTemplateError(ValueError):
+    """The chat template failed to compile or render (the message names the template error)."""
+
+
+class TokenizerMetadataError(ValueError):
+    """GGUF tokenizer metadata is missing a key, malformed, or names an unsupported tokenizer (named)."""
+
+
+# GGUF token types (llama.cpp's llama_token_type).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# Split patterns of the families' tokenizer.json files (the "original regex from tokenizer.json"
+# that llama.cpp's llama-vocab.cpp quotes for each pre-tokenizer type).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# tokenizer.ggml.pre -> (family, its byte-level BPE options)
+PRE_TOKENIZERS: dict[str, str] = {
+    "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3",
+    "smaug-bpe": "smaug",
+    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
+    "tekken": "tekken",
+    "smollm": "smollm",
+    "default": "gpt2", "gpt-2": "gpt2",
+}
+_ADD_BOS_BY_DEFAULT = ("llama3", "tekken")  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+
+
+def _byte_level_parts(family: str):
+    """``(normalizer, pre_tokenizer, ignore_merges)`` of a byte-level BPE family."""
+    if family == "llama3":
+        return None, _split_then_bytes(_LLAMA3_PATTERN), True
+    if family == "smaug":
+        return None, _split_then_bytes(_LLAMA3_PATTERN), False
+    if family == "qwen2":
+        return normalizers.NFC(), _split_then_bytes(_QWEN2_PATTERN), False
+    if family == "tekken":
+        return None, _split_then_bytes(_TEKKEN_PATTERN), True
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
+    if family == "smollm":
         # SmolLM / StarCoder: every digit is its own piece, then GPT-2 byte-level.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre in ("default", "gpt2", "gpt-2"):
-        return byte_level
-    if pre in ("llama3", "llama-bpe", "llama-v3", "smaug-bpe"):
-        pattern = (
-            r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-            r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-        )
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    raise ValueError(
-        f"unsupported tokenizer.ggml.pre {pre!r}; supported: smollm, default/gpt2, llama3/llama-bpe"
-    )
+        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]), False
+    return None, byte_level, False
+
+
+def _meta(meta: Mapping, key: str, required: bool = True):
+    value = meta.get(key)
+    if value is None and required:
+        raise TokenizerMetadataError(f"the GGUF file has no {key!r} metadata key, which its tokenizer needs")
+    return value
+
+
+def _spm_merges(tokens: list[str], scores: Sequence[float], types: Sequence[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece BPE: a pair merges into a normal piece, higher score first."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = [i for i, t in enumerate(types) if t == _NORMAL]
+    ranked = []
+    for i in normal:
+        piece = tokens[i]
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            li, ri = vocab.get(left), vocab.get(right)
+            if li is not None and ri is not None and types[li] == _NORMAL and types[ri] == _NORMAL:
+                ranked.append((-float(scores[i]), i, li, ri, left, right))
+    ranked.sort(key=lambda r: r[:4])
+    return [(r[4], r[5]) for r in ranked]
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` tag: renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' ``tojson``: plain ``json.dumps`` (Jinja's own escapes HTML)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_error
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as err:
+        raise ChatTemplateError(f"the chat template does not compile: {type(err).__name__}: {err}") from err
+
+
+def render_chat_template(source: str, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
+                         bos_token: str | None = None, eos_token: str | None = None, **kwargs) -> str:
+    """Render a chat template as transformers' ``apply_chat_template`` does.
+
+    A sandboxed Jinja2 environment (``trim_blocks``, ``lstrip_blocks``, loop controls,
+    the ``generation`` tag, transformers' ``tojson``) with the variables transformers
+    passes: ``messages``, ``tools`` (None), ``documents`` (None),
+    ``add_generation_prompt``, ``bos_token``/``eos_token`` (when the model has them),
+    ``raise_exception`` and ``strftime_now``; ``kwargs`` are passed on (e.g.
+    ``enable_thinking``).
+
+    Raises:
+      ChatTemplateError (a ValueError): the template does not compile, raises
+        (``raise_exception``), or fails while rendering; the message names the error.
+    """
+    template = _compile_template(source)
+    variables = {"tools": None, "documents": None, **kwargs}
+    if bos_token is not None:
+        variables.setdefault("bos_token", bos_token)
+    if eos_token is not None:
+        variables.setdefault("eos_token", eos_token)
+    try:
+        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as err:
+        raise ChatTemplateError(f"the chat template failed: {type(err).__name__}: {err}") from err
+    except Exception as err:  # a Python error inside the template (e.g. a method of a missing value)
+        raise ChatTemplateError(f"the chat template failed: {type(err).__name__}: {err}") from err
 
 
 class Tokenizer:
-    """Text <-> token ids, plus the model's chat template.
+    """Text <-> token ids, the model's BOS/EOS conventions and its chat template.
 
-    Built from GGUF metadata (``tokenizer.ggml.*``) or a Hugging Face
-    ``tokenizer.json``; matches transformers' tokenizer for the same file
-    (tested on the GPL-3 text). No BOS token is added (SmolLM2 adds none).
+    Built from GGUF metadata (:meth:`from_gguf_metadata`) or a Hugging Face directory
+    (:meth:`from_hf_dir`); ids equal those of the Hugging Face ``tokenizers`` tokenizer of
+    the same family. See the module docstring for special tokens in user text and BOS.
 
     Attributes:
-      backend: the ``tokenizers.Tokenizer``.
+      backend: the ``tokenizers.Tokenizer`` (never adds special tokens by itself here).
       chat_template: Jinja2 source of the chat template, or None.
-      eos_token_ids: ids that end generation.
-      bos_token_id: the BOS id (or None).
+      eos_token_ids: every id that ends generation (EOS, end of turn, end of message).
+      bos_token_id: the BOS id (or None). eos_token_id: the primary EOS id (or None).
+      add_bos_token, add_eos_token: whether prompts get BOS / EOS.
     """
 
     def __init__(
@@ -62,50 +223,134 @@ class Tokenizer:
         chat_template: str | None,
         eos_token_ids: Sequence[int],
         bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
     ) -> None:
         self.backend = backend
         self.chat_template = chat_template
-        self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
-        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.bos_token_id = None if bos_token_id is None else int(bos_token_id)
+        if eos_token_id is None and self.eos_token_ids:
+            eos_token_id = self.eos_token_ids[0]
+        self.eos_token_id = None if eos_token_id is None else int(eos_token_id)
+        self.add_bos_token = bool(add_bos_token)
+        self.add_eos_token = bool(add_eos_token)
+        if self.add_bos_token and self.bos_token_id is None:
+            raise TokenizerMetadataError("add_bos_token is set but the tokenizer has no BOS token id")
+        if self.add_eos_token and self.eos_token_id is None:
+            raise TokenizerMetadataError("add_eos_token is set but the tokenizer has no EOS token id")
+        self._literal_backend: HFTokenizer | None = None
+
+    # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict) -> Tokenizer:
-        """Build from GGUF ``tokenizer.ggml.*`` fields (a dict of field name -> contents).
+    def from_gguf_metadata(cls, meta: Mapping) -> Tokenizer:
+        """Build from GGUF ``tokenizer.*`` fields (a dict of field name -> contents).
 
         Raises:
-          ValueError: the tokenizer model is not byte-level BPE (``gpt2``) or the
-            pre-tokenizer is unknown.
+          TokenizerMetadataError (a ValueError): a needed key is missing (named, e.g.
+            ``tokenizer.ggml.merges``), the tokenizer model or pre-tokenizer is not
+            supported (named), or the vocabulary is malformed.
         """
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}; only byte-level BPE 'gpt2' is supported")
-        tokens = list(meta["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-        backend.decoder = decoders.ByteLevel()
+        kind = _meta(meta, "tokenizer.ggml.model")
+        tokens = [str(t) for t in _meta(meta, "tokenizer.ggml.tokens")]
         types = meta.get("tokenizer.ggml.token_type")
-        if types is not None:
-            special = [AddedToken(tokens[i], special=True, normalized=False)
-                       for i, t in enumerate(types) if t in _SPECIAL_TYPES]
+        types = [int(t) for t in types] if types is not None else [_NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise TokenizerMetadataError(
+                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        vocab: dict[str, int] = {}
+        for i, tok in enumerate(tokens):
+            if tok in vocab:
+                raise TokenizerMetadataError(
+                    f"duplicate token {tok!r} in tokenizer.ggml.tokens (ids {vocab[tok]}, {i})")
+            vocab[tok] = i
+        pre = meta.get("tokenizer.ggml.pre")
+        if kind == "gpt2":
+            if pre is None:
+                raise TokenizerMetadataError(
+                    "the GGUF file has no 'tokenizer.ggml.pre' metadata key: its pre-tokenizer is unknown "
+                    "(reconvert the model with a current llama.cpp)")
+            if pre not in PRE_TOKENIZERS:
+                raise TokenizerMetadataError(
+                    f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}")
+            family = PRE_TOKENIZERS[pre]
+            merges = [tuple(m.split(" ", 1)) for m in _meta(meta, "tokenizer.ggml.merges")]
+            normalizer, pre_tok, ignore_merges = _byte_level_parts(family)
+            backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                             ignore_merges=ignore_merges))
+            if normalizer is not None:
+                backend.normalizer = normalizer
+            backend.pre_tokenizer = pre_tok
+            backend.decoder = decoders.ByteLevel()
+            add_bos_default = family in _ADD_BOS_BY_DEFAULT
+        elif kind == "llama":
+            if pre not in (None, "default"):
+                raise TokenizerMetadataError(
+                    f"unsupported tokenizer.ggml.pre {pre!r} for a SentencePiece ('llama') tokenizer")
+            scores = _meta(meta, "tokenizer.ggml.scores")
+            if len(scores) != len(tokens):
+                raise TokenizerMetadataError(
+                    f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+            unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+            if unk_id is None:
+                unk_id = next((i for i, t in enumerate(types) if t == _UNKNOWN), None)
+            backend = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types),
+                                             unk_token=None if unk_id is None else tokens[int(unk_id)],
+                                             fuse_unk=True, byte_fallback=True))
+            prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+            escape = normalizers.Replace(" ", "▁")
+            backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), escape]) if prefix else escape
+            steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+            add_bos_default = True
+        else:
+            raise TokenizerMetadataError(
+                f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                "'llama' (SentencePiece)")
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN)]
+        user = [AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(types) if t == _USER_DEFINED]
+        if special:
             backend.add_special_tokens(special)
-        eos = meta.get("tokenizer.ggml.eos_token_id")
-        eos_ids = [int(eos)] if eos is not None else []
-        eot = meta.get("tokenizer.ggml.eot_token_id")
-        if eot is not None and int(eot) not in eos_ids:
-            eos_ids.append(int(eot))
+        if user:
+            backend.add_tokens(user)
+        eos_ids = []
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            value = meta.get(key)
+            if value is not None:
+                if not 0 <= int(value) < len(tokens):
+                    raise TokenizerMetadataError(f"{key} = {value} is outside the vocabulary of {len(tokens)} tokens")
+                eos_ids.append(int(value))
         bos = meta.get("tokenizer.ggml.bos_token_id")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        if add_bos and bos is None:
+            raise TokenizerMetadataError(
+                "the GGUF file sets tokenizer.ggml.add_bos_token but has no 'tokenizer.ggml.bos_token_id'")
         return cls(
             backend,
             chat_template=meta.get("tokenizer.chat_template"),
             eos_token_ids=eos_ids,
             bos_token_id=None if bos is None else int(bos),
+            eos_token_id=None if meta.get("tokenizer.ggml.eos_token_id") is None
+            else int(meta["tokenizer.ggml.eos_token_id"]),
+            add_bos_token=add_bos,
+            add_eos_token=add_eos,
         )
 
     @classmethod
     def from_hf_dir(cls, folder: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
-        """Build from a Hugging Face directory (``tokenizer.json``, ``tokenizer_config.json``).
+        """Build from a Hugging Face directory: ``tokenizer.json`` plus ``tokenizer_config.json``.
+
+        The chat template comes from ``tokenizer_config.json`` (a string, or the
+        ``default`` of a list of named templates), else ``chat_template.jinja`` or
+        ``chat_template.json``. ``add_bos_token``/``add_eos_token`` come from
+        ``tokenizer_config.json``, else from what the ``tokenizer.json``
+        post-processor adds. Stop ids: ``eos_token_ids`` (from ``config.json`` and
+        ``generation_config.json``) plus the ``eos_token`` of ``tokenizer_config.json``.
 
         Raises:
           FileNotFoundError: no ``tokenizer.json`` in ``folder``.
@@ -115,48 +360,190 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs tokenizer.json")
         backend = HFTokenizer.from_file(str(path))
-        template = None
-        eos_ids = list(eos_token_ids)
         cfg_path = folder / "tokenizer_config.json"
-        if cfg_path.is_file():
-            cfg = json.loads(cfg_path.read_text())
-            template = cfg.get("chat_template")
-            eos_tok = cfg.get("eos_token")
-            if isinstance(eos_tok, dict):
-                eos_tok = eos_tok.get("content")
-            if isinstance(eos_tok, str) and backend.token_to_id(eos_tok) is not None:
-                if backend.token_to_id(eos_tok) not in eos_ids:
-                    eos_ids.append(backend.token_to_id(eos_tok))
-        jinja_path = folder / "chat_template.jinja"
-        if template is None and jinja_path.is_file():
-            template = jinja_path.read_text()
-        return cls(backend, chat_template=template, eos_token_ids=eos_ids)
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if template is None and (folder / "chat_template.json").is_file():
+            template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (special-token strings are recognized; no BOS added)."""
+        def token_id(key):
+            tok = cfg.get(key)
+            if isinstance(tok, Mapping):
+                tok = tok.get("content")
+            return backend.token_to_id(tok) if isinstance(tok, str) else None
+
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+        start = next((k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain), 0)
+        leading, trailing = full[:start], full[start + len(plain):]
+        bos_id = token_id("bos_token")
+        if bos_id is None and len(leading) == 1:
+            bos_id = leading[0]
+        eos_id = token_id("eos_token")
+        add_bos = cfg.get("add_bos_token")
+        add_bos = bool(leading) if add_bos is None else bool(add_bos)
+        add_eos = cfg.get("add_eos_token")
+        add_eos = bool(trailing) if add_eos is None else bool(add_eos)
+        if eos_id is None and add_eos and len(trailing) == 1:
+            eos_id = trailing[0]
+        eos_ids = list(eos_token_ids) + ([eos_id] if eos_id is not None else [])
+        return cls(backend, chat_template=template, eos_token_ids=eos_ids, bos_token_id=bos_id,
+                   eos_token_id=eos_id, add_bos_token=add_bos, add_eos_token=add_eos)
+
+    # -- tokens ---------------------------------------------------------------------------------
+
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text (or None)."""
+        return None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        """The primary EOS token's text (or None)."""
+        return None if self.eos_token_id is None else self.backend.id_to_token(self.eos_token_id)
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """Texts of the special (control) tokens, which ``parse_special`` decides about."""
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+
+    def _literal(self) -> HFTokenizer:
+        if self._literal_backend is None:
+            literal = HFTokenizer.from_str(self.backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal_backend = literal
+        return self._literal_backend
+
+    def encode(self, text: str, *, parse_special: bool = True, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+          text: the text.
+          parse_special: special-token strings in ``text`` (``"<|im_end|>"``) become their
+            control tokens; False encodes them as literal characters. User-defined added
+            tokens are matched either way.
+          add_special_tokens: add BOS / EOS as :attr:`add_bos_token` / :attr:`add_eos_token`
+            say, unless the ids already start with BOS / end with EOS.
+        """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=False).ids
+        backend = self.backend if parse_special else self._literal()
+        ids = backend.encode(text, add_special_tokens=False).ids
+        return self._add_special(ids, eos=True) if add_special_tokens else ids
+
+    def _add_special(self, ids: list[int], eos: bool) -> list[int]:
+        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        if eos and self.add_eos_token and (not ids or ids[-1] != self.eos_token_id):
+            ids = [*ids, self.eos_token_id]
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's chat template.
+    # -- chat -----------------------------------------------------------------------------------
 
-        Rendered in a sandboxed Jinja2 environment, as transformers does.
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                            **kwargs) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's chat template, as text.
+
+        Same variables and environment as transformers (:func:`render_chat_template`).
+        To tokenize a conversation use :meth:`encode_chat`, which keeps message contents literal.
 
         Raises:
           ValueError: the model has no chat template.
+          ChatTemplateError (a ValueError): the template failed (named).
         """
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass chat=False to use the raw prompt")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
+
+    def encode_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
+                    parse_special: bool = False, **kwargs) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ready to generate from.
+
+        Special tokens come only from the template: a special-token string inside a
+        message's content is encoded as the literal characters (``parse_special=False``,
+        the default), so a user cannot forge a turn. ``parse_special=True`` is the opt-in
+        for raw prompts (the rendered text tokenized as a whole, as transformers does).
+        BOS is prepended when :attr:`add_bos_token` says so and the template did not
+        render one; no EOS is appended (a prompt ends with the assistant's header).
+
+        Raises:
+          ValueError: the model has no chat template.
+          ChatTemplateError (a ValueError): the template failed (named).
+        """
+        if parse_special or not self.special_tokens:
+            ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+            return self._add_special(ids, eos=False)
+        specials = sorted(set(self.special_tokens), key=len, reverse=True)
+        pattern = re.compile("|".join(re.escape(s) for s in specials))
+        # each special string in a content becomes a private-use character that nothing else contains
+        used = set("".join(_strings(messages))) | set(self.chat_template or "")
+        marks = {}
+        code = 0xF0000
+        for s in specials:
+            while chr(code) in used:
+                code += 1
+            marks[s] = chr(code)
+            code += 1
+        originals = {m: s for s, m in marks.items()}
+        escaped = [_map_contents(m, lambda text: pattern.sub(lambda x: marks[x.group(0)], text)) for m in messages]
+        rendered = self.apply_chat_template(escaped, add_generation_prompt, **kwargs)
+        if not any(m in rendered for m in originals):
+            return self._add_special(self.encode(rendered), eos=False)
+        # the real text, and where the users' special strings are in it
+        text_parts, user_spans, pos = [], [], 0
+        for ch in rendered:
+            s = originals.get(ch)
+            if s is None:
+                text_parts.append(ch)
+                pos += 1
+            else:
+                text_parts.append(s)
+                user_spans.append((pos, pos + len(s)))
+                pos += len(s)
+        text = "".join(text_parts)
+        enc = self.backend.encode(text, add_special_tokens=False)
+        special_ids = {self.backend.token_to_id(s) for s in specials}
+        ids: list[int] = []
+        start = 0
+        for tok, (a, b) in zip(enc.ids, enc.offsets, strict=True):
+            if tok in special_ids and not any(a < ue and us < b for us, ue in user_spans):
+                if a > start:
+                    ids += self._literal().encode(text[start:a], add_special_tokens=False).ids
+                ids.append(tok)
+                start = b
+        if start < len(text):
+            ids += self._literal().encode(text[start:], add_special_tokens=False).ids
+        return self._add_special(ids, eos=False)
 
 
-def _raise_template_error(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _map_contents(message: Mapping, fn) -> dict:
+    """A copy of ``message`` with ``fn`` applied to its content (a string, or the text of content parts)."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, str):
+        out["content"] = fn(content)
+    elif isinstance(content, list):
+        out["content"] = [{**part, "text": fn(part["text"])}
+                          if isinstance(part, Mapping) and isinstance(part.get("text"), str) else part
+                          for part in content]
+    return out

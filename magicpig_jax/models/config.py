@@ -1,4 +1,10 @@
-"""Llama architecture configuration, read from GGUF metadata or a Hugging Face ``config.json``."""
+"""Llama-family architecture configuration, read from GGUF metadata or a Hugging Face ``config.json``.
+
+One :class:`LlamaConfig` covers the decoders this package runs: Llama 1/2/3.x, Mistral,
+Qwen2/2.5 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm). Every field of a
+``config.json`` is either implemented, known not to change the computation, or an
+error naming it (:func:`LlamaConfig.from_hf_config`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["LlamaConfig", "rope_inv_freq", "default_dense_layers"]
+__all__ = ["LlamaConfig", "rope_inv_freq", "default_dense_layers", "normalize_rope_scaling",
+           "HF_MODEL_TYPES", "UnsupportedConfigError"]
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedConfigError(ValueError):
+    """A checkpoint declares an architecture, field or value this package does not implement."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +39,13 @@ class LlamaConfig:
       max_position_embeddings: the trained context length (tokens).
       tie_word_embeddings: the output projection reuses the token embedding.
       eos_token_ids: ids that end generation.
+      qkv_bias: q/k/v projections have biases (Qwen2; Llama/Qwen3 ``attention_bias``).
+      o_bias: the output projection has a bias (Llama/Qwen3 ``attention_bias``).
+      qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3), weights ``[D]``.
+      sliding_window: W, or None. Some layers attend only to the last W positions
+        (Mistral ``sliding_window``, Qwen ``use_sliding_window``). This package computes
+        full causal attention, which equals windowed attention for sequences of at most
+        W tokens: :meth:`check_positions` refuses longer ones.
 
     Raises:
       ValueError: inconsistent sizes (e.g. Hq not a multiple of Hkv).
@@ -44,6 +64,10 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -57,57 +81,206 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+
+    def check_positions(self, num_positions: int) -> None:
+        """Refuse a sequence the model cannot compute exactly: more than ``sliding_window`` positions.
+
+        Call it with the largest sequence length a run will reach (prompt + new tokens).
+        Attention here is full causal attention; a model trained with a sliding window of W
+        attends to the last W positions only, which is the same for sequences of at most
+        W tokens and different beyond.
+
+        Raises:
+          ValueError: ``num_positions`` exceeds ``sliding_window`` (the message names it).
+        """
+        if self.sliding_window is not None and num_positions > self.sliding_window:
+            raise ValueError(
+                f"the sequence reaches {num_positions} positions, past this model's sliding_window of "
+                f"{self.sliding_window} tokens; sliding-window attention is not implemented, so only "
+                f"sequences of at most {self.sliding_window} tokens (prompt + new tokens) are computed exactly"
+            )
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` dict of a Llama-family model.
+        """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3).
 
         Reads the RoPE scaling from either ``rope_scaling`` or ``rope_parameters``
-        (transformers >= 5), with the type under ``rope_type`` or ``type``.
+        (transformers >= 5), with the type under ``rope_type`` or ``type``. Missing
+        fields take transformers' defaults for the model type.
 
         Raises:
-          ValueError: ``model_type``/``architectures`` is not Llama-family, or a field is missing.
+          UnsupportedConfigError (a ValueError): another ``model_type``, a field that
+            changes the computation and is not implemented (the message names it), or a
+            value that is not supported (``hidden_act`` other than silu, ``mlp_bias``...).
+          ValueError: a required field is missing (named).
         """
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral"):
-            raise ValueError(f"unsupported model_type {model_type!r}: only Llama-family ('llama') models are supported")
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        model_type = cfg.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise UnsupportedConfigError(
+                f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(HF_MODEL_TYPES)}")
+        unknown = sorted(k for k in cfg if k not in _HF_HANDLED_KEYS and k not in _HF_IGNORED_KEYS)
+        if unknown:
+            raise UnsupportedConfigError(
+                f"config.json field(s) {', '.join(map(repr, unknown))} of this {model_type} model are not "
+                "implemented (they may change the computation)")
+        defaults = _HF_DEFAULTS[model_type]
+
+        def get(key):
+            value = cfg.get(key, defaults.get(key))
+            if value is None and key in _HF_REQUIRED:
+                raise ValueError(f"config.json has no {key!r}")
+            return value
+
+        def require(key, allowed, what):
+            value = cfg.get(key, defaults.get(key))
+            if value not in allowed:
+                raise UnsupportedConfigError(f"config.json {key!r} = {value!r} is not supported ({what})")
+
+        require("hidden_act", ("silu",), "only SwiGLU with silu is implemented")
+        require("mlp_bias", (False, None), "MLP biases are not implemented")
+        require("use_mrope", (False, None), "multimodal RoPE is not implemented")
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedConfigError(f"config.json 'partial_rotary_factor' = {cfg['partial_rotary_factor']!r}: "
+                                         "partial RoPE is not implemented")
+        if cfg.get("quantization_config") is not None:
+            raise UnsupportedConfigError(
+                "config.json 'quantization_config': quantized HF checkpoints are not supported")
+        num_heads = int(get("num_attention_heads"))
+        hidden = int(get("hidden_size"))
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         theta = cfg.get("rope_theta")
         if theta is None and isinstance(scaling, Mapping):
             theta = scaling.get("rope_theta")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        num_layers = int(get("num_hidden_layers"))
         return cls(
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=int(get("intermediate_size")),
+            num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            num_kv_heads=int(get("num_key_value_heads") or num_heads),
+            head_dim=int(get("head_dim") or hidden // num_heads),
             rope_theta=float(theta if theta is not None else 10000.0),
             rope_scaling=normalize_rope_scaling(scaling),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rms_norm_eps=float(get("rms_norm_eps")),
+            max_position_embeddings=int(get("max_position_embeddings")),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
             eos_token_ids=eos_ids,
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=_hf_sliding_window(cfg, model_type, num_layers),
         )
 
 
+# Fields of config.json that from_hf_config reads (each one implemented or refused by value).
+_HF_HANDLED_KEYS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
+    "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "hidden_act", "attention_bias", "mlp_bias",
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
+    "quantization_config", "use_mrope",
+})
+# Fields that do not change the forward pass: ids, dtypes, training and generation settings, bookkeeping.
+# ``pretraining_tp`` only splits transformers' matmuls into slices (the same product).
+_HF_IGNORED_KEYS = frozenset({
+    "architectures", "bos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "torch_dtype",
+    "dtype", "transformers_version", "use_cache", "initializer_range", "attention_dropout", "pretraining_tp",
+    "_name_or_path", "name_or_path", "return_dict", "output_hidden_states", "output_attentions", "torchscript",
+    "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder", "chunk_size_feed_forward",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "task_specific_params",
+    "finetuning_task", "pruned_heads", "tf_legacy_loss", "use_bfloat16", "max_length", "min_length",
+    "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k",
+    "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "cross_attention_hidden_size",
+    "_attn_implementation_autoset", "model_max_length",
+})
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# transformers' defaults for fields missing from config.json (transformers 5 configuration classes).
+_HF_DEFAULTS = {
+    "llama": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+              "tie_word_embeddings": False, "num_key_value_heads": None},
+    "mistral": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32,
+                "tie_word_embeddings": False, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False, "num_key_value_heads": 32, "sliding_window": 4096,
+              "max_window_layers": 28},
+    "qwen3": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False, "num_key_value_heads": 32, "head_dim": 128, "sliding_window": 4096,
+              "max_window_layers": 28},
+}
+
+
+def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> int | None:
+    """The attention window of the model's windowed layers (None: every layer attends to all positions).
+
+    Mistral applies ``sliding_window`` to every layer when it is set (transformers' default
+    4096 when the field is absent). Qwen2/Qwen3 apply it only with ``use_sliding_window``, to
+    the layers marked ``sliding_attention`` in ``layer_types`` (default: layers from
+    ``max_window_layers`` on).
+    """
+    defaults = _HF_DEFAULTS[model_type]
+    window = cfg.get("sliding_window", defaults.get("sliding_window"))
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if bad:
+            raise UnsupportedConfigError(f"config.json 'layer_types' has unsupported type(s) {bad}")
+        if len(layer_types) != num_layers:
+            raise ValueError(f"config.json 'layer_types' has {len(layer_types)} entries for {num_layers} layers")
+    if model_type in ("llama",):
+        if window is not None or (layer_types and "sliding_attention" in layer_types):
+            raise UnsupportedConfigError("config.json 'sliding_window' on a llama model is not supported")
+        return None
+    if model_type == "mistral":
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+        return None if window is None else int(window)
+    if not cfg.get("use_sliding_window", False):
+        return None
+    if window is None:
+        raise ValueError("config.json sets 'use_sliding_window' but 'sliding_window' is null")
+    if layer_types is None:
+        start = int(cfg.get("max_window_layers", defaults["max_window_layers"]))
+        layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+    return int(window) if "sliding_attention" in layer_types else None
+
+
 def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
-    """A hashable, canonical form of a RoPE scaling dict (``type`` folded into ``rope_type``)."""
+    """A hashable, canonical form of a RoPE scaling dict (``type`` folded into ``rope_type``).
+
+    Raises:
+      UnsupportedConfigError: a scaling type other than default, linear and llama3 (named).
+    """
     if not scaling:
         return None
     items = dict(scaling)
     kind = items.pop("rope_type", None) or items.pop("type", None) or "default"
     items.pop("type", None)
     items.pop("rope_theta", None)
+    if items.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError("RoPE 'partial_rotary_factor' other than 1 (partial RoPE) is not implemented")
     if kind == "default":
+        extra = sorted(items)
+        if extra:
+            raise UnsupportedConfigError(f"RoPE parameters {extra} with rope_type 'default' are not supported")
         return None
     if kind not in ("llama3", "linear"):
-        raise ValueError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3")
+        raise UnsupportedConfigError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3")
+    known = {"linear": {"factor"},
+             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}[kind]
+    extra = sorted(k for k in items if k not in known)
+    if extra:
+        raise UnsupportedConfigError(f"RoPE scaling {kind!r}: field(s) {extra} are not supported")
+    if "factor" not in items:
+        raise ValueError(f"RoPE scaling {kind!r} has no 'factor'")
     return tuple(sorted({**items, "rope_type": kind}.items()))
 
 

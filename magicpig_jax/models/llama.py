@@ -62,7 +62,12 @@ def _linear(din: int, dout: int, rngs: nnx.Rngs, dtype) -> Linear:
 
 
 class Attention(nnx.Module):
-    """GQA projections of one layer (no biases); the attention itself is supplied by the caller."""
+    """GQA projections of one layer; the attention itself is supplied by the caller.
+
+    Optional parts, per :class:`LlamaConfig`: biases of q/k/v (``qkv_bias``, Qwen2) and of
+    the output projection (``o_bias``), and per-head RMSNorm of q and k before RoPE
+    (``qk_norm``, Qwen3: ``q_norm``/``k_norm`` with weights ``[D]``).
+    """
 
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         H, D = config.hidden_size, config.head_dim
@@ -71,6 +76,18 @@ class Attention(nnx.Module):
         self.k_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
         self.v_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
         self.o_proj = _linear(config.num_heads * D, H, rngs, dtype)
+        if config.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((config.num_heads * D,), dtype))
+            self.k_bias = nnx.Param(jnp.zeros((config.num_kv_heads * D,), dtype))
+            self.v_bias = nnx.Param(jnp.zeros((config.num_kv_heads * D,), dtype))
+        else:
+            self.q_bias = self.k_bias = self.v_bias = None
+        self.o_bias = nnx.Param(jnp.zeros((H,), dtype)) if config.o_bias else None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.qkv_packed: PackedWeight | None = nnx.data(None)  # q, k, v blocks stacked (decode)
         self.qkv_qtype: str | None = None
 
@@ -90,10 +107,21 @@ class Attention(nnx.Module):
                                    self.qkv_packed[...], self.qkv_qtype)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_bias is not None:
+            q = q + self.q_bias[...].astype(q.dtype)
+            k = k + self.k_bias[...].astype(k.dtype)
+            v = v + self.v_bias[...].astype(v.dtype)
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def output(self, o: Float[Array, "B T HqD"]) -> Float[Array, "B T H"]:
+        """The output projection of the attention result (``o_proj``, plus its bias if any)."""
+        y = self.o_proj(o)
+        return y if self.o_bias is None else y + self.o_bias[...].astype(y.dtype)
 
 
 class MLP(nnx.Module):
@@ -140,8 +168,9 @@ WriteFn = Callable[[int, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 class Llama(nnx.Module):
     """A Llama-family decoder (Flax NNX): embeddings, ``num_layers`` blocks, final norm, LM head.
 
-    Supports GQA, tied or untied output embeddings, and RoPE with "linear" or
-    Llama 3.1 "llama3" scaling (or llama.cpp ``rope_freqs`` factors).
+    Supports GQA, tied or untied output embeddings, RoPE with "linear" or Llama 3.1
+    "llama3" scaling (or llama.cpp ``rope_freqs`` factors), attention biases (Qwen2) and
+    per-head q/k RMSNorm (Qwen3).
 
     Args:
       config: the :class:`LlamaConfig`.
@@ -150,7 +179,9 @@ class Llama(nnx.Module):
       freq_factors: optional llama.cpp RoPE frequency factors ``[D/2]``.
 
     Source: Touvron et al. 2023 (Llama), Dubey et al. 2024 (Llama 3 RoPE scaling);
-    numerics match transformers' ``LlamaForCausalLM``.
+    numerics match transformers' ``LlamaForCausalLM``, ``MistralForCausalLM``,
+    ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (within a sliding window, see
+    :meth:`LlamaConfig.check_positions`).
     """
 
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32,
@@ -204,7 +235,7 @@ class Llama(nnx.Module):
             k_cache, v_cache = write_kv(i, k, v)
             o = attend(i, q, k_cache, v_cache)
             B, T = o.shape[:2]
-            x = x + layer.self_attn.o_proj(o.reshape(B, T, -1).astype(x.dtype))
+            x = x + layer.self_attn.output(o.reshape(B, T, -1).astype(x.dtype))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
