@@ -36,12 +36,14 @@ test: install-test
 	$(BIN)/ruff check magicpig_jax tests proofs
 	$(BIN)/python -m pytest -q
 
-# The host op built with AddressSanitizer + UndefinedBehaviorSanitizer, and its fuzz/edge tests run under it.
+# The host op built with AddressSanitizer + UndefinedBehaviorSanitizer, and its fuzz/edge tests run under it
+# (CI runs it after the suite). CMake finds nanobind and the XLA FFI headers through the venv's Python
+# (nanobind comes with the test extra).
 ASAN_LIBS = $$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)
 asan: install-test
 	cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMAGICPIG_SANITIZE=ON \
 	  -DPython_EXECUTABLE=$(abspath $(BIN)/python)
-	cmake --build build/asan
+	cmake --build build/asan --parallel
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  LD_PRELOAD="$(ASAN_LIBS)" MAGICPIG_HOST_OPS_LIB=$$(ls $(abspath build/asan/host_ops)/_host_ops*.so) \
 	  $(BIN)/python -m pytest tests/test_host_ops.py tests/test_host_matvec.py tests/test_host_exact.py -q -p no:cacheprovider -k "not embedded_model and not packed_decode"
