@@ -13,7 +13,8 @@ from safetensors.numpy import save_file
 from tokenizers import pre_tokenizers
 
 from magicpig_jax.cli import main as cli_main
-from magicpig_jax.generation import decode, forward_logits, prefill
+from magicpig_jax.eval.forcing import forced_decode
+from magicpig_jax.generation import forward_logits, prefill
 from magicpig_jax.io import embedded
 from magicpig_jax.io.loader import load_model
 from magicpig_jax.io.tokenizer import Tokenizer
@@ -286,8 +287,8 @@ def test_quantized_gguf_keeps_its_blocks_for_decoding(tmp_path, tiny, capsys, qu
     runs = []
     for model in (packed, plain):
         steps = []
-        toks, _ = decode(model, state, attention="dense", max_new_tokens=4, stop_on_eos=False,
-                         logits_callback=lambda i, lg, steps=steps: steps.append(np.asarray(lg)))
+        toks, _ = forced_decode(model, state, attention="dense", max_new_tokens=4, stop_on_eos=False,
+                                logits_callback=lambda i, lg, steps=steps: steps.append(np.asarray(lg)))
         runs.append((toks, np.stack(steps)))
     assert runs[0][0] == runs[1][0]
     np.testing.assert_allclose(runs[0][1], runs[1][1], atol=1e-4, rtol=0)

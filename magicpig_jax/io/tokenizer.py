@@ -23,6 +23,9 @@ user's messages, encodes message contents literally by default: control tokens c
 only from the template, so a message cannot close its turn or open a system turn.
 ``parse_special=True`` there is the opt-in for raw prompts.
 
+Stop ids of a GGUF: ``tokenizer.ggml.eos_token_id``, ``eot_token_id``, ``eom_token_id``, and the
+control tokens whose text llama.cpp treats as end of generation (:data:`EOG_TEXTS`).
+
 BOS/EOS. ``add_bos_token``/``add_eos_token`` come from the GGUF flags (defaults as
 llama.cpp: true for SentencePiece, ``llama-bpe`` and ``tekken``, else false) or from
 ``tokenizer_config.json`` (else from what the ``tokenizer.json`` post-processor adds).
@@ -47,7 +50,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-__all__ = ["Tokenizer", "ChatTemplateError", "TokenizerMetadataError", "PRE_TOKENIZERS", "render_chat_template"]
+__all__ = ["Tokenizer", "ChatTemplateError", "TokenizerMetadataError", "PRE_TOKENIZERS", "EOG_TEXTS",
+           "render_chat_template"]
 
 
 class ChatTemplateError(ValueError):
@@ -87,6 +91,10 @@ PRE_TOKENIZERS: dict[str, str] = {
     "default": "gpt2", "gpt-2": "gpt2",
 }
 _ADD_BOS_BY_DEFAULT = ("llama3", "tekken")  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+# Control tokens that end generation whatever the metadata declares (llama.cpp's end-of-generation texts:
+# GGUF files often declare only one of Llama 3's <|eot_id|>, <|eom_id|> and <|end_of_text|>).
+EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
+             "<end_of_turn>", "<EOT>", "</s>")
 
 
 def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
@@ -324,6 +332,7 @@ class Tokenizer:
                 if not 0 <= int(value) < len(tokens):
                     raise TokenizerMetadataError(f"{key} = {value} is outside the vocabulary of {len(tokens)} tokens")
                 eos_ids.append(int(value))
+        eos_ids += [i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED) and tokens[i] in EOG_TEXTS]
         bos = meta.get("tokenizer.ggml.bos_token_id")
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))

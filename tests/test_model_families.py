@@ -1,0 +1,91 @@
+"""Tiny random Llama-3-style, Mistral, Qwen2 and Qwen3 checkpoints against transformers' logits.
+
+``fixtures/families/<family>/`` are Hugging Face directories written by transformers, and
+``<family>_logits.npz`` transformers' float32 logits at every position of a >= 32-token prompt
+(``fixtures/make_families.py``, run by hand in a torch venv). Each is loaded as the HF
+directory and as a GGUF written under llama.cpp's conventions (``fixtures/gguf_convert.py``:
+q/k rows permuted for ``llama``, not for ``qwen2``/``qwen3``). torch is not needed here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from magicpig_jax.generation import forward_logits
+from magicpig_jax.io.loader import load_model
+from tests.fixtures.gguf_convert import write_gguf
+
+FIXTURES = Path(__file__).parent / "fixtures" / "families"
+# family -> tokenizer.ggml.pre (None: SentencePiece)
+FAMILIES = {"llama3": "llama-bpe", "mistral": None, "qwen2": "qwen2", "qwen3": "qwen2"}
+TOLERANCE = 1e-4
+
+
+def _spm_vocab():
+    return json.loads((FIXTURES / "tokenizers" / "llama_spm_vocab.json").read_text())
+
+
+def gguf_of(family: str, out: Path) -> Path:
+    """The family's GGUF (F16 matrices, F32 vectors), written under llama.cpp's conventions."""
+    pre = FAMILIES[family]
+    return write_gguf(FIXTURES / family, out / f"{family}.gguf", pre=pre,
+                      spm_vocab=_spm_vocab() if pre is None else None)
+
+
+def _max_dlogit(model, ref) -> float:
+    logits = forward_logits(model, ref["prompt_ids"].tolist())
+    assert logits.shape == ref["logits"].shape
+    return float(np.abs(logits - ref["logits"]).max())
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return {f: dict(np.load(FIXTURES / f"{f}_logits.npz")) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_directory_matches_transformers(family, refs):
+    model = load_model(FIXTURES / family)
+    ref = refs[family]
+    assert len(ref["prompt_ids"]) >= 32
+    diff = _max_dlogit(model, ref)
+    print(f"{family} HF dir: max |dlogit| = {diff:.2e}")
+    assert diff <= TOLERANCE, f"{family} HF dir: max |dlogit| = {diff:.2e}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_matches_transformers(family, refs, tmp_path):
+    model = load_model(gguf_of(family, tmp_path))
+    diff = _max_dlogit(model, refs[family])
+    print(f"{family} GGUF: max |dlogit| = {diff:.2e}")
+    assert diff <= TOLERANCE, f"{family} GGUF: max |dlogit| = {diff:.2e}"
+
+
+def test_family_configs(tmp_path):
+    llama3 = load_model(FIXTURES / "llama3")
+    assert llama3.config.tie_word_embeddings and dict(llama3.config.rope_scaling)["rope_type"] == "llama3"
+    tok = llama3.tokenizer
+    ids = {t: tok.backend.token_to_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")}
+    # every stop id config.json and tokenizer_config.json declare
+    assert set(ids.values()) <= set(llama3.config.eos_token_ids) | set(tok.eos_token_ids)
+    assert tok.add_bos_token and tok.bos_token == "<|begin_of_text|>"  # from the tokenizer.json post-processor
+    mistral = load_model(FIXTURES / "mistral")
+    assert mistral.config.sliding_window == 4096 and not mistral.config.tie_word_embeddings
+    assert mistral.tokenizer.add_bos_token and mistral.tokenizer.bos_token == "<s>"
+    qwen2 = load_model(FIXTURES / "qwen2")
+    assert qwen2.config.qkv_bias and not qwen2.config.o_bias and not qwen2.config.qk_norm
+    assert not qwen2.tokenizer.add_bos_token and qwen2.tokenizer.bos_token_id is None
+    im_end, eot = (qwen2.tokenizer.backend.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>"))
+    assert {im_end, eot} <= set(qwen2.config.eos_token_ids)  # generation_config.json's list
+    qwen3 = load_model(FIXTURES / "qwen3")
+    assert qwen3.config.qk_norm and qwen3.config.head_dim == 24 and not qwen3.config.qkv_bias
+    # the GGUFs declare the same
+    g3 = load_model(gguf_of("llama3", tmp_path))
+    assert g3.tokenizer.add_bos_token and set(ids.values()) <= set(g3.tokenizer.eos_token_ids)
+    gq = load_model(gguf_of("qwen3", tmp_path))
+    assert gq.config.qk_norm and gq.config.head_dim == 24
+    assert {im_end} <= set(gq.tokenizer.eos_token_ids)
