@@ -19,10 +19,10 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
 from magicpig_jax import lsh
-from magicpig_jax.attention._common import check_qkv, grouped_logits, masked_softmax_attention
+from magicpig_jax.attention._common import check_qkv
 from magicpig_jax.attention.config import MagicPIGConfig
-from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.merge import merge_attention
+from magicpig_jax.attention.static import static_attention
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.index import HostIndex
 from magicpig_jax.host.log_u import table_operand
@@ -115,9 +115,10 @@ def host_magicpig_attention(
     Same semantics as the pure-JAX reference: keys of the hashed range ``[start, end)``
     colliding with the query in >= 2 of L tables enter with logit ``q·k/sqrt(D) - log u``;
     every other valid key (sinks, local window, keys past the index) is exact. The
-    sampled part runs in the FFI op; the static part is exact attention in JAX over the
-    sinks ``[0, start)`` and the last ``static_window`` positions
-    ``[max(end, lengths - static_window), lengths)`` (a slice, so its cost does not
+    sampled part runs in the FFI op; the static part is
+    :func:`~magicpig_jax.attention.static.static_attention` in JAX over the sinks
+    ``[0, start)`` and the last ``static_window`` positions
+    ``[max(end, lengths - static_window), lengths)`` (slices, so its cost does not
     grow with N); unhashed keys between ``end`` and that window are handled exactly by
     the op. The parts are merged with :func:`merge_attention` (natural-log LSE).
 
@@ -156,24 +157,12 @@ def host_magicpig_attention(
     q_codes = lsh.simhash_codes(q, host_index.projections, config.K, config.L)
     res = host_sampled_attention(q, q_codes, k, v, host_index, lengths, window=static_window, impl=impl,
                                  return_mask=return_mask, max_threads=max_threads)
-    out, lse = res[0], res[1]
-    start, end = host_index.start, host_index.end
-    # Sinks [0, start): start <= num_sink by construction.
-    ns = min(config.num_sink, N)
-    if ns > 0:
-        o_s, l_s = dense_attention(q, k[:, :, :ns], v[:, :, :ns], jnp.minimum(start, lengths))
-        out, lse = merge_attention(out, lse, o_s, l_s)
-    # Tail [max(end, len - W), len): one contiguous slice of W positions per row starting at
-    # s = clip(len - W, 0, N - W) (a copy, not a gather), masked to the tail range.
-    W = min(static_window, N)
-    if W > 0:
-        s = jnp.clip(lengths - W, 0, N - W)
-        kt = jax.vmap(lambda x, st: jax.lax.dynamic_slice_in_dim(x, st, W, axis=1))(k, s)
-        vt = jax.vmap(lambda x, st: jax.lax.dynamic_slice_in_dim(x, st, W, axis=1))(v, s)
-        j = jnp.arange(W, dtype=jnp.int32)[None, :] + s[:, None]
-        in_tail = (j >= jnp.maximum(end, lengths - W)[:, None]) & (j < lengths[:, None])
-        o_t, l_t = masked_softmax_attention(grouped_logits(q, kt), in_tail[:, None, None, :], vt)
-        out, lse = merge_attention(out, lse, o_t, l_t)
+    # The static set: sinks [0, start) (start <= num_sink by construction) and the last
+    # static_window positions of the tail, read as slices so the cost does not grow with N.
+    start = jnp.minimum(host_index.start, lengths)
+    o_s, l_s = static_attention(q, k, v, start, host_index.end, lengths, num_sink=config.num_sink,
+                                window=static_window)
+    out, lse = merge_attention(res[0], res[1], o_s, l_s)
     if return_mask:
         return out, lse, res[2], res[3]
     return out, lse, res[2]
