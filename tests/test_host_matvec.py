@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from magicpig_jax import host
-from magicpig_jax.generation import decode, prefill
+from magicpig_jax.eval.forcing import forced_decode
+from magicpig_jax.generation import prefill
 from magicpig_jax.host import QUANT_TYPES, packed_row_bytes, quant_matvec
 from magicpig_jax.io.embedded import embedded_model_path
 from magicpig_jax.io.loader import load_model
@@ -179,8 +180,8 @@ def test_packed_decode_matches_float32_decode(models):
     logits = {}
     for name, model in (("packed", packed), ("plain", plain)):
         steps = []
-        tokens, _ = decode(model, state, attention="dense", max_new_tokens=12, stop_on_eos=False,
-                           logits_callback=lambda step, lg, steps=steps: steps.append(np.asarray(lg)))
+        tokens, _ = forced_decode(model, state, attention="dense", max_new_tokens=12, stop_on_eos=False,
+                                  logits_callback=lambda step, lg, steps=steps: steps.append(np.asarray(lg)))
         logits[name] = (tokens, np.stack(steps))
     assert logits["packed"][0] == logits["plain"][0]
     diff = np.abs(logits["packed"][1] - logits["plain"][1]).max()

@@ -225,7 +225,8 @@ import json
 import jax, numpy as np
 from magicpig_jax import distributed as dist
 from magicpig_jax.attention import MagicPIGConfig
-from magicpig_jax.generation import decode, prefill
+from magicpig_jax.eval.forcing import forced_decode
+from magicpig_jax.generation import prefill
 from tests._tiny import tiny_model
 
 assert len(jax.devices()) == 8
@@ -237,8 +238,8 @@ cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
 mesh = dist.make_mesh(batch=4, kv_heads=2)
 logits1, logits8 = [], []
 kw = dict(attention="magicpig", max_new_tokens=12, config=cfg, dense_layers=(0,), stop_on_eos=False)
-out1, st1 = decode(model, state, logits_callback=lambda t, l: logits1.append(l), **kw)
-out8, st8 = decode(model, state, mesh=mesh, logits_callback=lambda t, l: logits8.append(l), **kw)
+out1, st1 = forced_decode(model, state, logits_callback=lambda t, l: logits1.append(l), **kw)
+out8, st8 = forced_decode(model, state, mesh=mesh, logits_callback=lambda t, l: logits8.append(l), **kw)
 print(json.dumps({"same_tokens": out1 == out8, "max_dlogit": float(np.abs(np.array(logits1) - np.array(logits8)).max()),
                   "frac1": st1["sampled_fraction"], "frac8": st8["sampled_fraction"]}))
 """
