@@ -39,10 +39,6 @@ from magicpig_jax.host.index import (
 from magicpig_jax.host.log_u import host_log_u, log_u_table
 from magicpig_jax.host.matvec import BLOCK_SIZE, QUANT_TYPES, block_bytes, packed_row_bytes, quant_matvec
 
-# Transitional alias: models/backends.py imports it under this name until it switches to
-# magicpig_jax.host.validate.check_config.
-from magicpig_jax.host.validate import check_config as _check_config  # noqa: F401
-
 __all__ = [
     "HostIndex",
     "host_build_index",
