@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 
 from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.generation import decode, prefill
-from tests._tiny import tiny_model
+from tests._tiny import TINY, tiny_model
 
 
 def _rss_bytes() -> int:
@@ -17,7 +18,8 @@ def _rss_bytes() -> int:
 
 
 def test_5000_host_decode_steps_keep_resident_memory_flat():
-    model = tiny_model(11)
+    # a context of 8192 positions: decode stops a row at the model's context (400 + 5000 > 4096)
+    model = tiny_model(11, dataclasses.replace(TINY, max_position_embeddings=8192))
     prompt = np.random.default_rng(0).integers(0, 97, 400).tolist()
     cfg = MagicPIGConfig(K=4, L=16, num_sink=4, num_local=32)
     state = prefill(model, [prompt], 5000)
