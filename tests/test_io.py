@@ -402,3 +402,7 @@ def test_sliding_window_refuses_longer_sequences(tmp_path):
     model = tiny_model(1, cfg)
     # within the window, full causal attention is the windowed attention: the logits are defined
     assert np.isfinite(forward_logits(model, [3, 4, 5, 6])).all()
+    # two prompts that differ only outside a window of 4 would need windowed attention: refused
+    for prompt in ([9, 3, 4, 5, 6], [8, 3, 4, 5, 6]):
+        with pytest.raises(ValueError, match="sliding_window"):
+            prefill(model, [prompt], max_new_tokens=1)
