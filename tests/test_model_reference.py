@@ -57,6 +57,9 @@ def test_chat_template_matches_transformers(model, ref):
     text = model.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 plus 30?"}])
     assert text == str(ref["chat_text"])
     assert model.tokenizer.encode(text) == ref["chat_ids"].tolist()
+    # the generation path: message contents literal, BOS per the file's flag (SmolLM2: none)
+    assert not model.tokenizer.add_bos_token
+    assert model.tokenizer.encode_chat([{"role": "user", "content": "What is 12 plus 30?"}]) == ref["chat_ids"].tolist()
 
 
 def _merge_whitespace_runs(pieces: list[str]) -> list[str]:
