@@ -120,3 +120,37 @@ def test_checkpoint_keeps_the_architecture(tmp_path, refs):
     assert _max_dlogit(model, refs["qwen3"]) <= TOLERANCE
     qwen2 = load_model(convert_model(gguf_of("qwen2", tmp_path), tmp_path / "ckpt2"))
     assert qwen2.config.qkv_bias and _max_dlogit(qwen2, refs["qwen2"]) <= TOLERANCE
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path):
+    """The Mistral checkpoint with linear RoPE scaling in config.json (HF dir; GGUF rope.scaling.type)."""
+    import shutil
+
+    ref = dict(np.load(FIXTURES / "mistral_linear_rope_logits.npz"))
+    folder = tmp_path / "mistral_linear"
+    shutil.copytree(FIXTURES / "mistral", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = json.loads(str(ref["rope_parameters"]))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    hf = load_model(folder)
+    assert dict(hf.config.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+    gguf_model = load_model(write_gguf(folder, tmp_path / "linear.gguf", spm_vocab=_spm_vocab()))
+    assert gguf_model.config.rope_scaling == hf.config.rope_scaling
+    for model in (hf, gguf_model):
+        assert _max_dlogit(model, ref) <= TOLERANCE
+    # and the scaling matters: the unscaled model is far from these logits
+    assert _max_dlogit(load_model(FIXTURES / "mistral"), ref) > 0.01
+
+
+def test_every_declared_stop_id(tmp_path):
+    """GGUF eos/eot/eom ids, whatever their text, all end generation."""
+    folder = FIXTURES / "qwen2"
+    tok = load_model(folder).tokenizer
+    ids = [tok.backend.token_to_id(t) for t in ("a", "b", "c")]
+    path = write_gguf(folder, tmp_path / "stops.gguf", pre="qwen2", metadata={
+        "tokenizer.ggml.eos_token_id": ids[0], "tokenizer.ggml.eot_token_id": ids[1],
+        "tokenizer.ggml.eom_token_id": ids[2]})
+    model = load_model(path)
+    assert model.config.eos_token_ids == tuple(ids)
+    assert set(ids) <= set(model.tokenizer.eos_token_ids)
+    assert model.tokenizer.eos_token_id == ids[0]
