@@ -23,7 +23,7 @@ from magicpig_jax.models.backends import DecodeSpec, backend_for
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.decoding import build_indices, compiled_decode_step, sample_token
 
-__all__ = ["Sampling", "DecodeHooks", "run_decode"]
+__all__ = ["Sampling", "DecodeHooks", "DecodeRun", "start_decode", "run_decode", "position_limit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +68,28 @@ class DecodeHooks:
     on_logits: Callable[[int, np.ndarray], None] | None = None
 
 
-def run_decode(model, state, spec: DecodeSpec, max_new_tokens: int,
-               sampling: Sampling, *, stop_on_eos: bool = True, progress=None,
-               hooks: DecodeHooks | None = None) -> tuple[list[list[int]], dict]:
-    """The decode loop of :func:`decode` for a built :class:`DecodeSpec` (``hooks``: evaluation only)."""
+StopFn = Callable[[int, list[int]], bool]  # (row, its ids so far) -> stop this row now
+
+
+def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: Sampling, *,
+                 stop_on_eos: bool = True, stop: StopFn | None = None, progress=None,
+                 hooks: DecodeHooks | None = None) -> DecodeRun:
+    """Build the decode state of a prefill and return the run, ready to iterate.
+
+    Args:
+      model, state: the loaded model and a :class:`~magicpig_jax.generation.PrefillState`.
+      spec: the :class:`DecodeSpec`.
+      max_new_tokens: tokens per row, ``>= 1``.
+      sampling: the :class:`Sampling`.
+      stop_on_eos: stop a row at any of the model's end-of-sequence / end-of-turn ids.
+      stop: optional ``stop(row, ids) -> bool`` checked after each new token of a live row
+        (stop strings); a row it stops reports ``"stop"``.
+      progress: optional ``progress(n)`` called after each step.
+      hooks: evaluation hooks (:func:`magicpig_jax.eval.forcing.forced_decode`).
+
+    Raises:
+      ValueError: ``max_new_tokens < 1``, bad forced tokens, or not enough cache capacity.
+    """
     hooks = hooks or DecodeHooks()
     B = len(state.prompt_lengths)
     if max_new_tokens < 1:
@@ -86,17 +104,27 @@ def run_decode(model, state, spec: DecodeSpec, max_new_tokens: int,
     sparse = spec.sparse_layers(model.config.num_layers)
     backend_for(spec).prepare(spec, [cache.k[i] for i in sparse], [cache.v[i] for i in sparse],
                               [indices[i] for i in sparse])
-    index_seconds = time.perf_counter() - t0
+    index_seconds = time.perf_counter() - t0 if sparse else None
     # A row stops at max_new_tokens or where its next token would need a position past the
     # context: token i is predicted at position prompt_length + i - 1.
     max_positions, limit_name = position_limit(model, state)
     limits = np.minimum(max_new_tokens, max_positions - state.prompt_lengths + 1)
-    loop = _DecodeLoop(model, spec, sampling, hooks, B, len(sparse))
+    run = DecodeRun(model, spec, sampling, hooks, state, cache, indices, limits, stop_on_eos, stop, progress)
+    run.index_seconds, run.max_new_tokens = index_seconds, max_new_tokens
     for b in np.nonzero(limits < max_new_tokens)[0]:
-        loop.stop_reasons[b] = limit_name
-    outputs = loop.run(state.last_logits, cache, indices, limits, stop_on_eos, progress)
-    stats = loop.stats(spec, state, outputs, index_seconds)
-    return outputs, stats
+        run.stop_reasons[b] = limit_name
+    return run
+
+
+def run_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: Sampling, *,
+               stop_on_eos: bool = True, stop: StopFn | None = None, progress=None,
+               hooks: DecodeHooks | None = None) -> tuple[list[list[int]], dict]:
+    """Decode to the end: ``(token ids per row, stats)`` (see :func:`start_decode` for the arguments)."""
+    run = start_decode(model, state, spec, max_new_tokens, sampling, stop_on_eos=stop_on_eos, stop=stop,
+                       progress=progress, hooks=hooks)
+    for _ in run:
+        pass
+    return run.outputs, run.stats()
 
 
 def _decode_cache(state, spec: DecodeSpec, max_new_tokens: int) -> KVCache:
@@ -133,53 +161,69 @@ def position_limit(model, state) -> tuple[int, str]:
     return int(ctx), "context"
 
 
-class _DecodeLoop:
-    """The Python loop over the jitted decode step: EOS bookkeeping, hooks and statistics."""
+class DecodeRun:
+    """One decode run: iterate it to decode; each iteration yields the ids of every row so far.
 
-    def __init__(self, model, spec: DecodeSpec, sampling: Sampling, hooks: DecodeHooks,
-                 B: int, num_sparse: int):
-        self.model, self.sampling, self.hooks, self.B = model, sampling, hooks, B
+    The Python loop over the jitted step keeps EOS, stop criteria, hooks and statistics on
+    the host. ``outputs``, ``stop_reasons`` and :meth:`stats` are valid at any point (also
+    after an interruption).
+    """
+
+    def __init__(self, model, spec: DecodeSpec, sampling: Sampling, hooks: DecodeHooks, state, cache, indices,
+                 limits: np.ndarray, stop_on_eos: bool, stop: StopFn | None, progress):
+        self.model, self.spec, self.sampling, self.hooks, self.state = model, spec, sampling, hooks, state
+        self.cache, self.indices, self.limits = cache, indices, limits
+        self.stop_on_eos, self.stop, self.progress = stop_on_eos, stop, progress
+        self.B = len(limits)
         graphdef, params = nnx.split(model.module)
         self.leaves, treedef = jax.tree.flatten(params)
         self.step = compiled_decode_step(graphdef, treedef, spec)
         self.base_key = jax.random.key(sampling.seed)
         self.eos = set(model.tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
-        self.frac_sum = np.zeros(num_sparse)
+        self.frac_sum = np.zeros(len(spec.sparse_layers(model.config.num_layers)))
         self.frac_steps = self.steps = 0
         self.compile_seconds = self.seconds = 0.0
-        self.stop_reasons: list[str] = ["length"] * B
+        self.index_seconds: float | None = None
+        self.max_new_tokens = int(limits.max()) if len(limits) else 0
+        self.stop_reasons: list[str] = ["length"] * self.B
+        self.outputs: list[list[int]] = [[] for _ in range(self.B)]
 
     def _first(self, last_logits) -> jax.Array:
         if self.hooks.forced_tokens is not None:
             return jnp.asarray([f[0] for f in self.hooks.forced_tokens], jnp.int32)
         if self.sampling.temperature > 0:
             return _sample_token_jit(last_logits, jax.random.fold_in(self.base_key, 0),
-                                jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p))
+                                     jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p))
         return jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
 
-    def run(self, last_logits, cache, indices, limits: np.ndarray, stop_on_eos, progress) -> list[list[int]]:
-        """Decode until every row stopped; row b emits at most ``limits[b]`` tokens."""
+    def _take(self, tok: np.ndarray, done: np.ndarray) -> None:
+        """Append each live row's new token and mark the rows that stop."""
+        for b in np.nonzero(~done)[0]:
+            ids = self.outputs[b]
+            ids.append(int(tok[b]))
+            if self.stop_on_eos and ids[-1] in self.eos:
+                self.stop_reasons[b], done[b] = "eos", True
+            elif self.stop is not None and self.stop(int(b), ids):
+                self.stop_reasons[b], done[b] = "stop", True
+            elif len(ids) >= self.limits[b]:
+                done[b] = True
+
+    def __iter__(self):
         hooks = self.hooks
         if hooks.on_logits is not None:
-            hooks.on_logits(0, np.asarray(last_logits))
+            hooks.on_logits(0, np.asarray(self.state.last_logits))
         temp, tp = jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p)
-        outputs: list[list[int]] = [[] for _ in range(self.B)]
         done = np.zeros(self.B, bool)
-        tokens = self._first(last_logits)
+        tokens = self._first(self.state.last_logits)
         t0 = time.perf_counter()
-        for t in range(int(limits.max())):
-            tok = np.asarray(tokens)
-            for b in np.nonzero(~done)[0]:
-                outputs[b].append(int(tok[b]))
-                if stop_on_eos and int(tok[b]) in self.eos:
-                    self.stop_reasons[b], done[b] = "eos", True
-                elif len(outputs[b]) >= limits[b]:
-                    done[b] = True
+        for t in range(int(self.limits.max())):
+            self._take(np.asarray(tokens), done)
+            yield self.outputs
             if done.all():
                 break
-            ctx = np.asarray(cache.lengths) + 1
-            tokens, logits, num_sampled, cache, indices = self.step(self.leaves, cache, indices, tokens,
-                                                                    self.base_key, np.int32(t + 1), temp, tp)
+            ctx = np.asarray(self.cache.lengths) + 1
+            tokens, logits, num_sampled, self.cache, self.indices = self.step(
+                self.leaves, self.cache, self.indices, tokens, self.base_key, np.int32(t + 1), temp, tp)
             if hooks.forced_tokens is not None:
                 tokens = jnp.asarray([f[t + 1] for f in hooks.forced_tokens], jnp.int32)
             if hooks.on_logits is not None:
@@ -193,31 +237,36 @@ class _DecodeLoop:
                 ns = np.asarray(num_sampled, np.float64)  # [S, B, Hq]
                 self.frac_sum += (ns / ctx[None, :, None]).mean(axis=2)[:, ~done].mean(axis=1)
                 self.frac_steps += 1
-            if progress is not None:
-                progress(1)
-        self.seconds = time.perf_counter() - t0
-        return outputs
+            if self.progress is not None:
+                self.progress(1)
+            self.seconds = time.perf_counter() - t0
 
-    def stats(self, spec: DecodeSpec, state, outputs, index_seconds: float) -> dict:
-        sparse = spec.sparse_layers(self.model.config.num_layers)
+    def stats(self) -> dict:
+        """What was asked and what was measured (see :class:`~magicpig_jax.generation.Generation`)."""
+        spec, n_layers = self.spec, self.model.config.num_layers
+        sparse = spec.sparse_layers(n_layers)
         per_layer = ({int(layer): float(f / self.frac_steps) for layer, f in zip(sparse, self.frac_sum, strict=True)}
                      if self.frac_steps else {})
         steps, seconds = self.steps, self.seconds
         dense = spec.backend == "dense"
         return {
             "attention": spec.backend,
-            "prompt_tokens": [int(x) for x in state.prompt_lengths],
-            "prefill_seconds": state.seconds,
-            "decode_tokens": sum(len(o) for o in outputs),
+            "attention_runs_on": backend_for(spec).name,
+            "magicpig": None if dense else dataclasses.asdict(spec.magicpig),
+            "budget": spec.budget,
+            "dense_layers": list(range(n_layers)) if dense else list(spec.dense_layers),
+            "sampling": dataclasses.asdict(self.sampling),
+            "max_new_tokens": self.max_new_tokens,
+            "prompt_tokens": [int(x) for x in self.state.prompt_lengths],
+            "prefill_seconds": self.state.seconds,
+            "decode_tokens": sum(len(o) for o in self.outputs),
             "decode_steps": steps,
             "decode_seconds": seconds,
             # None (JSON null) when undefined: fewer than two steps.
             "decode_tokens_per_s": ((steps - 1) * self.B / seconds) if seconds > 0 and steps > 1 else None,
-            "stop_reasons": list(self.stop_reasons),
             "compile_seconds": self.compile_seconds,
-            "index_build_seconds": index_seconds,
-            "dense_layers": list(range(self.model.config.num_layers)) if dense else list(spec.dense_layers),
-            "magicpig": None if dense else dataclasses.asdict(spec.magicpig),
+            "index_build_seconds": self.index_seconds,
+            "stop_reasons": list(self.stop_reasons),
             "sampled_fraction_per_layer": per_layer,
             "sampled_fraction": float(np.mean(list(per_layer.values()))) if per_layer else None,
         }

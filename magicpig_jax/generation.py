@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from magicpig_jax.attention import MagicPIGConfig
-from magicpig_jax.decode_loop import Sampling, run_decode
+from magicpig_jax.decode_loop import Sampling, run_decode, start_decode
 from magicpig_jax.io.loader import LoadedModel
 from magicpig_jax.models.backends import BACKENDS, DecodeSpec
 from magicpig_jax.models.cache import KVCache
@@ -25,6 +25,7 @@ from magicpig_jax.models.decoding import (
     hidden_to_logits,
     prefill_chunk,
 )
+from magicpig_jax.streaming import StopStrings, TextStream, check_stop_strings
 
 __all__ = ["PrefillState", "Generation", "Sampling", "prefill", "decode", "decode_spec", "generate", "encode_prompt",
            "forward_logits", "CHUNK"]
@@ -57,20 +58,27 @@ class Generation:
     """What :func:`generate` returns.
 
     Attributes:
-      text: the decoded continuation (special tokens removed).
+      text: the decoded continuation (special tokens removed; cut before a stop string).
       token_ids: the generated ids (EOS included if it was produced).
-      stats: dict with ``prompt_tokens``, ``prefill_seconds``, ``decode_tokens``,
-        ``decode_seconds`` (steps after the first), ``decode_tokens_per_s`` (rows x
-        steps per second, excluding the first step), ``compile_seconds`` (the
-        first step: compilation plus one step),
-        ``attention``, ``sampled_fraction_per_layer`` (layer -> mean fraction of
-        the context's keys sampled per decode step), ``sampled_fraction``
-        (mean over the sparse layers), ``dense_layers``.
+      stop_reason: why the row stopped: ``"eos"`` (an end-of-sequence / end-of-turn id),
+        ``"stop"`` (a stop string), ``"length"`` (``max_new_tokens``), ``"context"`` (the
+        model's context is full) or ``"sliding_window"`` (the sequence fills the window).
+      stats: what was asked — ``model``, ``attention``, ``attention_runs_on``, ``magicpig``
+        (its config), ``budget``, ``dense_layers``, ``sampling``, ``max_new_tokens``,
+        ``stop`` — and what was measured: ``prompt_tokens``, ``prefill_seconds`` (wall
+        time, including the compilation of the prefill chunk the first time a shape is
+        seen), ``index_build_seconds`` (None for dense), ``compile_seconds`` (the first
+        decode step: compilation plus one step), ``decode_steps``, ``decode_seconds``
+        (steps after the first), ``decode_tokens_per_s`` (rows x steps per second after
+        the first step; None with fewer than two steps), ``stop_reasons`` (per row),
+        ``sampled_fraction_per_layer`` (layer -> mean fraction of the context's keys
+        sampled per step) and ``sampled_fraction`` (their mean).
     """
 
     text: str
     token_ids: list[int]
     stats: dict
+    stop_reason: str = "length"
 
 
 def _round_up(x: int, m: int) -> int:
@@ -88,11 +96,60 @@ def kv_cache_dtype(name: str):
     return jnp.float32 if name == "float32" else jnp.bfloat16
 
 
-def encode_prompt(model: LoadedModel, prompt: str, chat: bool = True) -> list[int]:
-    """Token ids of the user's ``prompt``, wrapped in the model's chat template unless ``chat=False``."""
-    if chat:
-        prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    return model.tokenizer.encode(prompt)
+Message = Mapping[str, object]
+Prompt = str | Sequence[Message]
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(messages: Sequence[Message]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise TypeError(f"prompt message {i} must be a mapping with 'role' and 'content', got {m!r}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"prompt message {i} has role {m['role']!r}; allowed roles: {ROLES}")
+        out.append(dict(m))
+    if not out:
+        raise ValueError("prompt must hold at least one message")
+    return out
+
+
+def encode_prompt(model: LoadedModel, prompt: Prompt, chat: bool = True, parse_special: bool = False) -> list[int]:
+    """Token ids of one prompt: a user message (str) or a conversation (list of messages).
+
+    With ``chat`` the model's chat template renders the conversation, and special tokens come
+    only from the template: special-token strings in a message are literal text unless
+    ``parse_special`` (:meth:`Tokenizer.encode_chat`). With ``chat=False`` the prompt must be
+    a str, encoded as is with BOS/EOS as the model's tokenizer flags say; ``parse_special``
+    then lets it contain control tokens (a raw prompt).
+
+    Raises:
+      TypeError / ValueError: a malformed prompt, a role outside :data:`ROLES`, or
+        ``chat=False`` with messages.
+    """
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, Sequence):
+        messages = _check_messages(prompt)
+    else:
+        raise TypeError(f"prompt must be a str or a list of messages, got {type(prompt).__name__}")
+    if not chat:
+        if not isinstance(prompt, str):
+            raise ValueError("chat=False takes a str prompt (a list of messages needs the chat template)")
+        return model.tokenizer.encode(prompt, parse_special=parse_special, add_special_tokens=True)
+    return model.tokenizer.encode_chat(messages, parse_special=parse_special)
+
+
+def _prompt_batch(prompt) -> tuple[list[Prompt], bool]:
+    """``(prompts, batched)``: a str or one conversation is one prompt; a list of those is a batch."""
+    if isinstance(prompt, str):
+        return [prompt], False
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(p, Mapping) for p in prompt):
+        return [prompt], False
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(p, str | Sequence) for p in prompt):
+        return list(prompt), True
+    raise TypeError("prompt must be a str, a list of messages ({'role': ..., 'content': ...}), "
+                    f"or a list of those (a batch); got {prompt!r}")
 
 
 def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -125,11 +182,8 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
         raise ValueError(
             f"prompt has {int(lengths.max())} tokens, longer than the model's context of {ctx} tokens"
         )
-    window = getattr(model.config, "sliding_window", None)
-    if window is not None and lengths.max() > window and not allow_beyond_context:
-        raise ValueError(f"prompt has {int(lengths.max())} tokens, longer than the model's sliding_window of "
-                         f"{window} tokens (attention over a sliding window is not implemented; it equals full "
-                         "attention only for sequences that fit in the window)")
+    if not allow_beyond_context:
+        model.config.check_positions(int(lengths.max()))
     B = len(prompts)
     capacity = _round_up(int(lengths.max()) + max_new_tokens + 1, CHUNK)
     padded = np.zeros((B, _round_up(int(lengths.max()), CHUNK)), np.int32)
@@ -211,42 +265,76 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
                       progress=progress)
 
 
-def generate(model: LoadedModel, prompt: str, *, attention: str = "magicpig", max_new_tokens: int = 128,
+def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new_tokens: int = 128,
              config: MagicPIGConfig | None = None, dense_layers: Sequence[int] | None = None,
              budget: int | float | None = None, page_size: int = 16, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, chat: bool = True, kv_dtype: str = "float32") -> Generation:
+             top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None, stream: bool = False,
+             chat: bool = True, parse_special: bool = False,
+             kv_dtype: str = "float32") -> Generation | list[Generation] | Iterator[str]:
     """Generate a reply to ``prompt`` with the chosen attention.
 
     Args:
       model: from :func:`magicpig_jax.load_model`.
-      prompt: the user's message (the chat template is applied unless ``chat=False``).
+      prompt: a str (one user message), a list of messages ``{"role": "system" | "user" |
+        "assistant", "content": str}`` (a conversation), or a list of either (a batch,
+        decoded together; one :class:`Generation` per row).
       attention: one of :data:`magicpig_jax.models.backends.BACKENDS`: ``"magicpig"`` (default;
         the host op on the CPU), ``"magicpig-ref"``, ``"dense"``, ``"topk"``, ``"quest"``,
         ``"oracle"``.
-      max_new_tokens: maximum tokens to generate (stops at EOS), ``>= 1``.
+      max_new_tokens: maximum tokens to generate per row, ``>= 1``; a row also stops at EOS,
+        at a stop string, or where the model's context is full.
       config: :class:`MagicPIGConfig` (default K=10, L=150, 4 sinks, 64 local).
       dense_layers: layers kept dense (default :func:`default_dense_layers`).
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there):
         an int token count or a float fraction in (0, 1] of the hashed range.
       page_size: Quest's page size in tokens.
       temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy).
-      chat: apply the chat template.
+      stop: a stop string or a list of them; the text is cut before the first one.
+      stream: return an iterator of text pieces as tokens are produced (one prompt only);
+        a character split over several byte tokens is emitted whole.
+      chat: apply the chat template (False: ``prompt`` is raw text).
+      parse_special: special-token strings in the prompt become control tokens (default: they
+        stay literal text, so a user message cannot forge a turn).
       kv_dtype: storage of the KV cache, ``"float32"`` or ``"bfloat16"``.
 
     Returns:
-      a :class:`Generation` with ``.text``, ``.token_ids``, ``.stats``.
+      a :class:`Generation` (one prompt), a list of them (a batch), or an iterator of str
+      (``stream=True``).
 
     Raises:
-      ValueError: prompt longer than the model's context, unknown attention, bad parameters
-        (all checked before the prefill).
+      TypeError / ValueError: a malformed prompt, a prompt longer than the model's context,
+        an unknown attention, or bad parameters (all checked before the prefill).
     """
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size)
+    stops = check_stop_strings(stop)
     cache_dtype = kv_cache_dtype(kv_dtype)
-    ids = encode_prompt(model, prompt, chat)
-    state = prefill(model, [ids], max_new_tokens, cache_dtype=cache_dtype)
-    outs, stats = run_decode(model, state, spec, max_new_tokens, sampling)
-    return Generation(model.tokenizer.decode(outs[0]), outs[0], stats)
+    prompts, batched = _prompt_batch(prompt)
+    if stream and batched:
+        raise ValueError("stream=True takes one prompt, not a batch")
+    ids = [encode_prompt(model, p, chat, parse_special) for p in prompts]
+    state = prefill(model, ids, max_new_tokens, cache_dtype=cache_dtype)
+    decode_text = model.tokenizer.decode
+    criterion = StopStrings(decode_text, stops) if stops else None
+    run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion)
+    if stream:
+        return _stream(run, TextStream(decode_text, stops))
+    for _ in run:
+        pass
+    stats = {**run.stats(), "model": str(model.source), "stop": list(stops)}
+    gens = [Generation(criterion.cut(decode_text(o)) if criterion else decode_text(o), o, stats, reason)
+            for o, reason in zip(run.outputs, run.stop_reasons, strict=True)]
+    return gens if batched else gens[0]
+
+
+def _stream(run, text: TextStream) -> Iterator[str]:
+    for outputs in run:
+        piece = text.push(outputs[0])
+        if piece:
+            yield piece
+    piece = text.push(run.outputs[0], final=True)
+    if piece:
+        yield piece
 
 
 def forward_logits(model: LoadedModel, ids: Sequence[int]) -> np.ndarray:
@@ -263,6 +351,7 @@ def forward_logits(model: LoadedModel, ids: Sequence[int]) -> np.ndarray:
     T = len(ids)
     if T > model.config.max_position_embeddings:
         raise ValueError(f"{T} tokens exceed the model's context of {model.config.max_position_embeddings}")
+    model.config.check_positions(T)
     graphdef, params = nnx.split(model.module)
     padded = np.zeros((1, _round_up(T, CHUNK)), np.int32)
     padded[0, :T] = ids

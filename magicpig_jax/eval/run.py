@@ -136,8 +136,8 @@ def prompt_ids(model, prompt: str, answer_prefix: str = "") -> list[int]:
         return encode_prompt(model, prompt + ("\n" + answer_prefix if answer_prefix else ""), chat=False)
     if not answer_prefix:
         return encode_prompt(model, prompt)
-    text = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) + answer_prefix
-    return encode_prompt(model, text, chat=False)
+    # The answer prefix opens the assistant's turn: literal text after the rendered header.
+    return encode_prompt(model, prompt) + model.tokenizer.encode(answer_prefix, parse_special=False)
 
 
 def _budget_tokens(ref: dict | None, page: int) -> tuple[int, float | None]:

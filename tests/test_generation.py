@@ -1,0 +1,86 @@
+"""generate(): prompt forms, batches, every backend with its parameters, stop strings, streaming, stats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from magicpig_jax import generate, load_model
+from magicpig_jax.attention import MagicPIGConfig
+from magicpig_jax.generation import encode_prompt
+
+FAMILY = Path(__file__).parent / "fixtures" / "families" / "qwen2"
+SMALL = MagicPIGConfig(K=4, L=8, num_sink=2, num_local=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(FAMILY)
+
+
+def test_string_and_one_message_are_the_same_prompt(model):
+    assert encode_prompt(model, "hi there") == encode_prompt(model, [{"role": "user", "content": "hi there"}])
+    a = generate(model, "hi there", attention="dense", max_new_tokens=5)
+    b = generate(model, [{"role": "user", "content": "hi there"}], attention="dense", max_new_tokens=5)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 5 and a.stop_reason == "length"
+
+
+def test_batch_rows_equal_the_rows_alone(model):
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    rows = generate(model, ["one two three", conv], attention="dense", max_new_tokens=4)
+    assert isinstance(rows, list) and len(rows) == 2
+    assert rows[0].token_ids == generate(model, "one two three", attention="dense", max_new_tokens=4).token_ids
+    assert rows[1].token_ids == generate(model, conv, attention="dense", max_new_tokens=4).token_ids
+
+
+@pytest.mark.parametrize("attention,kw", [("topk", {"budget": 4}), ("quest", {"budget": 0.5, "page_size": 2}),
+                                          ("oracle", {"budget": 8}), ("magicpig", {}), ("magicpig-ref", {})])
+def test_every_backend_is_reachable_with_its_parameters(model, attention, kw):
+    prompt = "count: " + " ".join(str(i) for i in range(40))
+    got = generate(model, prompt, attention=attention, config=SMALL, dense_layers=(), max_new_tokens=3, **kw)
+    assert len(got.token_ids) == 3 and got.stats["attention"] == attention
+    assert got.stats["budget"] == kw.get("budget")
+    assert got.stats["index_build_seconds"] is not None
+
+
+def test_budgeted_backend_without_budget_names_it(model):
+    with pytest.raises(ValueError, match="budget"):
+        generate(model, "hi", attention="topk")
+
+
+def test_stop_string_cuts_the_text_and_reports_stop(model):
+    full = generate(model, "hi there", attention="dense", max_new_tokens=8)
+    assert len(full.text) > 2
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 2]
+    got = generate(model, "hi there", attention="dense", max_new_tokens=8, stop=[stop])
+    assert got.stop_reason == "stop" and got.text == full.text[:full.text.index(stop)]
+    assert got.stats["stop"] == [stop]
+
+
+def test_stream_joins_to_the_text(model):
+    whole = generate(model, "hi there", attention="magicpig", max_new_tokens=7)
+    pieces = list(generate(model, "hi there", attention="magicpig", max_new_tokens=7, stream=True))
+    assert "".join(pieces) == whole.text and len(pieces) >= 1
+
+
+def test_stats_record_what_was_asked_as_strict_json(model):
+    got = generate(model, "hi", attention="dense", max_new_tokens=1, temperature=0.5, top_p=0.9, seed=3)
+    s = json.loads(json.dumps(got.stats, allow_nan=False))
+    assert s["model"] == str(FAMILY) and s["max_new_tokens"] == 1 and s["stop_reasons"] == ["length"]
+    assert s["sampling"] == {"temperature": 0.5, "top_p": 0.9, "seed": 3}
+    assert s["index_build_seconds"] is None and s["decode_tokens_per_s"] is None
+
+
+@pytest.mark.parametrize("prompt,match", [([{"role": "wizard", "content": "x"}], "role"),
+                                          ([{"content": "x"}], "role"),
+                                          (42, "prompt must be")])
+def test_malformed_prompts_are_refused(model, prompt, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        generate(model, prompt, attention="dense", max_new_tokens=1)
+
+
+def test_stream_takes_one_prompt(model):
+    with pytest.raises(ValueError, match="one prompt"):
+        generate(model, ["a", "b"], stream=True)
