@@ -344,13 +344,20 @@ def test_op_rejects_corrupt_or_mismatched_buffers():
 
 
 # Structural presets (shapes, K, L, static set, chunking) keep the number of compilations small;
-# hypothesis varies the lengths, appended counts and data within them.
+# hypothesis varies the lengths (full rows included), appended counts and data within them.
 # (B, Hkv, G, N, D, K, L, num_sink, num_local, chunk, open, window, T)
 PRESETS = [
     (1, 1, 1, 40, 8, 1, 2, 0, 0, 7, 1, 0, 6),
     (2, 2, 2, 96, 9, 3, 6, 4, 9, 16, 5, 6, 20),
     (3, 1, 3, 130, 16, 6, 12, 2, 20, 64, 12, 30, 20),
     (2, 2, 1, 70, 4, 4, 3, 5, 0, 70, 3, 3, 20),
+    # the paper's K and L, D = 64, chunks that end inside the appended block
+    (2, 1, 4, 300, 64, 10, 150, 4, 16, 128, 16, 8, 40),
+    # K = 16 (the host maximum: 65,537 bucket starts per table), D = 128, one chunk per position block
+    (1, 2, 2, 200, 128, 16, 20, 1, 5, 50, 7, 0, 24),
+    # D = 1 and D = 33 (odd tails of the AVX2 rows), L > 2 ^ 6
+    (2, 1, 2, 90, 1, 2, 70, 3, 3, 11, 2, 1, 10),
+    (1, 3, 1, 150, 33, 8, 40, 0, 12, 150, 64, 40, 30),
 ]
 
 
@@ -358,17 +365,19 @@ PRESETS = [
 def cases(draw):
     preset = draw(st.sampled_from(PRESETS))
     B, N, T = preset[0], preset[3], preset[-1]
-    lengths = draw(st.lists(st.integers(0, N), min_size=B, max_size=B))
-    grow = draw(st.lists(st.integers(0, T), min_size=B, max_size=B))
-    extra = draw(st.lists(st.integers(0, 8), min_size=B, max_size=B))
+    # rows at their full length (N at the build, N + T after the append) as well as anywhere below
+    lengths = draw(st.lists(st.one_of(st.just(N), st.integers(0, N)), min_size=B, max_size=B))
+    grow = draw(st.lists(st.one_of(st.just(T), st.integers(0, T)), min_size=B, max_size=B))
+    extra = draw(st.lists(st.one_of(st.just(N + T), st.integers(0, 8)), min_size=B, max_size=B))
     seed = draw(st.integers(0, 2**16))
-    return preset, lengths, grow, extra, seed
+    impl = draw(st.sampled_from(IMPLS))
+    return preset, lengths, grow, extra, seed, impl
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=48, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fuzz_against_reference(case):
-    preset, lengths, grow, extra, seed = case
+    preset, lengths, grow, extra, seed, impl = case
     B, Hkv, G, N, D, K, L, num_sink, num_local, chunk, open_cap, window, T = preset
     cap = N + T
     cfg, q, k, v, proj, lens_build = make_case(B, G * Hkv, Hkv, cap, D, K, L, lengths, num_sink=num_sink,
@@ -381,7 +390,7 @@ def test_fuzz_against_reference(case):
     hidx = _append(hidx, k_new, jnp.asarray(counts))
     ri = _reference_after_append(k, proj, cfg, lens_build, hidx, [k_new], [counts])
     lens = jnp.asarray(np.minimum(end + counts + np.asarray(extra), cap), jnp.int32)
-    check_against_reference(q, k, v, cfg, proj, lens, hidx, ref_index=ri, static_window=window)
+    check_against_reference(q, k, v, cfg, proj, lens, hidx, ref_index=ri, static_window=window, impl=impl)
 
 
 def test_advise_huge_pages_keeps_values_and_results():

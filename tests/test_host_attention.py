@@ -1,0 +1,154 @@
+"""magicpig_jax.host.attention: the sampled-attention op at the edges the fuzz does not reach.
+
+* the per-thread stamp epoch wraps between two query heads (a stale stamp must never count);
+* the paper's setting (K=10, L=150, D=64 and 128) over a full 65,536-position chunk and past it
+  (N = 65,536, 70,000 and 131,073), against the pure-JAX reference;
+* the op reads only the K/V rows it selects (NaN elsewhere leaves the result unchanged).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from magicpig_jax import host, lsh
+from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, magicpig_attention
+from magicpig_jax.attention.magicpig import sampled_mask_and_log_u
+from magicpig_jax.host.index import chunk_geometry
+from tests._np_reference import softmax_over
+
+IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
+
+EPOCHS = 1 << 14  # the stamp is (epoch << 2) | hits in 16 bits; epochs run 1 .. 2^14 - 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stamp_epoch_wrap_between_two_heads_samples_nothing(impl):
+    # One KV head, Hq = 2^14 query heads, one worker thread (max_threads=1): the op visits the
+    # heads in order, one chunk each, so head 0 and head 2^14 - 1 run under the same epoch value
+    # and the epoch wraps between them. Position 1 is the only hashed key (sinks [0, 1), local
+    # [2, 3)); centered it is the zero vector, so its code is 0 in both tables. Head 0 collides
+    # with it in table 0 only, head 2^14 - 1 in table 1 only, every other head in neither. No
+    # head reaches 2 tables: nothing may be sampled. A wrap that kept head 0's stamp would let
+    # the last head count 2 hits.
+    K, L, D = 2, 2, 4
+    Hq = EPOCHS
+    cfg = MagicPIGConfig(K=K, L=L, num_sink=1, num_local=1)
+    proj = jnp.eye(D, dtype=jnp.float32)  # bit j of table l is coordinate 2l + j > 0
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((1, 1, 3, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 1, 3, D)), jnp.float32)
+    q = np.ones((1, Hq, D), np.float32)  # codes (3, 3): no collision
+    q[0, 0] = [-1, -1, 1, 1]  # codes (0, 3): table 0 only
+    q[0, -1] = [1, 1, -1, -1]  # codes (3, 0): table 1 only
+    q = jnp.asarray(q * rng.uniform(0.5, 2.0, (1, Hq, 1)), jnp.float32)
+    lengths = jnp.asarray([3], jnp.int32)
+    hidx = host.host_build_index(k, proj, cfg, lengths)
+    np.testing.assert_array_equal(np.asarray(hidx.bounds), [[1, 2, 2]])
+    for _ in range(2):  # a second call starts from wherever the thread's epoch is now
+        out, lse, ns, mask = host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, impl=impl,
+                                                          max_threads=1, return_mask=True)
+        assert int(np.asarray(ns).sum()) == 0
+        assert not np.asarray(mask).any()
+        # Expected: exact attention over the two static keys 0 and 2 (float64).
+        q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+        for h in (0, 1, Hq // 2, Hq - 1):
+            logits = k64[0, 0] @ q64[0, h] / 2.0
+            o_ref, l_ref = softmax_over(logits, np.array([True, False, True]), v64[0, 0])
+            np.testing.assert_allclose(np.asarray(out[0, h]), o_ref, rtol=0, atol=1e-5)
+            assert abs(float(lse[0, h]) - l_ref) < 1e-5
+    # The pure-JAX reference agrees (same codes, nothing sampled).
+    ref = build_lsh_index(k, proj, cfg, lengths)
+    out_r, lse_r, ns_r = magicpig_attention(q, k, v, ref, cfg, lengths)
+    assert int(np.asarray(ns_r).sum()) == 0
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_r), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_r), rtol=0, atol=1e-5)
+
+
+_ref_build = jax.jit(build_lsh_index, static_argnames="config")
+_host_build = jax.jit(host.host_build_index, static_argnames=("config", "chunk_size"))
+
+
+@jax.jit(static_argnames="cfg")
+def _reference(q, k, v, index, lengths, cfg):
+    out, lse, ns = magicpig_attention(q, k, v, index, cfg, lengths)
+    sampled, _, _ = sampled_mask_and_log_u(q, k, index, cfg, lengths)
+    return out, lse, ns, sampled.reshape(q.shape[0], q.shape[1], k.shape[2])
+
+
+@pytest.mark.parametrize(
+    "N,D,chunk_size,chunks",
+    [
+        (65_536, 128, None, (1, 65_536)),  # one full chunk: ids 0 .. 65535 use every uint16
+        (70_000, 64, None, (2, 35_000)),  # past one chunk: two balanced chunks
+        (131_073, 64, 65_536, (3, 65_536)),  # two full chunks and one position in a third
+    ],
+)
+def test_paper_setting_over_full_chunks_matches_reference(N, D, chunk_size, chunks):
+    # K = 10, L = 150 (the paper's setting), every row at its full length (= the capacity), no
+    # local window: the last position (the last id of a full chunk, or alone in a third chunk) is
+    # hashed, and its key points along query head 0 from the mean, so head 0 samples it.
+    cfg = MagicPIGConfig(K=10, L=150, num_sink=4, num_local=0)
+    B, Hkv, G = 1, 1, 3
+    rng = np.random.default_rng(N)
+    q = rng.standard_normal((B, Hkv * G, D), np.float32)
+    k = rng.standard_normal((B, Hkv, N, D), np.float32) + rng.standard_normal((1, 1, 1, D), np.float32)
+    k[0, 0, -1] = k[0, 0, 4:-1].mean(0) + 20 * q[0, 0]
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, N, D), np.float32))
+    proj = jnp.asarray(rng.standard_normal((D, cfg.K * cfg.L), np.float32))
+    lengths = jnp.full((B,), N, jnp.int32)
+    hidx = _host_build(k, proj, cfg, lengths, chunk_size=chunk_size)
+    assert hidx.ids.shape[2] == chunks[0] and hidx.ids.shape[4] == chunks[1]
+    assert chunk_geometry(N, chunk_size) == chunks
+    ref = _ref_build(k, proj, cfg, lengths)
+    out_r, lse_r, ns_r, mask_r = (np.asarray(x) for x in _reference(q, k, v, ref, lengths, cfg=cfg))
+    # Keys are sampled in every chunk, the last positions included (the reference says where).
+    pos = np.flatnonzero(mask_r.any(axis=(0, 1)))
+    assert pos.size > 0.002 * N and mask_r[0, 0, N - 1]
+    for c in range(chunks[0]):
+        assert np.any((pos >= c * chunks[1]) & (pos < (c + 1) * chunks[1])), c
+    for impl in IMPLS:
+        out, lse, ns, mask = host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, impl=impl, return_mask=True)
+        np.testing.assert_array_equal(np.asarray(ns), ns_r)
+        np.testing.assert_array_equal(np.asarray(mask), mask_r)
+        np.testing.assert_allclose(np.asarray(lse), lse_r, rtol=0, atol=1e-5 * max(1.0, np.abs(lse_r).max()))
+        np.testing.assert_allclose(np.asarray(out), out_r, rtol=0, atol=1e-5 * max(1.0, np.abs(out_r).max()))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_op_reads_only_the_rows_it_selects(impl, dtype):
+    # NaN in every K and V row the op does not select (keys no head samples, sinks, the tail left
+    # to the caller's window, padding past each row's length): its result is bit for bit the one of
+    # the clean cache (which the tests above compare with the reference).
+    B, Hq, Hkv, N, D, W = 2, 4, 2, 200, 16, 6
+    cfg = MagicPIGConfig(K=3, L=6, num_sink=4, num_local=10)
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((B, Hq, D), np.float32))
+    k = jnp.asarray((rng.standard_normal((B, Hkv, N, D)) + 0.5).astype(np.float32)).astype(dtype)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, N, D)).astype(np.float32)).astype(dtype)
+    proj = jnp.asarray(rng.standard_normal((D, cfg.K * cfg.L), np.float32))
+    lengths = jnp.asarray([170, 121], jnp.int32)
+    hidx = host.host_build_index(k, proj, cfg, lengths - 20)  # 20 unhashed keys past the index
+    qc = lsh.simhash_codes(q, proj, cfg.K, cfg.L)
+    out, lse, ns, mask = host.host_sampled_attention(q, qc, k, v, hidx, lengths, window=W, impl=impl,
+                                                     return_mask=True)
+    mask = np.asarray(mask)
+    # The rows the op may read: sampled by some head of the KV head, or exact in [end, len - W).
+    used = np.zeros((B, Hkv, N), bool)
+    end = np.asarray(hidx.end)
+    for b in range(B):
+        used[b] = mask[b].reshape(Hkv, Hq // Hkv, N).any(1)
+        used[b, :, end[b] : int(lengths[b]) - W] = True
+    assert used.sum() < 0.6 * B * Hkv * N and int(np.asarray(ns).sum()) > 0
+    nan = jnp.asarray(np.where(used[..., None], 0.0, np.nan), jnp.float32).astype(dtype)
+    out2, lse2, ns2, mask2 = host.host_sampled_attention(q, qc, k + nan, v + nan, hidx, lengths, window=W,
+                                                         impl=impl, return_mask=True)
+    np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(lse2), np.asarray(lse))
+    np.testing.assert_array_equal(np.asarray(ns2), np.asarray(ns))
+    np.testing.assert_array_equal(np.asarray(mask2), mask)
+    assert np.isfinite(np.asarray(out2)).all()
