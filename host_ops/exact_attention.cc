@@ -38,7 +38,8 @@ using magicpig::RunParallel;
 using magicpig::Shape;
 
 constexpr int64_t kBlock = 128;   // keys per online-softmax block
-constexpr int64_t kSpan = 2048;   // keys per work item
+constexpr int64_t kSpan = 2048;   // keys per work item when there are enough of them
+constexpr int64_t kMinSpan = 256;  // the fewest keys per work item
 constexpr int64_t kAheadRows = 32;  // K/V rows requested ahead of use
 constexpr int64_t kMaxG = 64;    // query heads per KV head
 
@@ -279,6 +280,18 @@ void PartialKvHead(const float* q, const T* k, const T* v, int64_t n, int64_t G,
   }
 }
 
+// Keys per work item: kSpan, or fewer (down to kMinSpan, a multiple of kBlock) when the KV heads
+// of the call would otherwise give fewer than 8 work items per thread, so that one row on two
+// cores (or B * Hkv not a multiple of the threads) still keeps every thread busy.
+int64_t SpanKeys(int64_t heads, int64_t threads, int64_t max_len) {
+  const int64_t want_items = 8 * std::max<int64_t>(1, threads);
+  if (threads <= 1 || heads * ((max_len + kSpan - 1) / kSpan) >= want_items) return kSpan;
+  const int64_t per_head = (want_items + heads - 1) / heads;     // spans per KV head
+  int64_t span = (max_len + per_head - 1) / per_head;
+  span = (span + kBlock - 1) / kBlock * kBlock;
+  return std::clamp(span, kMinSpan, kSpan);
+}
+
 // out[g] = (sum_s w_s acc_s[g]) / (sum_s w_s sum_s[g]), w_s = exp(m_s[g] - max_s m_s[g]), and
 // lse[g] = max m + log(total), over the S partials of one KV head; 0 and -inf when the total is
 // not a positive finite number (no keys, or non-finite logits): never NaN.
@@ -353,10 +366,15 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const int32_t* lp = lengths.typed_data();
   float* op = out->typed_data();
   float* lp_out = lse->typed_data();
-  // Work items: (KV head, span of kSpan keys), so that a few KV heads still fill the pool; the
-  // worker that finishes the last item merges the partials (before the op's future completes).
-  const int64_t S = std::max<int64_t>(1, (N + kSpan - 1) / kSpan);
+  // Work items: (KV head, span of keys), so that a few KV heads still fill the pool; the worker
+  // that finishes the last item merges the partials (before the op's future completes).
   const int64_t heads = B * Hkv;
+  int64_t threads = pool.num_threads();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, std::clamp<int64_t>(lp[b], 0, N));
+  const int64_t span = SpanKeys(heads, threads, max_len);
+  const int64_t S = std::max<int64_t>(1, (max_len + span - 1) / span);
   struct Partials {
     std::vector<float> acc, m;
     std::vector<double> sum;
@@ -371,7 +389,7 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     const int64_t bh = item / S, s = item % S;
     const int64_t b = bh / Hkv;
     const int64_t n = std::clamp<int64_t>(lp[b], 0, N);
-    const int64_t j0 = std::min(n, s * kSpan), j1 = std::min(n, j0 + kSpan);
+    const int64_t j0 = std::min(n, s * span), j1 = std::min(n, j0 + span);
     const int64_t row = (bh * N + j0) * D;  // key j0 of KV head (b, h) in [B, Hkv, N, D]
     const float* qh = qp + bh * G * D;      // query heads h*G .. h*G+G-1 of row b
     float* acc = part->acc.data() + item * G * D;

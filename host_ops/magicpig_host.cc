@@ -610,20 +610,22 @@ struct AttendArgs {
   uint8_t* mask = nullptr;           // [B, Hq, Nmax], or null
 };
 
-// The sampled keys of (b, h) into s.cand (s.exact = 0): tokens of [start, min(sealed, len)) that
-// collide with the query codes qc in >= 2 tables of the sorted chunks, then those of the open
-// chunk [sealed, min(end, len)).
+// The sampled keys of (b, h) among the positions [plo, phi) into s.cand (s.exact = 0): tokens of
+// [start, min(sealed, len)) that collide with the query codes qc in >= 2 tables of the sorted
+// chunks, then those of the open chunk [sealed, min(end, len)). A token's hits are counted over
+// all L tables by the one call that owns its position, so splitting a head's positions into
+// pieces gives the same sampled set.
 ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint32_t* qc, int64_t len,
-                          Scratch& s) {
+                          int64_t plo, int64_t phi, Scratch& s) {
   const Geometry& g = a.g;
   const int64_t bh = b * g.Hkv + h;
   const int32_t* bnd = a.bounds + 3 * b;
-  const int64_t start = bnd[0], end = bnd[1], sealed = bnd[2];
+  const int64_t start = std::max<int64_t>(bnd[0], plo), end = bnd[1], sealed = bnd[2];
   const int64_t nb = g.NB - 1;
   uint16_t* st = s.stamp.data();
   // Sealed chunks: one walk over the query's bucket in each table; a token becomes a candidate
   // when its hit count reaches 2.
-  const int64_t sealed_hi = std::min(sealed, len);
+  const int64_t sealed_hi = std::min({sealed, len, phi});
   for (int64_t c = 0; c < g.NC; ++c) {
     if (c * g.CH >= sealed_hi || (c + 1) * g.CH <= start) continue;
     const int32_t* offc = a.offsets + (bh * g.NC + c) * g.L * g.NB;
@@ -648,9 +650,18 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
     const uint16_t one = NextEpoch(s) | 1, two = one + 1;
     const int64_t base = c * g.CH;
     const int64_t lo_ok = std::max<int64_t>(start - base, 0), hi_ok = std::min<int64_t>(sealed_hi - base, g.CH);
+    // A piece that owns only part of the chunk walks only its ids: a bucket lists its ids in
+    // ascending order (build sorts positions stably, append adds larger positions at the end).
+    const bool part = plo > base || phi < base + g.CH;
     for (int64_t l = 0; l < g.L; ++l) {
       const uint16_t* lst = idc + l * g.CH;
-      for (int64_t j = rng[2 * l], e = rng[2 * l + 1]; j < e; ++j) {
+      int64_t j0 = rng[2 * l], j1 = rng[2 * l + 1];
+      if (part && j1 > j0) {
+        auto below = [](uint16_t id, int64_t bound) { return int64_t{id} < bound; };
+        j0 = std::lower_bound(lst + j0, lst + j1, lo_ok, below) - lst;
+        j1 = std::lower_bound(lst + j0, lst + j1, hi_ok, below) - lst;
+      }
+      for (int64_t j = j0, e = j1; j < e; ++j) {
         const int64_t id = lst[j];
         if (id >= g.CH) continue;
         const uint16_t v = st[id];
@@ -666,11 +677,12 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
       }
     }
   }
-  // Open chunk: linear scan of the codes.
-  const int64_t n_open = std::max<int64_t>(0, std::min(end, len) - sealed);
+  // Open chunk: linear scan of the codes of its positions [o0, o1) in the piece.
+  const int64_t o0 = std::max(sealed, plo);
+  const int64_t n_open = std::max<int64_t>(0, std::min({end, len, phi}) - o0);
   if (n_open > 0) {
     if (static_cast<int64_t>(s.hits.size()) < n_open) s.hits.resize(n_open);
-    const uint16_t* ob = a.open + bh * g.L * g.OPEN;
+    const uint16_t* ob = a.open + bh * g.L * g.OPEN + (o0 - sealed);
 #ifdef MAGICPIG_HAVE_AVX2_PATH
     if (a.avx2) {
       OpenHitsAvx2(ob, g.L, g.OPEN, n_open, qc, s.hits.data());
@@ -681,7 +693,7 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
     }
     for (int64_t i = 0; i < n_open; ++i) {
       if (s.hits[i] >= 2) {
-        s.cand.push_back(static_cast<int32_t>(sealed + i));
+        s.cand.push_back(static_cast<int32_t>(o0 + i));
         s.exact.push_back(0);
       }
     }
@@ -775,10 +787,12 @@ void AttendCandidates(const AttendArgs& a, const float* q, const float* mean, co
   }
 }
 
-// Work item (row b, query head hq): the sampled keys, the unhashed keys the caller's window
-// does not cover (exact), then attention over them. T is float (float32 K/V) or uint16_t (bf16).
+// Work item (row b, query head hq, positions [plo, phi)): the sampled keys, the unhashed keys the
+// caller's window does not cover (exact), then attention over them, into o [D], *lse and *nsamp.
+// T is float (float32 K/V) or uint16_t (bf16). The whole head is the piece [0, Nmax).
 template <typename T>
-ffi::Error AttendOne(const AttendArgs& a, int64_t b, int64_t hq) {
+ffi::Error AttendPiece(const AttendArgs& a, int64_t b, int64_t hq, int64_t plo, int64_t phi, float* o,
+                       float* lse, int32_t* nsamp) {
   const Geometry& g = a.g;
   const int64_t G = a.Hq / g.Hkv;
   const int64_t h = hq / G;
@@ -802,30 +816,68 @@ ffi::Error AttendOne(const AttendArgs& a, int64_t b, int64_t hq) {
   if (static_cast<int64_t>(s.range.size()) < 2 * g.L) s.range.resize(2 * g.L);
   s.cand.clear();
   s.exact.clear();
-  if (auto e = CollectSampled(a, b, h, qc, len, s); !e.success()) return e;
+  if (auto e = CollectSampled(a, b, h, qc, len, plo, phi, s); !e.success()) return e;
   const int32_t n_sampled = static_cast<int32_t>(s.cand.size());
   // Unhashed keys past the index that the JAX static window does not cover: exact.
-  const int64_t over_hi = std::max(end, len - std::max<int64_t>(a.window, 0));
-  for (int64_t pos = std::max(end, start); pos < std::min(over_hi, len); ++pos) {
+  const int64_t over_hi = std::min({std::max(end, len - std::max<int64_t>(a.window, 0)), len, phi});
+  for (int64_t pos = std::max({end, start, plo}); pos < over_hi; ++pos) {
     s.cand.push_back(static_cast<int32_t>(pos));
     s.exact.push_back(1);
   }
   if (a.mask != nullptr) {
     uint8_t* mrow = a.mask + item * a.Nmax;
-    std::memset(mrow, 0, a.Nmax);
+    std::memset(mrow + plo, 0, phi - plo);
     for (int32_t i = 0; i < n_sampled; ++i) mrow[s.cand[i]] = 1;
   }
-  a.nsamp[item] = n_sampled;
-  float* o = a.out + item * a.D;
+  *nsamp = n_sampled;
   if (s.cand.empty()) {
     std::fill(o, o + a.D, 0.0f);
-    a.lse[item] = -INFINITY;
+    *lse = -INFINITY;
     return ffi::Error::Success();
   }
   const T* kb = static_cast<const T*>(a.k) + bh * a.Nmax * a.D;
   const T* vb = static_cast<const T*>(a.v) + bh * a.Nmax * a.D;
-  AttendCandidates<T>(a, a.q + item * a.D, a.mean + bh * a.D, kb, vb, s, o, a.lse + item);
+  AttendCandidates<T>(a, a.q + item * a.D, a.mean + bh * a.D, kb, vb, s, o, lse);
   return ffi::Error::Success();
+}
+
+// Pieces per query head: 1 (the whole head per work item) unless the heads alone would leave
+// threads idle or unevenly loaded (B*Hq not a multiple of the threads and fewer than 8 per
+// thread); then enough pieces for 8 work items per thread, each of at least kMinPiece positions.
+constexpr int64_t kMinPiece = 1024;
+
+int64_t PiecesPerHead(int64_t heads, int64_t threads, int64_t max_len) {
+  if (threads <= 1 || heads <= 0 || heads % threads == 0 || heads >= 8 * threads) return 1;
+  const int64_t want = (8 * threads + heads - 1) / heads;
+  return std::max<int64_t>(1, std::min(want, max_len / kMinPiece));
+}
+
+// The LSE merge of a head's P pieces: out = sum_p exp(lse_p - lse) o_p, lse = log sum_p exp(lse_p);
+// out 0 and lse -inf when every piece is empty.
+void MergePieces(int64_t P, int64_t D, const float* o, const float* lse, const int32_t* ns, float* out,
+                 float* out_lse, int32_t* out_ns) {
+  float mx = -INFINITY;
+  int32_t n = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    mx = std::max(mx, lse[p]);
+    n += ns[p];
+  }
+  *out_ns = n;
+  std::fill(out, out + D, 0.0f);
+  if (!std::isfinite(mx)) {
+    *out_lse = -INFINITY;
+    return;
+  }
+  double tot = 0.0;
+  for (int64_t p = 0; p < P; ++p) {
+    if (!std::isfinite(lse[p])) continue;
+    const float w = std::exp(lse[p] - mx);
+    tot += w;
+    for (int64_t d = 0; d < D; ++d) out[d] += w * o[p * D + d];
+  }
+  const float inv = static_cast<float>(1.0 / tot);
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  *out_lse = mx + static_cast<float>(std::log(tot));
 }
 
 ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U32> q_codes,
@@ -920,9 +972,49 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.lse = lse->typed_data();
   a.nsamp = nsamp->typed_data();
   a.mask = want_mask ? mask->typed_data() : nullptr;
-  return RunParallel(pool, g.B * Hq, max_threads, [a, bf16](int64_t item) -> ffi::Error {
+  const int64_t heads = g.B * Hq;
+  int64_t threads = pool.num_threads();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < g.B; ++b) {
+    max_len = std::max<int64_t>(max_len, std::clamp<int64_t>(a.lengths[b], 0, Nmax));
+  }
+  const int64_t P = PiecesPerHead(heads, threads, max_len);
+  if (P == 1) {
+    return RunParallel(pool, heads, max_threads, [a, bf16](int64_t item) -> ffi::Error {
+      const int64_t b = item / a.Hq, hq = item % a.Hq;
+      float* o = a.out + item * a.D;
+      return bf16 ? AttendPiece<uint16_t>(a, b, hq, 0, a.Nmax, o, a.lse + item, a.nsamp + item)
+                  : AttendPiece<float>(a, b, hq, 0, a.Nmax, o, a.lse + item, a.nsamp + item);
+    });
+  }
+  // Split each head's positions into P pieces ([0, len) evenly, the last piece up to Nmax); the
+  // worker that finishes a head's last piece merges its partial results.
+  struct Pieces {
+    std::vector<float> o, lse;
+    std::vector<int32_t> ns;
+    std::unique_ptr<std::atomic<int64_t>[]> done;
+  };
+  auto pc = std::make_shared<Pieces>();
+  pc->o.assign(heads * P * D, 0.0f);
+  pc->lse.assign(heads * P, -INFINITY);
+  pc->ns.assign(heads * P, 0);
+  pc->done.reset(new std::atomic<int64_t>[heads]);
+  for (int64_t i = 0; i < heads; ++i) pc->done[i].store(0, std::memory_order_relaxed);
+  return RunParallel(pool, heads * P, max_threads, [a, bf16, pc, P](int64_t w) -> ffi::Error {
+    const int64_t item = w / P, p = w % P;
     const int64_t b = item / a.Hq, hq = item % a.Hq;
-    return bf16 ? AttendOne<uint16_t>(a, b, hq) : AttendOne<float>(a, b, hq);
+    const int64_t len = std::clamp<int64_t>(a.lengths[b], 0, a.Nmax);
+    const int64_t plo = len * p / P, phi = p + 1 == P ? a.Nmax : len * (p + 1) / P;
+    float* o = pc->o.data() + w * a.D;
+    ffi::Error e = bf16 ? AttendPiece<uint16_t>(a, b, hq, plo, phi, o, &pc->lse[w], &pc->ns[w])
+                        : AttendPiece<float>(a, b, hq, plo, phi, o, &pc->lse[w], &pc->ns[w]);
+    if (!e.success()) return e;
+    if (pc->done[item].fetch_add(1, std::memory_order_acq_rel) == P - 1) {
+      MergePieces(P, a.D, pc->o.data() + item * P * a.D, pc->lse.data() + item * P, pc->ns.data() + item * P,
+                  a.out + item * a.D, a.lse + item, a.nsamp + item);
+    }
+    return ffi::Error::Success();
   });
 }
 

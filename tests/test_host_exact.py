@@ -158,3 +158,25 @@ def test_host_decoder_runs_its_dense_layers_in_the_op():
                             jnp.float32(0), jnp.float32(1), spec=spec).as_text()
     assert hlo.count("magicpig_exact_attention") >= 1
     assert "magicpig_host_attention" in hlo
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("Hq,Hkv,N,length", [(1, 1, 3000, 2999), (9, 3, 1280, 1024), (2, 2, 700, 700)])
+def test_one_row_split_over_threads(impl, Hq, Hkv, N, length):
+    # One row with fewer KV heads than work items for the pool: the keys of a head are split into
+    # spans (256 keys and more) whose partial softmaxes are merged; one thread and the whole pool
+    # both equal the dense reference, and each other, to float32 tolerance.
+    from magicpig_jax.attention import dense_attention
+
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((1, Hq, 64)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, Hkv, N, 64)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, Hkv, N, 64)), jnp.float32)
+    lengths = jnp.asarray([length], jnp.int32)
+    ref_out, ref_lse = dense_attention(q, k, v, lengths)
+    got = {t: _exact(q, k, v, lengths, impl=impl, max_threads=t) for t in (1, 0)}
+    for out, lse in got.values():
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-6)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1][0]), np.asarray(got[0][0]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1][1]), np.asarray(got[0][1]), atol=1e-6, rtol=1e-6)

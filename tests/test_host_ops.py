@@ -406,3 +406,34 @@ def test_advise_huge_pages_keeps_values_and_results():
     for a, b in zip(before, after, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert host.advise_huge_pages() == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("Hq,Hkv", [(1, 1), (3, 1)])
+def test_one_row_split_over_threads_matches_reference(impl, Hq, Hkv):
+    # B * Hq smaller than (or not a multiple of) the pool's threads: the op splits each head's
+    # positions into pieces (>= 1024 positions each) and merges their (out, lse). Several chunks,
+    # appended keys (merged into the sealed chunks and left in the open chunk) and an exact tail
+    # put piece boundaries inside buckets, chunks and the open chunk. The sampled set is exactly
+    # the reference's with one thread or with the whole pool.
+    N = 6000
+    cfg, q, k, v, proj, lens = make_case(1, Hq, Hkv, N, 16, 4, 8, [5000], cone=0.3)
+    hidx = _build(k, proj, cfg, jnp.asarray([4000], jnp.int32), chunk_size=1500, open_capacity=300,
+                  capacity=N)
+    new_keys, counts = [], []
+    for s in range(3997, 4997, 250):
+        new_keys.append(k[:, :, s:s + 250])
+        counts.append(np.asarray([250], np.int32))
+        hidx = _append(hidx, new_keys[-1])
+    start, end, sealed = np.asarray(hidx.bounds)[0]
+    assert (start, end) == (2, 4997) and 4000 < sealed < end
+    ri = _reference_after_append(k, proj, cfg, jnp.asarray([4000], jnp.int32), hidx, new_keys, counts)
+    lens = jnp.asarray([5400], jnp.int32)  # 400 unhashed keys past the index
+    one = check_against_reference(q, k, v, cfg, proj, lens, hidx, ref_index=ri, impl=impl, static_window=100,
+                                  max_threads=1)
+    pool = check_against_reference(q, k, v, cfg, proj, lens, hidx, ref_index=ri, impl=impl, static_window=100)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(pool))
+    assert int(np.asarray(one).sum()) > 0
+    a = _host_attn(q, k, v, hidx, cfg, lens, impl=impl, static_window=100, max_threads=1)
+    b = _host_attn(q, k, v, hidx, cfg, lens, impl=impl, static_window=100)
+    assert_close(a[0], a[1], b[0], b[1], tol=2e-6)

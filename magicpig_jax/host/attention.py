@@ -7,8 +7,12 @@ hits reach 2), so nothing is cleared per step and no per-step work is proportion
 besides the walk itself; the open chunk is compared code by code. The K/V rows of the
 candidates are prefetched (:func:`~magicpig_jax.host.advise_huge_pages` backs the buffers
 with huge pages). ``log u`` comes from the table of :mod:`magicpig_jax.host.log_u`. Work is
-split over (row, query head) with XLA's intra-op thread pool; the inner loops have an
-AVX2/FMA variant chosen at run time.
+split over (row, query head) with XLA's intra-op thread pool; when those are too few for the
+pool (``B * Hq`` not a multiple of the threads and below 8 per thread, e.g. one row on two
+cores), each head's positions are split into pieces of at least 1,024 (a piece walks only its
+ids of each bucket, which are stored in ascending order, so the sampled set is the same) and
+the pieces' ``(out, lse)`` are merged exactly. The inner loops have an AVX2/FMA variant
+chosen at run time.
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ each KV head for all ``G = Hq / Hkv`` query heads that share it (flash-decoding 
 softmax over blocks of 128 keys), reading float32 or bfloat16 K/V in place. It computes the
 same function as :func:`magicpig_jax.attention.dense_attention`, up to float32 summation order.
 
-Work items are the ``B * Hkv`` KV heads, spread over XLA's intra-op thread pool; the inner
-loops have an AVX2/FMA variant chosen at run time and a portable scalar one.
+Work items are spans of a KV head's keys (2,048, or down to 256 when the ``B * Hkv`` heads would
+give fewer than 8 work items per thread, e.g. one row on two cores), spread over XLA's intra-op
+thread pool; the partial softmaxes of a head's spans are merged exactly by the worker that
+finishes last. The inner loops have an AVX2/FMA variant chosen at run time and a portable
+scalar one.
 """
 
 from __future__ import annotations
