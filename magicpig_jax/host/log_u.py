@@ -4,7 +4,8 @@ A key that collides with the query in >= 2 of L tables of K bits is sampled with
 probability ``u = 1 - (1 - p^K)^L - L p^K (1 - p^K)^(L-1)``, ``p = 1 - arccos(cos)/pi``
 (arXiv 2410.16179, Eq. (9)); its logit is corrected by ``-log u``. The kernels evaluate
 ``log u = max(2K log p + f(p), LOG_U_FLOOR)`` with ``f = log(u / p^(2K))`` tabulated in float64
-on ``2^14 + 1`` points of ``[0, 1]`` (:func:`log_u_table`) and interpolated linearly (on AVX2,
+on ``T + 1`` points of ``[0, 1]`` (:func:`log_u_table`, ``T`` = :func:`table_size`, ``2^14`` at the
+paper's K and L) and interpolated linearly (on AVX2,
 8 candidates at a time with polynomial arccos and log). ``f`` is smooth on ``[0, 1]`` because
 ``u / P^2`` is a positive polynomial in ``P = p^K``; its accuracy against the exact form
 (:func:`log_u_exact`) is tested through :func:`host_log_u`.
@@ -27,9 +28,24 @@ from magicpig_jax.attention.magicpig import LOG_U_FLOOR
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.index import HOST_MAX_K
 
-__all__ = ["LOG_U_TABLE_SIZE", "log_u_table", "log_u_exact", "host_log_u", "table_operand"]
+__all__ = ["LOG_U_TABLE_SIZE", "table_size", "log_u_table", "log_u_exact", "host_log_u", "table_operand"]
 
 LOG_U_TABLE_SIZE = 1 << 14
+
+
+def table_size(K: int, L: int) -> int:
+    """``T``, the intervals of the kernel's table for (K, L): ``LOG_U_TABLE_SIZE`` or a larger power of 2.
+
+    ``f`` bends where ``L p^K ~ 1``, around ``p* = L^(-1/K)``, over a width of about ``p* / K``;
+    the error of the linear interpolation grows as ``(1 / (T * width))^2``. ``T >= 128 K L^(1/K)``
+    keeps 128 intervals across that width: 2^14 at K = 10, L = 150, but 2^17 at K = 1, L = 1000
+    (where 2^14 intervals gave an error of 2.9e-5 in ``log u``).
+    """
+    need = 128 * K * L ** (1.0 / K)
+    size = LOG_U_TABLE_SIZE
+    while size < need:
+        size *= 2
+    return size
 
 
 def _log_u_f64(p: np.ndarray, K: int, L: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,9 +115,10 @@ def log_u_exact(cos: np.ndarray, K: int, L: int) -> np.ndarray:
 
 
 def table_operand(K: int, L: int) -> jax.Array:
-    """The float64 table of :func:`log_u_table` as uint32 ``[T + 1, 2]`` (its raw bits), the
-    operand the ops read, so JAX's x64 mode is not needed."""
-    return jnp.asarray(log_u_table(K, L).view(np.uint32).reshape(-1, 2))
+    """The float64 table of :func:`log_u_table` with :func:`table_size` intervals as uint32
+    ``[T + 1, 2]`` (its raw bits), the operand the ops read (they take T from its shape), so JAX's
+    x64 mode is not needed."""
+    return jnp.asarray(log_u_table(K, L, table_size(K, L)).view(np.uint32).reshape(-1, 2))
 
 
 def host_log_u(cos: Float[Array, "..."], K: int, L: int, impl: str = "auto") -> Float[Array, "..."]:
