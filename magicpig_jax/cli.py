@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,9 @@ __all__ = ["main", "DEMO_DOCUMENT", "DEMO_QUESTION"]
 
 DEMO_DOCUMENT = Path(__file__).parent / "data" / "lgpl-2.1.txt"
 DEMO_QUESTION = "What is the name of the example company in the appendix that disclaims copyright?"
+MODEL_HELP = ("a .gguf file, a Hugging Face directory (config.json + *.safetensors + tokenizer.json), or an "
+              "orbax checkpoint directory written by `magicpig-jax convert` (default: the embedded "
+              "SmolLM2-135M-Instruct)")
 
 
 def _int_list(text: str) -> list[int]:
@@ -50,25 +54,29 @@ def _attention_list(text: str) -> list[str]:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="answer a question over a long document (MagicPIG next to dense)")
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
+    p = sub.add_parser("generate", help="answer a question over a long document (MagicPIG next to dense)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--document", type=Path, default=None,
                    help=f"text file to read (default: the bundled {DEMO_DOCUMENT.name}, ~5.9K tokens)")
     p.add_argument("--question", default=None, help=f"question about the document (default: {DEMO_QUESTION!r})")
     p.add_argument("--prompt", default=None, help="a raw user message instead of --document/--question")
     p.add_argument("--attention", type=_attention_list, default=["magicpig", "dense"],
                    help="comma-separated backends to decode with, sharing one prefill (default: magicpig,dense)")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
     p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..32)")
     p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
-    p.add_argument("--num-sink", type=int, default=4)
-    p.add_argument("--num-local", type=int, default=64)
+    p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
+    p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
     p.add_argument("--seed", type=int, default=0, help="seed of projections and sampling")
     p.add_argument("--dense-layers", type=_int_list, default=None,
                    help="layers kept dense under MagicPIG (default: 0 and num_layers // 2)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--parse-special", action="store_true",
+                   help="special-token strings in the prompt become control tokens (raw prompts)")
     p.add_argument("--budget", type=_budget, default=None,
                    help="keys per query head for topk/quest/oracle: a token count (int) or a fraction in (0, 1]")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -93,6 +101,23 @@ def _check_json_path(path: Path | None) -> None:
     existing = next((p for p in (parent, *parent.parents) if p.exists()), Path("."))
     if not existing.is_dir():
         raise ValueError(f"--json {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--json {path} cannot be written (no write permission)")
+
+
+def _read_document(path: Path) -> str:
+    if path.is_dir():
+        raise ValueError(f"--document {path} is a directory; give a text file")
+    if not path.is_file():
+        raise FileNotFoundError(f"--document {path} does not exist")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--document {path} is not UTF-8 text: byte {err.start} is {data[err.start]:#04x}") from None
+    if not text.strip():
+        raise ValueError(f"--document {path} is empty")
+    return text
 
 
 def _generate_prompt(args) -> str:
@@ -100,27 +125,27 @@ def _generate_prompt(args) -> str:
     if args.prompt is not None:
         if args.document is not None or args.question is not None:
             raise ValueError("--prompt cannot be combined with --document/--question")
+        if not args.prompt.strip():
+            raise ValueError("--prompt is empty")
         return args.prompt
-    doc_path = args.document or DEMO_DOCUMENT
-    if doc_path.is_dir():
-        raise ValueError(f"--document {doc_path} is a directory; give a text file")
-    if not doc_path.is_file():
-        raise FileNotFoundError(f"--document {doc_path} does not exist")
-    return build_prompt(doc_path.read_text(encoding="utf-8"), args.question or DEMO_QUESTION)
+    if args.question is not None and not args.question.strip():
+        raise ValueError("--question is empty")
+    document = _read_document(args.document or DEMO_DOCUMENT)
+    return build_prompt(document, args.question or DEMO_QUESTION)
 
 
 def _cmd_generate(args) -> int:
-    from tqdm import tqdm
-
     from magicpig_jax.attention import MagicPIGConfig
-    from magicpig_jax.generation import Sampling, decode, encode_prompt, kv_cache_dtype, prefill
+    from magicpig_jax.generation import Sampling, decode_spec, encode_prompt, kv_cache_dtype, prefill
     from magicpig_jax.io.loader import load_model
     from magicpig_jax.models.backends import DecodeSpec
+    from magicpig_jax.streaming import check_stop_strings
 
-    # Every argument is checked before the model is loaded.
+    # Every argument is checked before the model is loaded (the layer range once it is).
     config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
                             seed=args.seed)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    stops = check_stop_strings(args.stop)
     needs_budget = [a for a in args.attention if a in ("topk", "quest", "oracle")]
     if needs_budget and args.budget is None:
         raise ValueError(f"attention {needs_budget[0]!r} needs a budget: pass --budget TOKENS or --budget FRACTION")
@@ -128,24 +153,19 @@ def _cmd_generate(args) -> int:
         DecodeSpec(backend=name, magicpig=config, budget=args.budget)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if any(i < 0 for i in args.dense_layers or ()):
+        raise ValueError(f"--dense-layers must be layer indices >= 0, got {args.dense_layers}")
     _check_json_path(args.json)
     prompt = _generate_prompt(args)
     model = load_model(args.model)
+    specs = {name: decode_spec(model, name, config, args.dense_layers, args.budget) for name in args.attention}
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
-    ids = encode_prompt(model, prompt, chat=not args.no_chat)
+    ids = encode_prompt(model, prompt, chat=not args.no_chat, parse_special=args.parse_special)
     print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
     state = prefill(model, [ids], args.max_new_tokens, cache_dtype=kv_cache_dtype(args.kv_dtype))
     print(f"prefill: {state.seconds:.1f} s ({len(ids) / state.seconds:.0f} tokens/s)")
-    results = {}
-    for name in args.attention:
-        with tqdm(total=args.max_new_tokens - 1, desc=f"decode [{name}]", unit="tok", leave=False) as bar:
-            outs, stats = decode(model, state, attention=name, max_new_tokens=args.max_new_tokens,
-                                 config=config, dense_layers=args.dense_layers, sampling=sampling,
-                                 progress=bar.update, budget=args.budget)
-        stats["text"] = model.tokenizer.decode(outs[0])
-        stats["token_ids"] = outs[0]
-        results[name] = stats
-        print(f"\n=== answer with {name} attention ===\n{stats['text'].strip()}\n", flush=True)
+    results = {name: _stream_answer(model, state, spec, args.max_new_tokens, sampling, stops)
+               for name, spec in specs.items()}
     print(_summary(results, len(ids), state.seconds))
     if len(results) > 1:
         texts = {n: r["text"].strip() for n, r in results.items()}
@@ -153,10 +173,46 @@ def _cmd_generate(args) -> int:
         print(f"answers identical across backends: {'yes' if same else 'no'}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"prompt_tokens": len(ids), "prefill_seconds": state.seconds,
-                                         "results": results}, indent=2))
+        args.json.write_text(json.dumps({"model": str(model.source), "prompt_tokens": len(ids),
+                                         "prefill_seconds": state.seconds, "results": results},
+                                        indent=2, allow_nan=False))
         print(f"wrote {args.json}")
     return 0
+
+
+def _where(spec, prompt_tokens: int) -> str:
+    """Which attention runs where, and a note when the prompt leaves nothing to sample."""
+    import jax
+
+    from magicpig_jax.models.backends import backend_for
+
+    where = f"{backend_for(spec).name}, {jax.default_backend().upper()}"
+    cfg = spec.magicpig
+    if spec.backend != "dense" and prompt_tokens <= cfg.num_sink + cfg.num_local:
+        where += (f"; note: the prompt ({prompt_tokens} tokens) is no longer than num_sink + num_local = "
+                  f"{cfg.num_sink + cfg.num_local}, so every key is static and the result equals dense attention")
+    return where
+
+
+def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops) -> dict:
+    """Decode with ``spec``, printing the answer as it is produced; the stats with the text."""
+    from magicpig_jax.decode_loop import start_decode
+    from magicpig_jax.streaming import StopStrings, TextStream
+
+    criterion = StopStrings(model.tokenizer.decode, stops) if stops else None
+    run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion)
+    text = TextStream(model.tokenizer.decode, stops)
+    print(f"\n=== answer with {spec.backend} attention ({_where(spec, int(state.prompt_lengths[0]))}) ===",
+          flush=True)
+    for outputs in run:
+        print(text.push(outputs[0]), end="", flush=True)
+    print(text.push(run.outputs[0], final=True), flush=True)
+    stats = run.stats()
+    full = model.tokenizer.decode(run.outputs[0])
+    stats["text"] = criterion.cut(full) if criterion else full
+    stats["token_ids"] = run.outputs[0]
+    stats["stop"] = list(stops)
+    return stats
 
 
 def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
@@ -177,7 +233,8 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="write a model's dequantized weights as an orbax checkpoint")
+    p = sub.add_parser("convert", help="write a model's dequantized weights as an orbax checkpoint",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", help="GGUF file or Hugging Face directory ('embedded' = the bundled SmolLM2)")
     p.add_argument("out", type=Path, help="checkpoint directory to create")
     p.set_defaults(func=_cmd_convert)
@@ -188,6 +245,9 @@ def _cmd_convert(args) -> int:
 
     from magicpig_jax.io.loader import convert_model, load_model
 
+    if args.model != "embedded" and not Path(args.model).exists():
+        raise FileNotFoundError(f"convert: model {args.model} does not exist (the first argument: a .gguf file, "
+                                "a Hugging Face directory, or 'embedded')")
     start = time.perf_counter()
     out = convert_model(None if args.model == "embedded" else args.model, args.out)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
@@ -197,9 +257,10 @@ def _cmd_convert(args) -> int:
 
 
 def _add_delegate(sub, name: str, help_text: str, targets: dict[str, str]) -> None:
-    p = sub.add_parser(name, help=help_text, add_help=False)
-    p.add_argument("what", choices=sorted(targets))
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser(name, help=help_text, description=help_text,
+                       epilog=f"`magicpig-jax {name} WHAT --help` shows the options of WHAT.")
+    p.add_argument("what", choices=sorted(targets), help="what to run")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="its options")
     p.set_defaults(func=lambda a: _delegate(targets[a.what], a.rest))
 
 
@@ -235,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
         print(f"magicpig-jax: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\nmagicpig-jax: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

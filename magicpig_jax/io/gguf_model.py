@@ -179,6 +179,11 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as err:  # gguf raises ValueError/struct errors on bad magic
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic == b"GGUF":  # a valid header whose tensor data is missing: a partial download or copy
+            raise ValueError(f"{path} is a truncated GGUF file ({path.stat().st_size} bytes; its tensors "
+                             f"need more): {err}") from err
         raise ValueError(f"{path} is not a readable GGUF file: {err}") from err
     arch = _field(reader, "general.architecture")
     if arch is None:

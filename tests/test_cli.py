@@ -1,0 +1,130 @@
+"""The ``magicpig-jax`` shell face: bad input exits 2 with one line before any heavy work; Ctrl-C exits 130."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FAMILY = Path(__file__).parent / "fixtures" / "families" / "qwen2"
+CLI = [sys.executable, "-m", "magicpig_jax.cli"]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("magicpig-jax: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr and expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--attention", "topk", "--budget", "0"], "budget as a token count must be >= 1"),
+    (["--attention", "topk", "--budget", "2.5"], "budget as a fraction of the context must be in (0, 1]"),
+    (["--attention", "topk"], "needs a budget"),
+    (["--K", "17"], "K must be in [1, 16]"),
+    (["--dense-layers", "-1"], "--dense-layers must be layer indices >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--stop", ""], "stop strings must be non-empty"),
+    (["--question", ""], "--question is empty"),
+    (["--question", "   "], "--question is empty"),
+    (["--prompt", " "], "--prompt is empty"),
+])
+def test_bad_arguments_fail_before_the_model_loads(args, expected):
+    start = time.perf_counter()
+    # a model path that does not exist: loading it would be a different error
+    one_line_error(run("generate", "--model", "/nonexistent.gguf", *args), expected)
+    assert time.perf_counter() - start < 30  # interpreter start-up, no load or prefill
+
+
+def test_json_destination_is_checked_first(tmp_path):
+    one_line_error(run("generate", "--model", "/nonexistent.gguf", "--json", str(tmp_path)), "is a directory")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # running as root: permissions do not apply; use a file as parent
+            (tmp_path / "file").write_text("x")
+            one_line_error(run("generate", "--model", "/nonexistent.gguf", "--json", str(tmp_path / "file" / "o.json")),
+                           "is not a directory")
+        else:
+            one_line_error(run("generate", "--model", "/nonexistent.gguf", "--json", str(locked / "o.json")),
+                           "cannot be written")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_documents_are_named_when_unusable(tmp_path):
+    one_line_error(run("generate", "--document", str(tmp_path)), f"--document {tmp_path} is a directory")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n\t\n")
+    one_line_error(run("generate", "--document", str(empty)), f"--document {empty} is empty")
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9 ok".encode("latin-1"))
+    one_line_error(run("generate", "--document", str(bad)), f"--document {bad} is not UTF-8 text: byte 3 is 0xe9")
+
+
+def test_truncated_gguf_says_truncated(tmp_path):
+    from magicpig_jax.io.embedded import embedded_model_path
+
+    cut = tmp_path / "cut.gguf"
+    with open(embedded_model_path(), "rb") as f:
+        cut.write_bytes(f.read(20_000_000))
+    one_line_error(run("generate", "--model", str(cut), "--prompt", "hi"), "is a truncated GGUF file")
+
+
+def test_convert_names_its_missing_argument(tmp_path):
+    one_line_error(run("convert", "/no/such/model.gguf", str(tmp_path / "out")),
+                   "convert: model /no/such/model.gguf does not exist (the first argument")
+
+
+@pytest.mark.parametrize("what", ["bench", "study"])
+def test_group_help_prints_help(what):
+    proc = run(what, "--help")
+    assert proc.returncode == 0 and f"usage: magicpig-jax {what}" in proc.stdout and "--help" in proc.stdout
+
+
+def test_generate_help_shows_defaults_and_checkpoints():
+    out = " ".join(run("generate", "--help").stdout.split())
+    assert "(default: 48)" in out and "orbax checkpoint directory" in out and "--parse-special" in out
+
+
+def test_generate_streams_says_where_it_runs_and_writes_strict_json(tmp_path):
+    out_json = tmp_path / "run.json"
+    proc = run("generate", "--model", str(FAMILY), "--prompt", "hi", "--max-new-tokens", "1",
+               "--attention", "magicpig,dense", "--json", str(out_json))
+    assert proc.returncode == 0, proc.stderr
+    assert "=== answer with magicpig attention (magicpig (host op), CPU; note: the prompt" in proc.stdout
+    assert "so every key is static" in proc.stdout
+    data = json.loads(out_json.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    assert data["results"]["dense"]["decode_tokens_per_s"] is None
+    assert data["results"]["magicpig"]["stop_reasons"] == ["length"] and data["model"] == str(FAMILY)
+
+
+def test_ctrl_c_exits_130_with_one_line_and_the_partial_answer():
+    # the embedded model: its 8K context leaves room for a long answer
+    proc = subprocess.Popen([*CLI, "generate", "--prompt", "Tell me a long story.", "--attention", "dense",
+                             "--max-new-tokens", "4000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    seen = ""
+    while "=== answer with dense" not in seen:  # decoding has started
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        seen += line
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "magicpig-jax: interrupted" and "Traceback" not in err
+    assert len(out.strip()) > 0  # the partial answer was printed as it was produced
