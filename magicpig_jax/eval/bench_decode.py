@@ -1,18 +1,26 @@
-"""End-to-end decode speed of the embedded SmolLM2: dense vs MagicPIG (host op), per prompt length.
+"""Batched decode throughput of the embedded SmolLM2: dense vs MagicPIG (host op) vs llama.cpp.
 
-For every prompt length the prompt (real prose: the GPL-3 text, repeated as needed)
-is prefilled once (dense, chunked); then each method decodes ``--steps`` tokens
-greedily from that prefill, and the time per token after the first (compiling)
-step is reported with the sampled fraction. Lengths past the model's trained
-context (8K) are allowed with ``--allow-beyond-context`` (timing only).
+For every prompt length the prompt (real prose: the GPL-3 text, repeated as needed) is
+prefilled once, for one row (dense, chunked); its cache is then copied to the B rows of each
+batch size (:class:`~magicpig_jax.models.cache.RowBroadcast`), and each method decodes
+``--steps`` steps of all B rows together, greedily, ``--repeats`` times (after ``--warmup``
+untimed runs). A step decodes one token of every row, so the aggregate throughput is
+``B / (seconds per step)``. The first step of every run is not timed (it compiles).
+
+Every timed figure is reported as the median of the repeats with their min and max; the
+peak RSS of each (length, B, method) is the process's peak during that configuration (the
+kernel's mark is reset before it, :mod:`magicpig_jax.eval.rss`), so it includes the loaded
+model and the one-row prefill.
 
 With ``--peer llama.cpp`` the same GGUF file decodes the same prompt ids in llama.cpp
-(``llama-cpp-python``, the optional ``peer`` extra) in the same run, timed the same way
-(see :mod:`magicpig_jax.eval.peer`).
+(``llama-cpp-python``, the optional ``peer`` extra) the same way: one prefill, its cache copied
+to B sequences, B sequences per ``llama_decode`` (:mod:`magicpig_jax.eval.peer`), in a child
+process so that its peak RSS is its own.
 
-Usage: ``magicpig-jax bench decode --lengths 1024 4096 8192 --peer llama.cpp --out runs/bench_decode``
-writes ``runs/bench_decode.json`` and ``.png``. Not a test: run it by hand.
-Source of the method: arXiv 2410.16179 (Section 5.3 measures the same quantity).
+Usage: ``magicpig-jax bench decode --batch 1 4 16 --lengths 1024 4096 8192 --peer llama.cpp
+--out runs/bench_decode`` writes ``runs/bench_decode.json`` and ``.png``. Not a test: run it
+by hand on a quiet machine. Source of the method: arXiv 2410.16179 (Section 5.3 measures
+decode throughput against batch size).
 """
 
 from __future__ import annotations
@@ -21,15 +29,27 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from magicpig_jax.eval.peer import PEERS, llama_cpp_available, llama_cpp_decode
+import numpy as np
+
+from magicpig_jax.eval.peer import PEERS, llama_cpp_available
+from magicpig_jax.eval.rss import PeakRSS
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 
-def _prompt_ids(model, text: str, n: int) -> list[int]:
+def prompt_ids(model, text: str, n: int) -> list[int]:
+    """The first ``n`` token ids of ``text``, repeated as needed.
+
+    Raises:
+      ValueError: an empty text.
+    """
     ids = model.tokenizer.encode(text)
     if not ids:
         raise ValueError("the prompt text is empty")
@@ -37,20 +57,112 @@ def _prompt_ids(model, text: str, n: int) -> list[int]:
     return (ids * reps)[:n]
 
 
+def spread(xs: Sequence[float]) -> dict:
+    """``{median, min, max, values}`` of the repeats of one figure."""
+    return {"median": float(np.median(xs)), "min": float(np.min(xs)), "max": float(np.max(xs)),
+            "values": [float(x) for x in xs]}
+
+
+def batched_state(state, batch: int):
+    """The one-row :class:`PrefillState` ``state`` as ``batch`` rows of the same prompt (the cache is
+    copied when decoding starts, :class:`~magicpig_jax.models.cache.RowBroadcast`)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from magicpig_jax.models.cache import RowBroadcast
+
+    if len(state.prompt_lengths) != 1:
+        raise ValueError(f"batched_state needs a one-row prefill, got {len(state.prompt_lengths)} rows")
+    return dataclasses.replace(
+        state, cache=RowBroadcast(state.cache, batch),
+        last_logits=jnp.broadcast_to(state.last_logits, (batch, state.last_logits.shape[-1])),
+        prompt_lengths=np.repeat(state.prompt_lengths, batch))
+
+
+def time_method(model, state, method: str, batch: int, steps: int, repeats: int, warmup: int, cfg,
+                rss: PeakRSS) -> dict:
+    """``repeats`` timed decodes (after ``warmup`` untimed ones) of ``steps`` steps of ``batch`` rows."""
+    from magicpig_jax.generation import decode
+
+    rss.reset()
+    ms, fracs, builds, compile_s, rows = [], [], [], None, None
+    for r in range(warmup + repeats):
+        st = batched_state(state, batch)
+        outs, stats = decode(model, st, attention=method, max_new_tokens=steps + 1, config=cfg, stop_on_eos=False)
+        del st
+        if compile_s is None:
+            compile_s = stats["compile_seconds"]
+        if r < warmup:
+            continue
+        ms.append(1000.0 * stats["decode_seconds"] / (stats["decode_steps"] - 1))
+        fracs.append(stats["sampled_fraction"])
+        builds.append(stats.get("index_build_seconds"))
+        rows = outs
+    return {
+        "batch": batch, "method": method,
+        "ms_per_step": spread(ms), "tokens_per_s": spread([1000.0 * batch / m for m in ms]),
+        "sampled_fraction": None if fracs[0] is None else float(np.mean(fracs)),
+        "index_build_seconds": None if builds[0] is None else float(np.median(builds)),
+        "compile_seconds": compile_s, "peak_rss_bytes": rss.peak_bytes(),
+        "tokens": rows[0], "rows_identical": all(r == rows[0] for r in rows),
+    }
+
+
+def run_peer(model_path, ids: list[int], batches, steps: int, repeats: int, threads: int | None) -> list[dict]:
+    """llama.cpp's results for one prompt (:func:`magicpig_jax.eval.peer.llama_cpp_batch_decode`), run in a
+    child process (its own peak RSS).
+
+    Raises:
+      RuntimeError: the child failed (its stderr is in the message).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        ids_path, out_path = Path(tmp) / "ids.json", Path(tmp) / "out.json"
+        ids_path.write_text(json.dumps(ids))
+        cmd = [sys.executable, "-m", "magicpig_jax.eval.peer", "--model", str(model_path), "--ids", str(ids_path),
+               "--batch", *map(str, batches), "--steps", str(steps), "--repeats", str(repeats), "--out",
+               str(out_path)]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama.cpp peer failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return json.loads(out_path.read_text())
+
+
+def ratios(results: list[dict]) -> list[dict]:
+    """Per (length, B): MagicPIG's median aggregate throughput over dense's and over llama.cpp's."""
+    out = []
+    keys = sorted({(r["prompt_tokens"], r["batch"]) for r in results})
+    for n, B in keys:
+        tps = {r["method"]: r["tokens_per_s"]["median"] for r in results
+               if r["prompt_tokens"] == n and r["batch"] == B}
+        row = {"prompt_tokens": n, "batch": B}
+        if "magicpig" in tps:
+            for other in ("dense", "llama.cpp"):
+                if other in tps:
+                    row[f"magicpig_over_{other.replace('.', '_')}"] = tps["magicpig"] / tps[other]
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns 0. See the module docstring."""
     from tqdm import tqdm
 
     from magicpig_jax.attention import MagicPIGConfig
-    from magicpig_jax.generation import decode, kv_cache_dtype, prefill
+    from magicpig_jax.generation import kv_cache_dtype, prefill
     from magicpig_jax.io.loader import load_model
 
     p = argparse.ArgumentParser(prog="magicpig-jax bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt tokens")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes B (rows decoded together)")
     p.add_argument("--methods", nargs="+", default=["dense", "magicpig"],
                    help="decode backends (dense, magicpig, magicpig-ref)")
-    p.add_argument("--steps", type=int, default=32, help="tokens decoded per method")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per run (the first is not timed)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median, min, max)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before the repeats")
     p.add_argument("--K", type=int, default=10)
     p.add_argument("--L", type=int, default=150)
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
@@ -60,10 +172,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="permit prompts longer than the trained context (timing only)")
     p.add_argument("--peer", choices=PEERS, action="append", default=[],
                    help="also time a peer implementation on the same GGUF and prompt ids (llama.cpp)")
+    p.add_argument("--peer-threads", type=int, default=None, help="llama.cpp threads (default: every CPU)")
     p.add_argument("--out", default="runs/bench_decode", help="output prefix (.json and .png)")
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step compiles and is not timed)")
+    if args.repeats < 3:
+        p.error("--repeats must be >= 3 (every figure is a median with its spread)")
+    if args.warmup < 0 or min(args.batch) < 1 or min(args.lengths) < 1:
+        p.error("--warmup must be >= 0, --batch and --lengths >= 1")
     if "llama.cpp" in args.peer and not llama_cpp_available():
         p.error("--peer llama.cpp needs llama-cpp-python: pip install -e '.[peer]' (compiles llama.cpp)")
     model = load_model(args.model)
@@ -71,52 +188,66 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--peer needs a .gguf --model (llama.cpp reads GGUF only), got {model.source}")
     text = args.text.read_text(encoding="utf-8")
     cfg = MagicPIGConfig(K=args.K, L=args.L)
+    rss = PeakRSS()
     results = []
-    jobs = [(n, m) for n in args.lengths for m in [*args.methods, *args.peer]]
-    bar = tqdm(total=len(jobs), desc="bench decode")
+    bar = tqdm(total=len(args.lengths) * len(args.batch) * (len(args.methods) + len(args.peer)), desc="bench decode")
     for n in args.lengths:
-        ids = _prompt_ids(model, text, n)
+        ids = prompt_ids(model, text, n)
         if "llama.cpp" in args.peer:
-            r = llama_cpp_decode(model.source, ids, args.steps + 1)
-            results.append({
-                "prompt_tokens": n, "method": "llama.cpp", "prefill_seconds": r["prefill_seconds"],
-                "ms_per_token": r["ms_per_token"], "tokens_per_s": r["tokens_per_s"], "sampled_fraction": None,
-                "compile_seconds": None, "peer_version": r["version"], "threads": r["threads"], "tokens": r["tokens"],
-            })
-            bar.update(1)
-        state = prefill(model, [ids], args.steps, allow_beyond_context=args.allow_beyond_context,
+            for r in run_peer(model.source, ids, args.batch, args.steps, args.repeats, args.peer_threads):
+                r.update(prompt_tokens=n, method="llama.cpp", sampled_fraction=None)
+                results.append(r)
+                bar.update(1)
+        state = prefill(model, [ids], args.steps + 1, allow_beyond_context=args.allow_beyond_context,
                         cache_dtype=kv_cache_dtype(args.kv_dtype))
-        for method in args.methods:
-            outs, stats = decode(model, state, attention=method, max_new_tokens=args.steps + 1, config=cfg,
-                                 stop_on_eos=False)
-            results.append({
-                "prompt_tokens": n, "method": method, "prefill_seconds": state.seconds,
-                "ms_per_token": 1000.0 / stats["decode_tokens_per_s"],
-                "tokens_per_s": stats["decode_tokens_per_s"], "sampled_fraction": stats["sampled_fraction"],
-                "compile_seconds": stats["compile_seconds"], "tokens": outs[0],
-            })
-            bar.update(1)
+        for B in args.batch:
+            for method in args.methods:
+                r = time_method(model, state, method, B, args.steps, args.repeats, args.warmup, cfg, rss)
+                r.update(prompt_tokens=n, prefill_seconds=state.seconds)
+                results.append(r)
+                bar.update(1)
+        del state
     bar.close()
+    _agreement(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "time": time.strftime("%Y-%m-%d %H:%M"),
-            "K": args.K, "L": args.L, "steps": args.steps, "kv_dtype": args.kv_dtype,
-            "note": "ms_per_token: mean over steps after the first; tokens_equal_to_dense: greedy tokens "
-                    "equal position by position to our dense decode of the same prompt"}
-    print(f"{'prompt':>7} {'method':>13} {'ms/token':>9} {'tok/s':>7} {'sampled':>8} {'same tokens as dense':>21}")
-    for r in results:
-        frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"
-        dense = next((d["tokens"] for d in results
-                      if d["method"] == "dense" and d["prompt_tokens"] == r["prompt_tokens"]), None)
-        r["tokens_equal_to_dense"] = (None if dense is None else
-                                      sum(a == b for a, b in zip(dense, r["tokens"], strict=False)))
-        same = "-" if dense is None else f"{r['tokens_equal_to_dense']}/{min(len(dense), len(r['tokens']))}"
-        print(f"{r['prompt_tokens']:>7} {r['method']:>13} {r['ms_per_token']:>9.1f} {r['tokens_per_s']:>7.2f} "
-              f"{frac:>8} {same:>21}")
+            "K": args.K, "L": args.L, "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
+            "kv_dtype": args.kv_dtype, "peak_rss_resettable": rss.resettable,
+            "note": "ms_per_step: seconds of the timed steps (all but the first) of one run / their number; "
+                    "tokens_per_s: B tokens per step (aggregate); each as median/min/max over the repeats; "
+                    "peak_rss_bytes: the process's peak during the configuration (ours: with the loaded model and "
+                    "the one-row prefill; llama.cpp: its own child process); tokens_equal_to_dense: greedy tokens "
+                    "of row 0 equal position by position to our dense decode of the same prompt and B"}
+    _print(results)
     with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
+        json.dump({"meta": meta, "results": results, "ratios": ratios(results)}, f, indent=2)
     _plot(results, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png")
     return 0
+
+
+def _agreement(results: list[dict]) -> None:
+    for r in results:
+        dense = next((d["tokens"] for d in results if d["method"] == "dense"
+                      and d["prompt_tokens"] == r["prompt_tokens"] and d["batch"] == r["batch"]), None)
+        r["tokens_equal_to_dense"] = (None if dense is None else
+                                      sum(a == b for a, b in zip(dense, r["tokens"], strict=False)))
+
+
+def _print(results: list[dict]) -> None:
+    print(f"{'prompt':>7} {'B':>3} {'method':>10} {'ms/step':>22} {'tok/s (agg.)':>22} {'peak RSS':>9} "
+          f"{'sampled':>8} {'= dense':>8}")
+    for r in results:
+        m, t = r["ms_per_step"], r["tokens_per_s"]
+        frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"
+        same = "-" if r["tokens_equal_to_dense"] is None else f"{r['tokens_equal_to_dense']}/{len(r['tokens'])}"
+        print(f"{r['prompt_tokens']:>7} {r['batch']:>3} {r['method']:>10} "
+              f"{m['median']:>8.1f} [{m['min']:.1f}, {m['max']:.1f}] {t['median']:>8.1f} [{t['min']:.1f}, "
+              f"{t['max']:.1f}] {r['peak_rss_bytes'] / 2**30:>7.2f}G {frac:>8} {same:>8}")
+    for row in ratios(results):
+        parts = [f"{k}={v:.2f}" for k, v in row.items() if k.startswith("magicpig_over")]
+        if parts:
+            print(f"{row['prompt_tokens']:>7} tokens, B={row['batch']:>2}: " + ", ".join(parts))
 
 
 def _plot(results: list[dict], path: str) -> None:
@@ -125,15 +256,25 @@ def _plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for method in dict.fromkeys(r["method"] for r in results):
-        rs = [r for r in results if r["method"] == method]
-        ax.plot([r["prompt_tokens"] for r in rs], [r["ms_per_token"] for r in rs], "o-", label=method)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("ms per decoded token")
-    ax.set_xscale("log", base=2)
-    ax.legend()
-    ax.grid(alpha=0.3)
+    lengths = sorted({r["prompt_tokens"] for r in results})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4 * len(lengths), 3.6), squeeze=False, sharey=True)
+    for ax, n in zip(axes[0], lengths, strict=True):
+        for method in dict.fromkeys(r["method"] for r in results):
+            rs = sorted((r for r in results if r["method"] == method and r["prompt_tokens"] == n),
+                        key=lambda r: r["batch"])
+            if not rs:
+                continue
+            b = [r["batch"] for r in rs]
+            med = np.array([r["tokens_per_s"]["median"] for r in rs])
+            err = np.array([[med[i] - r["tokens_per_s"]["min"], r["tokens_per_s"]["max"] - med[i]]
+                            for i, r in enumerate(rs)]).T
+            ax.errorbar(b, med, yerr=err, fmt="o-", capsize=3, label=method)
+        ax.set_title(f"{n} prompt tokens")
+        ax.set_xlabel("batch B")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("aggregate tokens/s (median, min-max)")
+    axes[0][0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,60 @@
+"""magicpig_jax.eval.bench_decode: batched throughput of dense and MagicPIG on a tiny model (structure of
+the JSON, medians with their spread, one prefill broadcast to B rows, peak RSS per configuration)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from magicpig_jax.eval import bench_decode
+from magicpig_jax.models.cache import KVCache, RowBroadcast
+from tests._tiny import TINY, tiny_model
+
+
+def test_row_broadcast_copies_one_row_to_b_fresh_rows():
+    import jax.numpy as jnp
+
+    cache = KVCache.zeros(TINY, 2, 8)
+    cache = KVCache(k=tuple(x.at[1].set(1.0) for x in cache.k), v=cache.v, lengths=jnp.asarray([3, 5], jnp.int32))
+    wide = RowBroadcast(cache, 4, row=1)
+    assert wide.capacity == 8 and np.asarray(wide.lengths).tolist() == [5] * 4
+    c = wide.copy()
+    assert c.k[0].shape == (4, TINY.num_kv_heads, 8, TINY.head_dim)
+    assert np.all(np.asarray(c.k[2]) == 1.0) and np.asarray(c.lengths).tolist() == [5] * 4
+    one = cache.broadcast_rows(1)  # never an alias: donating it leaves the source intact
+    assert one.k[0].unsafe_buffer_pointer() != cache.k[0].unsafe_buffer_pointer()
+    with pytest.raises(ValueError):
+        cache.broadcast_rows(2, row=2)
+
+
+@pytest.mark.slow
+def test_bench_decode_tiny(tmp_path, monkeypatch):
+    import magicpig_jax.io.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda path=None: tiny_model(0))
+    monkeypatch.setattr(bench_decode, "prompt_ids", lambda model, text, n: [(7 * i) % 90 + 1 for i in range(n)])
+    out = tmp_path / "bench"
+    assert bench_decode.main(["--lengths", "300", "--batch", "1", "3", "--steps", "3", "--repeats", "3",
+                              "--warmup", "0", "--text", __file__, "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    res = {(r["batch"], r["method"]): r for r in data["results"]}
+    assert set(res) == {(1, "dense"), (3, "dense"), (1, "magicpig"), (3, "magicpig")}
+    for (B, method), r in res.items():
+        for key in ("ms_per_step", "tokens_per_s"):
+            s = r[key]
+            assert len(s["values"]) == 3 and s["min"] <= s["median"] <= s["max"]
+        assert r["tokens_per_s"]["median"] == pytest.approx(1000.0 * B / r["ms_per_step"]["median"])
+        assert r["rows_identical"] and len(r["tokens"]) == 4 and r["prompt_tokens"] == 300
+        assert r["peak_rss_bytes"] > 0
+        assert (r["sampled_fraction"] is None) == (method == "dense")
+    # Same greedy tokens for every B (one prompt copied to B rows); the first token comes from the
+    # prefill, so it is the same for every method.
+    assert res[(3, "dense")]["tokens"] == res[(1, "dense")]["tokens"]
+    assert res[(3, "magicpig")]["tokens"] == res[(1, "magicpig")]["tokens"]
+    assert 1 <= res[(3, "magicpig")]["tokens_equal_to_dense"] <= 4
+    ratio = {(r["prompt_tokens"], r["batch"]): r for r in data["ratios"]}
+    assert ratio[(300, 3)]["magicpig_over_dense"] > 0
+    assert data["meta"]["repeats"] == 3
