@@ -1,0 +1,216 @@
+"""A ``tokenizers`` tokenizer from GGUF ``tokenizer.*`` metadata, as llama.cpp's converter writes it.
+
+See :mod:`magicpig_jax.io.tokenizer` for the tokenizer types, pre-tokenizers, special tokens,
+stop ids and BOS/EOS conventions this follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+__all__ = ["TokenizerMetadataError", "PRE_TOKENIZERS", "EOG_TEXTS", "gguf_tokenizer_parts"]
+
+
+class TokenizerMetadataError(ValueError):
+    """GGUF tokenizer metadata is missing a key, malformed, or names an unsupported tokenizer (named)."""
+
+
+# GGUF token types (llama.cpp's llama_token_type).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# Split patterns of the families' tokenizer.json files (the "original regex from tokenizer.json"
+# that llama.cpp's llama-vocab.cpp quotes for each pre-tokenizer type).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# tokenizer.ggml.pre -> (family, its byte-level BPE options)
+PRE_TOKENIZERS: dict[str, str] = {
+    "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3",
+    "smaug-bpe": "smaug",
+    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
+    "tekken": "tekken",
+    "smollm": "smollm",
+    "default": "gpt2", "gpt-2": "gpt2",
+}
+_ADD_BOS_BY_DEFAULT = ("llama3", "tekken")  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
+# Control tokens that end generation whatever the metadata declares (llama.cpp's end-of-generation texts:
+# GGUF files often declare only one of Llama 3's <|eot_id|>, <|eom_id|> and <|end_of_text|>).
+EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
+             "<end_of_turn>", "<EOT>", "</s>")
+
+
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+
+
+def _byte_level_parts(family: str):
+    """``(normalizer, pre_tokenizer, ignore_merges)`` of a byte-level BPE family."""
+    if family == "llama3":
+        return None, _split_then_bytes(_LLAMA3_PATTERN), True
+    if family == "smaug":
+        return None, _split_then_bytes(_LLAMA3_PATTERN), False
+    if family == "qwen2":
+        return normalizers.NFC(), _split_then_bytes(_QWEN2_PATTERN), False
+    if family == "tekken":
+        return None, _split_then_bytes(_TEKKEN_PATTERN), True
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if family == "smollm":
+        # SmolLM / StarCoder: every digit is its own piece, then GPT-2 byte-level.
+        return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]), False
+    return None, byte_level, False
+
+
+def _meta(meta: Mapping, key: str, required: bool = True):
+    value = meta.get(key)
+    if value is None and required:
+        raise TokenizerMetadataError(f"the GGUF file has no {key!r} metadata key, which its tokenizer needs")
+    return value
+
+
+def _spm_merges(tokens: list[str], scores: Sequence[float], types: Sequence[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece BPE: a pair merges into a normal piece, higher score first."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    normal = [i for i, t in enumerate(types) if t == _NORMAL]
+    ranked = []
+    for i in normal:
+        piece = tokens[i]
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            li, ri = vocab.get(left), vocab.get(right)
+            if li is not None and ri is not None and types[li] == _NORMAL and types[ri] == _NORMAL:
+                ranked.append((-float(scores[i]), i, li, ri, left, right))
+    ranked.sort(key=lambda r: r[:4])
+    return [(r[4], r[5]) for r in ranked]
+
+
+def _vocabulary(meta: Mapping) -> tuple[list[str], list[int], dict[str, int]]:
+    """``(tokens, token types, vocab)`` of the GGUF vocabulary, checked."""
+    tokens = [str(t) for t in _meta(meta, "tokenizer.ggml.tokens")]
+    types = meta.get("tokenizer.ggml.token_type")
+    types = [int(t) for t in types] if types is not None else [_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise TokenizerMetadataError(
+            f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if tok in vocab:
+            raise TokenizerMetadataError(
+                f"duplicate token {tok!r} in tokenizer.ggml.tokens (ids {vocab[tok]}, {i})")
+        vocab[tok] = i
+    return tokens, types, vocab
+
+
+def _byte_level_backend(meta: Mapping, pre: str, vocab: dict[str, int]) -> tuple[HFTokenizer, bool]:
+    """Byte-level BPE (``tokenizer.ggml.model = gpt2``) and llama.cpp's default of ``add_bos_token``."""
+    family = PRE_TOKENIZERS[pre]
+    merges = [tuple(m.split(" ", 1)) for m in _meta(meta, "tokenizer.ggml.merges")]
+    normalizer, pre_tok, ignore_merges = _byte_level_parts(family)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                     ignore_merges=ignore_merges))
+    if normalizer is not None:
+        backend.normalizer = normalizer
+    backend.pre_tokenizer = pre_tok
+    backend.decoder = decoders.ByteLevel()
+    add_bos_default = family in _ADD_BOS_BY_DEFAULT
+    return backend, add_bos_default
+
+
+def _sentencepiece_backend(meta: Mapping, tokens: list[str], types: list[int],
+                           vocab: dict[str, int]) -> HFTokenizer:
+    """SentencePiece BPE (``tokenizer.ggml.model = llama``): merges from the scores, byte fallback."""
+    scores = _meta(meta, "tokenizer.ggml.scores")
+    if len(scores) != len(tokens):
+        raise TokenizerMetadataError(
+            f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    if unk_id is None:
+        unk_id = next((i for i, t in enumerate(types) if t == _UNKNOWN), None)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types),
+                                     unk_token=None if unk_id is None else tokens[int(unk_id)],
+                                     fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    escape = normalizers.Replace(" ", "▁")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), escape]) if prefix else escape
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return backend
+
+
+def gguf_tokenizer_parts(meta: Mapping) -> dict:
+    """The :class:`~magicpig_jax.io.tokenizer.Tokenizer` arguments built from GGUF ``tokenizer.*`` fields.
+
+    Raises:
+      TokenizerMetadataError (a ValueError): a needed key is missing (named, e.g.
+        ``tokenizer.ggml.merges``), the tokenizer model or pre-tokenizer is not
+        supported (named), or the vocabulary is malformed.
+    """
+    kind = _meta(meta, "tokenizer.ggml.model")
+    tokens, types, vocab = _vocabulary(meta)
+    pre = meta.get("tokenizer.ggml.pre")
+    if kind == "gpt2":
+        if pre is None:
+            raise TokenizerMetadataError(
+                "the GGUF file has no 'tokenizer.ggml.pre' metadata key: its pre-tokenizer is unknown "
+                "(reconvert the model with a current llama.cpp)")
+        if pre not in PRE_TOKENIZERS:
+            raise TokenizerMetadataError(
+                f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}")
+        backend, add_bos_default = _byte_level_backend(meta, pre, vocab)
+    elif kind == "llama":
+        if pre not in (None, "default"):
+            raise TokenizerMetadataError(
+                f"unsupported tokenizer.ggml.pre {pre!r} for a SentencePiece ('llama') tokenizer")
+        backend, add_bos_default = _sentencepiece_backend(meta, tokens, types, vocab), True
+    else:
+        raise TokenizerMetadataError(
+            f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' (byte-level BPE), "
+            "'llama' (SentencePiece)")
+    special = [AddedToken(tokens[i], special=True, normalized=False)
+               for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN)]
+    user = [AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types) if t == _USER_DEFINED]
+    if special:
+        backend.add_special_tokens(special)
+    if user:
+        backend.add_tokens(user)
+    eos_ids = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = meta.get(key)
+        if value is not None:
+            if not 0 <= int(value) < len(tokens):
+                raise TokenizerMetadataError(f"{key} = {value} is outside the vocabulary of {len(tokens)} tokens")
+            eos_ids.append(int(value))
+    eos_ids += [i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED) and tokens[i] in EOG_TEXTS]
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    if add_bos and bos is None:
+        raise TokenizerMetadataError(
+            "the GGUF file sets tokenizer.ggml.add_bos_token but has no 'tokenizer.ggml.bos_token_id'")
+    return dict(
+        backend=backend,
+        chat_template=meta.get("tokenizer.chat_template"),
+        eos_token_ids=eos_ids,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_id=None if meta.get("tokenizer.ggml.eos_token_id") is None
+        else int(meta["tokenizer.ggml.eos_token_id"]),
+        add_bos_token=add_bos,
+        add_eos_token=add_eos,
+    )
