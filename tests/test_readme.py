@@ -16,6 +16,7 @@ Also checked: the README's length (at most 300 lines), the relative links of the
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -143,12 +144,22 @@ def _relative_error_small(section: str) -> None:
 
 
 # A substring identifying each README Python block -> its check of that block's output.
+def _batch_and_stream(section: str) -> None:
+    """Two rows with their stop reasons, then a streamed answer on the same line."""
+    first, _, streamed = section.partition("\n")
+    rows = ast.literal_eval(first)
+    reasons = ("eos", "stop", "length", "context")
+    assert len(rows) == 2 and all(isinstance(t, str) and r in reasons for t, r in rows), rows
+    assert streamed.strip(), f"nothing was streamed: {section!r}"
+
+
 PYTHON_EXPECTATIONS = {
     "magicpig_jax.load_model(": _generated,
     "build_lsh_index(k, proj": _relative_error_small,
     "host_magicpig_attention(q, k, v, hidx": lambda s: _expect(s, "same keys sampled as the reference: True"),
     "offload.prepare_offload(": lambda s: _expect(s, "offload equals the host op: True"),
     "dist.make_mesh(": lambda s: _expect(s, "sharded equals one device: True"),
+    "stream=True": _batch_and_stream,
 }
 
 
