@@ -303,7 +303,7 @@ def _layout_section() -> str:
 
 
 # Modules kept only so old imports keep working; the Layout names where the code now lives.
-ALIASES = {"host_exact": "re-exports magicpig_jax/host/exact.py for old imports (issue 16)"}
+ALIASES: dict[str, str] = {}
 
 
 def test_layout_names_every_room():
