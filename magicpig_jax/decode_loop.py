@@ -62,10 +62,14 @@ class DecodeHooks:
       forced_tokens: B lists of at least ``max_new_tokens`` ids fed instead of the sampled ones.
       on_logits: ``callback(step, logits)`` with the float32 ``[B, V]`` NumPy logits that
         predict token ``step`` (step 0 = the prefill's).
+      then_sample: the forced ids are a prefix: a row's list may be shorter than
+        ``max_new_tokens``, the tokens after it are sampled, and EOS / stop checks apply only
+        to the sampled tokens (a question decoded after a prefilled document, then its answer).
     """
 
     forced_tokens: Sequence[Sequence[int]] | None = None
     on_logits: Callable[[int, np.ndarray], None] | None = None
+    then_sample: bool = False
 
 
 StopFn = Callable[[int, list[int]], bool]  # (row, its ids so far) -> stop this row now
@@ -94,16 +98,15 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     B = len(state.prompt_lengths)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if hooks.forced_tokens is not None and (len(hooks.forced_tokens) != B
-                                            or any(len(f) < max_new_tokens for f in hooks.forced_tokens)):
+    if hooks.forced_tokens is not None and (len(hooks.forced_tokens) != B or (not hooks.then_sample and any(
+            len(f) < max_new_tokens for f in hooks.forced_tokens))):
         raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
     cache = _decode_cache(state, spec, max_new_tokens)
     t0 = time.perf_counter()
     indices = build_indices(cache, spec, model.config.num_layers)
     jax.block_until_ready(indices)
     sparse = spec.sparse_layers(model.config.num_layers)
-    backend_for(spec).prepare(spec, [cache.k[i] for i in sparse], [cache.v[i] for i in sparse],
-                              [indices[i] for i in sparse])
+    cache, indices = backend_for(spec).prepare(spec, cache, indices)
     index_seconds = time.perf_counter() - t0 if sparse else None
     # A row stops at max_new_tokens or where its next token would need a position past the
     # context: token i is predicted at position prompt_length + i - 1.
@@ -188,9 +191,23 @@ class DecodeRun:
         self.stop_reasons: list[str] = ["length"] * self.B
         self.outputs: list[list[int]] = [[] for _ in range(self.B)]
 
+    def _forced(self, t: int, tokens) -> jax.Array:
+        """Token ``t`` of each row: the forced id where there is one, else the sampled ``tokens[b]``."""
+        forced = self.hooks.forced_tokens
+        if not self.hooks.then_sample:
+            return jnp.asarray([f[t] for f in forced], jnp.int32)
+        if all(t >= len(f) for f in forced):
+            return tokens
+        sampled = np.asarray(tokens)
+        return jnp.asarray([f[t] if t < len(f) else sampled[b] for b, f in enumerate(forced)], jnp.int32)
+
     def _first(self, last_logits) -> jax.Array:
         if self.hooks.forced_tokens is not None:
-            return jnp.asarray([f[0] for f in self.hooks.forced_tokens], jnp.int32)
+            sampled = self._sampled_first(last_logits) if self.hooks.then_sample else None
+            return self._forced(0, sampled)
+        return self._sampled_first(last_logits)
+
+    def _sampled_first(self, last_logits) -> jax.Array:
         if self.sampling.temperature > 0:
             return _sample_token_jit(last_logits, jax.random.fold_in(self.base_key, 0),
                                      jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p))
@@ -201,7 +218,9 @@ class DecodeRun:
         for b in np.nonzero(~done)[0]:
             ids = self.outputs[b]
             ids.append(int(tok[b]))
-            if self.stop_on_eos and ids[-1] in self.eos:
+            if self.hooks.then_sample and len(ids) <= len(self.hooks.forced_tokens[b]):
+                pass  # a forced id: no EOS or stop check
+            elif self.stop_on_eos and ids[-1] in self.eos:
                 self.stop_reasons[b], done[b] = "eos", True
             elif self.stop is not None and self.stop(int(b), ids):
                 self.stop_reasons[b], done[b] = "stop", True
@@ -225,7 +244,7 @@ class DecodeRun:
             tokens, logits, num_sampled, self.cache, self.indices = self.step(
                 self.leaves, self.cache, self.indices, tokens, self.base_key, np.int32(t + 1), temp, tp)
             if hooks.forced_tokens is not None:
-                tokens = jnp.asarray([f[t + 1] for f in hooks.forced_tokens], jnp.int32)
+                tokens = self._forced(t + 1, tokens)
             if hooks.on_logits is not None:
                 hooks.on_logits(t + 1, np.asarray(logits))
             self.steps += 1

@@ -214,3 +214,92 @@ def test_accelerator_check_script_runs_on_cpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "offloaded result matches host-only: OK" in proc.stdout
     assert "(cpu); host:" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The decoder: generate(attention="magicpig") as the offload system ("magicpig-offload").
+# ---------------------------------------------------------------------------------------------
+
+_DECODER = textwrap.dedent(r'''
+    import dataclasses, json, os, sys
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    sys.path.insert(0, os.environ["ROOT"])
+    import jax, jax.numpy as jnp, numpy as np
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.decode_loop import Sampling, start_decode
+    from magicpig_jax.generation import prefill
+    from magicpig_jax.models.backends import DecodeSpec, backend_for
+    from tests._tiny import tiny_model
+
+    accel, host_dev = jax.devices()
+    model = tiny_model(0)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, 90, 300)], [int(t) for t in rng.integers(1, 90, 250)]]
+    R = {"devices": [str(accel), str(host_dev)]}
+    for dtype in ("float32", "bfloat16"):
+        state = prefill(model, prompts, 40, cache_dtype=jnp.dtype(dtype))
+        cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
+        # generation_buffer=8: the ring of the last W = 24 positions wraps and the index appends
+        # generated tokens every 8 steps within the 40.
+        base = dict(backend="magicpig", magicpig=cfg, dense_layers=(0,), generation_buffer=8)
+        out = {}
+        for name, spec in (("one_device", DecodeSpec(**base)),
+                           ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
+            run = start_decode(model, state, spec, 40, Sampling())
+            for _ in run:
+                pass
+            stats = run.stats()
+            r = {"tokens": run.outputs, "runs_on": stats["attention_runs_on"],
+                 "sampled_fraction": stats["sampled_fraction"]}
+            if name == "offload":
+                sparse = spec.sparse_layers(model.config.num_layers)
+                dev = lambda tree: sorted({str(d) for x in jax.tree.leaves(tree) for d in x.devices()})
+                r["sparse_kv_devices"] = dev([(run.cache.k[i], run.cache.v[i]) for i in sparse])
+                r["index_devices"] = dev([run.indices[i].index for i in sparse])
+                r["accel_state_devices"] = dev([dataclasses.replace(run.indices[i], index=None) for i in sparse])
+                r["accel_state_shapes"] = sorted({tuple(x.shape) for i in sparse for x in
+                                                  jax.tree.leaves(dataclasses.replace(run.indices[i], index=None))})
+                r["dense_kv_devices"] = dev([(run.cache.k[0], run.cache.v[0])])
+                r["index_end"] = np.asarray(run.indices[sparse[0]].index.end).tolist()
+                r["prompt_lengths"] = [len(p) for p in prompts]
+                r["capacity"] = int(run.cache.capacity)
+            out[name] = r
+        R[dtype] = out
+    R["auto_on_cpu"] = backend_for(DecodeSpec(backend="magicpig")).name
+    print("RESULT " + json.dumps(R))
+''')
+
+
+@pytest.fixture(scope="module")
+def decoder_results():
+    env = _env() | {"ROOT": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", _DECODER], capture_output=True, text=True, env=env, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offload_decoder_gives_the_single_device_tokens(decoder_results, dtype):
+    r = decoder_results[dtype]
+    assert "offload" in r["offload"]["runs_on"] and "host op" in r["one_device"]["runs_on"]
+    assert r["offload"]["tokens"] == r["one_device"]["tokens"]
+    assert all(len(t) == 40 for t in r["offload"]["tokens"])
+    assert r["offload"]["sampled_fraction"] == pytest.approx(r["one_device"]["sampled_fraction"], rel=1e-6)
+    assert r["offload"]["sampled_fraction"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offload_decoder_keeps_kv_and_index_on_the_host(decoder_results, dtype):
+    accel, host_dev = decoder_results["devices"]
+    r = decoder_results[dtype]["offload"]
+    assert r["sparse_kv_devices"] == [host_dev] and r["index_devices"] == [host_dev]
+    assert r["accel_state_devices"] == [accel]  # hyperplanes, sinks, the ring of the last W positions
+    assert r["dense_kv_devices"] == [accel]  # the dense layer stays on the accelerator
+    assert all(r["capacity"] not in shape for shape in r["accel_state_shapes"])  # nothing N-sized there
+    # Generated tokens reached the host index (appends every 8 steps once the tail exceeds W).
+    assert all(end > n - 8 for end, n in zip(r["index_end"], r["prompt_lengths"], strict=True))
+
+
+def test_offload_is_not_chosen_on_a_cpu_backend(decoder_results):
+    assert decoder_results["auto_on_cpu"] == "magicpig (host op)"

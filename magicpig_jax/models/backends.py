@@ -8,17 +8,22 @@ methods are compared like for like (arXiv 2410.16179, Section 5).
 Each :class:`Backend` has four parts, called by the decoder in this order:
 
   build       (inside jit, after prefill) the per-layer decode state of a sparse layer;
-  prepare     (outside jit, once) place that state in memory (huge pages for the host op);
+  prepare     (outside jit, once) place the cache and that state in memory (huge pages for
+              the host op; the host device for offload) and return them;
   attend      (inside the decode step) ``(out, lse, keys_used)`` of a sparse layer;
   after_step  (inside the decode step, after the cache write) update the state
               (the host index appends generated tokens when a generation buffer is due).
 
-``attend_dense`` is the exact attention of the layers kept dense under the backend.
+``attend_dense`` is the exact attention of the layers kept dense under the backend;
+``make_step``, when set, replaces the jitted decode step (offload runs each step as a
+sequence of accelerator and host computations, :mod:`magicpig_jax.offload`).
 :func:`backend_for` is the one place that chooses the entry for a :class:`DecodeSpec`:
 
   dense         exact attention over every cached key (no sparse layer).
   magicpig      LSH sampling; on the CPU backend the index and the sampled attention run in
-                the host op (:mod:`magicpig_jax.host`), elsewhere the pure-JAX reference.
+                the host op (:mod:`magicpig_jax.host`); on a GPU/TPU backend the paper's
+                system: the sparse layers' KV cache and index in host memory, the host op
+                there, everything else on the accelerator ("magicpig-offload").
   magicpig-ref  LSH sampling, pure-JAX reference (:func:`magicpig_attention`).
   topk          exact TopK of the hashed range (``budget`` keys).
   quest         Quest page selection in the hashed range (``budget`` keys, ``page_size`` pages).
@@ -55,7 +60,8 @@ from magicpig_jax.attention import (
 )
 from magicpig_jax.attention.baselines import check_budget, check_page_size
 
-__all__ = ["BACKENDS", "BUDGETED", "Backend", "DecodeSpec", "MiddleRange", "backend_for", "layer_projections"]
+__all__ = ["BACKENDS", "BUDGETED", "Backend", "DecodeSpec", "MiddleRange", "append_due", "backend_for",
+           "layer_projections"]
 
 BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle")
 BUDGETED = ("topk", "quest", "oracle")
@@ -77,9 +83,15 @@ class DecodeSpec:
       generation_buffer: (host op) generated tokens stay static until the unhashed tail
         reaches :attr:`static_window` positions; then the oldest ``generation_buffer`` of
         them are appended to the index in one call.
-      host: whether "magicpig" runs through the host op (default: iff JAX's default
-        backend is the CPU).
+      host: whether "magicpig" runs through the host op on the CPU backend (default: iff
+        JAX's default backend is the CPU).
       mesh: optional ``("batch", "kv_heads")`` mesh for the host op (None: one device).
+      offload: whether "magicpig" runs as the host-offload system (:mod:`magicpig_jax.offload`):
+        the sparse layers' KV cache and index on ``host_device``, the rest on the accelerator
+        (JAX's default device). Default: iff JAX's default backend is not the CPU.
+      host_device: the CPU device that holds the offloaded cache and runs the host op
+        (default ``jax.devices("cpu")[0]``; the tests pass a second virtual CPU device so that
+        two CPU devices stand in for the accelerator and the host).
 
     Raises:
       ValueError: unknown backend, a budgeted backend without a budget, or a configuration
@@ -94,6 +106,8 @@ class DecodeSpec:
     generation_buffer: int = GENERATION_BUFFER
     host: bool | None = None
     mesh: jax.sharding.Mesh | None = None
+    offload: bool | None = None
+    host_device: jax.Device | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -105,14 +119,27 @@ class DecodeSpec:
             check_page_size(self.page_size)
         if self.generation_buffer < 1:
             raise ValueError(f"generation_buffer must be >= 1, got {self.generation_buffer}")
+        if self.offload is None:
+            object.__setattr__(self, "offload", self.backend == "magicpig" and self.mesh is None
+                               and jax.default_backend() != "cpu")
+        if self.offload and (self.backend != "magicpig" or self.mesh is not None):
+            raise ValueError("offload runs the 'magicpig' backend on one accelerator (no mesh), "
+                             f"got backend={self.backend!r}, mesh={self.mesh}")
+        if self.host_device is not None and self.host_device.platform != "cpu":
+            raise ValueError(f"host_device must be a CPU device, got {self.host_device}")
         if self.host is None:
-            object.__setattr__(self, "host", self.backend == "magicpig" and jax.default_backend() == "cpu")
+            object.__setattr__(self, "host", self.backend == "magicpig" and not self.offload
+                               and jax.default_backend() == "cpu")
         backend_for(self).validate(self)
 
     @property
     def uses_host(self) -> bool:
-        """True when the sparse layers run through the host op."""
-        return bool(self.host) and self.backend == "magicpig"
+        """True when the sparse layers run through the host op in the jitted step (CPU backend)."""
+        return bool(self.host) and self.backend == "magicpig" and not self.offload
+
+    def offload_devices(self) -> tuple[jax.Device, jax.Device]:
+        """``(accelerator, host)`` of the offload system: JAX's default device and :attr:`host_device`."""
+        return jax.devices()[0], self.host_device or jax.devices("cpu")[0]
 
     @property
     def static_window(self) -> int:
@@ -155,7 +182,7 @@ def layer_projections(config: MagicPIGConfig, layer: int, head_dim: int) -> jax.
 BuildFn = Callable[["DecodeSpec", jax.Array, jax.Array, int, int], Any]  # (spec, k, lengths, layer, capacity)
 AttendFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]  # (spec, q, k, v, state, lengths, key)
 AfterStepFn = Callable[["DecodeSpec", Any, jax.Array, jax.Array], Any]  # (spec, state, k, lengths)
-PrepareFn = Callable[["DecodeSpec", list, list, list], None]  # (spec, k layers, v layers, states)
+PrepareFn = Callable[..., tuple[Any, tuple]]  # (spec, cache, states) -> (cache, states)
 DenseFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
@@ -163,8 +190,8 @@ def _keep(spec, state, k, lengths):
     return state
 
 
-def _nothing(spec, k_layers, v_layers, states) -> None:
-    return None
+def _in_place(spec, cache, states):
+    return cache, states
 
 
 def _accept(spec) -> None:
@@ -187,18 +214,22 @@ class Backend:
         (topk/quest) or distinct drawn (oracle) keys of the hashed range.
       after_step: ``(spec, state, k, lengths) -> state`` after the step wrote its token
         (``lengths`` counts it).
-      prepare: ``(spec, k_layers, v_layers, states) -> None`` once after build, outside jit.
+      prepare: ``(spec, cache, states) -> (cache, states)`` once after build, outside jit: the
+        cache and per-layer states the decode steps use (the same objects, or re-placed ones).
       attend_dense: ``(q, k, v, lengths) -> (out, lse)`` for the layers kept dense.
       validate: ``(spec) -> None``, raises ValueError for a configuration it cannot run.
+      make_step: ``(graphdef, state_treedef, spec) -> step`` replacing the jitted decode step of
+        :func:`~magicpig_jax.models.decoding.compiled_decode_step` (same call and results), or None.
     """
 
     name: str
     build: BuildFn
     attend: AttendFn
     after_step: AfterStepFn = _keep
-    prepare: PrepareFn = _nothing
+    prepare: PrepareFn = _in_place
     attend_dense: DenseFn = dense_attention
     validate: Callable[[DecodeSpec], None] = _accept
+    make_step: Callable | None = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -297,7 +328,7 @@ def _attend_host(spec, q, k, v, state, lengths, key):
     return _ops_of(spec).attention(q, k, v, state, spec.magicpig, lengths)
 
 
-def _append_due(spec, index, k, lengths):
+def append_due(spec, index, k, lengths):
     """Append the oldest ``generation_buffer`` unhashed keys to a host index when due.
 
     Due for row b when ``lengths[b] - end[b] >= spec.static_window`` (``lengths`` counts the
@@ -317,11 +348,13 @@ def _append_due(spec, index, k, lengths):
     return jax.lax.cond(jnp.any(due), append, lambda index: index, index)
 
 
-def _prepare_host(spec, k_layers, v_layers, states) -> None:
+def _prepare_host(spec, cache, states):
     from magicpig_jax.host import advise_huge_pages
 
     # The op reads rows of the cache and the index at random: back them with huge pages.
-    advise_huge_pages(k_layers, v_layers, states)
+    sparse = spec.sparse_layers(len(cache.k))
+    advise_huge_pages([cache.k[i] for i in sparse], [cache.v[i] for i in sparse], [states[i] for i in sparse])
+    return cache, states
 
 
 def _attend_dense_host(q, k, v, lengths):
@@ -329,6 +362,32 @@ def _attend_dense_host(q, k, v, lengths):
 
     # One pass over each KV head's keys for its G query heads, K/V read in place.
     return host_exact_attention(q, k, v, lengths)
+
+
+# ------------------------------------------------------------------------------------------
+# MagicPIG as the paper's system on an accelerator: KV cache and index in host memory.
+# ------------------------------------------------------------------------------------------
+
+
+def _build_offload(spec, k, lengths, layer, capacity):
+    # Inside the accelerator's jit only the hyperplanes; prepare places the rest.
+    return layer_projections(spec.magicpig, layer, k.shape[-1])
+
+
+def _attend_offload(*args, **kwargs):
+    raise ValueError("the offload backend runs its own decode step (make_step), not attend inside jit")
+
+
+def _prepare_offload(spec, cache, states):
+    from magicpig_jax import offload
+
+    return offload.place_decode_state(spec, cache, states)
+
+
+def _make_offload_step(graphdef, state_treedef, spec):
+    from magicpig_jax import offload
+
+    return offload.OffloadDecodeStep(graphdef, state_treedef, spec)
 
 
 # ------------------------------------------------------------------------------------------
@@ -342,16 +401,21 @@ _TABLE: dict[str, Backend] = {
     "quest": Backend("quest", build=_build_range, attend=functools.partial(_attend_range, "quest")),
     "oracle": Backend("oracle", build=_build_range, attend=functools.partial(_attend_range, "oracle")),
     "magicpig-host": Backend("magicpig (host op)", build=_build_host, attend=_attend_host,
-                             after_step=_append_due, prepare=_prepare_host, attend_dense=_attend_dense_host,
+                             after_step=append_due, prepare=_prepare_host, attend_dense=_attend_dense_host,
                              validate=_validate_host),
     "magicpig-host-sharded": Backend("magicpig (host op, sharded)", build=_build_host, attend=_attend_host,
-                                     after_step=_append_due, prepare=_prepare_host, validate=_validate_host),
+                                     after_step=append_due, prepare=_prepare_host, validate=_validate_host),
+    "magicpig-offload": Backend("magicpig (offload: KV cache and index in host memory, host op)",
+                                build=_build_offload, attend=_attend_offload, prepare=_prepare_offload,
+                                validate=_validate_host, make_step=_make_offload_step),
 }
 
 
 def backend_for(spec: DecodeSpec) -> Backend:
     """The :class:`Backend` that runs ``spec``: the one place the decoder dispatches on the method."""
     if spec.backend == "magicpig":
+        if spec.offload:
+            return _TABLE["magicpig-offload"]
         if spec.uses_host:
             return _TABLE["magicpig-host" if spec.mesh is None else "magicpig-host-sharded"]
         return _TABLE["magicpig-ref"]

@@ -241,7 +241,8 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
         return _decode_step(graphdef, state, cache, indices, tokens, jax.random.fold_in(base_key, t), temperature,
                             top_p, spec)
 
-    fn = jax.jit(step, donate_argnames=("cache", "indices"))
+    make_step = backend_for(spec).make_step  # a backend with its own step (offload: accelerator + host)
+    fn = make_step(graphdef, state_treedef, spec) if make_step else jax.jit(step, donate_argnames=("cache", "indices"))
     if len(_STEP_CACHE) >= _STEP_CACHE_SIZE:  # bounded: each entry holds compiled executables
         _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
     _STEP_CACHE[key] = fn
