@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
-from magicpig_jax import attention
+from magicpig_jax import attention, lsh
 from magicpig_jax.eval import study
+from tests import _np_reference as np_ref
 
 
 def test_cost_model_is_re_exported_from_the_method_layer():
@@ -28,13 +30,48 @@ def test_synthetic_case_realizes_the_profile():
         study.synthetic_case(rng, "nope")
 
 
+def _np_codes(x: np.ndarray, w: np.ndarray, K: int, L: int) -> np.ndarray:
+    """Float64 SimHash codes: bit j of table l is [x · w[:, l*K + j] > 0]."""
+    bits = ((x @ w) > 0).reshape(*x.shape[:-1], L, K).astype(np.int64)
+    return np.sum(bits << np.arange(K), axis=-1)
+
+
+def _magicpig_reference(q, k, v, seed, repeat, K, L, num_sink, num_local, center):
+    """(rel_error, fraction, predicted_fraction) of one MagicPIG record, in float64 (tests/_np_reference).
+
+    Same projections as the study (key ``seed * 1000 + r``); codes, estimator, dense attention and
+    the cost model's prediction (SciPy's binomial tail at the centered cosines) computed here."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))  # [1, Hq, D], [1, Hkv, N, D]
+    _, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    start, end = min(num_sink, N), max(N - num_local, min(num_sink, N))
+    mean = k[:, :, start:end].mean(2, keepdims=True) if center else np.zeros((1, Hkv, 1, D))
+    o, _ = np_ref.dense(q, k, v)
+    errs, fracs = [], []
+    for r in range(repeat):
+        w = np.asarray(lsh.simhash_projections(jax.random.key(seed * 1000 + r), D, K, L), np.float64)
+        out, _, num = np_ref.magicpig(q, k, v, _np_codes(k - mean, w, K, L), _np_codes(q, w, K, L), K, L,
+                                      num_sink, num_local, [N], [N], center=center)
+        errs.append(np.linalg.norm(out - o, axis=-1)[0] / np.linalg.norm(o, axis=-1)[0])
+        fracs.append((num[0] + start + N - end) / N)
+    kc = (k - mean)[0]  # [Hkv, N, D]
+    cos = np.stack([kc[h // (Hq // Hkv)] @ q[0, h] / (np.linalg.norm(kc[h // (Hq // Hkv)], axis=-1)
+                                                      * np.linalg.norm(q[0, h])) for h in range(Hq)])
+    p = 1 - np.arccos(np.clip(cos[:, start:end], -1, 1)) / np.pi
+    pred = (np_ref.u_exact(p, K, L).sum(-1) + start + N - end) / N
+    return float(np.mean(errs)), float(np.mean(fracs)), float(np.mean(pred))
+
+
 def test_main_end_to_end_on_a_capture(tmp_path):
     rng = np.random.default_rng(3)
     cap = tmp_path / "cap.npz"
-    np.savez(cap, q=rng.normal(size=(2, 4, 16)), k=rng.normal(size=(2, 2, 100, 16)), v=rng.normal(size=(2, 2, 100, 16)))
+    # keys in a cone (a common offset per KV head, as in real models): centering matters
+    k = rng.normal(size=(2, 2, 100, 16)) + 3.0 * rng.normal(size=(2, 2, 1, 16))
+    v = rng.normal(size=(2, 2, 1, 16)) + rng.normal(size=(2, 2, 100, 16))  # values share a mean: |o| ~ 1
+    np.savez(cap, q=rng.normal(size=(2, 4, 16)), k=k, v=v)
     out = tmp_path / "out"
     argv = ["--capture", str(cap), "--no-synthetic", "--fractions", "1.0", "--lsh", "4x10",
-            "--repeats", "1", "--num-local", "8", "--out", str(out), "--layers", "1"]
+            "--repeats", "2", "--num-local", "8", "--out", str(out), "--layers", "1", "--seed", "5"]
     assert study.main(argv) == 0
     png = (out / "study.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -48,8 +85,24 @@ def test_main_end_to_end_on_a_capture(tmp_path):
             assert r["fraction"] == 1.0 and r["rel_error"] < 1e-5
         if r["method"] == "oracle":
             assert r["rel_error"] > 1e-3  # 100 draws with replacement are not exact
-        if r["method"] == "magicpig":
-            assert 12 / 100 <= r["fraction"] <= 1 and 0 <= r["predicted_fraction"] <= 1
+    # MagicPIG, centered and uncentered: error, touched fraction and the cost model's prediction
+    # equal a float64 recomputation (layer 1 of the capture, the study's projections).
+    data = np.load(cap)
+    magic = {r["params"]["center"]: r for r in result["records"] if r["method"] == "magicpig"}
+    assert set(magic) == {True, False}
+    want = {}
+    for center, r in magic.items():
+        assert r["params"] == {"K": 4, "L": 10, "center": center, "num_sink": 4, "num_local": 8}
+        err, frac, pred = _magicpig_reference(data["q"][1:2], data["k"][1:2], data["v"][1:2], 5, 2, 4, 10, 4, 8,
+                                              center)
+        want[center] = err
+        assert r["rel_error"] == pytest.approx(err, rel=1e-4), center
+        assert r["fraction"] == pytest.approx(frac, abs=1e-12), center
+        assert r["predicted_fraction"] == pytest.approx(pred, abs=1e-5), center
+        assert 12 / 100 < r["fraction"] < 1
+    # centering the cone's keys lowers the error (by the recomputed amount)
+    assert want[True] < 0.5 * want[False]
+    assert magic[False]["rel_error"] - magic[True]["rel_error"] == pytest.approx(want[False] - want[True], rel=1e-3)
     assert {s["method"] for s in result["summary"]} == {"topk", "quest", "oracle", "magicpig"}
 
 
