@@ -19,7 +19,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigBuild);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigAppend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigAttention);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigLogU);
-// quant_matvec.cc: the decode matvec on GGUF Q4_1 / Q8_0 blocks.
+// quant_matvec.cc: the decode matvec on GGUF rows (F16, BF16, Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K)
+// and their dequantization.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigQuantMatvec);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigDequantize);
 // exact_attention.cc: exact attention of the dense layers.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigExactAttention);

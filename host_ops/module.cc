@@ -58,6 +58,7 @@ NB_MODULE(_host_ops, m) {
     d["magicpig_host_attention"] = Capsule(MagicpigAttention);
     d["magicpig_host_log_u"] = Capsule(MagicpigLogU);
     d["magicpig_quant_matvec"] = Capsule(MagicpigQuantMatvec);
+    d["magicpig_dequantize"] = Capsule(MagicpigDequantize);
     d["magicpig_exact_attention"] = Capsule(MagicpigExactAttention);
     return d;
   });

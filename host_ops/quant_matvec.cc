@@ -1,19 +1,23 @@
-// Matrix-vector products that read GGUF-quantized weight rows in place (XLA FFI, CPU).
+// Products with GGUF weights read in place, and their dequantization (XLA FFI, CPU).
 //
 // Decoding one token multiplies each weight matrix by a single activation vector: the cost is
-// the bytes of the weights. A float32 copy of SmolLM2-135M is 540 MB per token; its GGUF blocks
-// (Q4_1 projections, Q8_0 embedding) are 96 MB. This op computes y = W x straight from the
-// blocks, dequantizing them in registers in float32 exactly as ggml's dequantize_row_* (and
-// gguf-py's gguf.quants.dequantize) do, so y equals the float32 product up to summation order.
-// Activations stay float32 (llama.cpp instead rounds them to 8 bits).
+// the bytes of the weights. The model keeps every matrix in its file's own format (no float32
+// copy), and this op computes y = W x straight from the rows: blocks are dequantized in
+// registers in float32 as ggml's dequantize_row_* (and gguf-py's gguf.quants.dequantize) do, so
+// y equals x @ dequantize(W).T up to float32 summation order. Activations stay float32
+// (llama.cpp instead rounds them to 8 bits).
 //
-// Block formats (ggml-common.h; a row of `in` weights is in/32 consecutive blocks):
-//   Q4_1 (ggml type 3), 20 bytes: f16 d, f16 m, uint8 qs[16];
-//        w[j] = d * (qs[j] & 15) + m,  w[j + 16] = d * (qs[j] >> 4) + m   (j < 16)
-//   Q8_0 (ggml type 8), 34 bytes: f16 d, int8 qs[32];  w[j] = d * qs[j]
+// Types (ggml ids; the layouts are in magicpig_jax/io/gguf_blocks.py and ggml-common.h):
+//   F16 (1), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), Q4_K (12), Q5_K (13), Q6_K (14),
+//   BF16 (30). A row of `In` weights is In / block_weights blocks of block_bytes each.
 //
-// Operands: x float32 [M, In], w uint8 [Out, In/32 * block bytes]; result float32 [M, Out].
+// Targets:
+//   magicpig_quant_matvec: x float32 [M, In], w uint8 [Out, RB] -> y float32 [M, Out]
+//   magicpig_dequantize:   w uint8 [R, RB] -> float32 [R, In], bit-equal to gguf-py's
+//                          dequantization (the float32 operations in its order, no FMA).
 // Every shape is validated; bad input returns an ffi::Error (never a crash or a stray read).
+// This file is compiled with -ffp-contract=off (CMakeLists.txt), so that the scalar
+// dequantization keeps gguf-py's roundings on every target; the AVX2 kernels use FMA explicitly.
 
 #include <algorithm>
 #include <cmath>
@@ -36,15 +40,45 @@ using magicpig::ReadyFuture;
 using magicpig::RunParallel;
 using magicpig::Shape;
 
-constexpr int64_t kQK = 32;       // weights per block (QK4_1 == QK8_0 == 32)
-constexpr int64_t kTypeQ4_1 = 3;  // ggml_type ids
-constexpr int64_t kTypeQ8_0 = 8;
+constexpr int64_t kQK = 32;   // weights per legacy block, and per sub-block of Q4_K / Q5_K
+constexpr int64_t kQKK = 256; // weights per K-quant super-block
 
-int64_t BlockBytes(int64_t qtype) {
-  if (qtype == kTypeQ4_1) return 20;
-  if (qtype == kTypeQ8_0) return 34;
-  return 0;
+enum QType : int64_t {
+  kF16 = 1,
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+  kBF16 = 30,
+};
+
+struct TypeInfo {
+  int64_t block_weights = 0, block_bytes = 0;
+  bool has_min = false;  // w = d q + m form: the kernels need the sums of x per 32 weights
+};
+
+TypeInfo Info(int64_t qtype) {
+  switch (qtype) {
+    case kF16: return {1, 2, false};
+    case kBF16: return {1, 2, false};
+    case kQ4_0: return {32, 18, false};
+    case kQ4_1: return {32, 20, true};
+    case kQ5_0: return {32, 22, false};
+    case kQ5_1: return {32, 24, true};
+    case kQ8_0: return {32, 34, false};
+    case kQ4_K: return {256, 144, true};
+    case kQ5_K: return {256, 176, true};
+    case kQ6_K: return {256, 210, false};
+    default: return {};
+  }
 }
+
+const char* kTypeList = "1 (F16), 2 (Q4_0), 3 (Q4_1), 6 (Q5_0), 7 (Q5_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K), "
+                        "14 (Q6_K) or 30 (BF16)";
 
 // IEEE half -> float, exact for every value (normal, subnormal, zero, inf, NaN).
 inline float HalfToFloat(const uint8_t* p) {
@@ -67,9 +101,177 @@ inline float HalfToFloat(const uint8_t* p) {
   return f;
 }
 
-// Scalar kernels: one row (nb blocks) against one activation vector x [nb*32].
-// xsum[b] = sum of x over block b (Q4_1's "+ m" term is m * xsum[b]).
-float DotQ4_1Scalar(const uint8_t* row, const float* x, const float* xsum, int64_t nb) {
+inline float Bf16ToFloat(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return magicpig::Bf16ToF32(h);
+}
+
+inline uint32_t LoadU32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block (ggml get_scale_min_k4).
+inline void ScaleMinK4(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar dequantization of one block, in gguf-py's float32 operations and order (no FMA: this
+// file is compiled with -ffp-contract=off). y receives Info(qtype).block_weights values.
+// ---------------------------------------------------------------------------------------------
+void DequantBlock(int64_t qtype, const uint8_t* b, float* y) {
+  switch (qtype) {
+    case kF16:
+      y[0] = HalfToFloat(b);
+      return;
+    case kBF16:
+      y[0] = Bf16ToFloat(b);
+      return;
+    case kQ4_0: {
+      const float d = HalfToFloat(b);
+      const uint8_t* qs = b + 2;
+      for (int j = 0; j < 16; ++j) {
+        y[j] = d * static_cast<float>((qs[j] & 15) - 8);
+        y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+      }
+      return;
+    }
+    case kQ4_1: {
+      const float d = HalfToFloat(b), m = HalfToFloat(b + 2);
+      const uint8_t* qs = b + 4;
+      for (int j = 0; j < 16; ++j) {
+        y[j] = d * static_cast<float>(qs[j] & 15) + m;
+        y[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+      }
+      return;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const bool q51 = qtype == kQ5_1;
+      const float d = HalfToFloat(b), m = q51 ? HalfToFloat(b + 2) : 0.0f;
+      const uint32_t qh = LoadU32(b + (q51 ? 4 : 2));
+      const uint8_t* qs = b + (q51 ? 8 : 6);
+      for (int j = 0; j < 16; ++j) {
+        const int lo = (qs[j] & 15) | static_cast<int>(((qh >> j) & 1u) << 4);
+        const int hi = (qs[j] >> 4) | static_cast<int>(((qh >> (j + 16)) & 1u) << 4);
+        if (q51) {
+          y[j] = d * static_cast<float>(lo) + m;
+          y[j + 16] = d * static_cast<float>(hi) + m;
+        } else {
+          y[j] = d * static_cast<float>(lo - 16);
+          y[j + 16] = d * static_cast<float>(hi - 16);
+        }
+      }
+      return;
+    }
+    case kQ8_0: {
+      const float d = HalfToFloat(b);
+      const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+      for (int j = 0; j < 32; ++j) y[j] = static_cast<float>(qs[j]) * d;
+      return;
+    }
+    case kQ4_K:
+    case kQ5_K: {
+      const bool q5 = qtype == kQ5_K;
+      const float d = HalfToFloat(b), dmin = HalfToFloat(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;               // Q5_K only
+      const uint8_t* qs = b + (q5 ? 48 : 16);
+      for (int i = 0; i < 8; ++i) {
+        int sc, m;
+        ScaleMinK4(i, scales, &sc, &m);
+        const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
+        const uint8_t* q = qs + 32 * (i / 2);
+        const int shift = (i & 1) * 4;
+        for (int l = 0; l < 32; ++l) {
+          int v = (q[l] >> shift) & 15;
+          if (q5) v |= ((qh[l] >> i) & 1) << 4;
+          y[32 * i + l] = d1 * static_cast<float>(v) - m1;
+        }
+      }
+      return;
+    }
+    case kQ6_K: {
+      const float d = HalfToFloat(b + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = b + 64 * h;
+        const uint8_t* qh = b + 128 + 32 * h;
+        const int8_t* s = sc + 8 * h;
+        float* yh = y + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          const int q1 = ((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32;
+          const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          yh[l] = (d * static_cast<float>(s[is + 0])) * static_cast<float>(q1);
+          yh[l + 32] = (d * static_cast<float>(s[is + 2])) * static_cast<float>(q2);
+          yh[l + 64] = (d * static_cast<float>(s[is + 4])) * static_cast<float>(q3);
+          yh[l + 96] = (d * static_cast<float>(s[is + 6])) * static_cast<float>(q4);
+        }
+      }
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void DequantRow(int64_t qtype, const uint8_t* row, int64_t In, float* y) {
+  const TypeInfo t = Info(qtype);
+  if (qtype == kF16) {
+    for (int64_t j = 0; j < In; ++j) y[j] = HalfToFloat(row + 2 * j);
+  } else if (qtype == kBF16) {
+    for (int64_t j = 0; j < In; ++j) y[j] = Bf16ToFloat(row + 2 * j);
+  } else {
+    for (int64_t b = 0; b < In / t.block_weights; ++b) {
+      DequantBlock(qtype, row + b * t.block_bytes, y + b * t.block_weights);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot kernels: one row of `In` weights against one activation vector. xsum[g] = the sum of
+// x over weights 32g .. 32g+31 (the "+ m" terms of the types with a min); xp = x, or for the
+// AVX2 Q4_1 kernels x permuted by PermuteQ4_1.
+// ---------------------------------------------------------------------------------------------
+using DotFn = float (*)(const uint8_t* row, const float* xp, const float* xsum, int64_t In);
+
+// Portable: each block dequantized exactly (DequantBlock), then summed in float32.
+template <int64_t kType>
+float DotScalar(const uint8_t* row, const float* x, const float*, int64_t In) {
+  const TypeInfo t = Info(kType);
+  float acc = 0.0f;
+  if (kType == kF16 || kType == kBF16) {
+    for (int64_t j = 0; j < In; ++j) {
+      acc += (kType == kF16 ? HalfToFloat(row + 2 * j) : Bf16ToFloat(row + 2 * j)) * x[j];
+    }
+    return acc;
+  }
+  float w[kQKK];
+  for (int64_t b = 0; b < In / t.block_weights; ++b) {
+    DequantBlock(kType, row + b * t.block_bytes, w);
+    const float* xb = x + b * t.block_weights;
+    float s = 0.0f;
+    for (int64_t j = 0; j < t.block_weights; ++j) s += w[j] * xb[j];
+    acc += s;
+  }
+  return acc;
+}
+
+// The original Q4_1 scalar kernel (d * sum(q x) + m * sum(x) per block).
+float DotQ4_1Scalar(const uint8_t* row, const float* x, const float* xsum, int64_t In) {
+  const int64_t nb = In / kQK;
   float acc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 20;
@@ -85,36 +287,23 @@ float DotQ4_1Scalar(const uint8_t* row, const float* x, const float* xsum, int64
   return acc;
 }
 
-float DotQ8_0Scalar(const uint8_t* row, const float* x, const float*, int64_t nb) {
-  float acc = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 34;
-    const float d = HalfToFloat(blk);
-    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
-    const float* xb = x + b * kQK;
-    float s = 0.0f;
-    for (int j = 0; j < 32; ++j) s += static_cast<float>(qs[j]) * xb[j];
-    acc += d * s;
-  }
-  return acc;
-}
-
 #ifdef MAGICPIG_HAVE_AVX2_PATH
 using magicpig::Hsum;
 
-__attribute__((target("avx2,fma,f16c"))) inline float HalfToFloatF16c(const uint8_t* p) {
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+AVX2_FN inline float HalfToFloatF16c(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
 }
 
-// Four groups of 8 uint8/int8 lanes -> float32 vectors.
-__attribute__((target("avx2,fma,f16c"))) inline __m256 U8ToF32(__m128i v) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+AVX2_FN inline __m256 I8ToF32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+// 8 bytes -> 8 int32 lanes.
+AVX2_FN inline __m256i U8x8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-__attribute__((target("avx2,fma,f16c"))) inline __m256 I8ToF32(__m128i v) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-}
+AVX2_FN inline __m256 Cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
 
 // The AVX2 Q4_1 kernels avoid byte shuffles (the bottleneck port of a cvtepu8 unpacking):
 // the 16 bytes of a block are broadcast to both 128-bit lanes, and vector k (k = 0..3) keeps
@@ -141,7 +330,7 @@ struct Q4Masks {
   __m256i m[4];
 };
 
-__attribute__((target("avx2,fma,f16c"))) inline Q4Masks MakeQ4Masks() {
+AVX2_FN inline Q4Masks MakeQ4Masks() {
   Q4Masks q;
   for (int k = 0; k < 4; ++k) {
     const int lo = 0xf << kQ4Shift[k][0], hi = 0xf << kQ4Shift[k][1];
@@ -151,8 +340,7 @@ __attribute__((target("avx2,fma,f16c"))) inline Q4Masks MakeQ4Masks() {
 }
 
 // s = sum over the block of q_j * x_j (x permuted and scaled by PermuteQ4_1).
-__attribute__((target("avx2,fma,f16c"))) inline __m256 BlockQ4(const uint8_t* qs, const Q4Masks& mk,
-                                                               __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+AVX2_FN inline __m256 BlockQ4(const uint8_t* qs, const Q4Masks& mk, __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
   const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
   const __m256i q4 = _mm256_srli_epi32(q, 4);
   __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[0])), x0);
@@ -164,9 +352,8 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 BlockQ4(const uint8_t* qs
 // Four rows at a time: the activation block is loaded once for the four, and the four
 // accumulator chains are independent (one row alone is bound by the latency of its chain).
 // xp: activations permuted by PermuteQ4_1.
-__attribute__((target("avx2,fma,f16c"))) void DotQ4_1Avx2x4(const uint8_t* row0, int64_t stride,
-                                                            const float* xp, const float* xsum, int64_t nb,
-                                                            float* out) {
+AVX2_FN void DotQ4_1Avx2x4(const uint8_t* row0, int64_t stride, const float* xp, const float* xsum, int64_t nb,
+                           float* out) {
   const Q4Masks mk = MakeQ4Masks();
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   float macc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -187,16 +374,16 @@ __attribute__((target("avx2,fma,f16c"))) void DotQ4_1Avx2x4(const uint8_t* row0,
 }
 
 // One row; xp permuted by PermuteQ4_1.
-__attribute__((target("avx2,fma,f16c"))) float DotQ4_1Avx2(const uint8_t* row, const float* xp,
-                                                           const float* xsum, int64_t nb) {
+AVX2_FN float DotQ4_1Avx2(const uint8_t* row, const float* xp, const float* xsum, int64_t In) {
+  const int64_t nb = In / kQK;
   const Q4Masks mk = MakeQ4Masks();
   __m256 acc = _mm256_setzero_ps();
   float macc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 20;
     const float* xb = xp + b * kQK;
-    const __m256 s = BlockQ4(blk + 4, mk, _mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8),
-                             _mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24));
+    const __m256 s = BlockQ4(blk + 4, mk, _mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
+                             _mm256_loadu_ps(xb + 24));
     acc = _mm256_fmadd_ps(_mm256_set1_ps(HalfToFloatF16c(blk)), s, acc);
     macc += HalfToFloatF16c(blk + 2) * xsum[b];
   }
@@ -205,8 +392,8 @@ __attribute__((target("avx2,fma,f16c"))) float DotQ4_1Avx2(const uint8_t* row, c
   return r;
 }
 
-__attribute__((target("avx2,fma,f16c"))) float DotQ8_0Avx2(const uint8_t* row, const float* x,
-                                                           const float*, int64_t nb) {
+AVX2_FN float DotQ8_0Avx2(const uint8_t* row, const float* x, const float*, int64_t In) {
+  const int64_t nb = In / kQK;
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 34;
@@ -223,6 +410,205 @@ __attribute__((target("avx2,fma,f16c"))) float DotQ8_0Avx2(const uint8_t* row, c
   _mm256_zeroupper();
   return r;
 }
+
+// sum_j q_j x_j over 32 weights given as four vectors of 8 int32 lanes in weight order.
+AVX2_FN inline __m256 Dot32(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const float* x) {
+  __m256 s = _mm256_mul_ps(Cvt(q0), _mm256_loadu_ps(x));
+  s = _mm256_fmadd_ps(Cvt(q1), _mm256_loadu_ps(x + 8), s);
+  s = _mm256_fmadd_ps(Cvt(q2), _mm256_loadu_ps(x + 16), s);
+  return _mm256_fmadd_ps(Cvt(q3), _mm256_loadu_ps(x + 24), s);
+}
+
+// Q4_0 / Q5_0 / Q5_1: the nibbles of 16 bytes (byte j: weights j and j + 16), the fifth bits
+// from a 32-bit qh (bit j: weight j), minus `offset` (8, 16, or 0 for Q5_1, whose min is
+// added through xsum). The integer lanes are exact, so each product q x is exact.
+template <int64_t kType>
+AVX2_FN float DotLegacyAvx2(const uint8_t* row, const float* x, const float* xsum, int64_t In) {
+  constexpr bool kHasQh = kType == kQ5_0 || kType == kQ5_1;
+  constexpr bool kHasMin = kType == kQ5_1;
+  constexpr int64_t kBB = kType == kQ4_0 ? 18 : kType == kQ5_0 ? 22 : 24;
+  constexpr int kQhAt = kHasMin ? 4 : 2;
+  constexpr int kQsAt = kType == kQ4_0 ? 2 : kHasMin ? 8 : 6;
+  const __m256i offset = _mm256_set1_epi32(kType == kQ4_0 ? 8 : kType == kQ5_0 ? 16 : 0);
+  const __m256i low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i sh8 = _mm256_set1_epi32(8);
+  const int64_t nb = In / kQK;
+  __m256 acc = _mm256_setzero_ps();
+  float macc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kBB;
+    const uint8_t* qs = blk + kQsAt;
+    const __m256i a = U8x8(qs), c = U8x8(qs + 8);
+    __m256i q0 = _mm256_and_si256(a, low4), q1 = _mm256_and_si256(c, low4);
+    __m256i q2 = _mm256_srli_epi32(a, 4), q3 = _mm256_srli_epi32(c, 4);
+    if (kHasQh) {
+      const __m256i qh = _mm256_set1_epi32(static_cast<int>(LoadU32(blk + kQhAt)));
+      const __m256i s0 = lane, s1 = _mm256_add_epi32(lane, sh8);
+      const __m256i s2 = _mm256_add_epi32(s1, sh8), s3 = _mm256_add_epi32(s2, sh8);
+      q0 = _mm256_or_si256(q0, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, s0), one), 4));
+      q1 = _mm256_or_si256(q1, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, s1), one), 4));
+      q2 = _mm256_or_si256(q2, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, s2), one), 4));
+      q3 = _mm256_or_si256(q3, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, s3), one), 4));
+    }
+    if (!kHasMin) {
+      q0 = _mm256_sub_epi32(q0, offset);
+      q1 = _mm256_sub_epi32(q1, offset);
+      q2 = _mm256_sub_epi32(q2, offset);
+      q3 = _mm256_sub_epi32(q3, offset);
+    }
+    const __m256 s = Dot32(q0, q1, q2, q3, x + b * kQK);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(HalfToFloatF16c(blk)), s, acc);
+    if (kHasMin) macc += HalfToFloatF16c(blk + 2) * xsum[b];
+  }
+  const float r = Hsum(acc) + macc;
+  _mm256_zeroupper();
+  return r;
+}
+
+// (bit c of each lane) << 4.
+AVX2_FN inline __m256i FifthBit(__m256i hv, __m128i c, __m256i one) {
+  return _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(hv, c), one), 4);
+}
+
+// Q4_K / Q5_K: per super-block, eight sub-blocks of 32 with their own scale d*sc and min
+// dmin*m (the min term through xsum). Bytes 32g..32g+31 hold sub-block 2g (low nibbles) and
+// 2g + 1 (high nibbles); Q5_K's bit i of qh[l] is the fifth bit of weight l of sub-block i.
+template <bool kQ5>
+AVX2_FN float DotQ45KAvx2(const uint8_t* row, const float* x, const float* xsum, int64_t In) {
+  constexpr int64_t kBB = kQ5 ? 176 : 144;
+  const __m256i low4 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
+  const int64_t nb = In / kQKK;
+  __m256 acc = _mm256_setzero_ps();
+  float macc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kBB;
+    const float d = HalfToFloatF16c(blk), dmin = HalfToFloatF16c(blk + 2);
+    const uint8_t* scales = blk + 4;
+    const uint8_t* qs = blk + (kQ5 ? 48 : 16);
+    const float* xb = x + b * kQKK;
+    const float* xs = xsum + b * 8;
+    __m256i h[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    if (kQ5) {
+      for (int k = 0; k < 4; ++k) h[k] = U8x8(blk + 16 + 8 * k);
+    }
+    float mins = 0.0f;
+    for (int g = 0; g < 4; ++g) {
+      int sc0, m0, sc1, m1;
+      ScaleMinK4(2 * g, scales, &sc0, &m0);
+      ScaleMinK4(2 * g + 1, scales, &sc1, &m1);
+      const uint8_t* q = qs + 32 * g;
+      const __m256i a0 = U8x8(q), a1 = U8x8(q + 8), a2 = U8x8(q + 16), a3 = U8x8(q + 24);
+      __m256i l0 = _mm256_and_si256(a0, low4), l1 = _mm256_and_si256(a1, low4);
+      __m256i l2 = _mm256_and_si256(a2, low4), l3 = _mm256_and_si256(a3, low4);
+      __m256i u0 = _mm256_srli_epi32(a0, 4), u1 = _mm256_srli_epi32(a1, 4);
+      __m256i u2 = _mm256_srli_epi32(a2, 4), u3 = _mm256_srli_epi32(a3, 4);
+      if (kQ5) {
+        const __m128i cl = _mm_cvtsi32_si128(2 * g), cu = _mm_cvtsi32_si128(2 * g + 1);
+        l0 = _mm256_or_si256(l0, FifthBit(h[0], cl, one));
+        l1 = _mm256_or_si256(l1, FifthBit(h[1], cl, one));
+        l2 = _mm256_or_si256(l2, FifthBit(h[2], cl, one));
+        l3 = _mm256_or_si256(l3, FifthBit(h[3], cl, one));
+        u0 = _mm256_or_si256(u0, FifthBit(h[0], cu, one));
+        u1 = _mm256_or_si256(u1, FifthBit(h[1], cu, one));
+        u2 = _mm256_or_si256(u2, FifthBit(h[2], cu, one));
+        u3 = _mm256_or_si256(u3, FifthBit(h[3], cu, one));
+      }
+      const float* xg = xb + 64 * g;
+      const __m256 sl = Dot32(l0, l1, l2, l3, xg);
+      const __m256 su = Dot32(u0, u1, u2, u3, xg + 32);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(sc0)), sl, acc);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(sc1)), su, acc);
+      mins += (dmin * static_cast<float>(m0)) * xs[2 * g] + (dmin * static_cast<float>(m1)) * xs[2 * g + 1];
+    }
+    macc -= mins;
+  }
+  const float r = Hsum(acc) + macc;
+  _mm256_zeroupper();
+  return r;
+}
+
+// Q6_K: two halves of 128 weights; in half h, for l < 32: weights l, l+32, l+64, l+96 are
+// (ql[l] & 15, ql[l+32] & 15, ql[l] >> 4, ql[l+32] >> 4) | (2-bit parts of qh[l] << 4), minus
+// 32; one int8 scale per 16 weights.
+AVX2_FN float DotQ6KAvx2(const uint8_t* row, const float* x, const float*, int64_t In) {
+  const __m256i low4 = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3), c32 = _mm256_set1_epi32(32);
+  const int64_t nb = In / kQKK;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 210;
+    const float d = HalfToFloatF16c(blk + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk + 64 * h;
+      const uint8_t* qh = blk + 128 + 32 * h;
+      const int8_t* s = sc + 8 * h;
+      const float* xh = x + b * kQKK + 128 * h;
+      for (int is = 0; is < 2; ++is) {  // l in [16 is, 16 is + 16): two groups of 8 lanes
+        __m256 t[4];
+        for (int k = 0; k < 2; ++k) {
+          const int l = 16 * is + 8 * k;
+          const __m256i a = U8x8(ql + l), c = U8x8(ql + l + 32), hh = U8x8(qh + l);
+          const __m256i q1 = _mm256_sub_epi32(
+              _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_slli_epi32(_mm256_and_si256(hh, three), 4)), c32);
+          const __m256i q2 = _mm256_sub_epi32(
+              _mm256_or_si256(_mm256_and_si256(c, low4),
+                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hh, 2), three), 4)),
+              c32);
+          const __m256i q3 = _mm256_sub_epi32(
+              _mm256_or_si256(_mm256_srli_epi32(a, 4),
+                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hh, 4), three), 4)),
+              c32);
+          const __m256i q4 = _mm256_sub_epi32(
+              _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(hh, 6), 4)), c32);
+          const __m256 p1 = _mm256_mul_ps(Cvt(q1), _mm256_loadu_ps(xh + l));
+          const __m256 p2 = _mm256_mul_ps(Cvt(q2), _mm256_loadu_ps(xh + l + 32));
+          const __m256 p3 = _mm256_mul_ps(Cvt(q3), _mm256_loadu_ps(xh + l + 64));
+          const __m256 p4 = _mm256_mul_ps(Cvt(q4), _mm256_loadu_ps(xh + l + 96));
+          if (k == 0) {
+            t[0] = p1, t[1] = p2, t[2] = p3, t[3] = p4;
+          } else {
+            t[0] = _mm256_add_ps(t[0], p1), t[1] = _mm256_add_ps(t[1], p2);
+            t[2] = _mm256_add_ps(t[2], p3), t[3] = _mm256_add_ps(t[3], p4);
+          }
+        }
+        for (int g = 0; g < 4; ++g) {
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(s[is + 2 * g])), t[g], acc);
+        }
+      }
+    }
+  }
+  const float r = Hsum(acc);
+  _mm256_zeroupper();
+  return r;
+}
+
+// F16 / BF16 rows: 32 weights per iteration in four independent chains, then a scalar tail.
+template <int64_t kType>
+AVX2_FN inline __m256 Load8Half(const uint8_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (kType == kF16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int64_t kType>
+AVX2_FN float DotHalfAvx2(const uint8_t* row, const float* x, const float*, int64_t In) {
+#define load8(j) Load8Half<kType>(row + 2 * (j))
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= In; j += 32) {
+    a0 = _mm256_fmadd_ps(load8(j), _mm256_loadu_ps(x + j), a0);
+    a1 = _mm256_fmadd_ps(load8(j + 8), _mm256_loadu_ps(x + j + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(j + 16), _mm256_loadu_ps(x + j + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(j + 24), _mm256_loadu_ps(x + j + 24), a3);
+  }
+  for (; j + 8 <= In; j += 8) a0 = _mm256_fmadd_ps(load8(j), _mm256_loadu_ps(x + j), a0);
+  float r = Hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; j < In; ++j) r += (kType == kF16 ? HalfToFloatF16c(row + 2 * j) : Bf16ToFloat(row + 2 * j)) * x[j];
+  _mm256_zeroupper();
+  return r;
+#undef load8
+}
 #endif  // MAGICPIG_HAVE_AVX2_PATH
 
 // Bytes of weights kept requested ahead of the kernels (software prefetch). Measured on the
@@ -230,23 +616,59 @@ __attribute__((target("avx2,fma,f16c"))) float DotQ8_0Avx2(const uint8_t* row, c
 // 4096 (2048 and 8192 within noise of it, 16384 worse).
 constexpr int64_t kPrefetchAhead = 4096;
 
-using DotFn = float (*)(const uint8_t*, const float*, const float*, int64_t);
-
 DotFn PickKernel(int64_t qtype, bool avx2) {
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-  if (avx2) return qtype == kTypeQ4_1 ? DotQ4_1Avx2 : DotQ8_0Avx2;
+  if (avx2) {
+    switch (qtype) {
+      case kF16: return DotHalfAvx2<kF16>;
+      case kBF16: return DotHalfAvx2<kBF16>;
+      case kQ4_0: return DotLegacyAvx2<kQ4_0>;
+      case kQ4_1: return DotQ4_1Avx2;
+      case kQ5_0: return DotLegacyAvx2<kQ5_0>;
+      case kQ5_1: return DotLegacyAvx2<kQ5_1>;
+      case kQ8_0: return DotQ8_0Avx2;
+      case kQ4_K: return DotQ45KAvx2<false>;
+      case kQ5_K: return DotQ45KAvx2<true>;
+      case kQ6_K: return DotQ6KAvx2;
+      default: return nullptr;
+    }
+  }
 #endif
   (void)avx2;
-  return qtype == kTypeQ4_1 ? DotQ4_1Scalar : DotQ8_0Scalar;
+  switch (qtype) {
+    case kF16: return DotScalar<kF16>;
+    case kBF16: return DotScalar<kBF16>;
+    case kQ4_0: return DotScalar<kQ4_0>;
+    case kQ4_1: return DotQ4_1Scalar;
+    case kQ5_0: return DotScalar<kQ5_0>;
+    case kQ5_1: return DotScalar<kQ5_1>;
+    case kQ8_0: return DotScalar<kQ8_0>;
+    case kQ4_K: return DotScalar<kQ4_K>;
+    case kQ5_K: return DotScalar<kQ5_K>;
+    case kQ6_K: return DotScalar<kQ6_K>;
+    default: return nullptr;
+  }
+}
+
+// Checks qtype and the packed row width against In; returns an empty string when they agree.
+std::string CheckRows(int64_t qtype, int64_t In, ffi::Span<const int64_t> wd, const char* what) {
+  const TypeInfo t = Info(qtype);
+  if (t.block_bytes == 0) return std::string("qtype must be ") + kTypeList + ", got " + std::to_string(qtype);
+  if (In <= 0 || In % t.block_weights) {
+    return "In must be a positive multiple of " + std::to_string(t.block_weights) + " for qtype " +
+           std::to_string(qtype) + ", got " + std::to_string(In);
+  }
+  const int64_t rb = In / t.block_weights * t.block_bytes;
+  if (wd.size() != 2 || wd[1] != rb) {
+    return std::string(what) + " must be uint8 [Out, In/" + std::to_string(t.block_weights) + "*" +
+           std::to_string(t.block_bytes) + "] = [Out, " + std::to_string(rb) + "] for In=" + std::to_string(In) +
+           ", got " + Shape(wd);
+  }
+  return "";
 }
 
 ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                            ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t impl,
-                            int64_t max_threads) {
-  const int64_t bb = BlockBytes(qtype);
-  if (bb == 0) {
-    return ReadyFuture(InvalidArg("qtype must be 3 (Q4_1) or 8 (Q8_0), got " + std::to_string(qtype)));
-  }
+                            ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t impl, int64_t max_threads) {
   if (impl < 0 || impl > 2) return ReadyFuture(InvalidArg("impl must be 0 (auto), 1 (scalar) or 2 (avx2)"));
   if (impl == 2 && !CpuHasAvx2()) {
     return ReadyFuture(InvalidArg("impl=avx2 requested but the CPU lacks AVX2/FMA/F16C"));
@@ -254,18 +676,14 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
+  if (Info(qtype).block_bytes == 0) {
+    return ReadyFuture(InvalidArg(std::string("qtype must be ") + kTypeList + ", got " + std::to_string(qtype)));
+  }
   if (xd.size() != 2) return ReadyFuture(InvalidArg("x must be float32 [M, In], got " + Shape(xd)));
   const int64_t M = xd[0], In = xd[1];
-  if (In <= 0 || In % kQK) {
-    return ReadyFuture(InvalidArg("In (the last dim of x) must be a positive multiple of 32, got " +
-                                  std::to_string(In)));
-  }
-  const int64_t nb = In / kQK;
-  if (wd.size() != 2 || wd[1] != nb * bb) {
-    return ReadyFuture(InvalidArg("w must be uint8 [Out, In/32*" + std::to_string(bb) + "] = [Out, " +
-                                  std::to_string(nb * bb) + "] for In=" + std::to_string(In) + ", got " +
-                                  Shape(wd)));
-  }
+  const std::string bad = CheckRows(qtype, In, wd, "w");
+  if (!bad.empty()) return ReadyFuture(InvalidArg(bad + " (In is the last dim of x)"));
+  const TypeInfo info = Info(qtype);
   const int64_t Out = wd[0];
   if (yd.size() != 2 || yd[0] != M || yd[1] != Out) {
     return ReadyFuture(InvalidArg("the result must be float32 [M, Out] = [" + std::to_string(M) + ", " +
@@ -274,75 +692,96 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (M == 0 || Out == 0) return ReadyFuture(ffi::Error::Success());
   const bool avx2 = impl != 1 && CpuHasAvx2();
   const DotFn dot = PickKernel(qtype, avx2);
-  const bool four = avx2 && qtype == kTypeQ4_1;  // the four-row Q4_1 kernel
+  const bool permuted = avx2 && qtype == kQ4_1;  // the AVX2 Q4_1 kernels read x permuted
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
 
   // Per call, shared by the workers (kept alive by the lambda until the last one is done):
-  // block sums of x (Q4_1's offset term) and, for the AVX2 Q4_1 kernels, x permuted and
-  // scaled (PermuteQ4_1).
+  // sums of x per 32 weights (the "+ m" terms) and, for the AVX2 Q4_1 kernels, x permuted
+  // and scaled (PermuteQ4_1).
   struct Prepared {
     std::vector<float> xsum, xperm;
   };
   auto prep = std::make_shared<Prepared>();
-  prep->xsum.assign(M * nb, 0.0f);
-  for (int64_t t = 0; t < M; ++t) {
-    for (int64_t b = 0; b < nb; ++b) {
+  const int64_t ng = info.has_min ? In / kQK : 0;
+  prep->xsum.assign(std::max<int64_t>(1, M * ng), 0.0f);
+  for (int64_t t = 0; t < M && ng; ++t) {
+    for (int64_t g = 0; g < ng; ++g) {
       float s = 0.0f;
-      for (int64_t j = 0; j < kQK; ++j) s += xp[t * In + b * kQK + j];
-      prep->xsum[t * nb + b] = s;
+      for (int64_t j = 0; j < kQK; ++j) s += xp[t * In + g * kQK + j];
+      prep->xsum[t * ng + g] = s;
     }
   }
-  const bool permuted = avx2 && qtype == kTypeQ4_1;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
   if (permuted) {
     prep->xperm.resize(M * In);
-    for (int64_t t = 0; t < M; ++t) PermuteQ4_1(xp + t * In, nb, prep->xperm.data() + t * In);
+    for (int64_t t = 0; t < M; ++t) PermuteQ4_1(xp + t * In, In / kQK, prep->xperm.data() + t * In);
   }
+#endif
   // Work items of about 64 KiB of weights, so small matrices run on the calling thread.
-  const int64_t row_bytes = nb * bb;
+  const int64_t row_bytes = wd[1];
   const int64_t rows_per_item = std::max<int64_t>(8, (int64_t{64} << 10) / row_bytes / 4 * 4);
   const int64_t items = (Out + rows_per_item - 1) / rows_per_item;
   const uint8_t* w_end = wp + Out * row_bytes;
-  return RunParallel(pool, items, max_threads,
-                     [=](int64_t item) -> ffi::Error {
-                       const float* xk = permuted ? prep->xperm.data() : xp;  // what the kernels read
-                       const float* xsum = prep->xsum.data();
-                       const int64_t r0 = item * rows_per_item;
-                       const int64_t r1 = std::min(Out, r0 + rows_per_item);
-                       int64_t r = r0;
-                       // The weights are read once per token, so they come from DRAM: request
-                       // the first lines of the item, then keep kPrefetchAhead bytes in flight.
-                       const uint8_t* pf = wp + r0 * row_bytes;
-                       const uint8_t* pf_end = std::min(w_end, wp + r1 * row_bytes);
-                       const uint8_t* pf_stop = std::min(pf_end, pf + kPrefetchAhead);
-                       for (; pf < pf_stop; pf += 64) __builtin_prefetch(pf);
-                       auto keep_ahead = [&](int64_t row) {
-                         const uint8_t* want = std::min(pf_end, wp + row * row_bytes + kPrefetchAhead);
-                         for (; pf < want; pf += 64) __builtin_prefetch(pf);
-                       };
+  return RunParallel(pool, items, max_threads, [=](int64_t item) -> ffi::Error {
+    const float* xk = permuted ? prep->xperm.data() : xp;  // what the kernels read
+    const float* xsum = prep->xsum.data();
+    const int64_t r0 = item * rows_per_item;
+    const int64_t r1 = std::min(Out, r0 + rows_per_item);
+    int64_t r = r0;
+    // The weights are read once per token, so they come from DRAM: request the first lines
+    // of the item, then keep kPrefetchAhead bytes in flight.
+    const uint8_t* pf = wp + r0 * row_bytes;
+    const uint8_t* pf_end = std::min(w_end, wp + r1 * row_bytes);
+    const uint8_t* pf_stop = std::min(pf_end, pf + kPrefetchAhead);
+    for (; pf < pf_stop; pf += 64) __builtin_prefetch(pf);
+    auto keep_ahead = [&](int64_t row) {
+      const uint8_t* want = std::min(pf_end, wp + row * row_bytes + kPrefetchAhead);
+      for (; pf < want; pf += 64) __builtin_prefetch(pf);
+    };
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-                       if (four) {
-                         float y4[4];
-                         for (; r + 4 <= r1; r += 4) {
-                           keep_ahead(r + 4);
-                           for (int64_t t = 0; t < M; ++t) {
-                             DotQ4_1Avx2x4(wp + r * row_bytes, row_bytes, xk + t * In, xsum + t * nb,
-                                           nb, y4);
-                             for (int k = 0; k < 4; ++k) yp[t * Out + r + k] = y4[k];
-                           }
-                         }
-                       }
+    if (permuted) {  // the four-row Q4_1 kernel
+      float y4[4];
+      for (; r + 4 <= r1; r += 4) {
+        keep_ahead(r + 4);
+        for (int64_t t = 0; t < M; ++t) {
+          DotQ4_1Avx2x4(wp + r * row_bytes, row_bytes, xk + t * In, xsum + t * ng, In / kQK, y4);
+          for (int k = 0; k < 4; ++k) yp[t * Out + r + k] = y4[k];
+        }
+      }
+    }
 #endif
-                       for (; r < r1; ++r) {
-                         keep_ahead(r + 1);
-                         const uint8_t* row = wp + r * row_bytes;
-                         for (int64_t t = 0; t < M; ++t) {
-                           yp[t * Out + r] = dot(row, xk + t * In, xsum + t * nb, nb);
-                         }
-                       }
-                       return ffi::Error::Success();
-                     });
+    for (; r < r1; ++r) {
+      keep_ahead(r + 1);
+      const uint8_t* row = wp + r * row_bytes;
+      for (int64_t t = 0; t < M; ++t) yp[t * Out + r] = dot(row, xk + t * In, xsum + t * ng, In);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Future DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
+                           int64_t qtype, int64_t max_threads) {
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (yd.size() != 2) return ReadyFuture(InvalidArg("the result must be float32 [R, In], got " + Shape(yd)));
+  const std::string bad = CheckRows(qtype, yd[1], wd, "w");
+  if (!bad.empty()) return ReadyFuture(InvalidArg(bad + " (In is the last dim of the result)"));
+  if (yd[0] != wd[0]) {
+    return ReadyFuture(InvalidArg("the result must have as many rows as w: " + Shape(yd) + " vs " + Shape(wd)));
+  }
+  const int64_t R = wd[0], In = yd[1], row_bytes = wd[1];
+  if (R == 0) return ReadyFuture(ffi::Error::Success());
+  const uint8_t* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t rows_per_item = std::max<int64_t>(1, (int64_t{64} << 10) / row_bytes);
+  const int64_t items = (R + rows_per_item - 1) / rows_per_item;
+  return RunParallel(pool, items, max_threads, [=](int64_t item) -> ffi::Error {
+    const int64_t r1 = std::min(R, (item + 1) * rows_per_item);
+    for (int64_t r = item * rows_per_item; r < r1; ++r) DequantRow(qtype, wp + r * row_bytes, In, yp + r * In);
+    return ffi::Error::Success();
+  });
 }
 
 }  // namespace
@@ -355,4 +794,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigQuantMatvec, QuantMatvecImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("impl")
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigDequantize, DequantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("max_threads"));

@@ -90,7 +90,8 @@ _LAYERS = textwrap.dedent('''
     assert np.asarray(ns).tolist() == [[0, 0, 0, 0]]
 
     # io: GGUF block facts, and the embedded model's tokenizer from its GGUF metadata.
-    assert QUANT_TYPES == {"Q4_1": (3, 20), "Q8_0": (8, 34)} and packed_row_bytes("Q4_1", 64) == 40
+    assert QUANT_TYPES["Q4_1"] == (3, 20, 32) and QUANT_TYPES["Q6_K"] == (14, 210, 256)
+    assert packed_row_bytes("Q4_1", 64) == 40 and packed_row_bytes("Q4_K", 512) == 288
     import gguf
     reader = gguf.GGUFReader(str(embedded_model_path()))
     meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.")}
