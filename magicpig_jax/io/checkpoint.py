@@ -1,7 +1,11 @@
-"""Orbax checkpoints of a converted model: dequantized float32 weights, config, tokenizer.
+"""Orbax checkpoints of a converted model: its weights as loaded, config, tokenizer.
+
+A matrix that the source GGUF stores in one of :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES`
+is saved as its raw GGUF rows (uint8, under :func:`magicpig_jax.io.gguf_model.packed_key`),
+every other weight as float32, so a checkpoint holds each weight once, as the model does.
 
 ``magicpig-jax convert MODEL OUT`` writes one; ``load_model(OUT)`` reads it back
-(faster than parsing and dequantizing a GGUF).
+(faster than parsing a GGUF and its tokenizer).
 
 Layout of ``OUT/``: ``magicpig_model.json`` (the :class:`LlamaConfig`, tokenizer
 extras, format version), ``tokenizer.json`` (``tokenizers``), ``weights/`` (an
@@ -21,7 +25,8 @@ from magicpig_jax.models.config import LlamaConfig
 __all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "MARKER"]
 
 MARKER = "magicpig_model.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: also a float32 copy of the Q4_1/Q8_0 matrices (still readable)
+READABLE_VERSIONS = (1, 2)
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -36,7 +41,8 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     Args:
       out: destination directory.
       config: the model's :class:`LlamaConfig`.
-      weights: Hugging Face-named float32 ``(out, in)`` arrays.
+      weights: Hugging Face-named ``(out, in)`` arrays: float (saved as float32), or uint8 GGUF
+        rows under :func:`magicpig_jax.io.gguf_model.packed_key` (saved as they are).
       tokenizer: the :class:`magicpig_jax.io.tokenizer.Tokenizer`.
       freq_factors: optional RoPE frequency factors ``[D/2]``.
 
@@ -93,7 +99,7 @@ def read_checkpoint(path: str | Path):
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a magicpig_jax checkpoint (no {MARKER})")
     meta = json.loads((path / MARKER).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise ValueError(f"unsupported checkpoint format_version {meta.get('format_version')!r} in {path}")
     cfg = dict(meta["config"])
     if cfg.get("rope_scaling") is not None:

@@ -12,6 +12,8 @@ is an error naming the key (:class:`GGUFMetadataError`).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,8 @@ import numpy as np
 from magicpig_jax.io.gguf_blocks import QUANT_TYPES
 from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 
-__all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "GGUFMetadataError"]
+__all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "split_packed_key",
+           "GGUFWeights", "GGUFMetadataError"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute)
@@ -100,11 +103,78 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def packed_key(name: str, qtype: str) -> str:
-    """Key of a weight's raw GGUF blocks in the weights dict: ``"<name>_<qtype>"``, lower case.
+    """Key of a weight's raw GGUF rows in the weights dict: ``"<name>_<qtype>"``, lower case.
 
     E.g. ``model.layers.0.self_attn.q_proj.weight_q4_1`` (uint8 ``[Out, In/32*20]``).
     """
     return f"{name}_{qtype.lower()}"
+
+
+def split_packed_key(key: str) -> tuple[str, str | None]:
+    """``(name, qtype)`` of a :func:`packed_key`, or ``(key, None)`` for a float weight's key."""
+    for qtype in QUANT_TYPES:
+        suffix = f"_{qtype.lower()}"
+        if key.endswith(suffix):
+            return key[: -len(suffix)], qtype
+    return key, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    offset: int            # of the tensor's data in the file
+    n_bytes: int
+    qtype: str             # the GGUF type name
+    shape: tuple[int, ...]  # (out, in) or (n,)
+    heads: int | None      # undo llama.cpp's q/k row permutation with this many heads
+    blocks: bool           # keep the raw rows (else dequantize to float32)
+
+
+class GGUFWeights(MutableMapping):
+    """The weights of a GGUF file by Hugging Face name, each read from the file when accessed.
+
+    A value is a float32 array, or for keys made by :func:`packed_key` the uint8 raw rows
+    ``[out, row bytes]``; llama.cpp's q/k row permutation is undone on both. Reading uses
+    plain file reads (no memory map), so a tensor takes memory only while the caller holds
+    it. Deleting a key forgets it (the loader deletes what it has placed in the model).
+    """
+
+    def __init__(self, path: Path, entries: dict[str, _Entry]):
+        self.path = Path(path)
+        self._entries = dict(entries)
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        import gguf
+
+        e = self._entries[key]
+        raw = np.fromfile(self.path, dtype=np.uint8, count=e.n_bytes, offset=e.offset)
+        if raw.size != e.n_bytes:
+            raise ValueError(f"{self.path} is truncated: tensor {key} needs {e.n_bytes} bytes at offset {e.offset}")
+        if e.blocks:
+            w = raw.reshape(e.shape[0], -1)
+        else:
+            rows = raw.reshape(e.shape[0], -1) if len(e.shape) == 2 else raw
+            w = np.asarray(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[e.qtype]), np.float32)
+            w = w.reshape(e.shape)
+        return w if e.heads is None else unpermute_rope_rows(w, e.heads)
+
+    def __setitem__(self, key, value):
+        raise TypeError("GGUFWeights is read-only (keys can only be deleted)")
+
+    def __delitem__(self, key: str) -> None:
+        del self._entries[key]
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def qtype(self, key: str) -> str:
+        """The GGUF type name of a key's tensor."""
+        return self._entries[key].qtype
 
 
 def _field(reader, name, default=None):
@@ -150,15 +220,17 @@ def _check_keys(reader, arch: str, path) -> None:
             raise UnsupportedConfigError(f"{path}: {arch}.{key} = {value}: mixture-of-experts models are not supported")
 
 
-def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict, np.ndarray | None]:
+def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndarray | None]:
     """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``).
 
-    Every tensor type that ``gguf.quants.dequantize`` knows (F32, F16, BF16, Q4_0,
-    Q4_1, Q8_0, K-quants, ...) is dequantized to float32 in the Hugging Face
-    ``(out, in)`` layout and naming (``model.layers.{i}.self_attn.q_proj.weight``...).
-    Matrices stored as Q4_1 or Q8_0 also keep their raw blocks, uint8 ``[out, in/32 *
-    block bytes]`` under :func:`packed_key` (rows in the same order as the float32
-    weight), for the decode-time matvec of :mod:`magicpig_jax.host.matvec`.
+    The weights come in the Hugging Face ``(out, in)`` layout and naming
+    (``model.layers.{i}.self_attn.q_proj.weight``...), as a :class:`GGUFWeights` mapping
+    that reads each tensor from the file when it is accessed (nothing is held twice).
+    Matrices stored in a type of :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES` (F16,
+    BF16, Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K) come as their raw rows, uint8 ``[out, in /
+    block_weights * block_bytes]`` under :func:`packed_key` (no float32 copy: the model
+    reads them as they are); every other tensor is dequantized to float32 by
+    ``gguf.quants.dequantize`` under its own name.
 
     Returns:
       ``(config, weights, tokenizer_metadata, rope_freq_factors)``.
@@ -256,7 +328,7 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
         sliding_window=None if window is None or int(window) == 0 else int(window),
     )
     layer_names = _ARCH_LAYER_NAMES[arch]
-    weights: dict[str, np.ndarray] = {}
+    entries: dict[str, _Entry] = {}
     freq_factors = None
     for name, t in tensors.items():
         if name == "rope_freqs.weight" and arch == "llama":
@@ -271,17 +343,15 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dic
             key = _GLOBAL_NAMES[name]
         else:
             raise UnsupportedConfigError(f"unexpected tensor {name} in {path} for a {arch} model")
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         qtype = t.tensor_type.name
-        blocks = np.asarray(t.data) if qtype in QUANT_TYPES and w.ndim == 2 else None
+        shape = tuple(int(n) for n in reversed(t.shape))  # gguf shapes are (in, out): rows last
+        heads = None
         if arch in _PERMUTED_ARCHITECTURES and name.startswith("blk."):
             rest = name.split(".", 2)[2]
             if rest.startswith(("attn_q.", "attn_k.")):
                 heads = n_head if rest.startswith("attn_q.") else n_kv
-                w = unpermute_rope_rows(w, heads)
-                blocks = None if blocks is None else unpermute_rope_rows(blocks, heads)
-        weights[key] = w
-        if blocks is not None:
-            weights[packed_key(key, qtype)] = blocks
+        blocks = qtype in QUANT_TYPES and len(shape) == 2
+        entry = _Entry(int(t.data_offset), int(t.n_bytes), qtype, shape, heads, blocks)
+        entries[packed_key(key, qtype) if blocks else key] = entry
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    return config, weights, meta, freq_factors
+    return config, GGUFWeights(path, entries), meta, freq_factors

@@ -1,14 +1,21 @@
-"""A bias-free linear layer that can also keep its weight as GGUF blocks for decoding.
+"""A bias-free linear layer whose weight is either a float kernel or the GGUF file's own rows.
 
-Prefill multiplies a weight by hundreds of tokens at once (XLA's float32 GEMM on the
-``kernel``); decoding multiplies it by one token per row, and then the cost is the bytes
-of the weight. A :class:`Linear` loaded from a quantized GGUF file also holds the tensor's
-raw blocks (:class:`PackedWeight`); calls with at most :data:`MATVEC_MAX_TOKENS` token rows
-then use :func:`magicpig_jax.host.matvec.quant_matvec` on CPU, which reads those blocks
-(6x fewer bytes than float32 for Q4_1) and equals the float32 product up to summation order.
-On other backends, or without packed blocks, the float32 kernel is used.
+A weight loaded from a GGUF file in one of :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES`
+(F16, BF16, Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K) is held once, as the file's raw rows
+(:class:`PackedWeight`, uint8 ``[Out, RB]``); there is no float32 copy. Products read it:
 
-Shapes: ``[..., In] -> [..., Out]``.
+* decode (at most :data:`MATVEC_MAX_TOKENS` token rows, CPU): :func:`magicpig_jax.host.matvec.quant_matvec`
+  dequantizes each block in registers (the cost is the bytes of the weight);
+* prefill (more rows, CPU): the rows are dequantized :data:`PREFILL_TILE_BYTES` of float32
+  at a time by the C++ op and multiplied by XLA's GEMM, tile after tile (``PREFILL_MODE =
+  "tiled"``), so the temporaries are bounded by the tile, not by the matrix; ``"layer"``
+  dequantizes the whole matrix first (one layer's weights at a time);
+* other backends, or an install without the extension: dequantized in JAX
+  (:func:`magicpig_jax.models.dequant.dequantize`), then XLA's matmul.
+
+Each equals ``x @ dequantize(W).T`` up to float32 summation order. A float kernel (Hugging
+Face and float GGUF weights, ``load_model(..., packed_weights=False)``) uses XLA's float32
+matmul. Shapes: ``[..., In] -> [..., Out]``.
 """
 
 from __future__ import annotations
@@ -19,27 +26,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, UInt8
 
-__all__ = ["Linear", "PackedWeight", "MATVEC_MAX_TOKENS", "make_packed", "packed_matmul", "fused_matmul",
-           "fuse_packed"]
+__all__ = ["Linear", "PackedWeight", "MATVEC_MAX_TOKENS", "PREFILL_MODE", "PREFILL_TILE_BYTES", "make_packed",
+           "packed_matmul", "dense_matmul"]
 
-MATVEC_MAX_TOKENS = 8  # token rows (B*T) up to which the packed weights are used
+MATVEC_MAX_TOKENS = 8  # token rows (B*T) up to which the C++ matvec reads the rows
+PREFILL_MODE = "tiled"  # "tiled" or "layer": see the module docstring and docs/benchmarks.md
+PREFILL_TILE_BYTES = 8 << 20  # float32 bytes of weights dequantized per tile ("tiled")
 
 
 class PackedWeight(nnx.Variable):
-    """Raw GGUF blocks of a weight, uint8 ``[Out, In / 32 * block_bytes]`` (not trainable)."""
+    """Raw GGUF rows of a weight, uint8 ``[Out, In / block_weights * block_bytes]`` (not trainable)."""
 
 
 def make_packed(blocks: np.ndarray | jax.Array, qtype: str, out_features: int, in_features: int) -> PackedWeight:
-    """Validate GGUF blocks of an ``[Out, In]`` weight and wrap them as a :class:`PackedWeight`.
+    """Validate the GGUF rows of an ``[Out, In]`` weight and wrap them as a :class:`PackedWeight`.
 
     Raises:
-      ValueError: unknown ``qtype``, ``In`` not a multiple of 32, or ``blocks`` not of shape
-        ``[Out, In / 32 * block_bytes(qtype)]``.
+      ValueError: unknown ``qtype``, ``In`` not a multiple of the type's block, or ``blocks``
+        not of shape ``[Out, In / block_weights * block_bytes(qtype)]``.
       TypeError: ``blocks`` is not uint8.
     """
-    from magicpig_jax.host.matvec import packed_row_bytes
+    from magicpig_jax.io.gguf_blocks import packed_row_bytes
 
     rb = packed_row_bytes(qtype, in_features)
     if np.dtype(blocks.dtype) != np.uint8:
@@ -50,7 +59,7 @@ def make_packed(blocks: np.ndarray | jax.Array, qtype: str, out_features: int, i
     return PackedWeight(jnp.asarray(blocks, jnp.uint8))
 
 
-def _host_matvec_available() -> bool:
+def _host_available() -> bool:
     try:
         from magicpig_jax.host._ext import ops
 
@@ -60,84 +69,86 @@ def _host_matvec_available() -> bool:
     return True
 
 
-def _packed_or_dense(x, packed, qtype, dense, post=lambda y: y):
-    """``post(quant_matvec(x, packed))`` for decode-sized calls on CPU, else ``dense(x)``."""
-    if packed is None or math.prod(x.shape[:-1]) > MATVEC_MAX_TOKENS or not _host_matvec_available():
-        return dense(x)
-    from magicpig_jax.host.matvec import quant_matvec
-
-    # Only the branch of the platform being compiled for is lowered: on GPU/TPU the
-    # CPU-only FFI target is never referenced.
-    return jax.lax.platform_dependent(x, cpu=lambda x: post(quant_matvec(x, packed, qtype)), default=dense)
+def dense_matmul(x: Float[Array, "*M In"], w: jax.Array, *, transposed: bool) -> Float[Array, "*M Out"]:
+    """``x @ W.T`` from a float weight: ``[In, Out]`` (``transposed=True``, a Flax kernel) or
+    ``[Out, In]`` (``transposed=False``, e.g. an embedding table); HIGHEST precision."""
+    eq = "...i,io->...o" if transposed else "...i,oi->...o"
+    return jnp.einsum(eq, x, w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
 
 
-def packed_matmul(
-    x: Float[Array, "*M In"],
-    dense_weight: Float[Array, "Out In"] | Float[Array, "In Out"],
-    packed: jax.Array | None,
-    qtype: str | None,
-    *,
-    transposed: bool,
-) -> Float[Array, "*M Out"]:
-    """``x @ W.T`` from the packed blocks where they pay off, else from the float weight.
+def _jax_dequant_matmul(x, packed, qtype):
+    from magicpig_jax.models.dequant import dequantize
+
+    packed, x = jax.lax.optimization_barrier((packed, x))  # dequantize when x is ready, not earlier
+    return dense_matmul(x, dequantize(packed, qtype).astype(x.dtype), transposed=False)
+
+
+def _layer_matmul(x, packed, qtype):
+    """The whole matrix dequantized by the C++ op (when ``x`` is ready), then XLA's GEMM."""
+    from magicpig_jax.host.matvec import dequantize_rows
+
+    packed, x = jax.lax.optimization_barrier((packed, x))
+    return dense_matmul(x, dequantize_rows(packed, qtype).astype(x.dtype), transposed=False)
+
+
+def _tiled_matmul(x, packed, qtype, tile_bytes: int):
+    """Row tiles of the matrix dequantized by the C++ op and multiplied one after the other."""
+    from magicpig_jax.host.matvec import dequantize_rows
+    from magicpig_jax.io.gguf_blocks import row_weights
+
+    out_f = packed.shape[0]
+    n_in = row_weights(qtype, int(packed.shape[1]))
+    rows = max(8, min(out_f, tile_bytes // (4 * n_in)) // 8 * 8)
+    n_tiles = out_f // rows
+    if n_tiles <= 1:
+        return _layer_matmul(x, packed, qtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, n_in)
+
+    def tile(blk):
+        return dense_matmul(x2, dequantize_rows(blk, qtype).astype(x.dtype), transposed=False)
+
+    main = jax.lax.map(tile, packed[: n_tiles * rows].reshape(n_tiles, rows, packed.shape[1]))  # [n, M, rows]
+    y = jnp.moveaxis(main, 0, 1).reshape(x2.shape[0], n_tiles * rows)
+    if n_tiles * rows < out_f:
+        y = jnp.concatenate([y, tile(packed[n_tiles * rows:])], axis=1)
+    return y.reshape(*lead, out_f)
+
+
+def packed_matmul(x: Float[Array, "*M In"], packed: UInt8[Array, "Out RB"], qtype: str) -> Float[Array, "*M Out"]:
+    """``x @ W.T`` for a weight held as its GGUF rows (see the module docstring for the paths).
 
     Args:
       x: activations ``[..., In]``.
-      dense_weight: the same weight in float, ``[In, Out]`` (``transposed=True``, a Flax
-        kernel) or ``[Out, In]`` (``transposed=False``, e.g. a tied embedding table).
-      packed: uint8 GGUF blocks ``[Out, RB]`` of the same weight, or None.
-      qtype: the blocks' GGUF type (``"Q4_1"``/``"Q8_0"``), or None.
-      transposed: the layout of ``dense_weight``.
+      packed: uint8 GGUF rows ``[Out, RB]``.
+      qtype: their type (a key of :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES`).
 
     Returns:
-      ``[..., Out]`` in ``x``'s dtype (float32 accumulation, HIGHEST precision).
+      ``[..., Out]`` in ``x``'s dtype (float32 accumulation).
     """
-    def dense(x):
-        eq = "...i,io->...o" if transposed else "...i,oi->...o"
-        return jnp.einsum(eq, x, dense_weight.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+    if not _host_available():
+        return _jax_dequant_matmul(x, packed, qtype)
+    from magicpig_jax.host.matvec import quant_matvec
 
-    return _packed_or_dense(x, packed, qtype, dense)
+    def jax_path(x):
+        return _jax_dequant_matmul(x, packed, qtype)
 
-
-def fused_matmul(
-    x: Float[Array, "*M In"],
-    kernels: list[jax.Array],
-    packed: jax.Array | None,
-    qtype: str | None,
-) -> tuple[jax.Array, ...]:
-    """``x @ kernel_i`` for several ``[In, Out_i]`` kernels that read the same input.
-
-    Where the packed path applies (see :func:`packed_matmul`), one matvec reads ``packed``,
-    the blocks of all the kernels' rows stacked (:func:`fuse_packed`), and its output is
-    split; otherwise (prefill, other backends) each float32 kernel is applied on its own.
-
-    Returns:
-      one ``[..., Out_i]`` array per kernel, in ``x``'s dtype.
-    """
-    def dense(x):
-        return tuple(jnp.einsum("...i,io->...o", x, k.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
-                     for k in kernels)
-
-    splits = np.cumsum([k.shape[1] for k in kernels])[:-1].tolist()
-    return _packed_or_dense(x, packed, qtype, dense, post=lambda y: tuple(jnp.split(y, splits, axis=-1)))
-
-
-def fuse_packed(linears: list[Linear]) -> tuple[PackedWeight | None, str | None]:
-    """Stack the packed rows of layers that read the same input, for :func:`fused_matmul`.
-
-    Returns ``(PackedWeight [sum Out_i, RB], qtype)`` when every layer has packed blocks of
-    one type and the same ``In``; else ``(None, None)``. One call then replaces several on
-    the decode path (about 1 ms per token for SmolLM2's q/k/v and gate/up on 2 cores).
-    """
-    first = linears[0]
-    if any(lin.packed is None or lin.qtype != first.qtype or lin.in_features != first.in_features
-           for lin in linears):
-        return None, None
-    return PackedWeight(jnp.concatenate([lin.packed[...] for lin in linears], axis=0)), first.qtype
+    if math.prod(x.shape[:-1]) <= MATVEC_MAX_TOKENS:
+        def cpu(x):
+            return quant_matvec(x, packed, qtype)
+    elif PREFILL_MODE == "layer":
+        def cpu(x):
+            return _layer_matmul(x.astype(jnp.float32), packed, qtype).astype(x.dtype)
+    else:
+        def cpu(x):
+            return _tiled_matmul(x.astype(jnp.float32), packed, qtype, PREFILL_TILE_BYTES).astype(x.dtype)
+    # Only the branch of the platform being compiled for is lowered: on GPU/TPU the
+    # CPU-only FFI targets are never referenced.
+    return jax.lax.platform_dependent(x, cpu=cpu, default=jax_path)
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel`` (no bias), optionally with the weight's GGUF blocks for decoding.
+    """``y = x @ W.T`` (no bias), ``W`` held as a float ``kernel`` or as GGUF rows (``packed``).
 
     Args:
       in_features, out_features: In and Out.
@@ -145,9 +156,10 @@ class Linear(nnx.Module):
       dtype: parameter dtype.
 
     Attributes:
-      kernel: ``nnx.Param`` ``[In, Out]``.
+      kernel: ``nnx.Param`` ``[In, Out]``, or None when the weight is held as GGUF rows (or
+        its rows live in a matrix its parent stacked, see ``Attention.set_qkv_packed``).
       packed: :class:`PackedWeight` uint8 ``[Out, RB]`` or None; set with :meth:`set_packed`.
-      qtype: the GGUF type of ``packed`` (``"Q4_1"`` or ``"Q8_0"``) or None.
+      qtype: the GGUF type of ``packed`` or None.
 
     Source: the float32 path matches ``flax.nnx.Linear`` (``precision=HIGHEST``, no bias).
     """
@@ -159,11 +171,14 @@ class Linear(nnx.Module):
         self.qtype: str | None = None
 
     def set_packed(self, blocks: np.ndarray | jax.Array | None, qtype: str | None) -> None:
-        """Attach (or with None, remove) the GGUF blocks of this layer's weight.
+        """Hold the weight as its GGUF rows from now on (the float kernel is dropped).
+
+        With ``blocks=None`` the layer holds no weight at all (its rows were stacked into a
+        matrix of its parent, which computes the product).
 
         Args:
-          blocks: uint8 ``[Out, In / 32 * block_bytes(qtype)]``; they must encode ``kernel.T``.
-          qtype: ``"Q4_1"`` or ``"Q8_0"``.
+          blocks: uint8 ``[Out, In / block_weights * block_bytes(qtype)]``, or None.
+          qtype: a key of :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES`.
 
         Raises:
           ValueError: unknown ``qtype`` or a shape that does not match ``[Out, RB]``.
@@ -171,10 +186,14 @@ class Linear(nnx.Module):
         """
         if blocks is None:
             self.packed, self.qtype = nnx.data(None), None
-            return
-        self.packed = nnx.data(make_packed(blocks, qtype, self.out_features, self.in_features))
-        self.qtype = qtype
+        else:
+            self.packed = nnx.data(make_packed(blocks, qtype, self.out_features, self.in_features))
+            self.qtype = qtype
+        self.kernel = nnx.data(None)
 
     def __call__(self, x: Float[Array, "*M In"]) -> Float[Array, "*M Out"]:
-        packed = None if self.packed is None else self.packed[...]
-        return packed_matmul(x, self.kernel[...], packed, self.qtype, transposed=True)
+        if self.packed is not None:
+            return packed_matmul(x, self.packed[...], self.qtype)
+        if self.kernel is None:
+            raise ValueError("this layer holds no weight: its rows were stacked into its parent's matrix")
+        return dense_matmul(x, self.kernel[...], transposed=True)
