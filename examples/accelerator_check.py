@@ -16,10 +16,20 @@ and times the offloaded step, its parts, and dense attention on the accelerator.
     pip install -e .                       # the package (builds the host op)
     pip install -U "jax[cuda12]"           # or jax[cuda13] / jax[tpu]; nothing else is needed
     python examples/accelerator_check.py   # < 5 minutes on a GPU machine
+    python examples/accelerator_check.py --e2e --out runs/accelerator_e2e   # the decoder, < 5 minutes
 
 On a CPU-only machine the accelerator is the CPU itself (use ``--context 8192
 --layers 2`` for a quick run). Exit status 1 if the offloaded result disagrees with the
 host-only one.
+
+``--e2e`` checks the whole decoder instead: the embedded SmolLM2 with an 8K prompt (the
+bundled LGPL text, repeated), prefilled once and copied to B = 1 and B = 16 rows, decoded
+greedily by dense attention (on the accelerator) and by MagicPIG (on a GPU/TPU the offload
+system: the sparse layers' KV cache and index in host memory); it prints and writes (JSON)
+the aggregate tokens/s of each (median, min and max of 3 runs) and how many of MagicPIG's
+tokens equal dense's. ``--mechanisms`` times one layer's host part through the two JAX
+mechanisms: separate computations on the CPU device (what the decoder uses) and the
+accelerator's ``pinned_host`` memory with ``compute_on("device_host")``.
 """
 
 from __future__ import annotations
@@ -59,6 +69,101 @@ def timed(fn, repeats):
     return (time.perf_counter() - t0) / repeats
 
 
+def e2e(args) -> int:
+    """The decoder end to end (see the module docstring); returns the exit status."""
+    import json
+    from pathlib import Path
+
+    from magicpig_jax.eval.bench_decode import prompt_ids, time_method
+    from magicpig_jax.eval.rss import PeakRSS
+    from magicpig_jax.generation import prefill
+    from magicpig_jax.io.loader import load_model
+
+    accel, host_dev = offload.default_devices()
+    options = {}
+    if args.host_device is not None:  # tests: two virtual CPU devices stand in for accelerator and host
+        host_dev = jax.devices()[args.host_device]
+        options = {"offload": True, "host_device": host_dev}
+    print(f"jax {jax.__version__}; accelerator: {accel} ({accel.platform}); host: {host_dev}")
+    t_start = time.perf_counter()
+    model = load_model(args.model)
+    text = (Path(__file__).resolve().parent.parent / "magicpig_jax" / "data" / "lgpl-2.1.txt").read_text()
+    # 8K on an 8K model: the prompt leaves room for the decoded tokens.
+    ids = prompt_ids(model, text, min(args.context, model.config.max_position_embeddings - args.steps - 1))
+    cfg = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local)
+    state = prefill(model, [ids], args.steps + 1)
+    print(f"prompt {len(ids)} tokens, prefill {state.seconds:.1f} s")
+    rss, rows = PeakRSS(), []
+    for B in args.batches:
+        res = {}
+        for method in ("dense", "magicpig"):
+            opts = options if method == "magicpig" else {}
+            res[method] = r = time_method(model, state, method, B, args.steps, args.repeats, 0, cfg, rss, **opts)
+            t = r["tokens_per_s"]
+            print(f"B={B:>2} {method:>8}: {t['median']:8.1f} tokens/s [{t['min']:.1f}, {t['max']:.1f}] "
+                  f"({r['runs_on']})", flush=True)
+        same = sum(a == b for a, b in zip(res["dense"]["tokens"], res["magicpig"]["tokens"], strict=False))
+        ratio = res["magicpig"]["tokens_per_s"]["median"] / res["dense"]["tokens_per_s"]["median"]
+        print(f"B={B:>2}: MagicPIG / dense throughput {ratio:.2f}x; tokens equal to dense {same}/"
+              f"{len(res['dense']['tokens'])}", flush=True)
+        rows.append({"batch": B, "dense": res["dense"], "magicpig": res["magicpig"], "magicpig_over_dense": ratio,
+                     "tokens_equal_to_dense": same})
+    total = time.perf_counter() - t_start
+    print(f"total {total:.1f} s")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        meta = {"jax": jax.__version__, "accelerator": str(accel), "platform": accel.platform,
+                "host": str(host_dev), "context": len(ids), "steps": args.steps, "repeats": args.repeats,
+                "K": cfg.K, "L": cfg.L, "total_seconds": total}
+        Path(args.out + ".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+        print(f"wrote {args.out}.json")
+    return 0
+
+
+def mechanisms(args) -> int:
+    """One layer's host part through the two JAX mechanisms (median ms of ``--steps`` calls each)."""
+    from jax.experimental.compute_on import compute_on
+
+    accel, host_dev = offload.default_devices()
+    cfg = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local)
+    B, Hq, Hkv, N, D = args.batch, args.q_heads, args.kv_heads, args.context, args.head_dim
+    rng = np.random.default_rng(args.seed)
+    q, k, v = synthetic_layer(rng, B, Hq, Hkv, N, D)
+    lengths = np.full((B,), N, np.int32)
+    proj = lsh.simhash_projections(jax.random.key(0), D, cfg.K, cfg.L)
+    k_h, v_h, proj_h, len_h = jax.device_put((k, v, proj, lengths), host_dev)
+    index = jax.jit(host.host_build_index, static_argnames=("config",))(k_h, proj_h, cfg, len_h)
+    q_a, proj_a = jax.device_put((q, proj), accel)
+    codes = jax.jit(lsh.simhash_codes, static_argnums=(2, 3))(q_a, proj_a, cfg.K, cfg.L)
+    W = cfg.static_window()
+
+    def separate():
+        q_h, c_h = jax.device_put((q_a, codes), host_dev)
+        out = offload.host_part(q_h, c_h, offload.HostState(k_h, v_h, index, len_h, W))
+        return jax.device_put(out[:2], accel)
+
+    print(f"one layer: B={B} Hq={Hq} Hkv={Hkv} N={N} D={D}; accelerator {accel}, host {host_dev}")
+    print(f"separate computations on the CPU device: {1e3 * timed(separate, args.steps):.3f} ms per layer step")
+    try:
+        pinned = jax.sharding.SingleDeviceSharding(accel, memory_kind="pinned_host")
+        k_p, v_p, idx_p, len_p = jax.device_put((k_h, v_h, index, len_h), pinned)
+
+        @jax.jit
+        def memory_kinds(q, codes, k, v, idx, lens):
+            @compute_on(compute_type="device_host", out_memory_spaces=(jax.memory.Space.Device,) * 3)
+            def on_host(q, codes, k, v, idx, lens):
+                return host.host_sampled_attention(q, codes, k, v, idx, lens, window=W)
+
+            return on_host(q, codes, k, v, idx, lens)[:2]
+
+        t = timed(lambda: memory_kinds(q_a, codes, k_p, v_p, idx_p, len_p), args.steps)
+        print(f"pinned_host memory + compute_on('device_host'): {1e3 * t:.3f} ms per layer step")
+    except Exception as e:  # noqa: BLE001 - report whatever the backend refuses
+        print(f"pinned_host memory + compute_on('device_host'): not available here ({type(e).__name__}: "
+              f"{str(e).splitlines()[0][:300]})")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=2)
@@ -73,7 +178,23 @@ def main(argv=None) -> int:
     ap.add_argument("--num-sink", type=int, default=4)
     ap.add_argument("--num-local", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--e2e", action="store_true", help="the decoder end to end on the embedded model")
+    ap.add_argument("--mechanisms", action="store_true", help="time one layer's host part by both JAX mechanisms")
+    ap.add_argument("--model", default=None, help="--e2e: the model (default: the embedded SmolLM2)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="--e2e: batch sizes")
+    ap.add_argument("--repeats", type=int, default=3, help="--e2e: timed runs per (B, method)")
+    ap.add_argument("--host-device", type=int, default=None,
+                    help="--e2e: force offload with jax.devices()[i] as the host (two-CPU-device tests)")
+    ap.add_argument("--out", default=None, help="--e2e: write <out>.json")
     args = ap.parse_args(argv)
+    if args.e2e:
+        if "--context" not in (argv if argv is not None else sys.argv[1:]):
+            args.context = 8192
+        if "--steps" not in (argv if argv is not None else sys.argv[1:]):
+            args.steps = 32
+        return e2e(args)
+    if args.mechanisms:
+        return mechanisms(args)
 
     accel, host_dev = offload.default_devices()
     cfg = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local)

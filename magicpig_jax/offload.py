@@ -322,6 +322,8 @@ def place_decode_state(spec, cache, states):
                              window=spec.static_window)
         layer.index = index
         k_layers[i], v_layers[i], out[i] = k_h, v_h, layer
+    for i in set(range(len(k_layers))) - set(sparse):  # the dense layers stay, committed to the accelerator
+        k_layers[i], v_layers[i] = jax.device_put((k_layers[i], v_layers[i]), accel)
     host.advise_huge_pages([k_layers[i] for i in sparse], [v_layers[i] for i in sparse],
                            [out[i].index for i in sparse])
     return KVCache(k=tuple(k_layers), v=tuple(v_layers), lengths=lengths_a), tuple(out)
@@ -397,7 +399,7 @@ def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, ne
     g_embed, g_pending, g_dense, g_next, g_head = plan
     p_embed, p_pending, p_dense, p_next, p_head = parts
     if g_embed is not None:
-        x = nnx.merge(g_embed, p_embed)(x[:, None])
+        x = _embed(nnx.merge(g_embed, p_embed), x)
     if g_pending is not None:
         out_h, lse_h, out_s, lse_s, k_new, v_new, end = pending
         out, _ = merge_attention(out_h, lse_h, out_s, lse_s)
@@ -432,22 +434,32 @@ def _host_layer(q, codes, k_new, v_new, pos, k_cache, v_cache, index, *, spec):
     return out, lse, ns, index.end, k_cache, v_cache, index
 
 
-class _Head(nnx.Module):
-    """The final norm and the output projection of a :class:`~magicpig_jax.models.llama.Llama`."""
+def _shell(model):
+    """The model without its layers (embedding, final norm, output projection, RoPE frequencies): an
+    NNX module sharing those variables, so a computation that embeds or computes logits receives
+    none of the layers' weights."""
+    import copy
 
-    def __init__(self, model):
-        self.norm, self.embed_tokens, self.lm_head = model.norm, model.embed_tokens, model.lm_head
-        self.tied_packed, self.tied_qtype = model.tied_packed, model.tied_qtype
+    shell = copy.copy(model)
+    shell.layers = nnx.List([])
+    return shell
 
-    def logits(self, h):
-        from magicpig_jax.models.llama import Llama
 
-        return Llama.logits(self, h)
+def _embed(model, tokens):
+    """``[B, 1, H]`` embeddings of ``tokens [B]`` (the model's own embedding, whichever form it has)."""
+    embed = getattr(model, "embed", None)
+    return embed(tokens[:, None]) if callable(embed) else model.embed_tokens(tokens[:, None])
 
 
 def _accel_part(st: OffloadLayer | None) -> OffloadLayer | None:
     """The layer state without its host index (what an accelerator computation receives)."""
     return None if st is None else dataclasses.replace(st, index=None)
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_fn(structure, K: int, L: int):
+    """The jitted :func:`_segment` of one structure (cached: every decode run of a model reuses it)."""
+    return jax.jit(functools.partial(_segment, structure, K=K, L=L), donate_argnames=("dense_kv", "pending_state"))
 
 
 class OffloadDecodeStep:
@@ -472,12 +484,12 @@ class OffloadDecodeStep:
         self._leaves = None  # the parameters the split below was made from
 
     def _split(self, leaves):
-        if self._leaves is leaves:
+        if self._leaves is not None and len(self._leaves) == len(leaves) and all(
+                a is b for a, b in zip(self._leaves, leaves, strict=True)):
             return
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
         self.layers = [nnx.split(layer) for layer in model.layers]
-        self.embed = nnx.split(model.embed_tokens)
-        self.head = nnx.split(_Head(model))
+        self.embed = self.head = nnx.split(_shell(model))
         self.num_heads = model.config.num_heads
         self.inv_freq = model.inv_freq[...]
         n = len(self.layers)
@@ -495,8 +507,7 @@ class OffloadDecodeStep:
                          tuple(self.layers[i][0] for i in dense), self.layers[b][0] if b is not None else None,
                          self.head[0] if b is None else None)
             if structure not in fns:
-                fns[structure] = jax.jit(functools.partial(_segment, structure, K=K, L=L),
-                                         donate_argnames=("dense_kv", "pending_state"))
+                fns[structure] = _segment_fn(structure, K, L)
             parts = (self.embed[1] if a is None else None, self.layers[a][1] if a is not None else None,
                      tuple(self.layers[i][1] for i in dense), self.layers[b][1] if b is not None else None,
                      self.head[1] if b is None else None)
@@ -509,7 +520,8 @@ class OffloadDecodeStep:
 
         self._split(leaves)
         spec = self.spec
-        pos = cache.lengths
+        # Committed to the accelerator, so the first step and the later ones share compiled segments.
+        tokens, pos = jax.device_put((tokens, cache.lengths), self.accel)
         pos_h = jax.device_put(pos, self.host)
         k_layers, v_layers, states = list(cache.k), list(cache.v), list(indices)
         x, pending, counts = tokens, None, []

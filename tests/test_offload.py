@@ -303,3 +303,21 @@ def test_offload_decoder_keeps_kv_and_index_on_the_host(decoder_results, dtype):
 
 def test_offload_is_not_chosen_on_a_cpu_backend(decoder_results):
     assert decoder_results["auto_on_cpu"] == "magicpig (host op)"
+
+
+@pytest.mark.slow
+def test_accelerator_check_e2e_with_two_devices(tmp_path):
+    # The end-to-end mode on the embedded model, with cpu:1 forced as the host: it decodes dense and
+    # MagicPIG (offloaded) at B = 1 and 2 and writes their throughput and agreement.
+    env = _env() | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = tmp_path / "e2e"
+    cmd = [sys.executable, str(ROOT / "examples" / "accelerator_check.py"), "--e2e", "--context", "300",
+           "--batches", "1", "2", "--steps", "3", "--repeats", "3", "--host-device", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["batch"] for r in data["results"]] == [1, 2]
+    for r in data["results"]:
+        assert "offload" in r["magicpig"]["runs_on"] and r["dense"]["runs_on"] == "dense"
+        assert r["magicpig"]["tokens_per_s"]["median"] > 0 and 1 <= r["tokens_equal_to_dense"] <= 4
+    assert "tokens equal to dense" in proc.stdout

@@ -81,15 +81,23 @@ def batched_state(state, batch: int):
 
 
 def time_method(model, state, method: str, batch: int, steps: int, repeats: int, warmup: int, cfg,
-                rss: PeakRSS) -> dict:
-    """``repeats`` timed decodes (after ``warmup`` untimed ones) of ``steps`` steps of ``batch`` rows."""
-    from magicpig_jax.generation import decode
+                rss: PeakRSS, **spec_options) -> dict:
+    """``repeats`` timed decodes (after ``warmup`` untimed ones) of ``steps`` steps of ``batch`` rows.
 
+    ``spec_options`` override fields of the method's :class:`~magicpig_jax.models.backends.DecodeSpec`
+    (e.g. ``offload=True, host_device=...``)."""
+    import dataclasses
+
+    from magicpig_jax.decode_loop import Sampling, run_decode
+    from magicpig_jax.generation import decode_spec
+
+    spec = dataclasses.replace(decode_spec(model, method, cfg), **spec_options)
     rss.reset()
-    ms, fracs, builds, compile_s, rows = [], [], [], None, None
+    ms, fracs, builds, compile_s, rows, runs_on = [], [], [], None, None, None
     for r in range(warmup + repeats):
         st = batched_state(state, batch)
-        outs, stats = decode(model, st, attention=method, max_new_tokens=steps + 1, config=cfg, stop_on_eos=False)
+        outs, stats = run_decode(model, st, spec, steps + 1, Sampling(), stop_on_eos=False)
+        runs_on = stats.get("attention_runs_on")
         del st
         if compile_s is None:
             compile_s = stats["compile_seconds"]
@@ -104,7 +112,7 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
         "ms_per_step": spread(ms), "tokens_per_s": spread([1000.0 * batch / m for m in ms]),
         "sampled_fraction": None if fracs[0] is None else float(np.mean(fracs)),
         "index_build_seconds": None if builds[0] is None else float(np.median(builds)),
-        "compile_seconds": compile_s, "peak_rss_bytes": rss.peak_bytes(),
+        "compile_seconds": compile_s, "peak_rss_bytes": rss.peak_bytes(), "runs_on": runs_on,
         "tokens": rows[0], "rows_identical": all(r == rows[0] for r in rows),
     }
 
@@ -133,11 +141,11 @@ def run_peer(model_path, ids: list[int], batches, steps: int, repeats: int, thre
 def ratios(results: list[dict]) -> list[dict]:
     """Per (length, B): MagicPIG's median aggregate throughput over dense's and over llama.cpp's."""
     out = []
-    keys = sorted({(r["prompt_tokens"], r["batch"]) for r in results})
-    for n, B in keys:
+    keys = sorted({(r["length"], r["prompt_tokens"], r["batch"]) for r in results})
+    for length, n, B in keys:
         tps = {r["method"]: r["tokens_per_s"]["median"] for r in results
-               if r["prompt_tokens"] == n and r["batch"] == B}
-        row = {"prompt_tokens": n, "batch": B}
+               if r["length"] == length and r["batch"] == B}
+        row = {"length": length, "prompt_tokens": n, "batch": B}
         if "magicpig" in tps:
             for other in ("dense", "llama.cpp"):
                 if other in tps:
@@ -191,11 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     rss = PeakRSS()
     results = []
     bar = tqdm(total=len(args.lengths) * len(args.batch) * (len(args.methods) + len(args.peer)), desc="bench decode")
-    for n in args.lengths:
+    ctx = model.config.max_position_embeddings
+    for length in args.lengths:
+        # The decoded tokens must fit in the model's context: at --lengths 8192 on an 8K model
+        # the prompt is 8192 - steps - 1 tokens (``length`` keeps the requested figure).
+        n = length if args.allow_beyond_context else min(length, ctx - args.steps - 1)
+        if n < 1:
+            p.error(f"--steps {args.steps} leaves no room for a prompt in the model's context of {ctx}")
         ids = prompt_ids(model, text, n)
         if "llama.cpp" in args.peer:
             for r in run_peer(model.source, ids, args.batch, args.steps, args.repeats, args.peer_threads):
-                r.update(prompt_tokens=n, method="llama.cpp", sampled_fraction=None)
+                r.update(length=length, prompt_tokens=n, method="llama.cpp", sampled_fraction=None)
                 results.append(r)
                 bar.update(1)
         state = prefill(model, [ids], args.steps + 1, allow_beyond_context=args.allow_beyond_context,
@@ -203,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         for B in args.batch:
             for method in args.methods:
                 r = time_method(model, state, method, B, args.steps, args.repeats, args.warmup, cfg, rss)
-                r.update(prompt_tokens=n, prefill_seconds=state.seconds)
+                r.update(length=length, prompt_tokens=n, prefill_seconds=state.seconds)
                 results.append(r)
                 bar.update(1)
         del state
