@@ -1,0 +1,119 @@
+"""load_model / build_llama hold each GGUF matrix once, as the file's rows (issue 14): a tiny
+Llama of random K-quant blocks in llama.cpp's Q4_K_M layout (tools/make_random_gguf.py) loads
+with no float32 matrix, computes what its float32 dequantization computes, survives an orbax
+checkpoint, and reads its tensors lazily."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from magicpig_jax.eval.forcing import forced_decode
+from magicpig_jax.generation import prefill
+from magicpig_jax.io.checkpoint import MARKER, save_checkpoint
+from magicpig_jax.io.gguf_model import GGUFWeights, packed_key, read_gguf, split_packed_key
+from magicpig_jax.io.loader import convert_model, load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("make_random_gguf", ROOT / "tools" / "make_random_gguf.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)  # dataclasses look their module up
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-q4km.gguf"
+    return _tool().write_random_gguf(path, "tiny", "Q4_K_M", seed=3)
+
+
+def _float32_matrices(module) -> list[str]:
+    return [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(module))
+            if x.dtype == jnp.float32 and x.ndim == 2]
+
+
+def _decode_logits(model, state, steps=4):
+    seen = []
+    toks, _ = forced_decode(model, state, attention="dense", max_new_tokens=steps, stop_on_eos=False,
+                            logits_callback=lambda i, lg: seen.append(np.asarray(lg)))
+    return toks, np.stack(seen)
+
+
+def test_q4_k_m_layout_is_held_as_rows(q4km):
+    tool = _tool()
+    assert [tool.use_more_bits(i, 32) for i in range(32)].count(True) == 16  # half of an 8B's layers
+    model = load_model(q4km)
+    m = model.module
+    assert _float32_matrices(m) == []
+    assert m.embed_qtype == "Q4_K" and m.embed_tokens is None and m.lm_head.qtype == "Q6_K"
+    l0, l1 = m.layers
+    assert l0.self_attn.qkv_qtype == "Q4_K" and l0.mlp.gate_up_qtype == "Q4_K" and l0.mlp.down_proj.qtype == "Q4_K"
+    # layer 1 (the last eighth) has Q6_K v and down: q/k/v are not one type, so they stay apart
+    assert l1.self_attn.qkv_packed is None and l1.self_attn.v_proj.qtype == "Q6_K"
+    assert l1.self_attn.q_proj.qtype == "Q4_K" and l1.mlp.down_proj.qtype == "Q6_K"
+
+
+def test_rows_compute_what_their_float32_dequantization_computes(q4km):
+    rows, floats = load_model(q4km), load_model(q4km, packed_weights=False)
+    assert floats.module.layers[0].self_attn.q_proj.kernel is not None
+    ids = list(range(5, 300))  # two prefill chunks
+    states = [prefill(m, [ids], 4) for m in (rows, floats)]
+    np.testing.assert_allclose(np.asarray(states[0].last_logits), np.asarray(states[1].last_logits),
+                               atol=1e-4, rtol=0)
+    (t_rows, lg_rows), (t_float, lg_float) = (_decode_logits(m, states[1]) for m in (rows, floats))
+    assert t_rows == t_float
+    np.testing.assert_allclose(lg_rows, lg_float, atol=1e-4, rtol=0)
+
+
+def test_checkpoints_keep_the_rows_and_read_version_1(q4km, tmp_path):
+    ckpt = convert_model(q4km, tmp_path / "v2")
+    again = load_model(ckpt)
+    assert _float32_matrices(again.module) == []
+    model = load_model(q4km)
+    np.testing.assert_array_equal(np.asarray(again.module.layers[0].self_attn.qkv_packed[...]),
+                                  np.asarray(model.module.layers[0].self_attn.qkv_packed[...]))
+    # version 1 held a float32 copy beside the rows: both load, the rows win unless packed_weights=False
+    config, weights, meta, freq = read_gguf(q4km)
+    both = dict(weights)
+    for key in list(weights):
+        name, qtype = split_packed_key(key)
+        if qtype is not None:
+            both[name] = np.asarray(gguf.quants.dequantize(weights[key], gguf.GGMLQuantizationType[qtype]), np.float32)
+    v1 = save_checkpoint(tmp_path / "v1", config, both, model.tokenizer, freq)
+    marker = json.loads((v1 / MARKER).read_text())
+    marker["format_version"] = 1
+    (v1 / MARKER).write_text(json.dumps(marker))
+    old = load_model(v1)
+    assert _float32_matrices(old.module) == [] and old.module.lm_head.qtype == "Q6_K"
+    assert load_model(v1, packed_weights=False).module.lm_head.packed is None
+
+
+def test_gguf_weights_are_read_when_accessed(q4km):
+    _, weights, _, _ = read_gguf(q4km)
+    assert isinstance(weights, GGUFWeights)
+    key = packed_key("model.layers.0.mlp.down_proj.weight", "Q4_K")
+    assert weights.qtype(key) == "Q4_K" and key in weights
+    rows = weights[key]
+    assert rows.dtype == np.uint8 and rows.shape == (256, 512 // 256 * 144)
+    reader = gguf.GGUFReader(str(q4km))
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    np.testing.assert_array_equal(rows, np.asarray(raw.data))
+    assert weights["model.norm.weight"].dtype == np.float32
+    n = len(weights)
+    del weights[key]
+    assert key not in weights and len(weights) == n - 1
+    with pytest.raises(TypeError, match="read-only"):
+        weights[key] = rows

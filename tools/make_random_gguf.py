@@ -1,0 +1,193 @@
+"""Write a Llama-shaped GGUF file of random valid GGUF blocks (for memory and speed runs; not data).
+
+  python tools/make_random_gguf.py OUT.gguf --shape llama3-8b --layout Q4_K_M
+  python tools/make_random_gguf.py OUT.gguf --shape llama3-1b --layout Q8_0
+
+Shapes: ``llama3-8b`` (Llama-3.1-8B: 32 layers, hidden 4096, 32/8 heads of 128, FFN 14336,
+vocab 128256, untied output), ``llama3-1b`` (Llama-3.2-1B: 16 layers, hidden 2048, 32/8 heads
+of 64, FFN 8192, tied), ``tiny`` (2 layers, hidden 256, 4/2 heads of 64, FFN 512, vocab 320,
+untied; for tests). Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays it out (Q4_K
+everywhere, Q6_K for ``output.weight`` and for ``attn_v``/``ffn_down`` of the layers where
+llama.cpp's ``use_more_bits`` holds: the first and last eighth of the layers and every third
+one between, i.e. half of them), ``Q5_K_M`` (the same with Q5_K), or one type for every
+matrix (``Q8_0``, ``Q4_0``, ``F16``, ... any of :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES`).
+Norms are F32 ones.
+
+Blocks are random bytes with finite float16 scales drawn so that weights are of order 0.02
+(the model computes garbage, but every value is finite and every kernel path is taken). The
+tokenizer is byte-level BPE (pre-tokenizer ``llama-bpe``): the 256 byte tokens, filler tokens
+up to the vocabulary, ``<|begin_of_text|>`` and ``<|eot_id|>``. Tensors are generated and
+written one at a time (the writer holds one tensor, at most 0.5 GB for llama3-8b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    context: int = 131072
+    rope_theta: float = 500000.0
+
+
+SHAPES = {
+    "llama3-8b": Shape(32, 4096, 32, 8, 128, 14336, 128256, tied=False),
+    "llama3-1b": Shape(16, 2048, 32, 8, 64, 8192, 128256, tied=True),
+    "tiny": Shape(2, 256, 4, 2, 64, 512, 320, tied=False, context=4096, rope_theta=10000.0),
+}
+
+# byte offsets of the float16 scales in each type's block, and their magnitude for weights ~ 0.02
+_F16_AT = {"Q4_0": {0: 0.005}, "Q4_1": {0: 0.003, 2: -0.02}, "Q5_0": {0: 0.002}, "Q5_1": {0: 0.0015, 2: -0.02},
+           "Q8_0": {0: 0.0002}, "Q4_K": {0: 1e-4, 2: 6e-4}, "Q5_K": {0: 5e-5, 2: 6e-4}, "Q6_K": {208: 1e-4}}
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers that get more bits in the *_K_M layouts."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def tensor_type(name: str, layer: int | None, shape: Shape, layout: str) -> str:
+    if layout in ("Q4_K_M", "Q5_K_M"):
+        base = layout[:4]
+        if name == "output.weight":
+            return "Q6_K"
+        if name in ("attn_v.weight", "ffn_down.weight") and use_more_bits(layer, shape.layers):
+            return "Q6_K"
+        return base
+    return layout
+
+
+def random_tensor(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
+    """Random valid rows ``[rows, RB]`` uint8 (F16/BF16: normal weights of scale 0.02)."""
+    from magicpig_jax.io.gguf_blocks import QUANT_TYPES
+
+    _, bb, bw = QUANT_TYPES[qtype]
+    if qtype in ("F16", "BF16"):
+        w = (rng.standard_normal((rows, cols), np.float32) * 0.02).astype(np.float32)
+        if qtype == "F16":
+            return w.astype(np.float16).view(np.uint8)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    nb = cols // bw
+    out = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)
+    for at, scale in _F16_AT[qtype].items():
+        s = (np.abs(rng.standard_normal((rows, nb), np.float32)) * 0.5 + 0.75) * scale
+        out[:, :, at:at + 2] = s.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    return out.reshape(rows, nb * bb)
+
+
+def tensor_plan(shape: Shape, layout: str) -> list[tuple[str, str, int, int]]:
+    """``(gguf name, type, rows, cols)`` of every tensor (cols 0: a 1-D F32 norm of ``rows``)."""
+    s = shape
+    plan = [("token_embd.weight", tensor_type("token_embd.weight", None, s, layout), s.vocab, s.hidden)]
+    for i in range(s.layers):
+        def t(name, rows, cols, i=i):
+            return (f"blk.{i}.{name}", tensor_type(name, i, s, layout), rows, cols)
+        plan += [(f"blk.{i}.attn_norm.weight", "F32", s.hidden, 0),
+                 t("attn_q.weight", s.heads * s.head_dim, s.hidden),
+                 t("attn_k.weight", s.kv_heads * s.head_dim, s.hidden),
+                 t("attn_v.weight", s.kv_heads * s.head_dim, s.hidden),
+                 t("attn_output.weight", s.hidden, s.heads * s.head_dim),
+                 (f"blk.{i}.ffn_norm.weight", "F32", s.hidden, 0),
+                 t("ffn_gate.weight", s.ffn, s.hidden),
+                 t("ffn_up.weight", s.ffn, s.hidden),
+                 t("ffn_down.weight", s.hidden, s.ffn)]
+    plan.append(("output_norm.weight", "F32", s.hidden, 0))
+    if not s.tied:
+        plan.append(("output.weight", tensor_type("output.weight", None, s, layout), s.vocab, s.hidden))
+    return plan
+
+
+def _tokenizer(writer, vocab: int) -> None:
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    fill = vocab - len(alphabet) - 3
+    tokens = alphabet + ["Ġt"] + [f"w{i:06d}" for i in range(fill)] + ["<|begin_of_text|>", "<|eot_id|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["Ġ t"])
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_add_bos_token(True)
+
+
+def write_random_gguf(path: str | Path, shape: Shape | str = "tiny", layout: str = "Q4_K_M", seed: int = 0,
+                      log=None) -> Path:
+    """Write the file; returns its path. ``log`` (e.g. ``print``) reports progress."""
+    import gguf
+
+    shape = SHAPES[shape] if isinstance(shape, str) else shape
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    s = shape
+    w.add_block_count(s.layers)
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(s.vocab)
+    _tokenizer(w, s.vocab)
+    plan = tensor_plan(s, layout)
+    from magicpig_jax.io.gguf_blocks import packed_row_bytes
+
+    for name, qtype, rows, cols in plan:
+        if cols == 0:
+            w.add_tensor_info(name, (rows,), np.dtype(np.float32), rows * 4)
+        else:
+            rb = packed_row_bytes(qtype, cols)
+            w.add_tensor_info(name, (rows, rb), np.dtype(np.uint8), rows * rb,
+                              raw_dtype=gguf.GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    start = time.perf_counter()
+    for k, (_name, qtype, rows, cols) in enumerate(plan):
+        if cols == 0:
+            w.write_tensor_data(np.ones(rows, np.float32))
+        else:
+            w.write_tensor_data(random_tensor(rng, qtype, rows, cols))
+        if log is not None and (k % 20 == 0 or k == len(plan) - 1):
+            log(f"{k + 1}/{len(plan)} tensors, {time.perf_counter() - start:.0f} s")
+    w.close()
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--layout", default="Q4_K_M")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    write_random_gguf(args.out, args.shape, args.layout, args.seed, log=print)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
