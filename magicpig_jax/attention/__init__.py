@@ -14,6 +14,8 @@ from magicpig_jax.attention.baselines import (
 from magicpig_jax.attention.config import GENERATION_BUFFER, MagicPIGConfig
 from magicpig_jax.attention.cost_model import expected_sampled_fraction, tables_for_fraction
 from magicpig_jax.attention.dense import dense_attention
+from magicpig_jax.attention.hybrid import HybridConfig, hybrid_attention
+from magicpig_jax.attention.layer_configs import LayerConfigs
 from magicpig_jax.attention.magicpig import LSHIndex, build_lsh_index, magicpig_attention
 from magicpig_jax.attention.merge import merge_attention
 from magicpig_jax.attention.static import static_attention
@@ -27,6 +29,9 @@ __all__ = [
     "LSHIndex",
     "build_lsh_index",
     "magicpig_attention",
+    "HybridConfig",
+    "hybrid_attention",
+    "LayerConfigs",
     "topk_attention",
     "quest_attention",
     "oracle_sampling_attention",

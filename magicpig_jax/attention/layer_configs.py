@@ -1,0 +1,184 @@
+"""A MagicPIG configuration per layer: ``(K, L)`` for each sparse layer, or ``"dense"``.
+
+The paper picks one ``(K, L)`` for every layer and keeps two layers dense by hand (arXiv
+2410.16179, Section 5). :class:`LayerConfigs` lets each layer have its own tables, or stay
+dense; ``magicpig-jax calibrate`` (:mod:`magicpig_jax.eval.calibrate`) chooses one that meets
+a KL budget at the least measured cost and saves it as a small JSON file
+(:meth:`LayerConfigs.save`, :meth:`LayerConfigs.load`), which ``generate``/``eval`` accept
+(``--magicpig-config FILE``) and :func:`magicpig_jax.generate` takes as ``config=``.
+
+The object is frozen and hashable (a tuple of ``(layer, MagicPIGConfig | "dense")``), so a
+:class:`~magicpig_jax.models.backends.DecodeSpec` holding it stays a valid jit static argument.
+Every sparse layer must share the static set (``num_sink``, ``num_local``) and the projection
+seed, so that the methods stay comparable like for like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from magicpig_jax.attention.config import MagicPIGConfig
+
+__all__ = ["LayerConfigs", "DENSE", "FORMAT"]
+
+DENSE = "dense"
+FORMAT = "magicpig-jax layer configs v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfigs:
+    """Per-layer MagicPIG configurations.
+
+    Attributes:
+      layers: ``((layer, config), ...)`` sorted by layer, one entry per layer ``0 .. n-1``;
+        ``config`` is a :class:`MagicPIGConfig` or ``"dense"``.
+      info: optional provenance (a tuple of ``(key, str)`` pairs kept in the JSON file; not
+        used by decoding).
+
+    Raises:
+      TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``.
+      ValueError: layers not exactly ``0 .. n-1``, no layer at all, or sparse layers that
+        disagree on ``num_sink``, ``num_local`` or ``seed``.
+    """
+
+    layers: tuple[tuple[int, MagicPIGConfig | str], ...]
+    info: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        entries = tuple(sorted(((int(i), c) for i, c in self.layers), key=lambda x: x[0]))
+        object.__setattr__(self, "layers", entries)
+        if not entries:
+            raise ValueError("LayerConfigs needs at least one layer")
+        idx = [i for i, _ in entries]
+        if idx != list(range(len(idx))):
+            raise ValueError(f"LayerConfigs must give every layer 0..n-1 exactly once, got layers {idx}")
+        for i, c in entries:
+            if c != DENSE and not isinstance(c, MagicPIGConfig):
+                raise TypeError(f"layer {i}: expected a MagicPIGConfig or 'dense', got {c!r}")
+        sparse = [c for _, c in entries if c != DENSE]
+        shared = {(c.num_sink, c.num_local, c.seed) for c in sparse}
+        if len(shared) > 1:
+            raise ValueError(f"every sparse layer must share num_sink, num_local and seed, got {sorted(shared)}")
+
+    @classmethod
+    def uniform(cls, config: MagicPIGConfig, num_layers: int, dense_layers=()) -> LayerConfigs:
+        """One config for every layer except ``dense_layers`` (the paper's setting)."""
+        dense = set(dense_layers)
+        return cls(tuple((i, DENSE if i in dense else config) for i in range(num_layers)))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def config(self, layer: int) -> MagicPIGConfig | str:
+        """The entry of ``layer`` (a config or ``"dense"``)."""
+        return self.layers[layer][1]
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, c in self.layers if c == DENSE)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, c in self.layers if c != DENSE)
+
+    def base(self) -> MagicPIGConfig:
+        """A config carrying the shared static set and seed: the first sparse layer's (default
+        :class:`MagicPIGConfig` when every layer is dense)."""
+        sparse = [c for _, c in self.layers if c != DENSE]
+        return sparse[0] if sparse else MagicPIGConfig()
+
+    def check_num_layers(self, num_layers: int) -> None:
+        """Raises ValueError unless this gives exactly ``num_layers`` layers."""
+        if self.num_layers != num_layers:
+            raise ValueError(f"the layer configs give {self.num_layers} layers, the model has {num_layers}")
+
+    # --- JSON ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        """The JSON object of :meth:`save` (``format``, the static set, ``layers``, ``info``)."""
+        base = self.base()
+        return {"format": FORMAT, "num_sink": base.num_sink, "num_local": base.num_local, "seed": base.seed,
+                "layers": {str(i): DENSE if c == DENSE else _kl_json(c) for i, c in self.layers},
+                "info": dict(self.info)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping) -> LayerConfigs:
+        """Parse :meth:`to_json`'s object.
+
+        Raises:
+          ValueError: a wrong ``format``, missing fields, or invalid values (naming them).
+        """
+        if not isinstance(obj, Mapping) or obj.get("format") != FORMAT:
+            raise ValueError(f"not a layer-configs file: 'format' must be {FORMAT!r}")
+        try:
+            common = {"num_sink": int(obj["num_sink"]), "num_local": int(obj["num_local"]), "seed": int(obj["seed"])}
+            raw = obj["layers"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"layer-configs file lacks or mangles num_sink/num_local/seed/layers: {err}") from None
+        if not isinstance(raw, Mapping):
+            raise ValueError("layer-configs 'layers' must map layer -> {'K', 'L'} or 'dense'")
+        layers = []
+        for key, val in raw.items():
+            try:
+                i = int(key)
+            except ValueError:
+                raise ValueError(f"layer-configs: layer key {key!r} is not an integer") from None
+            if val == DENSE:
+                layers.append((i, DENSE))
+            elif isinstance(val, Mapping) and {"K", "L"} <= set(val):
+                cfg = _config_from_json(val, common)
+                layers.append((i, cfg))
+            else:
+                raise ValueError(f"layer-configs: layer {i} must be 'dense' or {{'K': .., 'L': ..}}, got {val!r}")
+        info = tuple((str(k), str(v)) for k, v in (obj.get("info") or {}).items())
+        return cls(tuple(layers), info)
+
+    def save(self, path: str | Path, extra: Mapping | None = None) -> Path:
+        """Write the JSON file (``extra`` keys, e.g. the calibration's measurements, are added)."""
+        path = Path(path)
+        obj = self.to_json()
+        if extra:
+            obj.update({k: v for k, v in extra.items() if k not in obj})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(obj, indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LayerConfigs:
+        """Read a file written by :meth:`save`.
+
+        Raises:
+          FileNotFoundError: no such file.
+          ValueError: not JSON, or not a valid layer-configs object.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"layer-configs file {path} does not exist")
+        try:
+            obj = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"layer-configs file {path} is not JSON: {err}") from None
+        return cls.from_json(obj)
+
+
+def _kl_json(c: MagicPIGConfig) -> dict:
+    out = {"K": c.K, "L": c.L}
+    heavy = getattr(c, "heavy", None)
+    if heavy is not None:
+        out["heavy"] = heavy
+    return out
+
+
+def _config_from_json(val: Mapping, common: dict) -> MagicPIGConfig:
+    try:
+        if "heavy" in val:
+            from magicpig_jax.attention.hybrid import HybridConfig
+
+            return HybridConfig(K=int(val["K"]), L=int(val["L"]), heavy=int(val["heavy"]), **common)
+        return MagicPIGConfig(K=int(val["K"]), L=int(val["L"]), **common)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"layer-configs: invalid entry {dict(val)}: {err}") from None
