@@ -25,3 +25,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigQuantMatvec);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigDequantize);
 // exact_attention.cc: exact attention of the dense layers.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigExactAttention);
+// topk_attention.cc, quest_attention.cc: the TopK and Quest baselines on the host cache.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigTopkAttention);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigQuestAttention);

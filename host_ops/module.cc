@@ -60,6 +60,8 @@ NB_MODULE(_host_ops, m) {
     d["magicpig_quant_matvec"] = Capsule(MagicpigQuantMatvec);
     d["magicpig_dequantize"] = Capsule(MagicpigDequantize);
     d["magicpig_exact_attention"] = Capsule(MagicpigExactAttention);
+    d["magicpig_topk_attention"] = Capsule(MagicpigTopkAttention);
+    d["magicpig_quest_attention"] = Capsule(MagicpigQuestAttention);
     return d;
   });
   m.def("has_avx2", []() { return magicpig::CpuHasAvx2(); });

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from magicpig_jax.attention import MagicPIGConfig
+from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
 from magicpig_jax.decode_loop import Sampling, run_decode, start_decode
 from magicpig_jax.io.loader import LoadedModel
 from magicpig_jax.models.backends import BACKENDS, DecodeSpec
@@ -206,7 +206,7 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
     return PrefillState(cache, last_logits, lengths, time.perf_counter() - start, allow_beyond_context)
 
 
-def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPIGConfig | None = None,
+def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPIGConfig | LayerConfigs | None = None,
                 dense_layers: Sequence[int] | None = None, budget: int | float | None = None,
                 page_size: int = 16, mesh=None) -> DecodeSpec:
     """The :class:`DecodeSpec` of a decode run, validated against the model.
@@ -219,12 +219,24 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
     """
     if attention not in BACKENDS:
         raise ValueError(f"attention must be one of {BACKENDS}, got {attention!r}")
+    if isinstance(config, LayerConfigs):  # per-layer configs (magicpig-jax calibrate) carry their dense layers
+        return _layered_spec(model, attention, config, dense_layers, budget, page_size, mesh)
     n_layers = model.config.num_layers
     dl = tuple(sorted(set(default_dense_layers(n_layers) if dense_layers is None else dense_layers)))
     if any(not 0 <= i < n_layers for i in dl):
         raise ValueError(f"dense_layers must be in [0, {n_layers}), got {dl}")
     return DecodeSpec(backend=attention, magicpig=config or MagicPIGConfig(), dense_layers=dl, budget=budget,
                       page_size=page_size, mesh=mesh)
+
+
+def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, page_size, mesh) -> DecodeSpec:
+    """The spec of per-layer configs: each sparse layer its own (K, L), their dense layers."""
+    config.check_num_layers(model.config.num_layers)
+    if dense_layers is not None and tuple(sorted(set(dense_layers))) != config.dense_layers:
+        raise ValueError(f"dense_layers {tuple(dense_layers)} differ from the layer configs' dense layers "
+                         f"{config.dense_layers}; leave dense_layers unset")
+    return DecodeSpec(backend=attention, magicpig=config.base(), dense_layers=config.dense_layers, budget=budget,
+                      page_size=page_size, mesh=mesh, layers=config)
 
 
 def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpig",
@@ -241,7 +253,9 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
         (``"dense"``, ``"magicpig"``, ``"magicpig-ref"``, ``"topk"``, ``"quest"``, ``"oracle"``).
       max_new_tokens: tokens to generate per row (stops earlier on EOS), ``>= 1``.
       config: MagicPIG configuration (default :class:`MagicPIGConfig()`); its ``num_sink`` and
-        ``num_local`` also define the static set of TopK, Quest and oracle sampling.
+        ``num_local`` also define the static set of TopK, Quest and oracle sampling. A
+        :class:`~magicpig_jax.attention.LayerConfigs` gives each layer its own (K, L) or keeps it
+        dense (``magicpig``, ``magicpig-ref``, ``hybrid``; then ``dense_layers`` stays unset).
       dense_layers: layers kept dense under a sparse backend (default
         :func:`default_dense_layers`).
       sampling: :class:`Sampling` (default greedy).
@@ -283,7 +297,9 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         ``"oracle"``.
       max_new_tokens: maximum tokens to generate per row, ``>= 1``; a row also stops at EOS,
         at a stop string, or where the model's context is full.
-      config: :class:`MagicPIGConfig` (default K=10, L=150, 4 sinks, 64 local).
+      config: :class:`MagicPIGConfig` (default K=10, L=150, 4 sinks, 64 local), or a
+        :class:`~magicpig_jax.attention.LayerConfigs` (per-layer (K, L) or dense, e.g. from
+        ``magicpig-jax calibrate``; :meth:`LayerConfigs.load` reads its JSON file).
       dense_layers: layers kept dense (default :func:`default_dense_layers`).
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there):
         an int token count or a float fraction in (0, 1] of the hashed range.

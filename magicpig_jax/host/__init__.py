@@ -19,7 +19,9 @@ Rooms:
 * :mod:`~magicpig_jax.host.build`: :func:`host_build_index`, :func:`host_append`;
 * :mod:`~magicpig_jax.host.attention`: :func:`host_sampled_attention`, :func:`host_magicpig_attention`;
 * :mod:`~magicpig_jax.host.exact`: :func:`host_exact_attention` (the dense layers);
-* :mod:`~magicpig_jax.host.matvec`: :func:`quant_matvec` on GGUF blocks.
+* :mod:`~magicpig_jax.host.matvec`: :func:`quant_matvec` on GGUF blocks;
+* :mod:`~magicpig_jax.host.topk`: :func:`host_topk_attention` (the TopK baseline);
+* :mod:`~magicpig_jax.host.quest`: :class:`QuestPages`, :func:`host_quest_attention` (the Quest baseline).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from magicpig_jax.host.index import (
 )
 from magicpig_jax.host.log_u import host_log_u, log_u_table
 from magicpig_jax.host.matvec import BLOCK_SIZE, QUANT_TYPES, block_bytes, packed_row_bytes, quant_matvec
+from magicpig_jax.host.quest import QuestPages, host_quest_attention, quest_append_pages, quest_build_pages
+from magicpig_jax.host.topk import host_topk_attention
 
 __all__ = [
     "HostIndex",
@@ -47,6 +51,11 @@ __all__ = [
     "host_sampled_attention",
     "host_magicpig_attention",
     "host_exact_attention",
+    "host_topk_attention",
+    "host_quest_attention",
+    "QuestPages",
+    "quest_build_pages",
+    "quest_append_pages",
     "host_log_u",
     "log_u_table",
     "index_nbytes",

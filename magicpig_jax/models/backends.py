@@ -25,9 +25,23 @@ sequence of accelerator and host computations, :mod:`magicpig_jax.offload`).
                 system: the sparse layers' KV cache and index in host memory, the host op
                 there, everything else on the accelerator ("magicpig-offload").
   magicpig-ref  LSH sampling, pure-JAX reference (:func:`magicpig_attention`).
-  topk          exact TopK of the hashed range (``budget`` keys).
-  quest         Quest page selection in the hashed range (``budget`` keys, ``page_size`` pages).
+  topk          exact TopK of the hashed range (``budget`` keys); on the CPU backend the host op
+                (:mod:`magicpig_jax.host.topk`: every key scored, a partial selection), else pure JAX.
+  quest         Quest page selection in the hashed range (``budget`` keys, ``page_size`` pages); on
+                the CPU backend the host op over page bounds kept with the cache
+                (:mod:`magicpig_jax.host.quest`), else pure JAX.
   oracle        oracle sampling (Def. 3.1) of ``budget`` draws from the hashed range.
+  hybrid        the hybrid LSH estimator (:mod:`magicpig_jax.attention.hybrid`): keys that collide
+                in ``>= heavy`` tables kept exactly, the rest weighted by ``1/u_c`` (pure JAX).
+
+The host entries of TopK and Quest move generated tokens into the range on MagicPIG's schedule
+(:func:`append_due`), so their static part is a bounded window, as the host MagicPIG's is; the
+pure-JAX entries keep the range of the prefill. The two give the same results while no append
+is due (the first ``static_window - num_local`` generated tokens).
+
+A :class:`~magicpig_jax.attention.LayerConfigs` in :attr:`DecodeSpec.layers` gives each layer its
+own MagicPIG configuration (or keeps it dense): the chosen entry is wrapped (:func:`per_layer`) so
+that each layer's state carries its configuration.
 
 With a mesh (:func:`magicpig_jax.distributed.make_mesh`) the host entry is wrapped so each
 device runs the op on its shard of rows and KV heads (:func:`sharded`).
@@ -59,12 +73,16 @@ from magicpig_jax.attention import (
     topk_attention,
 )
 from magicpig_jax.attention.baselines import check_budget, check_page_size
+from magicpig_jax.attention.hybrid import HybridConfig, hybrid_attention
+from magicpig_jax.attention.layer_configs import LayerConfigs
 
-__all__ = ["BACKENDS", "BUDGETED", "Backend", "DecodeSpec", "MiddleRange", "append_due", "backend_for",
-           "layer_projections"]
+__all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "Backend", "DecodeSpec", "LayerState", "MiddleRange",
+           "append_due", "backend_for", "layer_projections", "per_layer"]
 
-BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle")
+BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle", "hybrid")
 BUDGETED = ("topk", "quest", "oracle")
+HOST_BACKENDS = ("magicpig", "topk", "quest")  # the backends with a host op (CPU backend)
+LAYERED = ("magicpig", "magicpig-ref", "hybrid")  # the backends that take per-layer LayerConfigs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +110,9 @@ class DecodeSpec:
       host_device: the CPU device that holds the offloaded cache and runs the host op
         (default ``jax.devices("cpu")[0]``; the tests pass a second virtual CPU device so that
         two CPU devices stand in for the accelerator and the host).
+      layers: optional :class:`~magicpig_jax.attention.LayerConfigs` (``magicpig``,
+        ``magicpig-ref``, ``hybrid``): each layer's own config or ``"dense"``; then ``magicpig``
+        must be ``layers.base()`` and ``dense_layers`` its dense layers.
 
     Raises:
       ValueError: unknown backend, a budgeted backend without a budget, or a configuration
@@ -108,6 +129,7 @@ class DecodeSpec:
     mesh: jax.sharding.Mesh | None = None
     offload: bool | None = None
     host_device: jax.Device | None = None
+    layers: LayerConfigs | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -119,27 +141,33 @@ class DecodeSpec:
             check_page_size(self.page_size)
         if self.generation_buffer < 1:
             raise ValueError(f"generation_buffer must be >= 1, got {self.generation_buffer}")
+        if self.layers is not None:
+            _check_layers(self)
         if self.offload is None:
             object.__setattr__(self, "offload", self.backend == "magicpig" and self.mesh is None
-                               and jax.default_backend() != "cpu")
+                               and self.layers is None and jax.default_backend() != "cpu")
         if self.offload and (self.backend != "magicpig" or self.mesh is not None):
             raise ValueError("offload runs the 'magicpig' backend on one accelerator (no mesh), "
                              f"got backend={self.backend!r}, mesh={self.mesh}")
         if self.host_device is not None and self.host_device.platform != "cpu":
             raise ValueError(f"host_device must be a CPU device, got {self.host_device}")
         if self.host is None:
-            object.__setattr__(self, "host", self.backend == "magicpig" and not self.offload
+            object.__setattr__(self, "host", self.backend in HOST_BACKENDS and not self.offload
                                and jax.default_backend() == "cpu")
         backend_for(self).validate(self)
 
     @property
     def uses_host(self) -> bool:
         """True when the sparse layers run through the host op in the jitted step (CPU backend)."""
-        return bool(self.host) and self.backend == "magicpig" and not self.offload
+        return bool(self.host) and self.backend in HOST_BACKENDS and not self.offload
 
     def offload_devices(self) -> tuple[jax.Device, jax.Device]:
         """``(accelerator, host)`` of the offload system: JAX's default device and :attr:`host_device`."""
         return jax.devices()[0], self.host_device or jax.devices("cpu")[0]
+
+    def with_config(self, config: MagicPIGConfig) -> DecodeSpec:
+        """This spec for one layer of :attr:`layers`: ``magicpig = config``, no per-layer table."""
+        return dataclasses.replace(self, magicpig=config, layers=None)
 
     @property
     def static_window(self) -> int:
@@ -391,6 +419,139 @@ def _make_offload_step(graphdef, state_treedef, spec):
 
 
 # ------------------------------------------------------------------------------------------
+# TopK and Quest in host ops (CPU), and the hybrid estimator (pure JAX).
+# ------------------------------------------------------------------------------------------
+
+
+def _host_range(spec, k, state, lengths):
+    """``(start, end)`` of the range a host TopK/Quest attends: ``[num_sink, min(end, lengths))``."""
+    s0 = min(spec.magicpig.num_sink, k.shape[2])
+    start = jnp.full(lengths.shape, s0, jnp.int32)
+    return start, jnp.maximum(jnp.minimum(state.end, lengths), start)
+
+
+def _static_window_part(spec, q, k, v, start, end, lengths):
+    # The tail [end, lengths) never exceeds the static window (the range grows on MagicPIG's schedule).
+    return static_attention(q, k, v, start, end, lengths, num_sink=spec.magicpig.num_sink,
+                            window=spec.static_window)
+
+
+def _due(spec, end, lengths):
+    return (lengths - end) >= spec.static_window
+
+
+def _attend_topk_host(spec, q, k, v, state: MiddleRange, lengths, key):
+    from magicpig_jax.host.topk import host_topk_attention
+
+    start, end = _host_range(spec, k, state, lengths)
+    out, lse = host_topk_attention(q, k, v, spec.budget, end, start=start)
+    n = end - start
+    used = jnp.broadcast_to(jnp.minimum(budget_tokens(spec.budget, n), n)[:, None], q.shape[:2]).astype(jnp.int32)
+    s_out, s_lse = _static_window_part(spec, q, k, v, state.start, state.end, lengths)
+    out, lse = merge_attention(out, lse, s_out, s_lse)
+    return out, lse, used
+
+
+def _after_step_range(spec, state: MiddleRange, k, lengths):
+    """Move the oldest ``generation_buffer`` unhashed tokens into the range when due (as :func:`append_due`)."""
+    due = _due(spec, state.end, lengths)
+    return MiddleRange(start=state.start, end=jnp.where(due, state.end + spec.generation_buffer, state.end))
+
+
+def _build_quest_host(spec, k, lengths, layer, capacity):
+    from magicpig_jax.host.quest import quest_build_pages
+
+    start, end = spec.magicpig.hashed_range(lengths)
+    s0 = min(spec.magicpig.num_sink, k.shape[2])
+    return quest_build_pages(k, jnp.full_like(start, s0), jnp.maximum(end, s0), spec.page_size,
+                             capacity=max(capacity - s0, 1))
+
+
+def _attend_quest_host(spec, q, k, v, state, lengths, key):
+    from magicpig_jax.host.quest import host_quest_attention
+
+    out, lse = host_quest_attention(q, k, v, state, spec.budget)
+    n = state.end - state.start
+    used = jnp.minimum(budget_tokens(spec.budget, n), n)  # as the pure-JAX entry counts it
+    used = jnp.broadcast_to(used[:, None], q.shape[:2]).astype(jnp.int32)
+    hashed_start = jnp.minimum(jnp.int32(spec.magicpig.num_sink), lengths)
+    s_out, s_lse = _static_window_part(spec, q, k, v, hashed_start, state.end, lengths)
+    out, lse = merge_attention(out, lse, s_out, s_lse)
+    return out, lse, used
+
+
+def _after_step_quest(spec, state, k, lengths):
+    from magicpig_jax.host.quest import quest_append_pages
+
+    T = spec.generation_buffer
+    due = _due(spec, state.end, lengths)
+    return jax.lax.cond(jnp.any(due), lambda st: quest_append_pages(st, k, jnp.where(due, T, 0), T),
+                        lambda st: st, state)
+
+
+def _validate_hybrid(spec: DecodeSpec) -> None:
+    configs = [spec.magicpig] if spec.layers is None else [spec.layers.config(i) for i in spec.layers.sparse_layers]
+    for c in configs:
+        if not isinstance(c, HybridConfig):
+            raise ValueError(f"the 'hybrid' backend needs HybridConfig configurations (with 'heavy'), got {c!r}")
+
+
+def _attend_hybrid(spec, q, k, v, state: LSHIndex, lengths, key):
+    return hybrid_attention(q, k, v, state, spec.magicpig, lengths)
+
+
+# ------------------------------------------------------------------------------------------
+# Per-layer configurations (LayerConfigs): each layer's state carries its own config.
+# ------------------------------------------------------------------------------------------
+
+
+def _check_layers(spec: DecodeSpec) -> None:
+    layers = spec.layers
+    if not isinstance(layers, LayerConfigs):
+        raise TypeError(f"layers must be a LayerConfigs, got {type(layers).__name__}")
+    if spec.backend not in LAYERED:
+        raise ValueError(f"per-layer configs run with the backends {LAYERED}, got backend={spec.backend!r}")
+    if spec.offload or spec.mesh is not None:
+        raise ValueError("per-layer configs are not supported with offload or a mesh")
+    if tuple(sorted(spec.dense_layers)) != layers.dense_layers:
+        raise ValueError(f"dense_layers {tuple(spec.dense_layers)} must be the layer configs' dense layers "
+                         f"{layers.dense_layers}")
+    if spec.magicpig != layers.base():
+        raise ValueError("magicpig must be the layer configs' base() config")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerState:
+    """A sparse layer's decode state and its own configuration (static), under :class:`LayerConfigs`."""
+
+    state: Any
+    config: MagicPIGConfig = dataclasses.field(metadata=dict(static=True))
+
+
+@functools.cache
+def per_layer(base: Backend) -> Backend:
+    """``base`` run with each layer's config of :attr:`DecodeSpec.layers` (states wrapped in :class:`LayerState`)."""
+
+    def build(spec, k, lengths, layer, capacity):
+        config = spec.layers.config(layer)
+        return LayerState(base.build(spec.with_config(config), k, lengths, layer, capacity), config)
+
+    def attend(spec, q, k, v, state: LayerState, lengths, key):
+        return base.attend(spec.with_config(state.config), q, k, v, state.state, lengths, key)
+
+    def after_step(spec, state: LayerState, k, lengths):
+        return LayerState(base.after_step(spec.with_config(state.config), state.state, k, lengths), state.config)
+
+    def validate(spec):
+        for i in spec.layers.sparse_layers:
+            base.validate(spec.with_config(spec.layers.config(i)))
+
+    return dataclasses.replace(base, name=f"{base.name}, per-layer configs", build=build, attend=attend,
+                               after_step=after_step, validate=validate)
+
+
+# ------------------------------------------------------------------------------------------
 # The table.
 # ------------------------------------------------------------------------------------------
 
@@ -408,15 +569,29 @@ _TABLE: dict[str, Backend] = {
     "magicpig-offload": Backend("magicpig (offload: KV cache and index in host memory, host op)",
                                 build=_build_offload, attend=_attend_offload, prepare=_prepare_offload,
                                 validate=_validate_host, make_step=_make_offload_step),
+    "topk-host": Backend("topk (host op)", build=_build_range, attend=_attend_topk_host,
+                         after_step=_after_step_range, prepare=_prepare_host, attend_dense=_attend_dense_host),
+    "quest-host": Backend("quest (host op)", build=_build_quest_host, attend=_attend_quest_host,
+                          after_step=_after_step_quest, prepare=_prepare_host, attend_dense=_attend_dense_host),
+    "hybrid": Backend("hybrid (pure JAX)", build=_build_reference, attend=_attend_hybrid,
+                      validate=_validate_hybrid),
 }
 
 
 def backend_for(spec: DecodeSpec) -> Backend:
     """The :class:`Backend` that runs ``spec``: the one place the decoder dispatches on the method."""
+    if spec.layers is not None:
+        return per_layer(_entry(spec))
+    return _entry(spec)
+
+
+def _entry(spec: DecodeSpec) -> Backend:
     if spec.backend == "magicpig":
         if spec.offload:
             return _TABLE["magicpig-offload"]
         if spec.uses_host:
             return _TABLE["magicpig-host" if spec.mesh is None else "magicpig-host-sharded"]
         return _TABLE["magicpig-ref"]
+    if spec.backend in ("topk", "quest") and spec.uses_host and spec.mesh is None:
+        return _TABLE[f"{spec.backend}-host"]
     return _TABLE[spec.backend]

@@ -1,0 +1,156 @@
+// Exact TopK decode attention over the host KV cache (XLA FFI, CPU): the baseline MagicPIG is
+// compared with (arXiv 2410.16179, Section 3.1), at its best implementation on the host.
+//
+// TopK must score every key of the range to know its top set, so its cost is the bytes of K of
+// the whole range plus the V rows it keeps. Per (row, KV head) this op reads each K row once for
+// the G query heads that share it, then, per query head, keeps the `keep` highest logits with a
+// partial selection (std::nth_element on 64-bit keys: descending logit, ties by the smaller
+// position; linear on average, not a sort) and attends exactly over them (softmax, V rows
+// gathered). It computes the function of magicpig_jax.attention.topk_attention on the range:
+// the same kept set (up to the float32 summation order of the logits, which can only matter
+// for logits equal to the last bit) and the same output to float32 rounding.
+//
+// Operands: q float32 [B, Hq, D]; k, v float32 or bfloat16 [B, Hkv, N, D]; start, end int32
+// [B] (the range [start, end) of each row, clipped to [0, N]); keep int32 [B] (keys kept per
+// query head, clipped to [0, end - start]). Results: out float32 [B, Hq, D], lse float32
+// [B, Hq] (natural log); an empty range or keep = 0 gives out = 0, lse = -inf (never NaN).
+// Attributes: impl (0 auto, 1 scalar, 2 avx2), max_threads (0: the pool). Every shape is
+// validated; bad input returns an ffi::Error (never a crash or a stray read).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ffi_util.h"
+#include "handlers.h"
+#include "selected_attention.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using magicpig::CpuHasAvx2;
+using magicpig::InvalidArg;
+using magicpig::ReadyFuture;
+using magicpig::RunParallel;
+using magicpig::Shape;
+namespace sel = magicpig::selected;
+
+constexpr int64_t kMaxG = 64;  // query heads per KV head
+
+// One (row, KV head): the G query heads q [G, D] over keys [s, s + n) of k, v [N, D].
+template <typename T>
+void TopkKvHead(const float* q, const T* k, const T* v, int64_t s, int64_t n, int64_t keep, int64_t G,
+                int64_t D, bool avx2, float* out, float* lse) {
+  thread_local std::vector<float> logit;
+  thread_local std::vector<uint64_t> keys;
+  thread_local std::vector<float> kept_logit;
+  thread_local std::vector<const T*> kept_rows;
+  const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(D)));
+  logit.resize(G * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = k + (s + j) * D;
+    for (int64_t g = 0; g < G; ++g) logit[g * n + j] = sel::Dot(q + g * D, kr, D, avx2) / sqrt_d;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float* lg = logit.data() + g * n;
+    keys.resize(n);
+    for (int64_t j = 0; j < n; ++j) keys[j] = sel::RankKey(lg[j], static_cast<uint32_t>(j));
+    sel::SelectTop(keys, keep);
+    kept_logit.resize(keep);
+    kept_rows.resize(keep);
+    for (int64_t i = 0; i < keep; ++i) {
+      const uint32_t j = sel::RankPos(keys[i]);
+      kept_logit[i] = lg[j];
+      kept_rows[i] = v + (s + j) * D;
+    }
+    sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), keep, D, avx2, out + g * D, lse + g);
+  }
+}
+
+ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> keep,
+                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t impl,
+                              int64_t max_threads) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3) return ReadyFuture(InvalidArg("q must be float32 [B, Hq, D], got " + Shape(qd)));
+  const int64_t B = qd[0], Hq = qd[1], D = qd[2];
+  const auto kd = k.dimensions();
+  if (kd.size() != 4 || kd[0] != B || kd[3] != D) {
+    return ReadyFuture(InvalidArg("k must be [B, Hkv, N, D] with B=" + std::to_string(B) + ", D=" +
+                                  std::to_string(D) + ", got " + Shape(kd)));
+  }
+  const int64_t Hkv = kd[1], N = kd[2];
+  const auto vd = v.dimensions();
+  if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3]) {
+    return ReadyFuture(InvalidArg("v must have the shape of k " + Shape(kd) + ", got " + Shape(vd)));
+  }
+  if (k.element_type() != v.element_type() || (k.element_type() != ffi::F32 && k.element_type() != ffi::BF16)) {
+    return ReadyFuture(InvalidArg("k and v must both be float32 or both bfloat16"));
+  }
+  if (Hkv < 1 || Hq % Hkv != 0 || Hq / Hkv > kMaxG) {
+    return ReadyFuture(InvalidArg("Hq (" + std::to_string(Hq) + ") must be a multiple of Hkv (" +
+                                  std::to_string(Hkv) + ") with G = Hq/Hkv <= " + std::to_string(kMaxG)));
+  }
+  if (N > (int64_t{1} << 31)) return ReadyFuture(InvalidArg("N must be < 2^31, got " + std::to_string(N)));
+  for (auto* b : {&start, &end, &keep}) {
+    if (b->dimensions().size() != 1 || b->dimensions()[0] != B) {
+      return ReadyFuture(InvalidArg("start, end and keep must be int32 [B], got " + Shape(b->dimensions())));
+    }
+  }
+  const auto od = out->dimensions();
+  if (od.size() != 3 || od[0] != B || od[1] != Hq || od[2] != D || lse->element_count() != size_t(B * Hq)) {
+    return ReadyFuture(InvalidArg("outputs must be out float32 [B, Hq, D] and lse float32 [B, Hq]"));
+  }
+  if (impl < 0 || impl > 2) return ReadyFuture(InvalidArg("impl must be 0 (auto), 1 (scalar) or 2 (avx2)"));
+  if (impl == 2 && !CpuHasAvx2()) return ReadyFuture(InvalidArg("impl=avx2 requested but the CPU lacks AVX2/FMA"));
+  if (B == 0 || Hq == 0) return ReadyFuture(ffi::Error::Success());
+  const bool avx2 = impl != 1 && CpuHasAvx2();
+  const bool bf16 = k.element_type() == ffi::BF16;
+  const int64_t G = Hq / Hkv;
+  const float* qp = q.typed_data();
+  const void* kp = k.untyped_data();
+  const void* vp = v.untyped_data();
+  const int32_t* sp = start.typed_data();
+  const int32_t* ep = end.typed_data();
+  const int32_t* np_ = keep.typed_data();
+  float* op = out->typed_data();
+  float* lp = lse->typed_data();
+  return RunParallel(pool, B * Hkv, max_threads, [=](int64_t bh) -> ffi::Error {
+    const int64_t b = bh / Hkv;
+    const int64_t s = std::clamp<int64_t>(sp[b], 0, N);
+    const int64_t e = std::clamp<int64_t>(ep[b], s, N);
+    const int64_t n = e - s;
+    const int64_t kept = std::clamp<int64_t>(np_[b], 0, n);
+    const int64_t base = bh * N * D;  // KV head (b, h) of [B, Hkv, N, D]
+    const float* qh = qp + bh * G * D;
+    float* oh = op + bh * G * D;
+    float* lh = lp + bh * G;
+    if (bf16) {
+      TopkKvHead(qh, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base, s, n, kept,
+                 G, D, avx2, oh, lh);
+    } else {
+      TopkKvHead(qh, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, s, n, kept, G, D,
+                 avx2, oh, lh);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigTopkAttention, TopkAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("impl")
+                                  .Attr<int64_t>("max_threads"));

@@ -1,0 +1,213 @@
+"""Quest attention on the host KV cache (XLA FFI, CPU), with per-page key bounds kept beside the cache.
+
+Quest (Tang et al., ICML 2024, arXiv 2406.10774, Section 3.2) cuts the cache into pages of
+``page_size`` positions and keeps, per page and KV head, the elementwise min and max of its
+keys; at each step it scores every page by the upper bound of ``q·k`` those give, keeps the
+best pages and attends exactly over their keys. Here:
+
+* :class:`QuestPages` holds the bounds of a range ``[start, end)`` of each row (float32
+  ``[B, Hkv, P, D]`` twice), page j = ``[start + j*page_size, ...)``;
+  :func:`quest_build_pages` computes them after prefill, :func:`quest_append_pages` extends the
+  range when keys join it (the last partial page's bounds are widened, new pages filled), so
+  the bounds are maintained with the cache instead of recomputed;
+* :func:`host_quest_attention` runs the C++ handler ``magicpig_quest_attention``
+  (``host_ops/quest_attention.cc``): page scores, a partial selection of the best pages
+  (``std::nth_element``; ties by the smaller page), exact attention over their K and V rows.
+
+It has the semantics of :func:`magicpig_jax.attention.quest_attention` on the range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from magicpig_jax.attention._common import check_lengths, check_qkv
+from magicpig_jax.attention.baselines import budget_tokens, check_budget, check_page_size
+from magicpig_jax.host._ext import impl_code, ops
+from magicpig_jax.host.exact import MAX_GROUP
+from magicpig_jax.host.validate import check_int, check_kv_dtypes
+
+__all__ = ["QuestPages", "quest_build_pages", "quest_append_pages", "host_quest_attention", "quest_pages_kept",
+           "quest_page_bytes"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuestPages:
+    """Per-page key bounds of the range ``[start, end)`` of each row (a pytree).
+
+    Attributes:
+      kmin, kmax: float32 ``[B, Hkv, P, D]``, the elementwise min and max of the keys of each page
+        (pages past the range hold +inf / -inf).
+      start, end: int32 ``[B]``.
+      page_size: static int.
+    """
+
+    kmin: Float[Array, "B Hkv P D"]
+    kmax: Float[Array, "B Hkv P D"]
+    start: Int[Array, " B"]
+    end: Int[Array, " B"]
+    page_size: int = dataclasses.field(metadata=dict(static=True), default=16)
+
+
+def _bounds_of(k, start, end, page_size: int, P: int):
+    """``(kmin, kmax)`` ``[B, Hkv, P, D]`` of the keys ``[start, end)`` paged from ``start``."""
+    B, Hkv, N, D = k.shape
+    j = jnp.arange(P * page_size, dtype=jnp.int32)
+    pos = start[:, None] + j[None, :]  # [B, P*ps]
+    valid = pos < end[:, None]
+    idx = jnp.clip(pos, 0, N - 1)
+    kp = jnp.take_along_axis(k.astype(jnp.float32), idx[:, None, :, None], axis=2)  # [B, Hkv, P*ps, D]
+    m = valid[:, None, :, None]
+    kmin = jnp.min(jnp.where(m, kp, jnp.inf).reshape(B, Hkv, P, page_size, D), axis=3)
+    kmax = jnp.max(jnp.where(m, kp, -jnp.inf).reshape(B, Hkv, P, page_size, D), axis=3)
+    return kmin, kmax
+
+
+def quest_build_pages(k: Float[Array, "B Hkv N D"], start: Int[Array, " B"], end: Int[Array, " B"],
+                      page_size: int = 16, capacity: int | None = None) -> QuestPages:
+    """The page bounds of the keys ``[start, end)`` of each row (pure JAX; jit-able).
+
+    Args:
+      k: float ``[B, Hkv, N, D]``.
+      start, end: int ``[B]`` (clipped to ``[0, N]``, ``end >= start``).
+      page_size: static ``int >= 1``.
+      capacity: static; the positions the range may grow to (default N): ``P = ceil(capacity / page_size)``.
+
+    Returns:
+      a :class:`QuestPages`.
+
+    Raises:
+      ValueError / TypeError: a bad ``page_size``, ``capacity`` or shapes.
+    """
+    check_page_size(page_size)
+    if k.ndim != 4:
+        raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(k.shape)}")
+    B, _, N, _ = k.shape
+    capacity = N if capacity is None else int(capacity)
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    start = check_lengths(start, B, N)
+    end = jnp.maximum(check_lengths(end, B, N), start)
+    P = -(-capacity // page_size)
+    kmin, kmax = _bounds_of(k, start, end, page_size, P)
+    return QuestPages(kmin=kmin, kmax=kmax, start=start, end=end, page_size=page_size)
+
+
+def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: Int[Array, " B"],
+                       max_count: int) -> QuestPages:
+    """Extend each row's range by ``counts[b]`` keys (``[end, end + counts)``), updating the bounds in place.
+
+    Only the pages the new keys fall in are touched: the bounds of the last partial page are
+    widened (min/max are monotone), later pages filled.
+
+    Args:
+      pages: the current :class:`QuestPages`.
+      k: the cache ``[B, Hkv, N, D]`` holding the new keys.
+      counts: int ``[B]``, ``0 <= counts[b] <= max_count``.
+      max_count: static bound on ``counts`` (e.g. the generation buffer).
+
+    Returns:
+      the updated :class:`QuestPages` (``end`` advanced by ``counts``).
+    """
+    B, Hkv, N, D = k.shape
+    ps = pages.page_size
+    P = pages.kmin.shape[2]
+    counts = jnp.clip(jnp.asarray(counts, jnp.int32), 0, max_count)
+    new_end = jnp.minimum(pages.end + counts, N)
+    first = (pages.end - pages.start) // ps  # the page the first new key falls in
+    W = -(-max_count // ps) + 1  # pages a block of max_count keys can touch
+    pidx = jnp.clip(first[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :], 0, P - 1)  # [B, W]
+    j = pidx[:, :, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, None, :]  # [B, W, ps] offsets in range
+    pos = pages.start[:, None, None] + j
+    new = (pos >= pages.end[:, None, None]) & (pos < new_end[:, None, None])
+    idx = jnp.clip(pos, 0, N - 1).reshape(B, -1)
+    kp = jnp.take_along_axis(k.astype(jnp.float32), idx[:, None, :, None], axis=2).reshape(B, Hkv, W, ps, D)
+    m = new[:, None, :, :, None]
+    add_min = jnp.min(jnp.where(m, kp, jnp.inf), axis=3)  # [B, Hkv, W, D]
+    add_max = jnp.max(jnp.where(m, kp, -jnp.inf), axis=3)
+    bi = jnp.arange(B)[:, None]
+
+    def upd(arr, vals, fn):
+        cur = arr[bi, :, pidx]  # [B, W, Hkv, D]
+        return arr.at[bi, :, pidx].set(fn(cur, vals.transpose(0, 2, 1, 3)))
+
+    kmin = upd(pages.kmin, add_min, jnp.minimum)
+    kmax = upd(pages.kmax, add_max, jnp.maximum)
+    return QuestPages(kmin=kmin, kmax=kmax, start=pages.start, end=new_end, page_size=ps)
+
+
+def quest_pages_kept(budget: int | float, n: jax.Array, page_size: int) -> jax.Array:
+    """Pages each row keeps, as :func:`magicpig_jax.attention.quest_attention`: ``max(1, floor(t/page))``
+    with ``t = min(budget_tokens, n)``, or every page when ``t = n`` (int32 ``[B]``)."""
+    tokens = jnp.minimum(budget_tokens(budget, n), n)
+    all_pages = (n + page_size - 1) // page_size
+    return jnp.where(tokens >= n, all_pages, jnp.maximum(tokens // page_size, 1)).astype(jnp.int32)
+
+
+def quest_page_bytes(pages: QuestPages) -> int:
+    """Bytes of the page bounds (the metadata Quest keeps beside the cache)."""
+    return int(pages.kmin.nbytes + pages.kmax.nbytes)
+
+
+def host_quest_attention(
+    q: Float[Array, "B Hq D"],
+    k: Float[Array, "B Hkv N D"],
+    v: Float[Array, "B Hkv N D"],
+    pages: QuestPages,
+    budget: int | float,
+    *,
+    impl: str = "auto",
+    max_threads: int = 0,
+) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
+    """Quest attention over the range ``[pages.start, pages.end)`` of each row, in the host op.
+
+    Equal to :func:`magicpig_jax.attention.quest_attention` ``(q, k[:, :, s:], v[:, :, s:],
+    page_size, budget, end - s)`` for a row starting at ``s`` (same pages kept, same output to
+    float32 rounding): each query head keeps its ``max(1, floor(t / page_size))`` best pages
+    (``t = min(budget_tokens, n)``), or all of them when ``t = n``.
+
+    Args:
+      q: float ``[B, Hq, D]``.
+      k, v: ``[B, Hkv, N, D]``, both float32 or both bfloat16 (read in place).
+      pages: the :class:`QuestPages` of these keys.
+      budget: ``int >= 1`` tokens or a ``float`` in ``(0, 1]`` fraction of each row's range.
+      impl: ``"auto"``, ``"scalar"`` or ``"avx2"``; max_threads: cap on the op's threads (0: the pool).
+
+    Returns:
+      ``(out, lse)``: out float32 ``[B, Hq, D]``, lse float32 ``[B, Hq]``; an empty range gives ``0, -inf``.
+
+    Raises:
+      ValueError: mismatched shapes, ``G > MAX_GROUP``, a budget out of range, bad ``impl``/``max_threads``.
+      TypeError: k and v not both float32 or both bfloat16, ``pages`` not a :class:`QuestPages`.
+      ImportError: the native extension is not built.
+
+    Source: Tang et al., ICML 2024 (arXiv 2406.10774), Section 3.2 / Algorithm 1.
+    """
+    code = impl_code(impl)
+    max_threads = check_int("max_threads", max_threads, 0, 4096)
+    B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    check_kv_dtypes(k, v)
+    check_budget(budget)
+    if not isinstance(pages, QuestPages):
+        raise TypeError(f"pages must be a QuestPages, got {type(pages).__name__}")
+    if pages.kmin.shape[:2] != (B, Hkv) or pages.kmin.shape[3] != D or pages.kmax.shape != pages.kmin.shape:
+        raise ValueError(f"pages.kmin/kmax must be [B, Hkv, P, D] = [{B}, {Hkv}, P, {D}], got "
+                         f"{tuple(pages.kmin.shape)} and {tuple(pages.kmax.shape)}")
+    if Hq // Hkv > MAX_GROUP:
+        raise ValueError(f"G = Hq / Hkv must be <= {MAX_GROUP}, got {Hq // Hkv}")
+    n = pages.end - pages.start
+    kept = quest_pages_kept(budget, n, pages.page_size)
+    ops()
+    return jax.ffi.ffi_call(
+        "magicpig_quest_attention",
+        (jax.ShapeDtypeStruct((B, Hq, D), jnp.float32), jax.ShapeDtypeStruct((B, Hq), jnp.float32)),
+        vmap_method="sequential",
+    )(q.astype(jnp.float32), k, v, pages.kmin.astype(jnp.float32), pages.kmax.astype(jnp.float32),
+      pages.start.astype(jnp.int32), pages.end.astype(jnp.int32), kept, page_size=np.int64(pages.page_size),
+      impl=np.int64(code), max_threads=np.int64(max_threads))

@@ -1,0 +1,98 @@
+"""Per-layer MagicPIG configurations (magicpig_jax.attention.LayerConfigs): validation, hashing, the
+JSON file, and decoding with them (each layer's state built with its own K and L; one config for
+every layer decodes as the plain spec)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from magicpig_jax.attention import HybridConfig, LayerConfigs, MagicPIGConfig
+from magicpig_jax.attention.layer_configs import FORMAT
+
+
+def test_validation_and_hash():
+    a, b = MagicPIGConfig(K=8, L=75), MagicPIGConfig(K=10, L=150)
+    lc = LayerConfigs(((2, a), (0, "dense"), (1, b)))
+    assert lc.layers[0] == (0, "dense") and lc.dense_layers == (0,) and lc.sparse_layers == (1, 2)
+    assert lc.base() == b and lc.config(2) == a
+    assert hash(lc) == hash(LayerConfigs(((0, "dense"), (1, b), (2, a))))
+    assert LayerConfigs.uniform(b, 3, [0]) == LayerConfigs(((0, "dense"), (1, b), (2, b)))
+    with pytest.raises(ValueError, match="every layer"):
+        LayerConfigs(((0, a), (2, b)))
+    with pytest.raises(ValueError, match="at least one"):
+        LayerConfigs(())
+    with pytest.raises(TypeError, match="MagicPIGConfig or 'dense'"):
+        LayerConfigs(((0, "sparse"),))
+    with pytest.raises(ValueError, match="share num_sink"):
+        LayerConfigs(((0, a), (1, MagicPIGConfig(num_local=8))))
+    with pytest.raises(ValueError, match="has 4"):
+        lc.check_num_layers(4)
+
+
+def test_json_round_trip(tmp_path):
+    lc = LayerConfigs(((0, "dense"), (1, MagicPIGConfig(K=9, L=120, num_local=32, seed=3)),
+                       (2, MagicPIGConfig(K=11, L=300, num_local=32, seed=3))), info=(("model", "tiny"),))
+    path = lc.save(tmp_path / "cfg.json", extra={"kl_budget": 0.01})
+    obj = json.loads(path.read_text())
+    assert obj["format"] == FORMAT and obj["layers"]["1"] == {"K": 9, "L": 120} and obj["kl_budget"] == 0.01
+    assert obj["num_local"] == 32 and obj["seed"] == 3
+    assert LayerConfigs.load(path) == lc
+    hy = LayerConfigs(((0, HybridConfig(K=4, L=10, heavy=5)),))
+    assert LayerConfigs.from_json(hy.to_json()) == hy
+    bad = dict(obj, layers={"0": {"K": 40, "L": 2}})
+    with pytest.raises(ValueError, match="invalid entry"):
+        LayerConfigs.from_json(bad)
+    with pytest.raises(ValueError, match="format"):
+        LayerConfigs.from_json({"layers": {}})
+    (tmp_path / "x.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        LayerConfigs.load(tmp_path / "x.json")
+    with pytest.raises(FileNotFoundError):
+        LayerConfigs.load(tmp_path / "none.json")
+
+
+def test_decode_spec_checks_the_layers():
+    from magicpig_jax.models.backends import DecodeSpec
+
+    a = MagicPIGConfig(K=4, L=10)
+    lc = LayerConfigs(((0, "dense"), (1, a), (2, a)))
+    spec = DecodeSpec(backend="magicpig-ref", magicpig=a, dense_layers=(0,), layers=lc)
+    assert hash(spec) == hash(dataclasses.replace(spec))
+    with pytest.raises(ValueError, match="dense_layers"):
+        DecodeSpec(backend="magicpig-ref", magicpig=a, dense_layers=(), layers=lc)
+    with pytest.raises(ValueError, match="backends"):
+        DecodeSpec(backend="topk", magicpig=a, dense_layers=(0,), budget=4, layers=lc)
+    with pytest.raises(ValueError, match="HybridConfig"):
+        DecodeSpec(backend="hybrid", magicpig=a, dense_layers=(0,), layers=lc)
+
+
+@pytest.mark.parametrize("backend", ["magicpig", "magicpig-ref"])
+def test_decode_with_per_layer_configs(backend):
+    from magicpig_jax.decode_loop import Sampling, run_decode
+    from magicpig_jax.generation import decode_spec, prefill
+    from magicpig_jax.models.backends import LayerState, backend_for
+    from magicpig_jax.models.decoding import build_indices
+    from tests._tiny import tiny_model
+
+    model = tiny_model(0)
+    rng = np.random.default_rng(0)
+    state = prefill(model, [list(rng.integers(1, 97, 500))], 12)
+    a, b = MagicPIGConfig(K=4, L=10, num_local=16), MagicPIGConfig(K=6, L=24, num_local=16)
+    mixed = LayerConfigs(((0, "dense"), (1, a), (2, b)))
+    spec = decode_spec(model, backend, mixed)
+    assert spec.layers == mixed and spec.dense_layers == (0,) and "per-layer" in backend_for(spec).name
+    states = build_indices(state.cache, spec, 3)
+    assert states[0] is None and isinstance(states[1], LayerState)
+    assert (states[1].config, states[2].config) == (a, b)
+    shape_l = (lambda s: s.L) if backend == "magicpig" else (lambda s: s.codes.shape[-1])
+    assert (shape_l(states[1].state), shape_l(states[2].state)) == (10, 24)
+    out, stats = run_decode(model, state, spec, 12, Sampling())
+    assert set(stats["sampled_fraction_per_layer"]) == {1, 2}
+    # one config everywhere: the same tokens as the plain spec
+    uniform = decode_spec(model, backend, LayerConfigs.uniform(a, 3, [0]))
+    plain = decode_spec(model, backend, a, [0])
+    assert run_decode(model, state, uniform, 12, Sampling())[0] == run_decode(model, state, plain, 12, Sampling())[0]
