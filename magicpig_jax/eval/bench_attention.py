@@ -22,6 +22,7 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,103 @@ def _timeit(fn, reps: int) -> float:
         jax.block_until_ready(fn())
         ts.append(time.perf_counter() - t)
     return float(np.median(ts))
+
+
+class _Evict:
+    """Writes a buffer of 4x the last-level cache (64 MiB at least) between timed calls, so each call
+    starts as a decode step does: the layer's K/V rows and buckets in DRAM, not left in L3 by the
+    previous call with the same query."""
+
+    def __init__(self):
+        self.buf = np.zeros(max(64 << 20, 4 * _llc_bytes()) // 8, np.float64)
+
+    def __call__(self) -> None:
+        self.buf += 1.0
+
+
+def _llc_bytes() -> int:
+    """The largest CPU cache (sysfs), 32 MiB when unknown."""
+    best = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            txt = size.read_text().strip()
+            best = max(best, int(txt[:-1]) * (1024 if txt.endswith("K") else 1 << 20 if txt.endswith("M") else 1))
+        except (OSError, ValueError):
+            pass
+    return best or (32 << 20)
+
+
+def _timed_pair(fns: dict, reps: int, evict) -> dict:
+    """Times each of ``fns`` ``reps`` times, interleaved (so drift of the machine hits all alike),
+    each call after ``evict()`` if given. Returns ``{name: [seconds, ...]}``."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile
+    ts = {name: [] for name in fns} | {name + "_cpu": [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if evict is not None:
+                evict()
+            c, t = time.process_time(), time.perf_counter()
+            jax.block_until_ready(fn())
+            ts[name].append(time.perf_counter() - t)
+            ts[name + "_cpu"].append(time.process_time() - c)  # every thread of the process
+    return ts
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """``(busy, total)`` jiffies of the whole machine (``/proc/stat``), (0, 0) where unavailable."""
+    try:
+        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return sum(vals) - idle, sum(vals)
+
+
+class _OtherLoad:
+    """The share of the machine's CPU time that other processes used while timing: a run where it is
+    not near 0 measured time slices, not the op (the figures of such a run are not comparable)."""
+
+    def __enter__(self):
+        self.busy, self.total = _cpu_ticks()
+        self.own = time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        busy, total = _cpu_ticks()
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        own = (time.process_time() - self.own) * hz
+        self.fraction = max(0.0, (busy - self.busy - own) / (total - self.total)) if total > self.total else None
+        return False
+
+
+def _spread_ms(xs) -> dict:
+    ms = 1e3 * np.asarray(xs)
+    return {"median": float(np.median(ms)), "min": float(ms.min()), "max": float(ms.max())}
+
+
+def huge_page_coverage(*trees) -> tuple[int, int]:
+    """``(bytes in AnonHugePages, bytes)`` of the CPU buffers of ``trees``, from ``/proc/self/smaps``
+    (the huge pages of every mapping a buffer overlaps, capped at the overlap; (0, bytes) where
+    smaps is unavailable)."""
+    spans = []
+    for leaf in jax.tree.leaves(trees):
+        if isinstance(leaf, jax.Array) and leaf.nbytes:
+            spans.append((leaf.unsafe_buffer_pointer(), leaf.nbytes))
+    total = sum(n for _, n in spans)
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0, total
+    huge, cur = 0, 0
+    for line in lines:
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            cur = sum(max(0, min(hi, p + n) - max(lo, p)) for p, n in spans)
+        elif head == "AnonHugePages:" and cur:
+            huge += min(cur, int(line.split()[1]) * 1024)
+    return huge, total
 
 
 def _copy_bandwidth(nbytes: int = 256 << 20, reps: int = 5) -> float:
@@ -99,13 +197,19 @@ def run_one(shape_name, N, args, rng, copy_bw):
     t = time.perf_counter()
     hidx = jax.block_until_ready(host.host_build_index(k, proj, cfg, lengths))
     build_s = time.perf_counter() - t
-    huge = host.advise_huge_pages(k, v, hidx)  # as the decoder does for its cache and indices
+    huge = host.advise_huge_pages(k, v, hidx) if args.huge_pages else 0  # as the decoder does
+    huge_kv = huge_page_coverage(k, v)
+    huge_index = huge_page_coverage(hidx.ids, hidx.offsets)
 
-    attn = jax.jit(lambda q, k, v, i, n: host.host_magicpig_attention(q, k, v, i, cfg, n))
-    t_host = _timeit(lambda: attn(q, k, v, hidx, lengths), args.reps)
+    window = cfg.static_window()  # the decoder's default, also host_magicpig_attention's
+    attn = jax.jit(lambda q, k, v, i, n: host.host_magicpig_attention(q, k, v, i, cfg, n, static_window=window))
     q_codes = jax.jit(lambda q: lsh.simhash_codes(q, hidx.projections, cfg.K, cfg.L))(q)
-    op = jax.jit(lambda q, qc, k, v, i, n: host.host_sampled_attention(q, qc, k, v, i, n, window=320))
-    t_op = _timeit(lambda: op(q, q_codes, k, v, hidx, lengths), args.reps)
+    op = jax.jit(lambda q, qc, k, v, i, n: host.host_sampled_attention(q, qc, k, v, i, n, window=window))
+    fns = {"op": lambda: op(q, q_codes, k, v, hidx, lengths), "host": lambda: attn(q, k, v, hidx, lengths)}
+    with _OtherLoad() as load:
+        cold = _timed_pair(fns, args.reps, _Evict())  # each call from DRAM, as in a decode step
+        warm = _timed_pair(fns, args.reps, None)  # the same query again: its rows partly still in L3
+    t_op, t_host = float(np.median(cold["op"])), float(np.median(cold["host"]))
     _, _, ns = attn(q, k, v, hidx, lengths)
     dense = jax.jit(dense_attention)
     t_dense = _timeit(lambda: dense(q, k, v, lengths), max(1, args.reps // 2))
@@ -130,9 +234,17 @@ def run_one(shape_name, N, args, rng, copy_bw):
         "L": cfg.L,
         "kv_dtype": "bfloat16",
         "huge_page_bytes": huge,
+        "kv_anon_huge_bytes": huge_kv[0], "kv_bytes": huge_kv[1],
+        "index_anon_huge_bytes": huge_index[0], "index_bytes": huge_index[1],
+        "static_window": window,
         "build_s": build_s,
         "host_attention_ms": 1e3 * t_host,
         "host_op_only_ms": 1e3 * t_op,
+        "host_attention_spread_ms": _spread_ms(cold["host"]), "host_op_only_spread_ms": _spread_ms(cold["op"]),
+        "host_attention_warm_ms": _spread_ms(warm["host"]), "host_op_only_warm_ms": _spread_ms(warm["op"]),
+        "op_alone_over_op_plus_jax": [a / b for a, b in zip(cold["op"], cold["host"], strict=True)],
+        "host_op_only_cpu_ms": _spread_ms(cold["op_cpu"]), "host_attention_cpu_ms": _spread_ms(cold["host_cpu"]),
+        "other_processes_cpu_fraction": load.fraction,
         "dense_ms": 1e3 * t_dense,
         "reference_ms": None if ref is None else 1e3 * ref,
         "reference_skipped": None if ref is not None else f"N > --ref-max-n={args.ref_max_n} (memory)",
@@ -144,6 +256,7 @@ def run_one(shape_name, N, args, rng, copy_bw):
         "touched_GBps": touched / t_op / 1e9,
         "copy_GBps": copy_bw / 1e9,
         "fraction_of_copy_bw": touched / t_op / copy_bw,
+        "fraction_of_copy_bw_warm": touched / (1e-3 * _spread_ms(warm["op"])["median"]) / copy_bw,
         "index_bytes_per_token_per_kv_head": idx_bytes / (N * Hkv),
         "kv_bytes_per_token_per_kv_head": row_bytes,
         "index_to_kv_ratio": idx_bytes / (N * Hkv * row_bytes),
@@ -189,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--K", type=int, default=10)
     p.add_argument("--L", type=int, default=150)
-    p.add_argument("--reps", type=int, default=10, help="timed repetitions (median)")
+    p.add_argument("--reps", type=int, default=10, help="timed repetitions (median, min, max; >= 5)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="leave the buffers on 4 KiB pages (to measure what huge pages give)")
     p.add_argument("--ref-max-n", type=int, default=32768,
                    help="skip the pure-JAX reference above this N (its codes and hit counts are O(N*L))")
     p.add_argument("--out", default="runs/bench_attention", help="output prefix (.json and .png)")
@@ -197,28 +312,44 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if any(n < 128 for n in args.n):
         p.error("--n values must be >= 128")
+    if args.reps < 5:
+        p.error("--reps must be >= 5")
     rng = np.random.default_rng(args.seed)
     copy_bw = _copy_bandwidth()
     results = []
     jobs = [(s, n) for s in args.shapes for n in sorted(args.n)]
     for shape, n in tqdm(jobs, desc="bench attention"):
         results.append(run_one(shape, n, args, rng, copy_bw))
+    copy_end = _copy_bandwidth()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    meta = {"reps": args.reps, "huge_pages": args.huge_pages, "llc_bytes": _llc_bytes(),
+            "timing": "op alone and op + static + merge interleaved, each call after writing 4x the LLC "
+                      "(cold, as in a decode step); *_warm: the same calls back to back (the query's rows partly "
+                      "in L3); fraction_of_copy_bw uses the cold median"}
     with open(args.out + ".json", "w") as f:
-        json.dump({"copy_GBps": copy_bw / 1e9, "results": results}, f, indent=2)
+        json.dump({"copy_GBps": copy_bw / 1e9, "copy_GBps_end": copy_end / 1e9, "meta": meta, "results": results},
+                  f, indent=2)
     plotted = _plot(results, args.out + ".png")
     hdr = (
-        f"{'shape':14s} {'N':>7s} {'host ms':>8s} {'op ms':>7s} {'dense ms':>9s} {'ref ms':>8s} "
-        f"{'x dense':>7s} {'sampled':>8s} {'GB/s':>6s} {'%copy':>6s} {'idx/kv':>6s}"
+        f"{'shape':14s} {'N':>7s} {'host ms':>8s} {'op ms':>7s} {'op [min,max]':>14s} {'warm':>6s} {'dense ms':>9s} "
+        f"{'ref ms':>8s} {'x dense':>7s} {'sampled':>8s} {'GB/s':>6s} {'%copy':>6s} {'%warm':>6s} {'huge':>5s} "
+        f"{'idx/kv':>6s}"
     )
     print(hdr)
     for r in results:
         ref = "skip" if r["reference_ms"] is None else f"{r['reference_ms']:.1f}"
+        sp = r["host_op_only_spread_ms"]
+        huge = (r["kv_anon_huge_bytes"] + r["index_anon_huge_bytes"]) / max(1, r["kv_bytes"] + r["index_bytes"])
         print(f"{r['shape']:14s} {r['N']:7d} {r['host_attention_ms']:8.2f} {r['host_op_only_ms']:7.2f} "
-              f"{r['dense_ms']:9.1f} {ref:>8s} {r['speedup_vs_dense']:7.1f} {r['sampled_fraction']:8.4f} "
-              f"{r['touched_GBps']:6.2f} {100 * r['fraction_of_copy_bw']:6.1f} {r['index_to_kv_ratio']:6.3f}")
+              f"{'[' + format(sp['min'], '.2f') + ',' + format(sp['max'], '.2f') + ']':>14s} "
+              f"{r['host_op_only_warm_ms']['median']:6.2f} {r['dense_ms']:9.1f} {ref:>8s} {r['speedup_vs_dense']:7.1f} "
+              f"{r['sampled_fraction']:8.4f} {r['touched_GBps']:6.2f} {100 * r['fraction_of_copy_bw']:6.1f} "
+              f"{100 * r['fraction_of_copy_bw_warm']:6.1f} {100 * huge:4.0f}% {r['index_to_kv_ratio']:6.3f}")
+        if (r["other_processes_cpu_fraction"] or 0) > 0.05:
+            print(f"  warning: other processes used {100 * r['other_processes_cpu_fraction']:.0f}% of the CPU time "
+                  "while timing: these figures measure time slices, not the op")
     wrote = f"{args.out}.json" + (" and .png" if plotted else "")
-    print(f"copy bandwidth {copy_bw / 1e9:.2f} GB/s; wrote {wrote}")
+    print(f"copy bandwidth {copy_bw / 1e9:.2f} GB/s (start), {copy_end / 1e9:.2f} GB/s (end); wrote {wrote}")
     return 0 if math.isfinite(copy_bw) else 1
 
 
