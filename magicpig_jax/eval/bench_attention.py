@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magicpig_jax.eval.rss import OtherLoad
+
 SHAPES = {"llama3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 
 
@@ -80,33 +82,6 @@ def _timed_pair(fns: dict, reps: int, evict) -> dict:
             ts[name].append(time.perf_counter() - t)
             ts[name + "_cpu"].append(time.process_time() - c)  # every thread of the process
     return ts
-
-
-def _cpu_ticks() -> tuple[int, int]:
-    """``(busy, total)`` jiffies of the whole machine (``/proc/stat``), (0, 0) where unavailable."""
-    try:
-        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    return sum(vals) - idle, sum(vals)
-
-
-class _OtherLoad:
-    """The share of the machine's CPU time that other processes used while timing: a run where it is
-    not near 0 measured time slices, not the op (the figures of such a run are not comparable)."""
-
-    def __enter__(self):
-        self.busy, self.total = _cpu_ticks()
-        self.own = time.process_time()
-        return self
-
-    def __exit__(self, *exc):
-        busy, total = _cpu_ticks()
-        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        own = (time.process_time() - self.own) * hz
-        self.fraction = max(0.0, (busy - self.busy - own) / (total - self.total)) if total > self.total else None
-        return False
 
 
 def _spread_ms(xs) -> dict:
@@ -206,7 +181,7 @@ def run_one(shape_name, N, args, rng, copy_bw):
     q_codes = jax.jit(lambda q: lsh.simhash_codes(q, hidx.projections, cfg.K, cfg.L))(q)
     op = jax.jit(lambda q, qc, k, v, i, n: host.host_sampled_attention(q, qc, k, v, i, n, window=window))
     fns = {"op": lambda: op(q, q_codes, k, v, hidx, lengths), "host": lambda: attn(q, k, v, hidx, lengths)}
-    with _OtherLoad() as load:
+    with OtherLoad() as load:
         cold = _timed_pair(fns, args.reps, _Evict())  # each call from DRAM, as in a decode step
         warm = _timed_pair(fns, args.reps, None)  # the same query again: its rows partly still in L3
     t_op, t_host = float(np.median(cold["op"])), float(np.median(cold["host"]))

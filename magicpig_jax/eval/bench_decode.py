@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from magicpig_jax.eval.peer import PEERS, llama_cpp_available
-from magicpig_jax.eval.rss import PeakRSS
+from magicpig_jax.eval.rss import OtherLoad, PeakRSS
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
@@ -94,9 +94,12 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
     spec = dataclasses.replace(decode_spec(model, method, cfg), **spec_options)
     rss.reset()
     ms, fracs, builds, compile_s, rows, runs_on = [], [], [], None, None, None
+    loads = []
     for r in range(warmup + repeats):
         st = batched_state(state, batch)
-        outs, stats = run_decode(model, st, spec, steps + 1, Sampling(), stop_on_eos=False)
+        with OtherLoad() as load:
+            outs, stats = run_decode(model, st, spec, steps + 1, Sampling(), stop_on_eos=False)
+        loads.append(load.fraction)
         runs_on = stats.get("attention_runs_on")
         del st
         if compile_s is None:
@@ -113,6 +116,7 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
         "sampled_fraction": None if fracs[0] is None else float(np.mean(fracs)),
         "index_build_seconds": None if builds[0] is None else float(np.median(builds)),
         "compile_seconds": compile_s, "peak_rss_bytes": rss.peak_bytes(), "runs_on": runs_on,
+        "other_processes_cpu_fraction": max((x for x in loads if x is not None), default=None),
         "tokens": rows[0], "rows_identical": all(r == rows[0] for r in rows),
     }
 
@@ -233,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
                     "the one-row prefill; llama.cpp: its own child process); tokens_equal_to_dense: greedy tokens "
                     "of row 0 equal position by position to our dense decode of the same prompt and B"}
     _print(results)
+    busy = [r for r in results if (r.get("other_processes_cpu_fraction") or 0) > 0.05]
+    if busy:
+        print(f"warning: other processes used > 5% of the CPU during {len(busy)} of {len(results)} configurations "
+              f"(up to {100 * max(r['other_processes_cpu_fraction'] for r in busy):.0f}%): those timings measure time "
+              "slices; rerun on a quiet machine")
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results, "ratios": ratios(results)}, f, indent=2)
     _plot(results, args.out + ".png")

@@ -167,8 +167,12 @@ def llama_cpp_batch_decode(model_path: str | Path, prompt_ids: Sequence[int], ba
         for B in batches:
             if rss is not None:
                 rss.reset()
-            results.append(_one_batch(low, model, n_vocab, list(prompt_ids), int(B), steps, repeats, threads, n_batch,
-                                      np))
+            from magicpig_jax.eval.rss import OtherLoad
+
+            with OtherLoad() as load:
+                results.append(_one_batch(low, model, n_vocab, list(prompt_ids), int(B), steps, repeats, threads,
+                                          n_batch, np))
+            results[-1]["other_processes_cpu_fraction"] = load.fraction
             if rss is not None:
                 results[-1]["peak_rss_bytes"] = rss.peak_bytes()
             results[-1].update(version=llama_cpp.__version__, threads=threads)

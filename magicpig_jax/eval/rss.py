@@ -1,4 +1,5 @@
-"""Peak resident memory of this process over one measured phase (Linux ``VmHWM``, reset per phase).
+"""Peak resident memory of this process over one measured phase (Linux ``VmHWM``, reset per phase),
+and the share of the machine's CPU that other processes used meanwhile.
 
 Writing ``5`` to ``/proc/self/clear_refs`` resets the kernel's peak-RSS mark (Linux >= 4.0), so
 one process can report the peak of each benchmark configuration in turn. Where that is not
@@ -7,11 +8,13 @@ possible the mark is the process's peak since it started (``resettable`` is Fals
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+import time
 from pathlib import Path
 
-__all__ = ["PeakRSS"]
+__all__ = ["OtherLoad", "PeakRSS"]
 
 
 class PeakRSS:
@@ -49,3 +52,30 @@ class PeakRSS:
         except OSError:
             pass
         return 0
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """``(busy, total)`` jiffies of the whole machine (``/proc/stat``), (0, 0) where unavailable."""
+    try:
+        vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return sum(vals) - idle, sum(vals)
+
+
+class OtherLoad:
+    """The share of the machine's CPU time that other processes used while timing: a run where it is
+    not near 0 measured time slices, not the op (the figures of such a run are not comparable)."""
+
+    def __enter__(self):
+        self.busy, self.total = _cpu_ticks()
+        self.own = time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        busy, total = _cpu_ticks()
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        own = (time.process_time() - self.own) * hz
+        self.fraction = max(0.0, (busy - self.busy - own) / (total - self.total)) if total > self.total else None
+        return False
