@@ -19,3 +19,24 @@ def test_parse_methods_and_lengths():
     assert parse_lengths("2K,4k,8192") == [2048, 4096, 8192]
     with pytest.raises(ValueError):
         parse_lengths("2Q")
+
+
+def test_parse_new_methods(tmp_path):
+    hy = parse_methods("hybrid:10x150x12")[0]
+    assert (hy.label, hy.backend, hy.K, hy.L, hy.heavy) == ("hybrid:10x150x12", "hybrid", 10, 150, 12)
+    assert parse_methods("hybrid")[0].label == "hybrid:10x150x8"
+    ref = parse_methods("topk-ref:32,quest-ref")
+    assert [(m.label, m.backend, m.host) for m in ref] == [("magicpig:10x150", "magicpig", None),
+                                                          ("topk-ref:32", "topk", False),
+                                                          ("quest-ref", "quest", False)]
+    cfg = tmp_path / "cal.json"
+    cfg.write_text("{}")
+    m = parse_methods(f"dense,magicpig@{cfg}")[1]
+    assert (m.label, m.backend, m.config_file) == ("magicpig@cal", "magicpig", str(cfg))
+    for bad in ("hybrid:10x150x2", "hybrid:10", "hybrid:10x150x151x3"):
+        with pytest.raises(ValueError):
+            parse_methods(bad)
+    with pytest.raises(FileNotFoundError):
+        parse_methods(f"magicpig@{tmp_path / 'none.json'}")
+    with pytest.raises(ValueError, match="budget-from"):
+        parse_methods("topk", budget_from=f"magicpig@{cfg}")

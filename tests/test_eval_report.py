@@ -1,51 +1,96 @@
-"""magicpig_jax.eval.report: the summary's means over the requested records, its markdown, the plots."""
+"""magicpig_jax.eval.report: the summary's means and 95% intervals over the requested records (against
+SciPy), the setups, the markdown, the Pareto front and the plots."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from scipy import stats as sst
 
 from magicpig_jax.eval import run
 from magicpig_jax.eval.methods import parse_methods
-from magicpig_jax.eval.report import format_summary, summarize, write_plots
+from magicpig_jax.eval.report import format_summary, pareto_front, summarize, write_plots
 from magicpig_jax.eval.run import EvalSettings
+from magicpig_jax.eval.stats import wilson_interval
 
 
-def _rec(kind, method, index, **kw):
-    task = "vt" if kind == "task" else "prose"
-    return {"kind": kind, "task": task, "length": 1024, "index": index, "method": method,
-            "sampled_fraction": 1.0 if method == "dense" else 0.05, "decode_tokens_per_s": 10.0, **kw}
+def _rec(kind, method, index, setup="A", **kw):
+    task = "niah_single" if kind == "task" else "prose"
+    rec = {"kind": kind, "task": task, "length": 1024, "index": index, "method": method,
+           "sampled_fraction": 1.0 if method == "dense" else 0.05, "decode_tokens_per_s": 10.0,
+           "ms_per_step": 20.0 + index, "bytes_per_step": {"k": 1e6, "v": 1e6, "index": 0.0, "pages": 0.0,
+                                                             "total": 2e6}, **kw}
+    if kind == "task":
+        rec["setup"] = setup
+    return rec
 
 
 def test_summarize_and_format():
-    settings = EvalSettings(tasks=["vt"], lengths=[1024], samples=2, methods=parse_methods("dense,topk:16"),
-                            likelihood_samples=1, likelihood_tokens=8)
-    lik = {"kl": 0.0, "ppl": 3.0, "nll": 1.0986, "top1": 1.0}
+    settings = EvalSettings(tasks=["niah_single"], lengths=[1024], samples=4, methods=parse_methods("dense,topk:16"),
+                            likelihood_samples=3, likelihood_tokens=8, setups=["A", "B"])
+    lik = {"ppl": 3.0, "nll": 1.0986, "top1": 1.0}
     records = [
-        _rec("task", "dense", 0, score=1.0), _rec("task", "dense", 1, score=0.5),
-        _rec("task", "dense", 2, score=0.0),  # index >= samples: not counted
-        _rec("task", "topk:16", 0, score=0.0, budget=16), _rec("task", "topk:16", 1, score=1.0, budget=16),
-        _rec("likelihood", "dense", 0, **lik),
-        _rec("likelihood", "topk:16", 0, budget=16, **{**lik, "kl": 0.25, "top1": 0.5}),
-        _rec("likelihood", "topk:16", 1, **{**lik, "kl": 9.0}),  # index >= likelihood_samples
+        *[_rec("task", "dense", i, score=s) for i, s in enumerate([1.0, 1.0, 1.0, 0.0])],
+        _rec("task", "dense", 4, score=0.0),  # index >= samples: not counted
+        *[_rec("task", "topk:16", i, score=s, budget=16) for i, s in enumerate([0.0, 1.0, 1.0, 0.0])],
+        *[_rec("task", "dense", i, setup="B", score=1.0) for i in range(2)],
+        *[_rec("likelihood", "dense", i, kl=0.0, **lik) for i in range(3)],
+        *[_rec("likelihood", "topk:16", i, budget=16, kl=kl, **{**lik, "top1": 0.5})
+          for i, kl in enumerate([0.25, 0.5, 0.75])],
+        _rec("likelihood", "topk:16", 3, kl=9.0, **lik),  # index >= likelihood_samples
     ]
     s = summarize(records, settings)
     dense, topk = s[1024]["dense"], s[1024]["topk:16"]
-    assert dense["accuracy"] == {"vt": 0.75} and dense["samples"] == {"vt": 2}
-    assert dense["cost"] == 1.0 and dense["kl"] == 0.0 and dense["budget"] is None
-    assert topk["mean_accuracy"] == 0.5 and topk["cost"] == pytest.approx(0.05)
-    assert topk["kl"] == 0.25 and topk["top1"] == 0.5 and topk["likelihood_samples"] == 1 and topk["budget"] == 16
+    a = dense["tasks"]["A"]
+    assert a["accuracy"] == {"niah_single": 0.75} and a["samples"] == {"niah_single": 4}
+    assert a["accuracy_ci"]["niah_single"] == list(wilson_interval(3, 4)) and a["ci_method"]["niah_single"] == "wilson"
+    assert dense["accuracy"] == a["accuracy"]  # setup A at the top level
+    b = dense["tasks"]["B"]
+    assert b["accuracy"] == {"niah_single": 1.0} and b["samples"]["niah_single"] == 2
+    assert dense["kl"] == 0.0 and dense["budget"] is None
+    ta = topk["tasks"]["A"]
+    assert ta["mean_accuracy"] == 0.5 and ta["cost"] == pytest.approx(0.05) and topk["budget"] == 16
+    # paired difference to dense: -1, 0, 0, 0 -> mean -0.25 with a t interval
+    d = [-1.0, 0.0, 0.0, 0.0]
+    lo, hi = sst.t.interval(0.95, 3, loc=-0.25, scale=sst.tstd(d) / 2)
+    assert ta["diff_vs_dense"]["niah_single"] == pytest.approx([-0.25, lo, hi])
+    assert topk["kl"] == pytest.approx(0.5) and topk["likelihood_samples"] == 3
+    lo, hi = sst.t.interval(0.95, 2, loc=0.5, scale=0.25 / math.sqrt(3))
+    assert topk["kl_ci"] == pytest.approx([lo, hi])
+    assert topk["likelihood_ms_per_step"] == pytest.approx(21.0) and topk["likelihood_bytes_per_step"] == 2e6
+    ci = sst.t.interval(0.95, 2, loc=-0.5, scale=0.25 / math.sqrt(3))
+    assert dense["kl_minus_topk"] == pytest.approx([-0.5, *ci])
     text = format_summary(s, settings, "## header")
-    assert text.startswith("## header") and "### Context 1024 tokens (2 samples per task, 1 likelihood samples)" in text
-    assert "| dense | 75 | 75.0 | 100.00 | - | 0.0000 | 3.00 | 100.0 | 10.00 |" in text
-    assert "| topk:16 | 50 | 50.0 | 5.00 | 16 | 0.2500 |" in text
+    assert text.startswith("## header") and "### Context 1024 tokens" in text
+    assert "**A**: the question is inside the dense prefill" in text and "**B**: the question is decoded" in text
+    assert "#### Tasks, setup A (4 samples per task)" in text and "#### Tasks, setup B" in text
+    assert "| dense | 75 [30, 95] |" in text  # Wilson (3/4): [0.301, 0.954]
+    assert "#### Likelihood (3 documents, 8 teacher-forced tokens each)" in text
+    assert "| topk:16 | 5.00 | 16 | 21.0 [18.5, 23.5] | 2.00 (1.00 / 1.00 / 0.00 / 0.00) | 0.5000 [" in text
+
+
+def test_pareto_front():
+    pts = [(1.0, 0.5, "a"), (2.0, 0.2, "b"), (3.0, 0.3, "c"), (0.5, 0.9, "d"), (2.0, 0.1, "e")]
+    assert [p[2] for p in pareto_front(pts)] == ["d", "a", "e"]
+    assert [p[2] for p in pareto_front(pts, maximize_y=True)] == ["d"]
+    assert pareto_front([(None, 1.0, "x")]) == []
 
 
 def test_write_plots(tmp_path):
-    settings = EvalSettings(tasks=[], lengths=[1024], samples=1, methods=parse_methods("dense,topk:16"))
+    settings = EvalSettings(tasks=["niah_single"], lengths=[1024], samples=2, methods=parse_methods("dense,topk:16"),
+                            likelihood_samples=2, setups=["A", "B"])
     lik = {"kl": 0.1, "ppl": 3.0, "nll": 1.0, "top1": 1.0}
-    s = summarize([_rec("likelihood", "dense", 0, **lik), _rec("likelihood", "topk:16", 0, **lik)], settings)
-    assert write_plots(s, settings, tmp_path) == [tmp_path / "kl_vs_cost.png"]  # no tasks: no accuracy figure
-    assert (tmp_path / "kl_vs_cost.png").read_bytes()[:4] == b"\x89PNG"
+    recs = [_rec(kind, m, i, setup=st, score=1.0, **lik) for kind in ("task", "likelihood")
+            for m in ("dense", "topk:16") for i in range(2) for st in ("A", "B")]
+    s = summarize(recs, settings)
+    names = {p.name for p in write_plots(s, settings, tmp_path)}
+    assert names == {"accuracy_vs_cost.png", "accuracy_vs_ms.png", "kl_vs_cost.png", "kl_vs_ms.png"}
+    for n in names:
+        assert (tmp_path / n).read_bytes()[:4] == b"\x89PNG"
+    lik_only = EvalSettings(tasks=[], lengths=[1024], samples=1, methods=parse_methods("dense,topk:16"))
+    s = summarize([_rec("likelihood", "dense", 0, **lik), _rec("likelihood", "topk:16", 0, **lik)], lik_only)
+    assert {p.name for p in write_plots(s, lik_only, tmp_path)} == {"kl_vs_cost.png", "kl_vs_ms.png"}
 
 
 def test_run_re_exports_the_split_names():

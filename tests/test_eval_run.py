@@ -54,7 +54,7 @@ def _settings(**kw) -> EvalSettings:
     base = dict(tasks=["niah_single", "vt"], lengths=[768], samples=2,
                 methods=parse_methods("dense,magicpig:4x8,topk", "magicpig:4x8"), haystack=HAY,
                 likelihood_tokens=8, likelihood_samples=1, max_new_tokens=4, budget_from="magicpig:4x8",
-                page_size=64)  # coarse budget rounding: fewer TopK/oracle compilations
+                page_size=64, setups=["A", "B"])  # coarse budget rounding: fewer TopK/oracle compilations
     base.update(kw)
     return EvalSettings(**base)
 
@@ -80,10 +80,10 @@ def test_runner_resumes_without_loss_or_duplicates(tmp_path):
     again: list[dict] = []
     store = run_eval(model, settings, out, on_record=again.append, progress=False)
     lines = (out / "results.jsonl").read_text().splitlines()
-    total = (2 * 2 + 1) * 3  # (samples x tasks + likelihood samples) x methods
+    total = (2 * 2 * 2 + 1) * 3  # (samples x tasks x setups + likelihood samples) x methods
     assert len(again) == total - 7 and len(lines) == total and lines[:7] == first
     recs = [json.loads(x) for x in lines]
-    keys = [(r["kind"], r["task"], r["length"], r["index"], r["method"]) for r in recs]
+    keys = [(r["kind"], r["task"], r["length"], r["index"], r["method"], r.get("setup", "A")) for r in recs]
     assert len(set(keys)) == total and len(store.records) == total
     # complete: a third run computes nothing
     nothing: list[dict] = []
@@ -98,15 +98,23 @@ def test_runner_resumes_without_loss_or_duplicates(tmp_path):
         else:
             assert 0 < r["sampled_fraction"] < 1
         if r["backend"] == "topk":  # budget = the reference's measured count, in whole pages
-            ref = by[(r["kind"], r["task"], r["length"], r["index"], "magicpig:4x8")]
+            ref = by[(r["kind"], r["task"], r["length"], r["index"], "magicpig:4x8", r.get("setup", "A"))]
             assert r["budget_measured_keys"] == pytest.approx(ref["mean_sampled_keys"])
             assert r["budget"] % 64 == 0 and abs(r["budget"] - ref["mean_sampled_keys"]) <= 32
+        assert r["ms_per_step"] > 0 and r["bytes_per_step"]["total"] > 0
+        if r["kind"] == "task":  # setup B decodes the question: a shorter prefill, forced question tokens
+            other = by[(*keys[recs.index(r)][:5], "B" if r["setup"] == "A" else "A")]
+            a, b = (r, other) if r["setup"] == "A" else (other, r)
+            assert a["question_tokens"] == 0 and b["question_tokens"] > 10
+            assert b["prompt_tokens"] + b["question_tokens"] == a["prompt_tokens"]
     lik = {r["method"]: r for r in recs if r["kind"] == "likelihood"}
     assert lik["dense"]["kl"] == 0.0 and lik["dense"]["top1"] == 1.0
     assert all(r["kl"] >= 0 and r["ppl"] > 1 for r in lik.values())
     text = finish(store, settings, out, "tiny")
     assert "| dense |" in text and "magicpig:4x8" in text
-    for name in ("summary.md", "summary.json", "accuracy_vs_cost.png", "kl_vs_cost.png", "runs.jsonl"):
+    assert "#### Tasks, setup B" in text
+    for name in ("summary.md", "summary.json", "accuracy_vs_cost.png", "kl_vs_cost.png", "kl_vs_ms.png",
+                 "accuracy_vs_ms.png", "runs.jsonl"):
         assert (out / name).stat().st_size > 0
     # other settings in the same folder are refused
     with pytest.raises(ValueError, match="other settings"):
@@ -120,7 +128,8 @@ def test_real_model_small_eval(tmp_path, capsys):
     out = tmp_path / "real"
     # a fixed TopK budget keeps this to one TopK compilation (the measured budget is tested above)
     rc = cli.main(["eval", "--tasks", "niah_single", "--lengths", "512", "--samples", "1",
-                   "--methods", "dense,magicpig:10x150,topk:32", "--likelihood-tokens", "6",
+                   "--methods", "dense,magicpig:10x150,topk:32", "--likelihood-tokens", "6", "--setups", "A",
+                   "--likelihood-samples", "1",
                    "--max-new-tokens", "8", "--haystack", HAY, "--out", str(out), "--no-progress"])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -140,3 +149,16 @@ def test_real_model_small_eval(tmp_path, capsys):
     assert 0 < lik["magicpig:10x150"]["kl"] < 1 and 0 < lik["topk:32"]["kl"] < 1
     assert all(1 < r["ppl"] < 1000 for r in lik.values())
     assert (out / "accuracy_vs_cost.png").is_file() and (out / "kl_vs_cost.png").is_file()
+
+
+def test_question_split_finds_the_last_line():
+    from magicpig_jax.eval.run import prompt_ids, question_split
+
+    model = char_model()
+    prompt = "a long document\nWhat is the magic number?"
+    ids = prompt_ids(model, prompt, "Answer:")
+    t = question_split(model.tokenizer.decode, ids, "What is the magic number?")
+    assert model.tokenizer.decode(ids[:t]).endswith("a long document\n")
+    assert model.tokenizer.decode(ids[t:]).startswith("What is the magic number?")
+    with pytest.raises(ValueError, match="not in the prompt"):
+        question_split(model.tokenizer.decode, ids, "Where?")

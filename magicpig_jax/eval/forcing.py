@@ -22,7 +22,7 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
                   logits_callback: Callable[[int, np.ndarray], None] | None = None, attention: str = "magicpig",
                   max_new_tokens: int = 64, config=None, dense_layers=None, budget=None, page_size: int = 16,
                   sampling: Sampling | None = None, stop_on_eos: bool = True,
-                  progress=None, mesh=None):
+                  progress=None, mesh=None, then_sample: bool = False, spec=None):
     """:func:`magicpig_jax.generation.decode` with teacher forcing and a per-step logits hook.
 
     Args:
@@ -33,6 +33,11 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
         logits that predict token ``step`` (step 0 = the prefill's).
       attention, max_new_tokens, config, dense_layers, budget, page_size, sampling, stop_on_eos,
         progress, mesh: as for :func:`~magicpig_jax.generation.decode`.
+      then_sample: the forced ids are a prefix (rows may be shorter than ``max_new_tokens``): the
+        tokens after it are sampled, EOS counts only there (a question decoded after a prefilled
+        document, then its answer).
+      spec: a ready :class:`~magicpig_jax.models.backends.DecodeSpec` instead of ``attention`` ..
+        ``mesh`` (e.g. one with ``host=False``).
 
     Returns:
       ``(token_ids per row, stats dict)``, as :func:`~magicpig_jax.generation.decode`.
@@ -41,7 +46,8 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
       ValueError: ``forced_tokens`` without one list of ``max_new_tokens`` ids per row, and
         every error of :func:`~magicpig_jax.generation.decode`.
     """
-    spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh)
-    hooks = DecodeHooks(forced_tokens=forced_tokens, on_logits=logits_callback)
+    if spec is None:
+        spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh)
+    hooks = DecodeHooks(forced_tokens=forced_tokens, on_logits=logits_callback, then_sample=then_sample)
     return run_decode(model, state, spec, max_new_tokens, sampling or Sampling(), stop_on_eos=stop_on_eos,
                       progress=progress, hooks=hooks)

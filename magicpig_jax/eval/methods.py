@@ -1,18 +1,30 @@
 """The attention methods of ``magicpig-jax eval``: what each is, and parsing ``--methods`` / ``--lengths``.
 
 A method is dense attention, MagicPIG with ``K`` bits and ``L`` tables (arXiv 2410.16179,
-Sections 3.2-4.3), or a baseline of Section 5 (TopK, Quest, oracle sampling of
-Definition 3.1) whose budget is fixed or measured from a reference MagicPIG method. See
-:mod:`magicpig_jax.eval.run` for how the comparison uses them.
+Sections 3.2-4.3), the hybrid estimator (:mod:`magicpig_jax.attention.hybrid`), MagicPIG with
+per-layer configurations from a ``magicpig-jax calibrate`` file, or a baseline of Section 5
+(TopK, Quest, oracle sampling of Definition 3.1) whose budget is fixed or measured from a
+reference MagicPIG method. See :mod:`magicpig_jax.eval.run` for how the comparison uses them.
+
+Method names (``--methods``, comma-separated):
+
+``dense``                   exact attention
+``magicpig[:KxL]``          MagicPIG (the host op on the CPU backend); ``magicpig-ref[:KxL]``: pure JAX
+``hybrid[:KxL[xM]]``        the hybrid estimator, heavy from ``M`` collisions (default 8; pure JAX)
+``magicpig@FILE``           MagicPIG with the per-layer configurations of FILE (``calibrate``'s JSON)
+``topk|quest|oracle[:B]``   the baselines; TopK and Quest run their host ops on the CPU backend;
+                            ``topk-ref`` / ``quest-ref`` force the pure-JAX functions
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 __all__ = ["DEFAULT_METHODS", "Method", "parse_method", "parse_methods", "parse_lengths"]
 
-DEFAULT_METHODS = "dense,magicpig:8x75,magicpig:10x150,magicpig:10x170,magicpig:11x300,topk,quest,oracle"
+DEFAULT_METHODS = "dense,magicpig:10x150,magicpig:11x300,hybrid:10x150x8,topk,quest,oracle"
+DEFAULT_HEAVY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,9 +34,12 @@ class Method:
     Attributes:
       label: its name in results and tables (``dense``, ``magicpig:10x150``, ``topk``, ``topk:160``).
       backend: the :data:`magicpig_jax.models.backends.BACKENDS` entry.
-      K, L: MagicPIG's bits and tables (``magicpig`` only).
+      K, L: MagicPIG's bits and tables (``magicpig``, ``magicpig-ref``, ``hybrid``).
       budget: a fixed budget (int tokens or float fraction) for topk/quest/oracle, or None =
         measured from the reference MagicPIG method on each sample.
+      heavy: the hybrid's heavy threshold (``hybrid`` only).
+      config_file: a per-layer configurations file (``magicpig@FILE``).
+      host: False forces the pure-JAX function of topk/quest (``topk-ref``); None: the backend's default.
     """
 
     label: str
@@ -32,6 +47,9 @@ class Method:
     K: int | None = None
     L: int | None = None
     budget: int | float | None = None
+    heavy: int | None = None
+    config_file: str | None = None
+    host: bool | None = None
 
     @property
     def budgeted(self) -> bool:
@@ -40,17 +58,37 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """Parse one method: ``dense``, ``magicpig[:KxL]``, ``magicpig-ref[:KxL]``, ``topk|quest|oracle[:B]``.
+    """Parse one method (see the module docstring for the names).
 
     A budget ``B`` is an int number of tokens (>= 1) or a float fraction in ``(0, 1]``.
 
     Raises:
-      ValueError: an unknown method, a malformed argument, or an invalid ``K``/``L``/budget.
+      ValueError: an unknown method, a malformed argument, or an invalid ``K``/``L``/budget/heavy.
+      FileNotFoundError: ``magicpig@FILE`` names no file.
     """
     from magicpig_jax.lsh import validate_k_l
 
-    name, _, arg = text.strip().partition(":")
+    text = text.strip()
+    if text.lower().startswith("magicpig@"):
+        path = Path(text[len("magicpig@"):])
+        if not path.is_file():
+            raise FileNotFoundError(f"method {text!r}: no layer-configs file {path}")
+        return Method(f"magicpig@{path.stem}", "magicpig", config_file=str(path))
+    name, _, arg = text.partition(":")
     name = name.strip().lower()
+    if name == "hybrid":
+        parts = (arg or "10x150").lower().split("x")
+        try:
+            nums = [int(x) for x in parts]
+        except ValueError as err:
+            raise ValueError(f"hybrid takes KxL or KxLxM (e.g. hybrid:10x150x8), got {text!r}") from err
+        if len(nums) not in (2, 3):
+            raise ValueError(f"hybrid takes KxL or KxLxM (e.g. hybrid:10x150x8), got {text!r}")
+        k, l_, m = (*nums, DEFAULT_HEAVY) if len(nums) == 2 else nums
+        validate_k_l(k, l_)
+        if not 3 <= m <= l_ + 1:
+            raise ValueError(f"hybrid heavy threshold M must be in [3, L + 1], got {text!r}")
+        return Method(f"hybrid:{k}x{l_}x{m}", "hybrid", K=k, L=l_, heavy=m)
     if name == "dense":
         if arg:
             raise ValueError(f"dense takes no argument, got {text!r}")
@@ -63,18 +101,20 @@ def parse_method(text: str) -> Method:
             raise ValueError(f"{name} takes KxL (e.g. {name}:10x150), got {text!r}") from err
         validate_k_l(k, l_)
         return Method(f"{name}:{k}x{l_}", name, K=k, L=l_)
-    if name in ("topk", "quest", "oracle"):
+    if name in ("topk", "quest", "oracle", "topk-ref", "quest-ref"):
+        backend = name.removesuffix("-ref")
+        host = False if name.endswith("-ref") else None
         if not arg:
-            return Method(name, name)
+            return Method(name, backend, host=host)
         try:
             budget: int | float = int(arg) if arg.isdigit() else float(arg)
         except ValueError as err:
             raise ValueError(f"{name} takes a budget in tokens or a fraction, got {text!r}") from err
         if (isinstance(budget, int) and budget < 1) or (isinstance(budget, float) and not 0 < budget <= 1):
             raise ValueError(f"{name} budget must be >= 1 tokens or a fraction in (0, 1], got {arg!r}")
-        return Method(f"{name}:{arg}", name, budget=budget)
-    raise ValueError(f"unknown method {text!r}; methods: dense, magicpig[:KxL], magicpig-ref[:KxL], topk[:B], "
-                     "quest[:B], oracle[:B]")
+        return Method(f"{name}:{arg}", backend, budget=budget, host=host)
+    raise ValueError(f"unknown method {text!r}; methods: dense, magicpig[:KxL], magicpig-ref[:KxL], "
+                     "hybrid[:KxL[xM]], magicpig@FILE, topk[:B], quest[:B], oracle[:B], topk-ref[:B], quest-ref[:B]")
 
 
 def parse_methods(text: str, budget_from: str = "magicpig:10x150") -> list[Method]:
@@ -93,11 +133,11 @@ def parse_methods(text: str, budget_from: str = "magicpig:10x150") -> list[Metho
     if dup:
         raise ValueError(f"duplicate methods: {dup}")
     ref = parse_method(budget_from)
-    if not ref.backend.startswith("magicpig"):
+    if not ref.backend.startswith("magicpig") or ref.config_file is not None:
         raise ValueError(f"--budget-from must be a magicpig:KxL method, got {budget_from!r}")
     if any(m.budgeted and m.budget is None for m in methods) and ref.label not in labels:
         methods.append(ref)
-    rank = {"dense": 0, "magicpig": 1, "magicpig-ref": 1, "topk": 2, "quest": 3, "oracle": 4}
+    rank = {"dense": 0, "magicpig": 1, "magicpig-ref": 1, "hybrid": 1, "topk": 2, "quest": 3, "oracle": 4}
     return sorted(methods, key=lambda m: (rank[m.backend], m.label != ref.label))
 
 

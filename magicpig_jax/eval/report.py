@@ -1,9 +1,17 @@
-"""Reporting of ``magicpig-jax eval``: the per-length summary, its markdown tables and the plots.
+"""Reporting of ``magicpig-jax eval``: the per-length summary with 95% intervals, its markdown and the plots.
 
-Accuracy is RULER's ``string_match_all``; cost is the fraction of the context's keys a method
-sampled or selected per decode step in the sparse layers (arXiv 2410.16179, Section 5: cost
-follows the number of keys touched); KL, perplexity and top-1 agreement come from the
-teacher-forced likelihood samples (:mod:`magicpig_jax.eval.likelihood`).
+Accuracy is RULER's ``string_match_all``; KL, perplexity and top-1 agreement come from the
+teacher-forced likelihood documents (:mod:`magicpig_jax.eval.likelihood`). Every figure is a
+mean over independent samples and carries a 95% interval (:mod:`magicpig_jax.eval.stats`):
+Wilson for a task whose scores are all 0 or 1, Student's t for fractional scores and for the
+per-document KL, perplexity, top-1 agreement and ms per step, a stratified bootstrap for the
+mean over tasks; differences to dense (accuracy) and to TopK (KL) are paired over samples.
+
+Cost is reported three ways (:mod:`magicpig_jax.eval.cost`): the fraction of the context's keys
+a method used per decode step in the sparse layers, the measured milliseconds per decode step,
+and the bytes of K, V, index and page metadata a step reads. The plots put the quality figures
+against the fraction of keys and against ms per step (Pareto charts, the non-dominated methods
+joined by a line).
 """
 
 from __future__ import annotations
@@ -14,59 +22,149 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from magicpig_jax.eval.cost import BYTE_PARTS
+from magicpig_jax.eval.stats import interval_for_scores, paired_t_interval, stratified_bootstrap_interval, t_interval
 from magicpig_jax.eval.store import ResultStore, machine_info, read_runs
 
 if TYPE_CHECKING:
     from magicpig_jax.eval.run import EvalSettings
 
-__all__ = ["summarize", "format_summary", "write_plots", "finish"]
+__all__ = ["summarize", "format_summary", "write_plots", "finish", "pareto_front"]
+
+_SHORT = {"niah_single": "NIAH-1", "niah_multikey": "NIAH-MK", "niah_multivalue": "NIAH-MV",
+          "niah_multiquery": "NIAH-MQ", "vt": "VT", "cwe": "CWE", "fwe": "FWE"}
 
 
-def _mean(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else None
+def _vals(xs: Sequence) -> list[float]:
+    return [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+
+
+def _mean(xs: Sequence) -> float | None:
+    v = _vals(xs)
+    return sum(v) / len(v) if v else None
+
+
+def _ci(xs: Sequence) -> list[float | None]:
+    lo, hi = t_interval(_vals(xs))
+    return [lo, hi]
+
+
+def _setups(settings) -> list[str]:
+    return list(getattr(settings, "setups", None) or ["A"])
+
+
+def _bytes(recs: list[dict]) -> tuple[float | None, dict]:
+    parts = {p: _mean([(r.get("bytes_per_step") or {}).get(p) for r in recs]) for p in BYTE_PARTS}
+    return _mean([(r.get("bytes_per_step") or {}).get("total") for r in recs]), parts
+
+
+def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str], seed: int) -> dict:
+    acc, acc_ci, how, n, diff = {}, {}, {}, {}, {}
+    by_task = {t: [r for r in task_recs if r["task"] == t] for t in tasks}
+    for t, rs in by_task.items():
+        scores = [r["score"] for r in rs]
+        acc[t] = _mean(scores)
+        lo, hi, method = interval_for_scores(scores)
+        acc_ci[t], how[t], n[t] = [lo, hi], method, len(scores)
+        dense = {r["index"]: r["score"] for r in dense_recs if r["task"] == t}
+        pairs = [(r["score"], dense[r["index"]]) for r in rs if r["index"] in dense]
+        if pairs:
+            d_lo, d_hi = paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])
+            diff[t] = [sum(a - b for a, b in pairs) / len(pairs), d_lo, d_hi]
+        else:
+            diff[t] = [None, None, None]
+    groups = [[r["score"] for r in rs] for rs in by_task.values() if rs]
+    mean_acc = _mean([a for a in acc.values() if a is not None])
+    niah = [t for t in tasks if t.startswith("niah_") and acc.get(t) is not None]
+    b_total, b_parts = _bytes(task_recs)
+    return {
+        "accuracy": acc, "accuracy_ci": acc_ci, "ci_method": how, "samples": n, "diff_vs_dense": diff,
+        "mean_accuracy": mean_acc, "mean_accuracy_ci": list(stratified_bootstrap_interval(groups, seed=seed)),
+        "needle_accuracy": _mean([acc[t] for t in niah]) if niah else None,
+        "needle_accuracy_ci": list(stratified_bootstrap_interval([[r["score"] for r in by_task[t]] for t in niah],
+                                                                 seed=seed)) if niah else [None, None],
+        "cost": _mean([r["sampled_fraction"] for r in task_recs]),
+        "ms_per_step": _mean([r.get("ms_per_step") for r in task_recs]),
+        "ms_per_step_ci": _ci([r.get("ms_per_step") for r in task_recs]),
+        "bytes_per_step": b_total, "bytes_per_step_parts": b_parts,
+    }
 
 
 def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
-    """Aggregate records: ``{length: {method: {...}}}`` with per-task accuracy, cost, KL, PPL.
+    """Aggregate records: ``{length: {method: {...}}}`` with means and 95% intervals.
 
-    Only records of the requested tasks, lengths, methods and sample indices count.
-    Cost = mean ``sampled_fraction`` (a fraction of the context's keys, not a percentage)
-    over the method's task and likelihood records; a mean over no records is None.
+    Only records of the requested tasks, lengths, methods, setups and sample indices count.
+    Per method and length: ``tasks`` (per setup: ``accuracy``, ``accuracy_ci``, ``ci_method``,
+    ``samples``, ``diff_vs_dense`` ``[mean, low, high]`` of the paired score difference,
+    ``mean_accuracy`` (+ ``_ci``), ``needle_accuracy`` (+ ``_ci``, the NIAH tasks), ``cost``,
+    ``ms_per_step`` (+ ``_ci``), ``bytes_per_step`` (+ ``_parts``)); from the likelihood
+    documents ``kl``, ``ppl``, ``nll``, ``top1`` (each + ``_ci``), ``kl_minus_topk``
+    ``[mean, low, high]`` (paired, against the first TopK method), ``likelihood_cost``,
+    ``likelihood_ms_per_step`` (+ ``_ci``), ``likelihood_bytes_per_step`` (+ ``_parts``);
+    over everything ``cost``, ``budget``, ``decode_tokens_per_s``; and the setup-A task figures
+    at the top level (``accuracy``, ``mean_accuracy``, ...) as before setups existed.
+    Costs are fractions (not percentages); a mean over no records is None.
 
     Args:
       records: the result records (:class:`magicpig_jax.eval.store.ResultStore` values).
       settings: what was asked for (:class:`magicpig_jax.eval.run.EvalSettings`).
     """
     labels = [m.label for m in settings.methods]
+    topk = next((m.label for m in settings.methods if m.backend == "topk"), None)
     n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+    setups = _setups(settings)
     out: dict = {}
     for length in settings.lengths:
         per: dict = {}
+        recs_of = {lab: [r for r in records if r["length"] == length and r["method"] == lab] for lab in labels}
+
+        def task_recs(lab, setup, recs_of=recs_of):
+            return [r for r in recs_of.get(lab, []) if r["kind"] == "task" and r["task"] in settings.tasks
+                    and r["index"] < settings.samples and r.get("setup", "A") == setup]
+
+        def lik_recs(lab, recs_of=recs_of):
+            return [r for r in recs_of.get(lab, []) if r["kind"] == "likelihood" and r["index"] < n_lik]
+
+        topk_kl = {r["index"]: r["kl"] for r in lik_recs(topk)} if topk else {}
         for lab in labels:
-            recs = [r for r in records if r["length"] == length and r["method"] == lab]
-            task_recs = [r for r in recs if r["kind"] == "task" and r["task"] in settings.tasks
-                         and r["index"] < settings.samples]
-            lik_recs = [r for r in recs if r["kind"] == "likelihood" and r["index"] < n_lik]
-            acc = {t: _mean([r["score"] for r in task_recs if r["task"] == t]) for t in settings.tasks}
-            n = {t: sum(1 for r in task_recs if r["task"] == t) for t in settings.tasks}
+            lik = lik_recs(lab)
+            tasks = {setup: _task_entry(task_recs(lab, setup), task_recs("dense", setup), settings.tasks,
+                                        settings.seed) for setup in setups}
+            pairs = [(r["kl"], topk_kl[r["index"]]) for r in lik if r["index"] in topk_kl]
+            kl_topk = ([sum(a - b for a, b in pairs) / len(pairs),
+                        *paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])]
+                       if pairs and lab != topk else [None, None, None])
+            everything = [r for s in setups for r in task_recs(lab, s)] + lik
+            b_total, b_parts = _bytes(lik)
+            first = tasks[setups[0]]
             per[lab] = {
-                "accuracy": acc, "samples": n,
-                "mean_accuracy": _mean([a for a in acc.values() if a is not None]),
-                "cost": _mean([r["sampled_fraction"] for r in task_recs + lik_recs]),
-                "task_cost": {t: _mean([r["sampled_fraction"] for r in task_recs if r["task"] == t])
+                "tasks": tasks,
+                # setup-A (or first setup) figures at the top level
+                "accuracy": first["accuracy"], "accuracy_ci": first["accuracy_ci"], "samples": first["samples"],
+                "mean_accuracy": first["mean_accuracy"], "mean_accuracy_ci": first["mean_accuracy_ci"],
+                "task_cost": {t: _mean([r["sampled_fraction"] for r in task_recs(lab, setups[0]) if r["task"] == t])
                               for t in settings.tasks},
-                "likelihood_cost": _mean([r["sampled_fraction"] for r in lik_recs]),
-                "kl": _mean([r["kl"] for r in lik_recs]), "ppl": _mean([r["ppl"] for r in lik_recs]),
-                "nll": _mean([r["nll"] for r in lik_recs]), "top1": _mean([r["top1"] for r in lik_recs]),
-                "likelihood_samples": len(lik_recs),
-                "budget": _mean([r.get("budget") for r in task_recs + lik_recs
-                                 if isinstance(r.get("budget"), int)]),
-                "decode_tokens_per_s": _mean([r["decode_tokens_per_s"] for r in task_recs + lik_recs]),
+                "cost": _mean([r["sampled_fraction"] for r in everything]),
+                "likelihood_cost": _mean([r["sampled_fraction"] for r in lik]),
+                "likelihood_ms_per_step": _mean([r.get("ms_per_step") for r in lik]),
+                "likelihood_ms_per_step_ci": _ci([r.get("ms_per_step") for r in lik]),
+                "likelihood_bytes_per_step": b_total, "likelihood_bytes_per_step_parts": b_parts,
+                "kl": _mean([r["kl"] for r in lik]), "kl_ci": _ci([r["kl"] for r in lik]),
+                "kl_minus_topk": kl_topk,
+                "ppl": _mean([r["ppl"] for r in lik]), "ppl_ci": _ci([r["ppl"] for r in lik]),
+                "nll": _mean([r["nll"] for r in lik]), "nll_ci": _ci([r["nll"] for r in lik]),
+                "top1": _mean([r["top1"] for r in lik]), "top1_ci": _ci([r["top1"] for r in lik]),
+                "likelihood_samples": len(lik),
+                "budget": _mean([r.get("budget") for r in everything if isinstance(r.get("budget"), int)]),
+                "decode_tokens_per_s": _mean([r["decode_tokens_per_s"] for r in everything]),
+                "ms_per_step": _mean([r.get("ms_per_step") for r in everything]),
+                "ms_per_step_ci": _ci([r.get("ms_per_step") for r in everything]),
             }
         out[length] = per
     return out
 
+
+# --- markdown ---------------------------------------------------------------------------------
 
 def _pct(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{100 * x:.{digits}f}"
@@ -76,41 +174,93 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _with_ci(x, ci, fmt: str, scale: float = 1.0) -> str:
+    if x is None:
+        return "-"
+    lo, hi = (ci or [None, None])[:2]
+    core = format(scale * x, fmt)
+    if lo is None or hi is None:
+        return core
+    return f"{core} [{format(scale * lo, fmt)}, {format(scale * hi, fmt)}]"
+
+
+def _diff(d, fmt: str, scale: float = 1.0) -> str:
+    if not d or d[0] is None:
+        return "-"
+    return _with_ci(d[0], d[1:], "+" + fmt if not fmt.startswith("+") else fmt, scale)
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e6:.2f}"
+
+
 def format_summary(summary: dict, settings: EvalSettings, header: str = "") -> str:
-    """The markdown summary: one table per context length (accuracy and cost in percent), then a legend.
+    """The markdown summary: per context length, a task table per setup and a likelihood table, then a legend.
 
     Args:
       summary: :func:`summarize`'s result.
-      settings: the run's settings (task columns, budget reference, likelihood tokens).
+      settings: the run's settings (task columns, setups, budget reference, likelihood tokens).
       header: markdown put before the tables.
     """
+    from magicpig_jax.eval.run import SETUPS
+
     lines = [header] if header else []
-    short = {"niah_single": "NIAH-1", "niah_multikey": "NIAH-MK", "niah_multivalue": "NIAH-MV",
-             "niah_multiquery": "NIAH-MQ", "vt": "VT", "cwe": "CWE", "fwe": "FWE"}
+    setups = _setups(settings)
+    if settings.tasks:
+        lines.append("\nRULER setups of the task prompts: " + "; ".join(f"**{s}**: {SETUPS[s]}" for s in setups) + ".")
     for length, per in summary.items():
-        n_task = max((max(v["samples"].values(), default=0) for v in per.values()), default=0)
+        lines.append(f"\n### Context {length} tokens\n")
+        for setup in setups if settings.tasks else []:
+            n_task = max((max(v["tasks"][setup]["samples"].values(), default=0) for v in per.values()), default=0)
+            lines.append(f"\n#### Tasks, setup {setup} ({n_task} samples per task)\n")
+            cols = [_SHORT.get(t, t) + " %" for t in settings.tasks]
+            head = ["method", *cols, "mean %", "Δ vs dense (pp)", "keys %", "ms/step", "MB/step"]
+            lines.append("| " + " | ".join(head) + " |")
+            lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
+            for lab, v in per.items():
+                t = v["tasks"][setup]
+                diffs = [d for d in t["diff_vs_dense"].values() if d and d[0] is not None]
+                dcell = "; ".join(_diff(d, ".0f", 100) for d in t["diff_vs_dense"].values()) if diffs else "-"
+                row = [lab, *[_with_ci(t["accuracy"][x], t["accuracy_ci"][x], ".0f", 100) for x in settings.tasks],
+                       _with_ci(t["mean_accuracy"], t["mean_accuracy_ci"], ".1f", 100),
+                       "-" if lab == "dense" else dcell, _pct(t["cost"], 2),
+                       _with_ci(t["ms_per_step"], t["ms_per_step_ci"], ".1f"), _mb(t["bytes_per_step"])]
+                lines.append("| " + " | ".join(row) + " |")
         n_lik = max((v["likelihood_samples"] for v in per.values()), default=0)
-        lines.append(f"\n### Context {length} tokens ({n_task} samples per task, {n_lik} likelihood samples)\n")
-        cols = [short.get(t, t) for t in settings.tasks]
-        head = ["method", *cols, "mean acc %", "cost %", "budget", "KL", "PPL", "top-1 %", "tok/s"]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
-        for lab, v in per.items():
-            row = [lab, *[_pct(v["accuracy"][t], 0) for t in settings.tasks], _pct(v["mean_accuracy"]),
-                   _pct(v["cost"], 2), _num(v["budget"], ".0f"), _num(v["kl"], ".4f"), _num(v["ppl"], ".2f"),
-                   _pct(v["top1"]), _num(v["decode_tokens_per_s"], ".2f")]
-            lines.append("| " + " | ".join(row) + " |")
+        if n_lik:
+            lines.append(f"\n#### Likelihood ({n_lik} documents, {settings.likelihood_tokens} teacher-forced tokens "
+                         "each)\n")
+            head = ["method", "keys %", "budget", "ms/step", "MB/step (K / V / index / pages)", "KL",
+                    "KL − TopK", "PPL", "top-1 %"]
+            lines.append("| " + " | ".join(head) + " |")
+            lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
+            for lab, v in per.items():
+                parts = v["likelihood_bytes_per_step_parts"]
+                mb = (f"{_mb(v['likelihood_bytes_per_step'])} ("
+                      + " / ".join(_mb(parts.get(p)) for p in BYTE_PARTS) + ")")
+                row = [lab, _pct(v["likelihood_cost"], 2), _num(v["budget"], ".0f"),
+                       _with_ci(v["likelihood_ms_per_step"], v["likelihood_ms_per_step_ci"], ".1f"), mb,
+                       _with_ci(v["kl"], v["kl_ci"], ".4f"), _diff(v["kl_minus_topk"], ".4f"),
+                       _with_ci(v["ppl"], v["ppl_ci"], ".2f"), _with_ci(v["top1"], v["top1_ci"], ".1f", 100)]
+                lines.append("| " + " | ".join(row) + " |")
     lines.append(
-        "\nAccuracy: RULER's string_match_all (percent of expected strings in the answer), mean over samples. "
-        "Cost: mean fraction of the context's keys sampled (MagicPIG), selected (TopK, Quest) or distinctly drawn "
-        "(oracle) per decode step in the sparse layers, static set excluded (dense = 100%). Budget: mean keys per "
-        "query head given to TopK/Quest/oracle (the measured MagicPIG "
-        f"{settings.budget_from} count, rounded to {settings.page_size}-token pages). KL: mean KL(dense || method) "
-        f"of the next-token distribution over {settings.likelihood_tokens} teacher-forced prose tokens; PPL on "
-        "those tokens; top-1: argmax agreement with dense. tok/s: decode tokens per second on this machine "
-        "(magicpig: the host op on a CPU backend; dense, TopK, Quest, oracle, magicpig-ref: pure JAX).")
+        "\nEvery cell is a mean with its 95% interval in brackets. Accuracy: RULER's string_match_all (percent "
+        "of expected strings in the answer) over the samples; interval: Wilson's when every score is 0 or 1, "
+        "else Student's t; mean over tasks: stratified bootstrap (2000 resamples). Δ vs dense: the paired "
+        "difference of scores to dense on the same samples (percentage points, t interval), per task. "
+        "Keys %: mean fraction of the context's keys sampled (MagicPIG, hybrid), selected (TopK, Quest) or "
+        "distinctly drawn (oracle) per decode step in the sparse layers, static set excluded (dense = 100%). "
+        "ms/step: measured wall time of a decode step (after the first), t interval over samples; on a shared "
+        "machine it drifts. MB/step: K, V, index and page-metadata bytes one step's attention reads at the "
+        "method's best host implementation (magicpig_jax.eval.cost). Budget: mean keys per query head given "
+        f"to TopK/Quest/oracle (the measured MagicPIG {settings.budget_from} count, rounded to "
+        f"{settings.page_size}-token pages). KL: mean KL(dense || method) of the next-token distribution "
+        f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; KL − TopK: "
+        "paired difference to the first TopK method; PPL on those tokens; top-1: argmax agreement with dense.")
     return "\n".join(lines)
 
+
+# --- plots ------------------------------------------------------------------------------------
 
 _MARKERS = "os^Dv<>P*X"
 
@@ -127,8 +277,39 @@ def _plain_log_ticks(axis) -> None:
     axis.set_minor_formatter(FuncFormatter(minor))
 
 
+def pareto_front(points: Sequence[tuple[float, float, str]],
+                 maximize_y: bool = False) -> list[tuple[float, float, str]]:
+    """The non-dominated points of ``(x, y, label)``: lower x is better; lower y (or higher, ``maximize_y``).
+
+    Returns them sorted by x (ties: the better y first). A point is dominated when another is at
+    least as good in both and better in one.
+    """
+    pts = [p for p in points if p[0] is not None and p[1] is not None]
+    sign = -1.0 if maximize_y else 1.0
+    pts.sort(key=lambda p: (p[0], sign * p[1]))
+    front, best = [], math.inf
+    for x, y, lab in pts:
+        if sign * y < best:
+            front.append((x, y, lab))
+            best = sign * y
+    return front
+
+
+def _err(v, ci, scale=1.0):
+    lo, hi = (ci or [None, None])[:2]
+    if v is None or lo is None or hi is None:
+        return None
+    return [[max(scale * (v - lo), 0.0)], [max(scale * (hi - v), 0.0)]]
+
+
 def write_plots(summary: dict, settings: EvalSettings, out: Path) -> list[Path]:
-    """``accuracy_vs_cost.png`` (one panel per task, plus the mean) and ``kl_vs_cost.png`` (matplotlib, Agg).
+    """The figures of the run (matplotlib, Agg), with the 95% intervals as error bars.
+
+    ``accuracy_vs_cost.png`` (one panel per task plus the mean; setup A filled, B hollow) and
+    ``accuracy_vs_ms.png`` (needle accuracy against ms per step, a panel per length and setup,
+    the Pareto front and dense's interval as a band) when there are tasks; ``kl_vs_cost.png``
+    and ``kl_vs_ms.png`` (KL against ms per step, a panel per length, the Pareto front, dense's
+    ms as a line) when there are likelihood records.
 
     Args:
       summary: :func:`summarize`'s result.
@@ -136,8 +317,7 @@ def write_plots(summary: dict, settings: EvalSettings, out: Path) -> list[Path]:
       out: the folder to write into.
 
     Returns:
-      The paths written: the accuracy figure when there are tasks, the KL figure when
-      there are likelihood records.
+      The paths written.
     """
     import matplotlib
 
@@ -151,8 +331,11 @@ def write_plots(summary: dict, settings: EvalSettings, out: Path) -> list[Path]:
     written = []
     if settings.tasks:
         written.append(_accuracy_plot(plt, summary, settings, colors, marker, out / "accuracy_vs_cost.png"))
+        if any(t.startswith("niah_") for t in settings.tasks):
+            written.append(_accuracy_ms_plot(plt, summary, settings, colors, out / "accuracy_vs_ms.png"))
     if any(v["kl"] is not None for per in summary.values() for v in per.values()):
         written.append(_kl_plot(plt, summary, settings, colors, marker, out / "kl_vs_cost.png"))
+        written.append(_kl_ms_plot(plt, summary, settings, colors, out / "kl_vs_ms.png"))
     return written
 
 
@@ -161,27 +344,69 @@ def _accuracy_plot(plt, summary: dict, settings: EvalSettings, colors: dict, mar
     ncol = min(4, len(panels))
     nrow = math.ceil(len(panels) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    setups = _setups(settings)
     for ax, task in zip(axes.flat, panels, strict=False):
         for length, per in summary.items():
             for lab, v in per.items():
-                acc = v["mean_accuracy"] if task == "mean" else v["accuracy"].get(task)
-                cost = v["cost"] if task == "mean" else v["task_cost"].get(task)
-                if acc is None or cost is None:
-                    continue
-                ax.scatter([100 * cost], [100 * acc], color=colors[lab], marker=marker[length], s=40,
-                           alpha=0.85)
+                for si, setup in enumerate(setups):
+                    t = v["tasks"][setup]
+                    acc = t["mean_accuracy"] if task == "mean" else t["accuracy"].get(task)
+                    ci = t["mean_accuracy_ci"] if task == "mean" else t["accuracy_ci"].get(task)
+                    cost = t["cost"]
+                    if acc is None or cost is None:
+                        continue
+                    ax.errorbar([100 * cost], [100 * acc], yerr=_err(acc, ci, 100), color=colors[lab],
+                                marker=marker[length], ms=6, mfc=colors[lab] if si == 0 else "none", alpha=0.85,
+                                capsize=2, lw=0.8)
         ax.set_xscale("log")
         _plain_log_ticks(ax.xaxis)
         ax.set_title(task)
-        ax.set_xlabel("cost: keys touched per step (%)")
+        ax.set_xlabel("keys used per step (%)")
         ax.set_ylabel("accuracy (%)")
         ax.set_ylim(-5, 105)
         ax.grid(alpha=0.3, which="both")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    _legend(fig, colors, marker)
-    fig.suptitle("Task accuracy versus attention cost (same prefill, same static set)")
+    _legend(fig, colors, marker, setups)
+    fig.suptitle("Task accuracy versus keys used (95% intervals; same prefill, same static set)")
     fig.tight_layout(rect=(0, 0, 0.83, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _accuracy_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, path: Path) -> Path:
+    setups = _setups(settings)
+    lengths = list(summary)
+    fig, axes = plt.subplots(len(setups), len(lengths), figsize=(4.4 * len(lengths), 3.6 * len(setups)),
+                             squeeze=False)
+    for r, setup in enumerate(setups):
+        for c, length in enumerate(lengths):
+            ax = axes[r][c]
+            pts = []
+            for lab, v in summary[length].items():
+                t = v["tasks"][setup]
+                acc, ms = t["needle_accuracy"], t["ms_per_step"]
+                if acc is None or ms is None:
+                    continue
+                if lab == "dense" and t["needle_accuracy_ci"][0] is not None:
+                    lo, hi = t["needle_accuracy_ci"]
+                    ax.axhspan(100 * lo, 100 * hi, color="gray", alpha=0.15, lw=0)
+                ax.errorbar([ms], [100 * acc], xerr=_err(ms, t["ms_per_step_ci"]),
+                            yerr=_err(acc, t["needle_accuracy_ci"], 100), color=colors[lab], marker="o", ms=6,
+                            capsize=2, lw=0.8)
+                pts.append((ms, 100 * acc, lab))
+            front = pareto_front(pts, maximize_y=True)
+            if len(front) > 1:
+                ax.plot([p[0] for p in front], [p[1] for p in front], color="black", lw=0.8, ls="--", zorder=0)
+            ax.set_title(f"{length} tokens, setup {setup}")
+            ax.set_xlabel("ms per decode step (measured)")
+            ax.set_ylabel("needle accuracy (%)")
+            ax.set_ylim(-5, 105)
+            ax.grid(alpha=0.3)
+    _legend(fig, colors, {}, [])
+    fig.suptitle("Needle accuracy versus measured time (95% intervals; dashed: Pareto front; band: dense's interval)")
+    fig.tight_layout(rect=(0, 0, 0.83, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -193,28 +418,65 @@ def _kl_plot(plt, summary: dict, settings: EvalSettings, colors: dict, marker: d
         for lab, v in per.items():
             if v["kl"] is None or v["likelihood_cost"] is None or lab == "dense":
                 continue
-            ax.scatter([100 * v["likelihood_cost"]], [max(v["kl"], 1e-6)], color=colors[lab],
-                       marker=marker[length], s=50)
+            y = max(v["kl"], 1e-6)
+            ax.errorbar([100 * v["likelihood_cost"]], [y], yerr=_err(v["kl"], v["kl_ci"]), color=colors[lab],
+                        marker=marker[length], ms=6, capsize=2, lw=0.8)
     ax.set_xscale("log")
     ax.set_yscale("log")
     _plain_log_ticks(ax.xaxis)
-    ax.set_xlabel("cost: keys touched per step (%)")
+    ax.set_xlabel("keys used per step (%)")
     ax.set_ylabel("mean KL(dense || method) (nats)")
-    ax.set_title(f"Next-token KL from dense over {settings.likelihood_tokens} teacher-forced tokens")
+    ax.set_title(f"Next-token KL from dense over {settings.likelihood_tokens} teacher-forced tokens (95% intervals)")
     ax.grid(alpha=0.3, which="both")
-    _legend(fig, {k: c for k, c in colors.items() if k != "dense"}, marker)
+    _legend(fig, {k: c for k, c in colors.items() if k != "dense"}, marker, [])
     fig.tight_layout(rect=(0, 0, 0.75, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def _legend(fig, colors: dict, marker: dict) -> None:
+def _kl_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, path: Path) -> Path:
+    lengths = list(summary)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 3.9), squeeze=False)
+    for c, length in enumerate(lengths):
+        ax = axes[0][c]
+        pts = []
+        for lab, v in summary[length].items():
+            ms = v["likelihood_ms_per_step"]
+            if ms is None or v["kl"] is None:
+                continue
+            if lab == "dense":
+                ax.axvline(ms, color=colors[lab], lw=1, ls=":")
+                continue
+            y = max(v["kl"], 1e-6)
+            ax.errorbar([ms], [y], xerr=_err(ms, v["likelihood_ms_per_step_ci"]), yerr=_err(v["kl"], v["kl_ci"]),
+                        color=colors[lab], marker="o", ms=6, capsize=2, lw=0.8)
+            pts.append((ms, y, lab))
+        front = pareto_front(pts)
+        if len(front) > 1:
+            ax.plot([p[0] for p in front], [p[1] for p in front], color="black", lw=0.8, ls="--", zorder=0)
+        ax.set_yscale("log")
+        ax.set_title(f"{length} tokens")
+        ax.set_xlabel("ms per decode step (measured)")
+        ax.set_ylabel("mean KL(dense || method) (nats)")
+        ax.grid(alpha=0.3, which="both")
+    _legend(fig, colors, {}, [])
+    fig.suptitle("KL from dense versus measured time (95% intervals; dashed: Pareto front; dotted: dense)")
+    fig.tight_layout(rect=(0, 0, 0.8, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _legend(fig, colors: dict, marker: dict, setups: list[str]) -> None:
     from matplotlib.lines import Line2D
 
     handles = [Line2D([], [], color=c, marker="o", linestyle="", label=lab) for lab, c in colors.items()]
     handles += [Line2D([], [], color="gray", marker=mk, linestyle="", label=f"{length} tokens")
                 for length, mk in marker.items()]
+    if len(setups) > 1:
+        handles += [Line2D([], [], color="gray", marker="o", linestyle="", mfc="gray" if i == 0 else "none",
+                           label=f"setup {s}") for i, s in enumerate(setups)]
     fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
 
 
@@ -236,7 +498,8 @@ def finish(store: ResultStore, settings: EvalSettings, out: Path, model_source: 
               f"static set {settings.num_sink} sink + {settings.num_local} local; seed {settings.seed}.")
     text = format_summary(summary, settings, header)
     (out / "summary.md").write_text(text + "\n")
-    (out / "summary.json").write_text(json.dumps({str(k): v for k, v in summary.items()}, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps({"setups": _setups(settings),
+                                                  **{str(k): v for k, v in summary.items()}}, indent=2) + "\n")
     if plot:
         write_plots(summary, settings, out)
     return text

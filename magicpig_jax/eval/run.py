@@ -12,6 +12,11 @@ Methods (``--methods``, comma-separated):
 ``magicpig:KxL``        MagicPIG with K bits and L tables (``magicpig`` alone = 10x150): the
                         host op on the CPU backend (:mod:`magicpig_jax.host`), the pure-JAX
                         path elsewhere; ``magicpig-ref:KxL`` forces the pure-JAX reference.
+``hybrid:KxLxM``        the hybrid estimator (:mod:`magicpig_jax.attention.hybrid`): keys that
+                        collide in >= M tables kept exactly, the rest weighted by 1/u_c (pure JAX).
+``magicpig@FILE``       MagicPIG with the per-layer configurations of ``magicpig-jax calibrate``'s
+                        FILE (also ``--magicpig-config FILE``); its calibration text must not be
+                        in the haystack.
 ``topk`` / ``quest`` / ``oracle``
                         exact TopK, Quest (``--page-size`` pages), oracle sampling
                         (Definition 3.1), each with a per-sample budget equal to the *measured*
@@ -20,15 +25,28 @@ Methods (``--methods``, comma-separated):
                         of ``--page-size`` (at least one page; the rounding bounds the number
                         of distinct jit compilations). The reference method is run first (it
                         is added to the list if missing). ``topk:N`` / ``topk:0.02`` fix the
-                        budget instead (tokens / fraction of the middle range).
+                        budget instead (tokens / fraction of the middle range). On the CPU
+                        backend TopK and Quest run their host ops (:mod:`magicpig_jax.host.topk`,
+                        :mod:`magicpig_jax.host.quest`); ``topk-ref`` / ``quest-ref`` force pure JAX.
 
-Work: for each length, sample index and task a RULER-style sample
+Work: for each length, sample index, task and RULER setup a RULER-style sample
 (:mod:`magicpig_jax.eval.tasks`) is generated to fill ``length`` tokens (prompt + new
-tokens, chat template applied), prefilled once and decoded greedily by each method; the
-answer is scored as RULER does. Unless ``--likelihood-tokens 0``, each length also gets
-``--likelihood-samples`` prose samples (:mod:`magicpig_jax.eval.likelihood`): dense
-prefill of all but the last N tokens, then teacher-forced decoding of those N by each method:
-perplexity, KL(dense || method), top-1 agreement.
+tokens, chat template applied) and decoded greedily by each method from one shared prefill;
+the answer is scored as RULER does. The setups (``--setups``):
+
+* ``A``: the whole prompt, question included, is prefilled densely; the methods decode the answer
+  (the question is inside the dense prefill);
+* ``B``: the document is prefilled densely; each method decodes the question, the end of the
+  user turn and the answer prefix (teacher-forced), then the answer (the question is decoded
+  sparsely, after the document).
+
+Unless ``--likelihood-tokens 0``, each length also gets ``--likelihood-samples`` prose samples
+(:mod:`magicpig_jax.eval.likelihood`): dense prefill of all but the last N tokens, then
+teacher-forced decoding of those N by each method: perplexity, KL(dense || method), top-1
+agreement.
+
+Cost, per record: the fraction of keys used, the measured milliseconds per decode step, and the
+bytes of K, V, index and page metadata a step reads (:mod:`magicpig_jax.eval.cost`).
 
 Outputs in ``--out``:
 
@@ -38,22 +56,22 @@ Outputs in ``--out``:
   is dropped). ``config.json`` pins the settings that make records comparable (model,
   haystack, seed, static set, dense layers, new tokens, ...): a rerun with different ones
   is refused. ``runs.jsonl`` logs every invocation (machine, wall time, records added).
-* ``summary.md`` — per length: accuracy per task and method, mean accuracy, cost (mean
-  fraction of the context's keys sampled/selected per decode step in the sparse layers;
-  dense = 100%), KL, perplexity, top-1 agreement; printed as well. ``summary.json`` has
-  the same numbers.
-* ``accuracy_vs_cost.png`` (one panel per task, plus the mean) and ``kl_vs_cost.png``
-  (matplotlib).
+* ``summary.md`` — per length and setup: accuracy per task and method and the mean
+  accuracy, each with its 95% interval; cost (fraction of keys, ms per step, bytes per step);
+  KL, perplexity and top-1 agreement with their 95% intervals
+  (:mod:`magicpig_jax.eval.stats`); printed as well. ``summary.json`` has the same numbers.
+* ``accuracy_vs_cost.png``, ``kl_vs_cost.png`` (against the fraction of keys) and the Pareto
+  charts ``kl_vs_ms.png`` and ``accuracy_vs_ms.png`` (against measured ms per step), with
+  the intervals as error bars (matplotlib).
 
 Modules: :mod:`~magicpig_jax.eval.methods` (parsing ``--methods``), :mod:`~magicpig_jax.eval.store`
 (the files above), :mod:`~magicpig_jax.eval.report` (summary and plots) and this one (the loop
 and the command line), which re-exports their public names.
 
-Example (the documented full run; see ``examples/results/README.md``)::
+Example (the full run of docs/evaluation.md)::
 
-    magicpig-jax eval --tasks all --lengths 2K,4K,8K --samples 2 --likelihood-samples 1 \\
-        --methods dense,magicpig:8x75,magicpig:10x150,magicpig:10x170,magicpig:11x300,topk,quest,oracle \\
-        --out examples/results/eval
+    magicpig-jax eval --tasks niah_single,niah_multikey --lengths 2K,4K,8K --samples 20 \\
+        --likelihood-samples 16 --setups A,B --out runs/eval
 """
 
 from __future__ import annotations
@@ -61,6 +79,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -110,6 +129,7 @@ class EvalSettings:
     dense_layers: list[int] | None = None
     budget_from: str = "magicpig:10x150"
     page_size: int = 16
+    setups: list[str] = dataclasses.field(default_factory=lambda: ["A", "B"])
 
     def fingerprint(self, model) -> dict:
         """The settings every record of one results file must share."""
@@ -140,6 +160,31 @@ def prompt_ids(model, prompt: str, answer_prefix: str = "") -> list[int]:
     return encode_prompt(model, prompt) + model.tokenizer.encode(answer_prefix, parse_special=False)
 
 
+SETUPS = {"A": "the question is inside the dense prefill (the whole prompt is prefilled; the methods decode the "
+                "answer)",
+          "B": "the question is decoded by the method after the densely prefilled document (teacher-forced), "
+                "then the answer"}
+
+
+def question_split(decode: Callable[[list[int]], str], ids: list[int], question: str) -> int:
+    """The largest ``t`` such that ``decode(ids[t:])`` still contains ``question`` (setup B's prefill ends there).
+
+    Raises:
+      ValueError: the question is not in the decoded prompt at all.
+    """
+    question = question.strip()
+    if question not in decode(ids):
+        raise ValueError(f"the question {question[:60]!r} is not in the prompt")
+    lo, hi = 0, len(ids)  # decode(ids[lo:]) contains it; decode(ids[hi:]) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if question in decode(ids[mid:]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def _budget_tokens(ref: dict | None, page: int) -> tuple[int, float | None]:
     """The budget from the reference record: its mean sampled keys, rounded to pages."""
     if ref is None or ref.get("mean_sampled_keys") is None:
@@ -148,30 +193,64 @@ def _budget_tokens(ref: dict | None, page: int) -> tuple[int, float | None]:
     return max(page, int(round(keys / page)) * page), keys
 
 
-def _record_fields(m: Method, stats: dict, prompt_tokens: int) -> dict:
-    """The fields every record has: the method, the decode statistics, the sampled cost, the time."""
+@functools.cache
+def _layer_configs(path: str):
+    from magicpig_jax.attention import LayerConfigs
+
+    return LayerConfigs.load(path)
+
+
+def _record_fields(m: Method, stats: dict, prompt_tokens: int, model, settings: EvalSettings, kv_bytes: int) -> dict:
+    """The fields every record has: the method, the decode statistics, the cost (fraction of keys,
+    ms per step, bytes per step), the time."""
+    from magicpig_jax.eval.cost import ms_per_step, step_bytes
+
     steps = stats["decode_steps"]
     frac = stats["sampled_fraction"]
-    mean_keys = None if frac is None else frac * (prompt_tokens + 1 + max(steps - 1, 0) / 2)
-    return {"method": m.label, "backend": m.backend, "K": m.K, "L": m.L,
+    context = prompt_tokens + 1 + max(steps - 1, 0) / 2
+    mean_keys = None if frac is None else frac * context
+    cfg = model.config
+    layer_kl = None
+    if m.config_file is not None:
+        lc = _layer_configs(m.config_file)
+        layer_kl = {i: (lc.config(i).K, lc.config(i).L) for i in lc.sparse_layers}
+    nbytes = step_bytes(m.backend, num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, context=context, dense_layers=stats["dense_layers"],
+                        fraction_per_layer=stats["sampled_fraction_per_layer"], num_sink=settings.num_sink,
+                        num_local=settings.num_local, kv_bytes=kv_bytes, K=m.K or 10, L=m.L or 150,
+                        layer_kl=layer_kl, page_size=settings.page_size)
+    return {"method": m.label, "backend": m.backend, "K": m.K, "L": m.L, "heavy": m.heavy,
+            "config_file": m.config_file, "attention_runs_on": stats.get("attention_runs_on"),
             "prompt_tokens": prompt_tokens, "sampled_fraction": 1.0 if m.backend == "dense" else frac,
             "sampled_fraction_per_layer": stats["sampled_fraction_per_layer"],
             "mean_sampled_keys": mean_keys, "decode_steps": steps, "decode_tokens": stats["decode_tokens"],
             "decode_seconds": stats["decode_seconds"], "decode_tokens_per_s": stats["decode_tokens_per_s"],
+            "ms_per_step": ms_per_step(stats), "bytes_per_step": nbytes,
             "compile_seconds": stats["compile_seconds"], "index_build_seconds": stats["index_build_seconds"],
             "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
-def _units(settings: EvalSettings) -> list[tuple[str, str, int, int]]:
-    """Every (kind, task, length, index) to run: the task samples, then the likelihood samples, per length."""
-    units: list[tuple[str, str, int, int]] = []
+def _itemsize(state) -> int:
+    """Bytes per K/V element of a prefill's cache."""
+    return int(state.cache.k[0].dtype.itemsize)
+
+
+def _units(settings: EvalSettings) -> list[tuple[str, str, int, int, str]]:
+    """Every (kind, task, length, index, setup) to run: the task samples (each setup), then the
+    likelihood samples, per length."""
+    units: list[tuple[str, str, int, int, str]] = []
     for length in settings.lengths:
         for index in range(settings.samples):
-            units.extend(("task", task, length, index) for task in settings.tasks)
+            units.extend(("task", task, length, index, setup) for task in settings.tasks for setup in settings.setups)
         if settings.likelihood_tokens > 0:
             n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
-            units.extend(("likelihood", "prose", length, index) for index in range(n_lik))
+            units.extend(("likelihood", "prose", length, index, "A") for index in range(n_lik))
     return units
+
+
+def _key(key: dict, label: str) -> tuple:
+    """The store key (:func:`record_key`) of ``key`` = {kind, task, length, index, setup} and a method."""
+    return (key["kind"], key["task"], key["length"], key["index"], label, key["setup"])
 
 
 @dataclasses.dataclass
@@ -189,35 +268,52 @@ class _Loop:
         self.ref_label = parse_method(self.settings.budget_from).label
 
     def todo(self, key: dict) -> list[Method]:
-        return [m for m in self.settings.methods if (*key.values(), m.label) not in self.store]
+        return [m for m in self.settings.methods if _key(key, m.label) not in self.store]
 
-    def decode(self, m: Method, state, n_new: int, key: dict, desc: str, forced=None):
+    def spec(self, m: Method, budget):
+        """The :class:`~magicpig_jax.models.backends.DecodeSpec` of method ``m``."""
+        from magicpig_jax.attention import HybridConfig, MagicPIGConfig
+        from magicpig_jax.generation import decode_spec
+
+        s = self.settings
+        if m.config_file is not None:
+            config, dense = _layer_configs(m.config_file), None
+        elif m.backend == "hybrid":
+            config = HybridConfig(K=m.K or 10, L=m.L or 150, heavy=m.heavy or 8, num_sink=s.num_sink,
+                                  num_local=s.num_local, seed=s.seed)
+            dense = self.dense_layers
+        else:
+            config = MagicPIGConfig(K=m.K or 10, L=m.L or 150, num_sink=s.num_sink, num_local=s.num_local,
+                                    seed=s.seed)
+            dense = self.dense_layers
+        spec = decode_spec(self.model, m.backend, config, dense, budget, s.page_size)
+        return dataclasses.replace(spec, host=False) if m.host is False else spec
+
+    def decode(self, m: Method, state, n_new: int, key: dict, desc: str, forced=None, then_sample: bool = False):
         """Decode with method m; return (token ids, stats, budget fields).
 
         ``forced``: ``(targets, recorder)`` teacher-forces ``targets`` through
-        :func:`magicpig_jax.eval.forcing.forced_decode` and hands each step's logits to ``recorder``.
+        :func:`magicpig_jax.eval.forcing.forced_decode` and hands each step's logits to ``recorder``
+        (None: no logits); with ``then_sample`` the targets are a prefix and the rest is greedy.
         """
         from tqdm import tqdm
 
-        from magicpig_jax.attention import MagicPIGConfig
         from magicpig_jax.eval.forcing import forced_decode
-        from magicpig_jax.generation import Sampling, decode
+        from magicpig_jax.generation import Sampling
 
         s = self.settings
         budget, measured = m.budget, None
         if m.budgeted and budget is None:
-            budget, measured = _budget_tokens(self.store.get((*key.values(), self.ref_label)), s.page_size)
-        config = MagicPIGConfig(K=m.K or 10, L=m.L or 150, num_sink=s.num_sink, num_local=s.num_local, seed=s.seed)
+            budget, measured = _budget_tokens(self.store.get(_key(key, self.ref_label)), s.page_size)
+        spec = self.spec(m, budget)
         bar = tqdm(total=max(n_new - 1, 0), desc=desc, unit="tok", leave=False, disable=not self.progress)
-        kw = dict(attention=m.backend, max_new_tokens=n_new, config=config, dense_layers=self.dense_layers,
-                  sampling=Sampling(seed=s.seed), budget=budget, page_size=s.page_size, progress=bar.update)
         try:
-            if forced is None:
-                outs, stats = decode(self.model, state, **kw)
-            else:
-                targets, recorder = forced
-                outs, stats = forced_decode(self.model, state, forced_tokens=[targets], logits_callback=recorder,
-                                            stop_on_eos=False, **kw)
+            targets, recorder = forced if forced is not None else (None, None)
+            outs, stats = forced_decode(self.model, state, spec=spec, max_new_tokens=n_new,
+                                        sampling=Sampling(seed=s.seed), progress=bar.update,
+                                        forced_tokens=None if targets is None else [targets],
+                                        logits_callback=recorder, then_sample=then_sample,
+                                        stop_on_eos=forced is None or then_sample)
         finally:
             bar.close()
         return outs[0], stats, {"budget": budget, "budget_measured_keys": measured}
@@ -227,24 +323,40 @@ class _Loop:
         if self.on_record is not None:
             self.on_record(rec)
 
-    def task(self, task: str, length: int, index: int) -> None:
-        """A RULER-style sample: prefill it once, decode greedily with each method, score the answer."""
+    def task(self, task: str, length: int, index: int, setup: str = "A") -> None:
+        """A RULER-style sample: prefill it once, decode greedily with each method, score the answer.
+
+        Setup A prefills the whole prompt; setup B prefills the document only and each method
+        decodes the rest of the prompt (the question, teacher-forced) before the answer.
+        """
         from magicpig_jax.eval.tasks import make_sample, score
         from magicpig_jax.generation import prefill
 
         model, s = self.model, self.settings
-        key = {"kind": "task", "task": task, "length": length, "index": index}
+        key = {"kind": "task", "task": task, "length": length, "index": index, "setup": setup}
+        todo = self.todo(key)
+        if not todo:
+            return
         sample = make_sample(task, length, index, lambda p, a: len(prompt_ids(model, p, a)),
                              seed=s.seed, haystack=s.haystack, max_new_tokens=s.max_new_tokens)
         ids = prompt_ids(model, sample.prompt, sample.answer_prefix)
+        new = sample.max_new_tokens
+        split = len(ids) if setup == "A" else question_split(model.tokenizer.decode, ids, sample.question)
+        prefix, forced = ids[:split], ids[split:]
         # capacity = round_up(length): every sample of a length shares the jit compilations
-        state = prefill(model, [ids], max(length - len(ids) - 1, sample.max_new_tokens))
-        for m in self.todo(key):
-            toks, stats, bud = self.decode(m, state, sample.max_new_tokens, key, f"{length} {task}#{index} {m.label}")
+        state = prefill(model, [prefix], max(length - len(prefix) - 1, len(forced) + new))
+        for m in todo:
+            desc = f"{length} {task}#{index}{setup} {m.label}"
+            if forced:
+                toks, stats, bud = self.decode(m, state, len(forced) + new, key, desc, (forced, None), then_sample=True)
+                toks = toks[len(forced):]
+            else:
+                toks, stats, bud = self.decode(m, state, new, key, desc)
             pred = model.tokenizer.decode(toks)
             self.emit({**key, "seed": sample.seed, "units": sample.units, "outputs": list(sample.outputs),
-                       "prediction": pred, "score": score(task, pred, sample.outputs),
-                       "prefill_seconds": state.seconds, **_record_fields(m, stats, len(ids)), **bud})
+                       "prediction": pred, "score": score(task, pred, sample.outputs), "question_tokens": len(forced),
+                       "prefill_seconds": state.seconds,
+                       **_record_fields(m, stats, len(prefix), model, s, _itemsize(state)), **bud})
 
     def likelihood(self, length: int, index: int) -> None:
         """A prose sample: dense prefill, then each method teacher-forced over the last tokens against dense."""
@@ -252,7 +364,9 @@ class _Loop:
         from magicpig_jax.generation import prefill
 
         model, s = self.model, self.settings
-        key = {"kind": "likelihood", "task": "prose", "length": length, "index": index}
+        key = {"kind": "likelihood", "task": "prose", "length": length, "index": index, "setup": "A"}
+        if not self.todo(key):
+            return
         n = s.likelihood_tokens
         lik = make_likelihood_sample(model.tokenizer.encode, length, index, seed=s.seed, haystack=s.haystack,
                                      forced=n)
@@ -270,9 +384,11 @@ class _Loop:
                 _, stats, bud = self.decode(m, state, n, key, f"{length} prose#{index} {m.label}",
                                             (lik.targets, rec_m))
                 metrics = compare_to_dense(rec_m.logp, logp_dense, lik.targets)
-            self.emit({**key, "seed": lik.seed, "paragraph": lik.paragraph, "forced_tokens": n,
-                       "prefill_seconds": state.seconds, **metrics,
-                       **_record_fields(m, stats, len(lik.prefix)), **bud})
+            rec = {**key, "seed": lik.seed, "paragraph": lik.paragraph, "forced_tokens": n,
+                   "prefill_seconds": state.seconds, **metrics,
+                   **_record_fields(m, stats, len(lik.prefix), model, s, _itemsize(state)), **bud}
+            del rec["setup"]
+            self.emit(rec)
 
 
 def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[dict], None] | None = None,
@@ -302,16 +418,21 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     for length in settings.lengths:
         if length > ctx_limit:
             raise ValueError(f"length {length} exceeds the model's context of {ctx_limit} tokens")
+    for m in settings.methods:
+        if m.config_file is not None:
+            from magicpig_jax.eval.calibrate import check_config_for_eval
+
+            check_config_for_eval(m.config_file, model, settings)
     loop = _Loop(model, settings, store, fp["dense_layers"], on_record, progress)
     units = _units(settings)
     labels = [m.label for m in settings.methods]
-    pending = [u for u in units if any((*u, lab) not in store for lab in labels)]
+    pending = [u for u in units if any((*u[:4], lab, u[4]) not in store for lab in labels)]
     outer = tqdm(total=len(units), initial=len(units) - len(pending), desc="eval samples", unit="sample",
                  disable=not progress)
     try:
-        for kind, task, length, index in pending:
+        for kind, task, length, index, setup in pending:
             if kind == "task":
-                loop.task(task, length, index)
+                loop.task(task, length, index, setup)
             else:
                 loop.likelihood(length, index)
             outer.update(1)
@@ -329,10 +450,16 @@ def make_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="magicpig-jax eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default="all",
+    p.add_argument("--tasks", default="niah_single,niah_multikey",
                    help=f"comma-separated tasks ({', '.join(TASKS)}; 'all', 'niah', or 'none' for likelihood only)")
     p.add_argument("--lengths", default="2K,4K,8K", help="context lengths in tokens (prompt + new tokens)")
-    p.add_argument("--samples", type=int, default=4, help="samples per task and length")
+    p.add_argument("--samples", type=int, default=20, help="samples per task, length and setup")
+    p.add_argument("--setups", default="A,B",
+                   help="RULER setups: A = the question inside the dense prefill, B = the question decoded by the "
+                        "method after the document")
+    p.add_argument("--magicpig-config", type=Path, default=None, action="append",
+                   help="a per-layer configurations file of `magicpig-jax calibrate` (adds method magicpig@FILE; "
+                        "repeatable)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default: {DEFAULT_METHODS})")
     p.add_argument("--out", type=Path, required=True, help="output folder (results.jsonl, summary.md, PNGs)")
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
@@ -341,7 +468,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the samples, LSH projections and oracle sampling")
     p.add_argument("--likelihood-tokens", type=int, default=256,
                    help="teacher-forced prose tokens per likelihood sample (0 = no likelihood)")
-    p.add_argument("--likelihood-samples", type=int, default=None, help="prose samples per length (default --samples)")
+    p.add_argument("--likelihood-samples", type=int, default=16, help="prose documents per length")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens for every task (default: per task)")
     p.add_argument("--num-sink", type=int, default=4)
     p.add_argument("--num-local", type=int, default=64)
@@ -369,6 +496,10 @@ def settings_from_args(args) -> EvalSettings:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.page_size < 1:
         raise ValueError(f"--page-size must be >= 1, got {args.page_size}")
+    setups = [x.strip().upper() for x in args.setups.split(",") if x.strip()]
+    if not setups or any(x not in SETUPS for x in setups) or len(set(setups)) != len(setups):
+        raise ValueError(f"--setups takes a comma-separated subset of A, B, got {args.setups!r}")
+    methods = args.methods + "".join(f",magicpig@{p}" for p in (args.magicpig_config or []))
     dense_layers = None
     if args.dense_layers is not None:
         try:
@@ -376,7 +507,7 @@ def settings_from_args(args) -> EvalSettings:
         except ValueError as err:
             raise ValueError(f"--dense-layers takes comma-separated integers, got {args.dense_layers!r}") from err
     return EvalSettings(tasks=tasks, lengths=parse_lengths(args.lengths), samples=args.samples,
-                        methods=parse_methods(args.methods, args.budget_from), haystack=args.haystack,
+                        methods=parse_methods(methods, args.budget_from), haystack=args.haystack, setups=setups,
                         seed=args.seed, likelihood_tokens=args.likelihood_tokens,
                         likelihood_samples=args.likelihood_samples, max_new_tokens=args.max_new_tokens,
                         num_sink=args.num_sink, num_local=args.num_local, dense_layers=dense_layers,

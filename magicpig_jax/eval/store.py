@@ -34,8 +34,13 @@ RESULTS = "results.jsonl"
 
 
 def record_key(rec: dict) -> tuple:
-    """The identity of a record: (kind, task, length, index, method)."""
-    return (rec["kind"], rec["task"], int(rec["length"]), int(rec["index"]), rec["method"])
+    """The identity of a record: (kind, task, length, index, method, setup).
+
+    ``setup`` is the RULER setup of a task record (``"A"``: the question in the dense prefill,
+    ``"B"``: decoded by the method after the document); records without one (likelihood
+    records, and task records written before setups existed) count as ``"A"``.
+    """
+    return (rec["kind"], rec["task"], int(rec["length"]), int(rec["index"]), rec["method"], rec.get("setup", "A"))
 
 
 class ResultStore:

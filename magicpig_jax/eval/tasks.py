@@ -119,6 +119,15 @@ class Sample:
     max_new_tokens: int
     units: int
 
+    @property
+    def question(self) -> str:
+        """The question: the prompt's last line, after the document (RULER's templates put it there).
+
+        Setup B of the evaluation prefills the document and decodes this question (and the
+        answer prefix) with the method under test (:mod:`magicpig_jax.eval.run`).
+        """
+        return self.prompt.rsplit("\n", 1)[-1]
+
 
 def parse_tasks(text: str) -> list[str]:
     """Comma-separated task names (``all`` = every task, ``niah`` = the four NIAH tasks).
@@ -360,6 +369,9 @@ def _min_units(task: str) -> int:
 
 
 def _check(task: str, prompt: str, outputs: tuple[str, ...]) -> None:
+    question = prompt.rsplit("\n", 1)[-1]
+    if "\n" not in prompt or len(question) < 10 or len(question) > 400:
+        raise AssertionError(f"{task}: the prompt's last line is not a question: {question[:80]!r}")
     for o in outputs:
         if o not in prompt:
             raise AssertionError(f"{task}: expected answer {o!r} is not in the prompt")

@@ -1,0 +1,211 @@
+"""95% confidence intervals for the summary of ``magicpig-jax eval`` (pure Python + NumPy).
+
+Every figure of the summary is a mean over independent samples (task samples, likelihood
+documents), so each gets an interval:
+
+* :func:`wilson_interval` — a proportion of 0/1 outcomes (a needle found or not): the Wilson
+  score interval (Wilson, JASA 1927), which stays inside [0, 1] and keeps close to its nominal
+  coverage for small n and proportions near 0 or 1, where the normal ("Wald") interval fails
+  (Brown, Cai & DasGupta, Statistical Science 2001).
+* :func:`t_interval` — the mean of real-valued per-sample figures (a fractional task score, a
+  document's KL, perplexity or top-1 agreement, ms per decode step): Student's t interval
+  ``mean ± t_{0.975, n-1} s / sqrt(n)``. The t quantile is computed here
+  (:func:`t_quantile`, from the regularized incomplete beta function) so that SciPy is not a
+  run-time dependency.
+* :func:`stratified_bootstrap_interval` — a mean of per-task means (the mean task accuracy):
+  percentile bootstrap that resamples each task's samples separately (seeded, reproducible).
+* :func:`interval_for_scores` picks Wilson for 0/1 scores and t otherwise.
+
+An interval over fewer than 2 samples is ``(None, None)`` except Wilson's, which is defined
+for n >= 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "Z95",
+    "wilson_interval",
+    "t_quantile",
+    "t_interval",
+    "interval_for_scores",
+    "stratified_bootstrap_interval",
+    "paired_t_interval",
+    "regularized_incomplete_beta",
+]
+
+Z95 = 1.959963984540054  # the 0.975 quantile of the standard normal
+
+
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float | None, float | None]:
+    """The Wilson score interval of a binomial proportion.
+
+    ``(p + z²/2n ± z sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)`` with ``p = successes / n``.
+
+    Args:
+      successes: number of successes, ``0 <= successes <= n``.
+      n: number of trials, ``>= 0``.
+      z: the normal quantile (default: 95% two-sided).
+
+    Returns:
+      ``(low, high)`` in ``[0, 1]``; ``(None, None)`` for ``n == 0``.
+
+    Raises:
+      ValueError: ``successes`` outside ``[0, n]`` or ``n < 0``.
+
+    Source: E. B. Wilson, "Probable inference, the law of succession, and statistical
+    inference", JASA 22 (1927).
+    """
+    if n < 0 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n, got successes={successes}, n={n}")
+    if n == 0:
+        return None, None
+    p = successes / n
+    z2 = z * z
+    denom = 1.0 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    lo = 0.0 if successes == 0 else max(0.0, center - half)  # exact at the ends (no rounding residue)
+    hi = 1.0 if successes == n else min(1.0, center + half)
+    return lo, hi
+
+
+def regularized_incomplete_beta(a: float, b: float, x: float) -> float:
+    """``I_x(a, b)`` by the continued fraction of Numerical Recipes (modified Lentz), ``a, b > 0``.
+
+    Source: Press et al., Numerical Recipes, 3rd ed., Section 6.4 (``betai``/``betacf``).
+    """
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"x must be in [0, 1], got {x}")
+    if x in (0.0, 1.0):
+        return x
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1) / (a + b + 2):  # the continued fraction converges fast on this side only
+        return 1.0 - regularized_incomplete_beta(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((a + m2 - 1) * (a + m2)),
+                    -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return math.exp(log_front) * h / a
+
+
+def _t_cdf(t: float, df: float) -> float:
+    x = df / (df + t * t)
+    tail = 0.5 * regularized_incomplete_beta(df / 2, 0.5, x)
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The ``p`` quantile of Student's t with ``df > 0`` degrees of freedom (bisection on the CDF).
+
+    Raises:
+      ValueError: ``p`` outside ``(0, 1)`` or ``df <= 0``.
+    """
+    if not 0.0 < p < 1.0 or df <= 0:
+        raise ValueError(f"need 0 < p < 1 and df > 0, got p={p}, df={df}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if _t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-13 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def _clean(xs: Sequence[float | None]) -> np.ndarray:
+    return np.asarray([x for x in xs if x is not None and math.isfinite(x)], np.float64)
+
+
+def t_interval(xs: Sequence[float | None], confidence: float = 0.95) -> tuple[float | None, float | None]:
+    """Student's t interval of the mean of ``xs`` (None and non-finite values dropped).
+
+    Returns:
+      ``(low, high)``; ``(None, None)`` with fewer than 2 values; ``(mean, mean)`` when they are all equal.
+    """
+    x = _clean(xs)
+    n = x.size
+    if n < 2:
+        return None, None
+    mean = float(x.mean())
+    sd = float(x.std(ddof=1))
+    half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def interval_for_scores(scores: Sequence[float | None]) -> tuple[float | None, float | None, str | None]:
+    """The interval of a mean score in [0, 1]: Wilson when every score is 0 or 1, else t (clipped to [0, 1]).
+
+    Returns:
+      ``(low, high, method)`` with method ``"wilson"``, ``"t"`` or None (no interval).
+    """
+    x = _clean(scores)
+    if x.size == 0:
+        return None, None, None
+    if np.all((x == 0) | (x == 1)):
+        lo, hi = wilson_interval(float(x.sum()), int(x.size))
+        return lo, hi, "wilson"
+    lo, hi = t_interval(x)
+    if lo is None:
+        return None, None, None
+    return max(0.0, lo), min(1.0, hi), "t"
+
+
+def stratified_bootstrap_interval(groups: Sequence[Sequence[float]], resamples: int = 2000, seed: int = 0,
+                                  confidence: float = 0.95) -> tuple[float | None, float | None]:
+    """Percentile bootstrap interval of the mean of per-group means, resampling within each group.
+
+    Args:
+      groups: the samples of each group (e.g. the scores of each task); empty groups are dropped.
+      resamples: bootstrap replicates.
+      seed: NumPy seed (the interval is reproducible).
+      confidence: two-sided level.
+
+    Returns:
+      ``(low, high)``; ``(None, None)`` when no group has 2 samples or more.
+    """
+    gs = [_clean(g) for g in groups]
+    gs = [g for g in gs if g.size]
+    if not gs or max(g.size for g in gs) < 2:
+        return None, None
+    rng = np.random.default_rng(seed)
+    means = np.zeros(resamples)
+    for g in gs:
+        idx = rng.integers(0, g.size, size=(resamples, g.size))
+        means += g[idx].mean(axis=1)
+    means /= len(gs)
+    a = (1 - confidence) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def paired_t_interval(xs: Sequence[float], ys: Sequence[float],
+                      confidence: float = 0.95) -> tuple[float | None, float | None]:
+    """The t interval of the mean paired difference ``x_i - y_i`` (same samples, two methods).
+
+    Raises:
+      ValueError: ``xs`` and ``ys`` differ in length.
+    """
+    if len(xs) != len(ys):
+        raise ValueError(f"paired samples need equal lengths, got {len(xs)} and {len(ys)}")
+    return t_interval([x - y for x, y in zip(xs, ys, strict=True)], confidence)
