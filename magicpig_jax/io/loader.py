@@ -190,6 +190,9 @@ def load_model(path: str | Path | None = None, packed_weights: bool = True) -> L
         message says how to install the embedded model.
       ValueError: unsupported architecture or malformed file.
     """
+    from magicpig_jax.memory import release_freed_buffers
+
+    release_freed_buffers()  # freed cache copies and temporaries go back to the OS
     start = time.perf_counter()
     source, (config, weights, tokenizer, freq_factors) = _read_source(path)
     module = build_llama(config, weights, freq_factors, packed_weights=packed_weights, consume=True)

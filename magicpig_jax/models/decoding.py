@@ -119,8 +119,20 @@ def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple:
     an index or a hashed range for every sparse layer, None for the dense layers."""
     backend = backend_for(spec)
     sparse = set(spec.sparse_layers(num_layers))
-    return tuple(backend.build(spec, cache.k[i], cache.lengths, i, cache.capacity) if i in sparse else None
-                 for i in range(num_layers))
+    states, prev = [], None
+    for i in range(num_layers):
+        if i not in sparse:
+            states.append(None)
+            continue
+        k = cache.k[i]
+        if prev is not None:
+            # One layer at a time: this layer's temporaries (e.g. its float32 projections
+            # [B, Hkv, N, K*L]) may start only once the previous index exists, so at most one
+            # layer's are live (XLA otherwise overlapped them: 3.4 GB for SmolLM2 at 6K tokens).
+            k, _ = jax.lax.optimization_barrier((k, prev))
+        prev = backend.build(spec, k, cache.lengths, i, cache.capacity)
+        states.append(prev)
+    return tuple(states)
 
 
 def sample_token(logits, key, temperature, top_p):

@@ -1,0 +1,85 @@
+"""RSS and time of each phase of a long-context run: load, prefill, then decode per method.
+
+  python tools/memory_run.py --model /path/llama3-8b-q4km.gguf --length 8192 --steps 16 \
+      --kv-dtype bfloat16 --methods magicpig dense --consume-cache --json runs/mem_8b.json
+
+The prompt is ``--length`` token ids drawn at random from the vocabulary (the weights of a
+random GGUF make any text meaningless; the cost does not depend on the ids). Each phase
+prints the RSS now and the peak so far (``VmHWM``). With ``--consume-cache`` the last
+method decodes from the prefill's cache itself instead of a copy of it (what a run that does
+not reuse its prefill needs). Run under ``/usr/bin/time -v`` for the process's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def _status() -> dict:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:", "RssFile:")):
+            out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--length", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--methods", nargs="+", default=["magicpig", "dense"])
+    p.add_argument("--consume-cache", action="store_true")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from magicpig_jax.generation import decode, prefill
+    from magicpig_jax.io.loader import load_model
+    from magicpig_jax.models.cache import KVCache
+
+    phases = []
+
+    def mark(name, seconds, **extra):
+        s = _status()
+        phases.append({"phase": name, "seconds": seconds, "rss_bytes": s["VmRSS"], "peak_bytes": s["VmHWM"],
+                       "anon_bytes": s.get("RssAnon"), "file_bytes": s.get("RssFile"), **extra})
+        print(f"{name:<24} {seconds:8.1f} s  rss {s['VmRSS'] / 2**30:6.2f} GiB  peak {s['VmHWM'] / 2**30:6.2f} GiB "
+              + " ".join(f"{k}={v}" for k, v in extra.items()), flush=True)
+
+    mark("start", 0.0)
+    t = time.perf_counter()
+    model = load_model(args.model)
+    mark("load", time.perf_counter() - t)
+    ids = np.random.default_rng(0).integers(300, model.config.vocab_size - 300, args.length).tolist()
+    t = time.perf_counter()
+    state = prefill(model, [ids], args.steps + 1,
+                    cache_dtype=jnp.bfloat16 if args.kv_dtype == "bfloat16" else jnp.float32)
+    mark("prefill", time.perf_counter() - t, tokens=args.length)
+    for i, method in enumerate(args.methods):
+        last = i == len(args.methods) - 1
+        original = KVCache.copy
+        if args.consume_cache and last:
+            KVCache.copy = lambda self: self  # decode from the prefill's own buffers
+        try:
+            t = time.perf_counter()
+            outs, stats = decode(model, state, attention=method, max_new_tokens=args.steps, stop_on_eos=False)
+        finally:
+            KVCache.copy = original
+        ms = 1e3 / stats["decode_tokens_per_s"] if stats.get("decode_tokens_per_s") else None
+        mark(f"decode {method}", time.perf_counter() - t, ms_per_token=None if ms is None else round(ms, 1),
+             compile_s=round(stats["compile_seconds"], 1), sampled_fraction=stats.get("sampled_fraction"))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "phases": phases}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
