@@ -7,6 +7,7 @@ Subcommands:
   bench decode      end-to-end decode tokens/s, dense vs MagicPIG, per prompt length
   study attention   estimator error versus cost (TopK, Quest, oracle sampling, MagicPIG)
   eval              RULER-style task accuracy and long-text likelihood versus cost, per method
+  calibrate         per-layer (K, L) or dense meeting a KL budget at the least measured cost (JSON)
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def _add_generate(sub) -> None:
                    help="keys per query head for topk/quest/oracle: a token count (int) or a fraction in (0, 1]")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage of the KV cache (the host op reads either)")
+    p.add_argument("--magicpig-config", type=Path, default=None,
+                   help="per-layer (K, L) or dense from `magicpig-jax calibrate` for magicpig/magicpig-ref "
+                        "(replaces --K, --L, --num-sink, --num-local, --seed and --dense-layers there)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.set_defaults(func=_cmd_generate)
 
@@ -156,9 +160,12 @@ def _cmd_generate(args) -> int:
     if any(i < 0 for i in args.dense_layers or ()):
         raise ValueError(f"--dense-layers must be layer indices >= 0, got {args.dense_layers}")
     _check_json_path(args.json)
+    layered = _layer_configs(args)
     prompt = _generate_prompt(args)
     model = load_model(args.model)
-    specs = {name: decode_spec(model, name, config, args.dense_layers, args.budget) for name in args.attention}
+    specs = {name: decode_spec(model, name, config, args.dense_layers, args.budget) if layered is None
+             or name not in ("magicpig", "magicpig-ref") else decode_spec(model, name, layered)
+             for name in args.attention}
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
     ids = encode_prompt(model, prompt, chat=not args.no_chat, parse_special=args.parse_special)
     print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
@@ -178,6 +185,17 @@ def _cmd_generate(args) -> int:
                                         indent=2, allow_nan=False))
         print(f"wrote {args.json}")
     return 0
+
+
+def _layer_configs(args):
+    """The per-layer configs of ``--magicpig-config`` (None without it)."""
+    if args.magicpig_config is None:
+        return None
+    from magicpig_jax.attention import LayerConfigs
+
+    if args.dense_layers is not None:
+        raise ValueError("--dense-layers cannot be combined with --magicpig-config (the file names the dense layers)")
+    return LayerConfigs.load(args.magicpig_config)
 
 
 def _where(spec, prompt_tokens: int) -> str:
@@ -284,6 +302,10 @@ def make_parser() -> argparse.ArgumentParser:
                         add_help=False, prefix_chars="\0")  # every argument goes to magicpig_jax.eval.run
     ev.add_argument("rest", nargs=argparse.REMAINDER)
     ev.set_defaults(func=lambda a: _delegate("magicpig_jax.eval.run", a.rest))
+    cal = sub.add_parser("calibrate", help="per-layer (K, L) or dense meeting a KL budget at the least measured "
+                         "cost (JSON)", add_help=False, prefix_chars="\0")  # arguments: magicpig_jax.eval.calibrate
+    cal.add_argument("rest", nargs=argparse.REMAINDER)
+    cal.set_defaults(func=lambda a: _delegate("magicpig_jax.eval.calibrate", a.rest))
     return parser
 
 

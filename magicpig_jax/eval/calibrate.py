@@ -1,0 +1,406 @@
+"""``magicpig-jax calibrate``: per layer MagicPIG's (K, L) or dense, meeting a KL budget at the least measured cost.
+
+The paper hand-picks one (K, L) for every layer and keeps two layers dense (arXiv 2410.16179,
+Section 5). Layers differ: some heads are flat, some concentrated, and the cost of a layer's
+attention depends on its tables. This command calibrates a :class:`~magicpig_jax.attention.LayerConfigs`
+on a text that is *not* an evaluation text (default: the bundled LGPL-2.1, which the ``jargon``
+haystack does not contain; ``magicpig-jax eval`` refuses a file whose calibration text overlaps
+its haystack):
+
+1. **Dense reference.** The text's first ``--length`` tokens are prefilled densely; the last
+   ``--forced-tokens`` of them are teacher-forced with dense attention, giving the reference
+   next-token distributions.
+2. **Per-layer measurements.** For every layer ``l`` and candidate ``c`` of ``--candidates``
+   (plus dense): the attention error ``e(l, c)``, the mean over ``--probes`` decode positions and
+   the heads of ``||o_c - o||^2 / ||o||^2`` (the pure-JAX estimator with the decoder's
+   projections for that layer, against dense attention), and the measured cost ``ms(l, c)``: the
+   median wall time of that layer's attention in the host op (``host_magicpig_attention``; dense:
+   ``host_exact_attention``) over ``--repeats`` calls, and the bytes its attention reads
+   (:func:`magicpig_jax.eval.cost.step_bytes`). ``--cost`` picks which one is minimized
+   (``ms``, the default, or ``bytes``, which does not drift on a shared machine).
+3. **Candidates.** For each ``λ`` of a log grid every layer takes ``argmin_c ms(l, c) + λ e(l, c)``
+   (``ms`` or bytes; the error is squared, as a KL is to first order quadratic in a small
+   perturbation of the logits); the distinct assignments are ordered by their total cost.
+4. **Measured KL.** A binary search over that order (at most ``--max-evals`` teacher-forced
+   decodes with the per-layer configs) finds the cheapest assignment whose mean KL(dense ||
+   method) over the forced tokens is ``<= --kl-budget``; all-dense (KL 0) is the fallback.
+
+The result is a small JSON file (:meth:`LayerConfigs.save`) with the per-layer choices and what was
+measured (per-layer ms and error, every assignment tried with its cost and KL, the text's hash and
+paragraph hashes), which ``magicpig-jax generate/eval --magicpig-config FILE`` and
+``generate(..., config=LayerConfigs.load(FILE))`` use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
+           "paragraph_hashes", "check_config_for_eval", "DEFAULT_TEXT", "DEFAULT_CANDIDATES"]
+
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "lgpl-2.1.txt"
+DEFAULT_CANDIDATES = "8x75,9x120,10x150,11x300,12x600"
+DENSE = "dense"
+
+
+def paragraph_hashes(source: str) -> list[str]:
+    """12-hex-digit SHA-1 of each paragraph of a text file, split as the eval haystacks are
+    (:func:`magicpig_jax.eval.corpus.load_prose`)."""
+    from magicpig_jax.eval.corpus import load_prose
+
+    return [hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(str(source))]
+
+
+def check_config_for_eval(path: str | Path, model, settings) -> None:
+    """Refuse a calibrated file that does not fit an evaluation: other static set, other layer count,
+    or a calibration text that shares a paragraph with the evaluation haystack.
+
+    Raises:
+      ValueError: naming the mismatch.
+    """
+    from magicpig_jax.attention import LayerConfigs
+    from magicpig_jax.eval.corpus import load_prose
+
+    lc = LayerConfigs.load(path)
+    lc.check_num_layers(model.config.num_layers)
+    base = lc.base()
+    if lc.sparse_layers and (base.num_sink, base.num_local) != (settings.num_sink, settings.num_local):
+        raise ValueError(f"{path}: calibrated with num_sink={base.num_sink}, num_local={base.num_local}; the "
+                         f"evaluation uses {settings.num_sink}, {settings.num_local}")
+    obj = json.loads(Path(path).read_text())
+    cal = set((obj.get("calibration") or {}).get("paragraph_sha1") or [])
+    hay = {hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(settings.haystack)}
+    shared = cal & hay
+    if shared:
+        raise ValueError(f"{path} was calibrated on a text that shares {len(shared)} paragraph(s) with the "
+                         f"evaluation haystack {settings.haystack!r}: calibrate on another text")
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    from magicpig_jax.lsh import validate_k_l
+
+    out = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        try:
+            k, l_ = (int(x) for x in item.lower().split("x"))
+        except ValueError as err:
+            raise ValueError(f"--candidates takes KxL pairs like 10x150,11x300, got {text!r}") from err
+        validate_k_l(k, l_)
+        out.append((k, l_))
+    if not out:
+        raise ValueError("--candidates is empty")
+    return out
+
+
+@dataclasses.dataclass
+class LayerCosts:
+    """What was measured for one layer: per candidate label (``"KxL"`` or ``"dense"``) the ms of its
+    attention, the attention error, the fraction of keys sampled and the bytes read per step."""
+
+    ms: dict[str, float]
+    error: dict[str, float]
+    fraction: dict[str, float]
+    bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def cost(self, label: str, kind: str = "ms") -> float:
+        """``ms`` or ``bytes`` of one choice."""
+        return self.ms[label] if kind == "ms" else self.bytes[label]
+
+
+def _time(fn, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())  # compile
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return 1000.0 * statistics.median(ts)
+
+
+def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Sequence[tuple[int, int]], base,
+                   probes: int = 8, repeats: int = 5, progress: bool = True) -> list[LayerCosts]:
+    """Per layer and candidate: measured ms of the layer's attention in the host op, and the attention error.
+
+    Args:
+      model: the loaded model.
+      ids: the calibration tokens (prefilled densely in full; decode positions ``prefix_len ..``).
+      prefix_len: the prefill the decoder's index is built on.
+      candidates: ``(K, L)`` pairs.
+      base: a :class:`MagicPIGConfig` giving the static set and the projection seed.
+      probes: decode positions in ``[prefix_len, len(ids))`` whose queries measure the error.
+      repeats: timed calls per measurement (median).
+      progress: a tqdm bar.
+
+    Returns:
+      one :class:`LayerCosts` per layer.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tqdm import tqdm
+
+    from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, dense_attention, magicpig_attention
+    from magicpig_jax.eval.cost import step_bytes
+    from magicpig_jax.generation import prefill
+    from magicpig_jax.host import host_build_index, host_exact_attention, host_magicpig_attention
+    from magicpig_jax.models.backends import layer_projections
+    from magicpig_jax.models.cache import KVCache
+    from magicpig_jax.models.decoding import decode_queries
+
+    ids = list(ids)
+    state = prefill(model, [ids], 1)
+    graphdef, params = nnx.split(model.module)
+    positions = np.unique(np.linspace(prefix_len, len(ids) - 1, probes).astype(int))
+    queries = []
+    for p in positions:  # the query at decode position p sees the keys [0, p)
+        cache = KVCache(k=state.cache.k, v=state.cache.v, lengths=jnp.asarray([p], jnp.int32))
+        queries.append(np.asarray(decode_queries(graphdef, params, cache, jnp.asarray([ids[p]], jnp.int32))))
+    q_all = np.stack(queries)  # [P, layers, 1, Hq, D]
+    D = model.config.head_dim
+    build_len = jnp.asarray([prefix_len], jnp.int32)
+    attend = jax.jit(magicpig_attention, static_argnames="config")
+    build = jax.jit(build_lsh_index, static_argnames="config")
+    dense = jax.jit(dense_attention)
+    host_attend = jax.jit(host_magicpig_attention, static_argnames=("config", "static_window"))
+    host_dense = jax.jit(host_exact_attention)
+    configs = {f"{K}x{L}": MagicPIGConfig(K=K, L=L, num_sink=base.num_sink, num_local=base.num_local, seed=base.seed)
+               for K, L in candidates}
+    out = []
+    n_layers = model.config.num_layers
+    mc = model.config
+    shape = dict(num_layers=1, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=D,
+                 context=float(np.mean(positions)), num_sink=base.num_sink,
+                 kv_bytes=int(state.cache.k[0].dtype.itemsize),
+                 unhashed_tail=float(np.mean(positions)) - prefix_len + base.num_local)
+    with tqdm(total=n_layers * len(configs), desc="calibrate: per-layer error and ms", disable=not progress) as bar:
+        for layer in range(n_layers):
+            k, v = state.cache.k[layer], state.cache.v[layer]
+            lens = [jnp.asarray([p], jnp.int32) for p in positions]
+            refs = [np.asarray(dense(jnp.asarray(q_all[j, layer]), k, v, lens[j])[0], np.float64)
+                    for j in range(len(positions))]
+            last_q, last_len = jnp.asarray(q_all[-1, layer]), lens[-1]
+            dense_ms = _time(lambda k=k, v=v, q=last_q, n=last_len: host_dense(q, k, v, n), repeats)
+            costs = LayerCosts(ms={DENSE: dense_ms}, error={DENSE: 0.0}, fraction={DENSE: 1.0},
+                               bytes={DENSE: step_bytes("dense", dense_layers=[], fraction_per_layer={},
+                                                        num_local=base.num_local, **shape)["total"]})
+            for label, cfg in configs.items():
+                proj = layer_projections(cfg, layer, D)
+                idx = build(k, proj, cfg, build_len)
+                errs, fracs = [], []
+                for j in range(len(positions)):
+                    o, _, num = attend(jnp.asarray(q_all[j, layer]), k, v, idx, cfg, lens[j])
+                    o = np.asarray(o, np.float64)
+                    errs.append(np.mean(np.sum((o - refs[j]) ** 2, -1) / np.maximum(np.sum(refs[j] ** 2, -1), 1e-30)))
+                    fracs.append(float(np.mean(np.asarray(num))) / int(positions[j]))
+                hidx = host_build_index(k, proj, cfg, build_len, capacity=k.shape[2])
+                costs.ms[label] = _time(lambda k=k, v=v, q=last_q, n=last_len, h=hidx, c=cfg:
+                                        host_attend(q, k, v, h, c, n, static_window=0), repeats)
+                costs.error[label] = float(np.mean(errs))
+                costs.fraction[label] = float(np.mean(fracs))
+                costs.bytes[label] = step_bytes("magicpig", dense_layers=[], num_local=base.num_local, K=cfg.K,
+                                                L=cfg.L, fraction_per_layer={0: costs.fraction[label]},
+                                                **shape)["total"]
+                bar.update(1)
+            out.append(costs)
+    return out
+
+
+def total_cost(per_layer: Sequence[LayerCosts], assignment: Sequence[str], kind: str = "ms") -> float:
+    """The summed ``ms`` or ``bytes`` of an assignment."""
+    return sum(c.cost(p, kind) for c, p in zip(per_layer, assignment, strict=True))
+
+
+def assignments(per_layer: Sequence[LayerCosts], lambdas: Sequence[float] | None = None,
+                kind: str = "ms") -> list[tuple[str, ...]]:
+    """The distinct per-layer choices of ``argmin_c cost(l, c) + λ error(l, c)`` over ``lambdas``, cheapest first.
+
+    ``kind`` is ``"ms"`` or ``"bytes"``. The all-dense assignment is always included (KL 0). Default
+    ``lambdas``: a log grid relative to the largest cost, wide enough that the smallest gives each
+    layer its cheapest candidate.
+    """
+    if lambdas is None:
+        scale = max(max(c.cost(x, kind) for x in c.ms) for c in per_layer)
+        lambdas = [scale * 10.0 ** e for e in np.arange(-4, 8, 0.2)]
+    seen: dict[tuple[str, ...], float] = {}
+    for lam in lambdas:
+        pick = tuple(min(c.ms, key=lambda label, c=c: c.cost(label, kind) + lam * c.error[label]) for c in per_layer)
+        seen[pick] = total_cost(per_layer, pick, kind)
+    all_dense = tuple(DENSE for _ in per_layer)
+    seen[all_dense] = total_cost(per_layer, all_dense, kind)
+    return sorted(seen, key=lambda a: seen[a])
+
+
+def to_layer_configs(assignment: Sequence[str], base, info: dict | None = None):
+    """A :class:`LayerConfigs` of per-layer labels (``"KxL"`` or ``"dense"``) with ``base``'s static set and seed."""
+    from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+
+    layers = []
+    for i, label in enumerate(assignment):
+        if label == DENSE:
+            layers.append((i, DENSE))
+        else:
+            K, L = (int(x) for x in label.split("x"))
+            layers.append((i, MagicPIGConfig(K=K, L=L, num_sink=base.num_sink, num_local=base.num_local,
+                                              seed=base.seed)))
+    return LayerConfigs(tuple(layers), tuple((str(k), str(v)) for k, v in (info or {}).items()))
+
+
+def _kl_of(model, state, layer_configs, targets, logp_dense) -> float:
+    from magicpig_jax.eval.forcing import forced_decode
+    from magicpig_jax.eval.likelihood import LogitsRecorder, compare_to_dense
+
+    rec = LogitsRecorder(len(targets))
+    forced_decode(model, state, forced_tokens=[targets], logits_callback=rec, attention="magicpig",
+                  config=layer_configs, max_new_tokens=len(targets), stop_on_eos=False)
+    return compare_to_dense(rec.logp, logp_dense, targets)["kl"]
+
+
+def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_tokens: int = 128,
+              candidates: Sequence[tuple[int, int]] = ((8, 75), (9, 120), (10, 150), (11, 300), (12, 600)),
+              num_sink: int = 4, num_local: int = 64, seed: int = 0, probes: int = 8, repeats: int = 5,
+              max_evals: int = 6, cost: str = "ms", progress: bool = True):
+    """Calibrate per-layer configs on ``text`` (see the module docstring); returns ``(LayerConfigs, report)``.
+
+    Raises:
+      ValueError: a budget <= 0, a text shorter than ``length`` tokens, or bad sizes.
+    """
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.eval.forcing import forced_decode
+    from magicpig_jax.eval.likelihood import LogitsRecorder
+    from magicpig_jax.generation import prefill
+
+    if not kl_budget > 0:
+        raise ValueError(f"--kl-budget must be > 0, got {kl_budget}")
+    if cost not in ("ms", "bytes"):
+        raise ValueError(f"--cost must be 'ms' or 'bytes', got {cost!r}")
+    if not 1 <= forced_tokens < length:
+        raise ValueError(f"need 1 <= --forced-tokens < --length, got {forced_tokens} and {length}")
+    base = MagicPIGConfig(num_sink=num_sink, num_local=num_local, seed=seed)
+    ids = model.tokenizer.encode(text)
+    if len(ids) < length:
+        raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than --length {length}")
+    ids = ids[:length]
+    prefix_len = length - forced_tokens
+    prefix, targets = ids[:prefix_len], ids[prefix_len:]
+    t0 = time.perf_counter()
+    state = prefill(model, [prefix], forced_tokens)
+    rec = LogitsRecorder(forced_tokens)
+    forced_decode(model, state, forced_tokens=[targets], logits_callback=rec, attention="dense",
+                  max_new_tokens=forced_tokens, stop_on_eos=False)
+    logp_dense = rec.logp
+    per_layer = measure_layers(model, ids, prefix_len, candidates, base, probes, repeats, progress)
+    order = assignments(per_layer, kind=cost)
+    ms = {a: total_cost(per_layer, a, "ms") for a in order}
+    nbytes = {a: total_cost(per_layer, a, "bytes") for a in order}
+    tried: dict[tuple[str, ...], float] = {order[-1]: 0.0}  # all dense
+    lo, hi = 0, len(order) - 1  # the answer is in [lo, hi]; order[hi] is known to meet the budget
+    evals = 0
+    while lo < hi and evals < max_evals:
+        mid = (lo + hi) // 2
+        a = order[mid]
+        kl = _kl_of(model, state, to_layer_configs(a, base), targets, logp_dense)
+        tried[a] = kl
+        evals += 1
+        if progress:
+            print(f"calibrate: assignment {mid + 1}/{len(order)} ({ms[a]:.2f} ms, {nbytes[a] / 1e6:.2f} MB of "
+                  "attention per step, "
+                  f"{sum(x != DENSE for x in a)} sparse layers): KL {kl:.4f}", file=sys.stderr, flush=True)
+        if kl <= kl_budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    best = order[hi]
+    report = {
+        "kl_budget": kl_budget, "measured_kl": tried.get(best), "cost": cost,
+        "attention_ms_per_step": ms[best], "dense_attention_ms_per_step": ms[order[-1]],
+        "attention_bytes_per_step": nbytes[best], "dense_attention_bytes_per_step": nbytes[order[-1]],
+        "calibration": {"length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
+                        "candidates": [f"{k}x{l_}" for k, l_ in candidates], "num_sink": num_sink,
+                        "num_local": num_local, "seed": seed},
+        "per_layer": [{"layer": i, "choice": best[i], "ms": c.ms, "bytes": c.bytes, "error": c.error,
+                       "fraction": c.fraction} for i, c in enumerate(per_layer)],
+        "tried": [{"ms": ms[a], "bytes": nbytes[a], "kl": kl, "sparse_layers": sum(x != DENSE for x in a),
+                   "assignment": list(a)} for a, kl in sorted(tried.items(), key=lambda x: ms[x[0]])],
+        "assignments": len(order),
+        "seconds": time.perf_counter() - t0,
+    }
+    return to_layer_configs(best, base), report
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def make_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``magicpig-jax calibrate`` (the module docstring is its help)."""
+    p = argparse.ArgumentParser(prog="magicpig-jax calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file, Hugging Face or checkpoint directory (default: "
+                                                  "the embedded SmolLM2)")
+    p.add_argument("--kl-budget", type=float, required=True, help="mean KL(dense || method) per token to meet")
+    p.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+                   help="calibration text, not an evaluation text (default: the bundled LGPL-2.1)")
+    p.add_argument("--length", type=int, default=4096, help="tokens of the text used (prefill + forced)")
+    p.add_argument("--forced-tokens", type=int, default=128, help="teacher-forced tokens over which KL is measured")
+    p.add_argument("--candidates", default=DEFAULT_CANDIDATES, help="(K, L) pairs a layer may take, KxL,...")
+    p.add_argument("--num-sink", type=int, default=4)
+    p.add_argument("--num-local", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0, help="seed of the SimHash projections")
+    p.add_argument("--probes", type=int, default=8, help="decode positions measuring each layer's error")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per layer and candidate (median)")
+    p.add_argument("--max-evals", type=int, default=6, help="teacher-forced decodes measuring the KL")
+    p.add_argument("--cost", choices=["ms", "bytes"], default="ms",
+                   help="what to minimize: measured ms of each layer's attention, or the bytes it reads")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``magicpig-jax calibrate``; returns 0 (errors are raised as ValueError / FileNotFoundError)."""
+    from magicpig_jax.io.loader import load_model
+
+    args = make_parser().parse_args(argv)
+    candidates = _pairs(args.candidates)
+    if not args.text.is_file():
+        raise FileNotFoundError(f"--text {args.text} does not exist")
+    for name in ("length", "forced_tokens", "probes", "repeats", "max_evals"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.kl_budget > 0 or not math.isfinite(args.kl_budget):
+        raise ValueError(f"--kl-budget must be a positive number, got {args.kl_budget}")
+    text = args.text.read_text(encoding="utf-8")
+    model = load_model(args.model)
+    lc, report = calibrate(model, text, args.kl_budget, length=args.length, forced_tokens=args.forced_tokens,
+                           candidates=candidates, num_sink=args.num_sink, num_local=args.num_local, seed=args.seed,
+                           probes=args.probes, repeats=args.repeats, max_evals=args.max_evals, cost=args.cost,
+                           progress=not args.no_progress)
+    report["model"] = str(model.source)
+    report["calibration"].update({"text": str(args.text), "sha256": hashlib.sha256(text.encode()).hexdigest(),
+                                  "paragraph_sha1": paragraph_hashes(str(args.text))})
+    lc = dataclasses.replace(lc, info=(("model", str(model.source)), ("kl_budget", str(args.kl_budget))))
+    path = lc.save(args.out, extra=report)
+    sparse = len(lc.sparse_layers)
+    print(f"wrote {path}: {sparse} sparse layers, dense {list(lc.dense_layers)}; measured KL "
+          f"{report['measured_kl']:.4f} (budget {args.kl_budget}); attention {report['attention_ms_per_step']:.2f} ms "
+          f"and {report['attention_bytes_per_step'] / 1e6:.2f} MB per step against "
+          f"{report['dense_attention_ms_per_step']:.2f} ms and {report['dense_attention_bytes_per_step'] / 1e6:.2f} MB "
+          "dense (measured per layer)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

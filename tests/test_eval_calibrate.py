@@ -1,0 +1,113 @@
+"""magicpig_jax.eval.calibrate: the choice of per-layer configs (assignments ordered by measured cost),
+the end-to-end calibration on the tiny model (the chosen configs meet the KL budget when decoded
+again), the JSON file, the check that keeps calibration texts out of evaluation haystacks, and the
+command line (calibrate, generate --magicpig-config)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from magicpig_jax import cli
+from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+from magicpig_jax.eval import calibrate as cal
+from magicpig_jax.eval.calibrate import LayerCosts, assignments, to_layer_configs
+from tests.test_eval_run import char_model
+
+TEXT = " ".join(f"Paragraph {i} says that the quick brown fox jumps over the lazy dog number {i * 7}."
+                for i in range(40))
+
+
+def test_assignments_trade_cost_for_error():
+    layers = [
+        LayerCosts(ms={"dense": 10.0, "4x8": 1.0, "6x16": 2.0}, error={"dense": 0.0, "4x8": 0.5, "6x16": 0.1},
+                   fraction={}, bytes={"dense": 1.0, "4x8": 3.0, "6x16": 2.0}),
+        LayerCosts(ms={"dense": 10.0, "4x8": 1.0, "6x16": 2.0}, error={"dense": 0.0, "4x8": 0.01, "6x16": 0.005},
+                   fraction={}, bytes={"dense": 1.0, "4x8": 3.0, "6x16": 2.0}),
+    ]
+    assert assignments(layers, kind="bytes")[0] == ("dense", "dense")  # dense reads the fewest bytes here
+    order = assignments(layers, lambdas=[1e-3, 5.0, 50.0, 1e6])
+    assert order[0] == ("4x8", "4x8") and order[-1] == ("dense", "dense")
+    assert ("6x16", "4x8") in order  # at λ = 5 the noisy layer buys larger tables first
+    costs = [sum(c.ms[p] for c, p in zip(layers, a, strict=True)) for a in order]
+    assert costs == sorted(costs)
+    lc = to_layer_configs(("dense", "6x16"), MagicPIGConfig(num_local=8, seed=2))
+    assert lc == LayerConfigs(((0, "dense"), (1, MagicPIGConfig(K=6, L=16, num_local=8, seed=2))))
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    model = char_model()
+    # bytes: a deterministic cost (at 600 keys the measured ms of the tiny model's dense attention is the least)
+    lc, report = cal.calibrate(model, TEXT, kl_budget=0.05, length=600, forced_tokens=12,
+                               candidates=((4, 8), (6, 16)), num_local=16, probes=2, repeats=1, max_evals=4,
+                               cost="bytes", progress=False)
+    return model, lc, report
+
+
+def test_calibration_meets_the_budget_when_decoded_again(calibrated):
+    from magicpig_jax.eval.forcing import forced_decode
+    from magicpig_jax.eval.likelihood import LogitsRecorder, compare_to_dense
+    from magicpig_jax.generation import prefill
+
+    model, lc, report = calibrated
+    assert lc.num_layers == model.config.num_layers and report["measured_kl"] <= 0.05
+    assert lc.sparse_layers and report["attention_bytes_per_step"] < report["dense_attention_bytes_per_step"]
+    assert [row["choice"] for row in report["per_layer"]] == [
+        "dense" if lc.config(i) == "dense" else f"{lc.config(i).K}x{lc.config(i).L}" for i in range(lc.num_layers)]
+    for row in report["per_layer"]:
+        assert set(row["ms"]) == {"dense", "4x8", "6x16"} and all(v > 0 for v in row["ms"].values())
+        assert row["bytes"]["4x8"] < row["bytes"]["dense"]
+        assert row["error"]["dense"] == 0.0 and all(0 <= v for v in row["error"].values())
+    assert report["tried"] and all(t["kl"] >= 0 for t in report["tried"])
+    ids = model.tokenizer.encode(TEXT)[:600]
+    state = prefill(model, [ids[:588]], 12)
+    recs = {}
+    for name, config in (("dense", None), ("magicpig", lc)):
+        rec = LogitsRecorder(12)
+        forced_decode(model, state, forced_tokens=[ids[588:]], logits_callback=rec, attention=name, config=config,
+                      max_new_tokens=12, stop_on_eos=False)
+        recs[name] = rec.logp
+    kl = compare_to_dense(recs["magicpig"], recs["dense"], ids[588:])["kl"]
+    assert kl == pytest.approx(report["measured_kl"], abs=1e-6)
+
+
+def test_budget_checks():
+    with pytest.raises(ValueError, match="kl-budget"):
+        cal.calibrate(char_model(), TEXT, kl_budget=0.0, progress=False)
+    with pytest.raises(ValueError, match="fewer than"):
+        cal.calibrate(char_model(), "short", kl_budget=0.1, length=600, forced_tokens=12, progress=False)
+
+
+def test_file_and_eval_check(calibrated, tmp_path):
+    from magicpig_jax.eval.methods import parse_methods
+    from magicpig_jax.eval.run import EvalSettings
+
+    model, lc, report = calibrated
+    text_file = tmp_path / "cal.txt"
+    text_file.write_text(TEXT.replace(". ", ".\n\n"))
+    report = dict(report, calibration=dict(report["calibration"], paragraph_sha1=cal.paragraph_hashes(str(text_file))))
+    path = lc.save(tmp_path / "cfg.json", extra=report)
+    assert LayerConfigs.load(path) == lc and json.loads(path.read_text())["measured_kl"] == report["measured_kl"]
+    settings = EvalSettings(tasks=[], lengths=[600], samples=1, methods=parse_methods("dense"), num_local=16,
+                            haystack=str(text_file))
+    with pytest.raises(ValueError, match="shares"):
+        cal.check_config_for_eval(path, model, settings)
+    other = tmp_path / "other.txt"
+    other.write_text("An entirely different text about hash tables, buckets and the angles between vectors.\n")
+    cal.check_config_for_eval(path, model, EvalSettings(**{**settings.__dict__, "haystack": str(other)}))
+    with pytest.raises(ValueError, match="num_local"):
+        cal.check_config_for_eval(path, model, EvalSettings(**{**settings.__dict__, "haystack": str(other),
+                                                               "num_local": 64}))
+
+
+def test_command_line_is_wired(tmp_path, capsys):
+    assert cli.main(["calibrate", "--kl-budget", "0.1", "--out", str(tmp_path / "x.json"),
+                     "--candidates", "10xz"]) == 2
+    assert "candidates" in capsys.readouterr().err
+    assert cli.main(["calibrate", "--kl-budget", "-1", "--out", str(tmp_path / "x.json")]) == 2
+    lc = LayerConfigs.uniform(MagicPIGConfig(), 30, [0, 15])
+    path = lc.save(tmp_path / "u.json")
+    assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(path), "--dense-layers", "0"]) == 2
+    assert "--dense-layers cannot be combined" in capsys.readouterr().err
