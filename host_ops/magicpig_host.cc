@@ -601,6 +601,7 @@ struct AttendArgs {
   const float* mean = nullptr;       // [B, Hkv, D]
   const int32_t* lengths = nullptr;  // [B]
   int64_t window = 0;                // tail positions left to the caller
+  bool sinks = false;                // also attend the sinks [0, start) exactly (else the caller does)
   const double* table = nullptr;     // log-u table, T + 1 entries
   int64_t T = 0;
   bool avx2 = false;
@@ -818,6 +819,13 @@ ffi::Error AttendPiece(const AttendArgs& a, int64_t b, int64_t hq, int64_t plo, 
   s.exact.clear();
   if (auto e = CollectSampled(a, b, h, qc, len, plo, phi, s); !e.success()) return e;
   const int32_t n_sampled = static_cast<int32_t>(s.cand.size());
+  // The sinks, when the caller leaves them to the op: exact.
+  if (a.sinks) {
+    for (int64_t pos = std::max<int64_t>(plo, 0); pos < std::min({start, len, phi}); ++pos) {
+      s.cand.push_back(static_cast<int32_t>(pos));
+      s.exact.push_back(1);
+    }
+  }
   // Unhashed keys past the index that the JAX static window does not cover: exact.
   const int64_t over_hi = std::min({std::max(end, len - std::max<int64_t>(a.window, 0)), len, phi});
   for (int64_t pos = std::max({end, start, plo}); pos < over_hi; ++pos) {
@@ -887,7 +895,7 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::U32> table,
                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           ffi::Result<ffi::Buffer<ffi::S32>> nsamp, ffi::Result<ffi::Buffer<ffi::U8>> mask,
-                          int64_t K, int64_t window, int64_t impl, int64_t max_threads) {
+                          int64_t K, int64_t window, int64_t sinks, int64_t impl, int64_t max_threads) {
   Geometry g;
   if (auto e = IndexGeometry(K, ids.dimensions(), offsets.dimensions(), open.dimensions(),
                              bounds.dimensions(), &g);
@@ -965,6 +973,7 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.mean = mean.typed_data();
   a.lengths = lengths.typed_data();
   a.window = window;
+  a.sinks = sinks != 0;
   a.table = reinterpret_cast<const double*>(table.untyped_data());
   a.T = TT;
   a.avx2 = avx2;
@@ -1092,6 +1101,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAttention, AttentionImpl,
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("K")
                                   .Attr<int64_t>("window")
+                                  .Attr<int64_t>("sinks")
                                   .Attr<int64_t>("impl")
                                   .Attr<int64_t>("max_threads"));
 

@@ -44,6 +44,7 @@ def host_sampled_attention(
     lengths: Int[Array, " B"],
     *,
     window: int = 0,
+    sinks: bool = False,
     impl: str = "auto",
     return_mask: bool = False,
     max_threads: int = 0,
@@ -54,13 +55,14 @@ def host_sampled_attention(
     (and ``< lengths``) whose code equals the query's in >= 2 tables get the logit
     ``q·k/sqrt(D) - log u`` (arXiv 2410.16179, Eq. (4), (9)); the unhashed keys of
     ``[end, lengths - window)`` get the exact logit ``q·k/sqrt(D)`` (not counted as
-    sampled).
+    sampled), and so do the sinks ``[0, start)`` when ``sinks``.
 
     Args:
       q: float ``[B, Hq, D]``; q_codes: uint32 ``[B, Hq, L]``, the query's SimHash codes.
       k, v: ``[B, Hkv, N, D]``, both float32 or both bfloat16 (read in place).
       index: the layer's :class:`HostIndex`; lengths: int ``[B]`` valid keys per row.
       window: ``>= 0``, the tail positions left to the caller.
+      sinks: attend the sinks ``[0, start)`` too (else they are left to the caller).
       impl: ``"auto"``, ``"scalar"`` or ``"avx2"``; max_threads: ``[0, 4096]`` (0 = XLA's pool).
       return_mask: also return the sampled keys.
 
@@ -92,7 +94,7 @@ def host_sampled_attention(
     out, lse, ns, mask = jax.ffi.ffi_call("magicpig_host_attention", out_types, vmap_method="sequential")(
         q.astype(jnp.float32), q_codes, k, v, index.ids, index.offsets, index.open_codes, index.bounds,
         index.mean, lengths.astype(jnp.int32), table,
-        K=np.int64(index.K), window=np.int64(window), impl=np.int64(code),
+        K=np.int64(index.K), window=np.int64(window), sinks=np.int64(bool(sinks)), impl=np.int64(code),
         max_threads=np.int64(max_threads),
     )
     if return_mask:
@@ -133,7 +135,8 @@ def host_magicpig_attention(
       config: the :class:`MagicPIGConfig` the index was built with.
       lengths: int ``[B]`` valid keys per row (default N); concrete values outside
         ``[0, N]`` raise, traced values are clipped.
-      static_window: tail positions handled by JAX, ``>= 0`` (default
+      static_window: tail positions handled by JAX, ``>= 0`` (0: the op attends the sinks and
+        the whole tail itself, nothing is left to JAX; default
         :meth:`MagicPIGConfig.static_window`: the local window plus two generation buffers,
         the longest unhashed tail of the decoder).
       impl: ``"auto"`` (AVX2 if the CPU has it), ``"scalar"`` or ``"avx2"``.
@@ -159,6 +162,11 @@ def host_magicpig_attention(
     static_window = check_int("static_window", static_window, 0, 2**31 - 1)
     lengths = check_lengths_strict(lengths, B, N)
     q_codes = lsh.simhash_codes(q, host_index.projections, config.K, config.L)
+    if static_window == 0:
+        # Nothing is left to JAX: the op attends the sinks and the whole unhashed tail itself (one
+        # softmax, no static part and no merge in the step: fewer XLA ops per layer).
+        return host_sampled_attention(q, q_codes, k, v, host_index, lengths, window=0, sinks=True, impl=impl,
+                                      return_mask=return_mask, max_threads=max_threads)
     res = host_sampled_attention(q, q_codes, k, v, host_index, lengths, window=static_window, impl=impl,
                                  return_mask=return_mask, max_threads=max_threads)
     # The static set: sinks [0, start) (start <= num_sink by construction) and the last
