@@ -78,7 +78,7 @@ def test_main_end_to_end_on_a_capture(tmp_path):
     result = json.loads((out / "study.json").read_text())
     recs = {(r["method"], json.dumps(r["params"], sort_keys=True)): r for r in result["records"]}
     assert {r["case"] for r in result["records"]} == {"layer1"}
-    assert len(recs) == 5  # topk, quest, oracle, magicpig centered / uncentered
+    assert len(recs) == 7  # topk, quest, oracle, magicpig centered / uncentered, hybrid heavy 4 / 8
     for r in result["records"]:
         assert np.isfinite(r["rel_error"]) and 0 < r["fraction"] <= 1
         if r["method"] in ("topk", "quest"):  # the whole context: exact
@@ -103,7 +103,20 @@ def test_main_end_to_end_on_a_capture(tmp_path):
     # centering the cone's keys lowers the error (by the recomputed amount)
     assert want[True] < 0.5 * want[False]
     assert magic[False]["rel_error"] - magic[True]["rel_error"] == pytest.approx(want[False] - want[True], rel=1e-3)
-    assert {s["method"] for s in result["summary"]} == {"topk", "quest", "oracle", "magicpig"}
+    # the hybrid: MagicPIG's sampled set (same projections), its own weights, error as a float64 recomputation
+    from tests.test_attention_hybrid import hybrid_ref
+
+    q1, k1, v1 = data["q"][1:2], data["k"][1:2], data["v"][1:2]
+    o, _ = np_ref.dense(q1, k1, v1)
+    for r in (r for r in result["records"] if r["method"] == "hybrid"):
+        assert r["fraction"] == pytest.approx(magic[True]["fraction"], abs=1e-12)
+        errs = []
+        for rep in range(2):
+            w = lsh.simhash_projections(jax.random.key(5 * 1000 + rep), 16, 4, 10)
+            out, _, _ = hybrid_ref(q1, k1, v1, w, 4, 10, r["params"]["heavy"], 4, 8)
+            errs.append(np.linalg.norm(out - o, axis=-1)[0] / np.linalg.norm(o, axis=-1)[0])
+        assert r["rel_error"] == pytest.approx(float(np.mean(errs)), rel=1e-3)
+    assert {s["method"] for s in result["summary"]} == {"topk", "quest", "oracle", "magicpig", "hybrid"}
 
 
 def test_main_bad_arguments(tmp_path):

@@ -1,9 +1,10 @@
 """Study: relative error of attention estimators versus the fraction of keys they touch.
 
 Estimators (all from :mod:`magicpig_jax.attention`): exact TopK, Quest (16-token
-pages), oracle sampling (Definition 3.1) and MagicPIG for several ``(K, L)``, with and
-without key centering. For each attention head the error is
-``||o_hat - o|| / ||o||`` against :func:`dense_attention`; random estimators are
+pages), oracle sampling (Definition 3.1), MagicPIG for several ``(K, L)``, with and
+without key centering, and the hybrid estimator (``--heavy`` thresholds: keys colliding in
+that many tables kept exactly, the rest weighted by ``1/u_c``; the same sampled set). For
+each attention head the error is ``||o_hat - o|| / ||o||`` against :func:`dense_attention`; random estimators are
 averaged over ``--repeats`` seeds. The cost is the fraction of keys touched:
 kept keys for TopK/Quest, distinct drawn keys for oracle sampling, sampled plus
 static keys for MagicPIG.
@@ -44,6 +45,7 @@ from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.attention.cost_model import expected_sampled_fraction, tables_for_fraction
 from magicpig_jax.eval.study_measure import (
     DEFAULT_FRACTIONS,
+    DEFAULT_HEAVY,
     DEFAULT_LSH,
     PROFILES,
     StudySettings,
@@ -105,6 +107,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--fractions", type=_fractions, default=DEFAULT_FRACTIONS,
                    help="budgets of TopK / Quest / oracle sampling as fractions of the context")
     p.add_argument("--lsh", type=_pairs, default=DEFAULT_LSH, help="MagicPIG (K, L) pairs, e.g. 10x150,11x300")
+    p.add_argument("--heavy", default=",".join(map(str, DEFAULT_HEAVY)),
+                   help="hybrid heavy thresholds (collisions, >= 3; empty: no hybrid)")
     p.add_argument("--num-sink", type=int, default=4)
     p.add_argument("--num-local", type=int, default=64)
     p.add_argument("--page-size", type=int, default=16, help="Quest page size")
@@ -143,9 +147,15 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
         raise ValueError(f"--profiles: unknown {bad}; choose from {PROFILES}")
     for K, L in args.lsh:
         lsh.validate_k_l(K, L)
+    try:
+        heavy = tuple(int(x) for x in args.heavy.split(",") if x.strip())
+    except ValueError as err:
+        raise ValueError(f"--heavy takes comma-separated integers, got {args.heavy!r}") from err
+    if any(m < 3 for m in heavy):
+        raise ValueError(f"--heavy thresholds must be >= 3, got {args.heavy!r}")
     settings = StudySettings(fractions=args.fractions, lsh=args.lsh, num_sink=args.num_sink,
                              num_local=args.num_local, page_size=args.page_size, repeats=args.repeats,
-                             seed=args.seed)
+                             seed=args.seed, heavy=heavy)
     MagicPIGConfig(num_sink=args.num_sink, num_local=args.num_local, seed=args.seed)  # validates
     if args.repeats < 1 or args.page_size < 1:
         raise ValueError("--repeats and --page-size must be >= 1")
@@ -188,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     settings, profiles = _settings(args)
     cases = _cases(args, profiles)
-    per_case = 3 * len(settings.fractions) + 2 * len(settings.lsh)
+    per_case = 3 * len(settings.fractions) + sum(2 + sum(3 <= m <= L + 1 for m in settings.heavy)
+                                                 for _, L in settings.lsh)
     records: list[dict] = []
     t0 = time.perf_counter()
     with tqdm(total=per_case * len(cases), desc="study attention", unit="run") as bar:

@@ -2,8 +2,10 @@
 
 :func:`synthetic_case` builds q/k/v whose logits follow a chosen long-tailed profile with
 keys in a cone roughly opposite the query (arXiv 2410.16179, Section 4.2, Fig. 6);
-:func:`run_case` runs TopK, Quest, oracle sampling (Definition 3.1) and MagicPIG on one
-case and measures the relative error ``||o_hat - o|| / ||o||`` against dense attention and
+:func:`run_case` runs TopK, Quest, oracle sampling (Definition 3.1), MagicPIG and the hybrid
+estimator (:mod:`magicpig_jax.attention.hybrid`: keys colliding in >= ``heavy`` tables kept
+exactly, the rest weighted by ``1/u_c``; same sampled set as MagicPIG) on one case and
+measures the relative error ``||o_hat - o|| / ||o||`` against dense attention and
 the fraction of keys touched. The command line is :mod:`magicpig_jax.eval.study`.
 """
 
@@ -20,9 +22,11 @@ from tqdm import tqdm
 
 from magicpig_jax import lsh
 from magicpig_jax.attention import (
+    HybridConfig,
     MagicPIGConfig,
     build_lsh_index,
     dense_attention,
+    hybrid_attention,
     magicpig_attention,
     oracle_sampling_attention,
     quest_attention,
@@ -44,6 +48,7 @@ __all__ = [
 PROFILES = ("gauss1", "gauss2", "gauss3", "zipf", "heavy_hitters")
 DEFAULT_FRACTIONS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 DEFAULT_LSH = ((8, 60), (9, 100), (10, 150), (10, 170), (11, 300))
+DEFAULT_HEAVY = (4, 8)
 
 
 # ----------------------------------------------------------------------------- synthetic data
@@ -114,6 +119,7 @@ class StudySettings:
     page_size: int = 16
     repeats: int = 4
     seed: int = 0
+    heavy: tuple[int, ...] = DEFAULT_HEAVY
 
 
 def _rel_err(est, ref) -> np.ndarray:
@@ -128,6 +134,7 @@ _quest = jax.jit(quest_attention, static_argnames=("page_size", "budget"))
 _quest_mask = jax.jit(quest_mask, static_argnames=("page_size", "budget"))
 _build = jax.jit(build_lsh_index, static_argnames=("config", "center"))
 _magicpig = jax.jit(magicpig_attention, static_argnames="config")
+_hybrid = jax.jit(hybrid_attention, static_argnames="config")
 
 
 @jax.jit
@@ -216,6 +223,19 @@ def run_case(
             add("magicpig", {"K": K, "L": L, "center": center, "num_sink": settings.num_sink,
                              "num_local": settings.num_local},
                 np.mean(fracs, 0), np.mean(errs, 0), predicted_fraction=float(np.mean(preds)))
+        for heavy in (m for m in settings.heavy if 3 <= m <= L + 1):
+            hcfg = HybridConfig(K=K, L=L, heavy=heavy, num_sink=settings.num_sink, num_local=settings.num_local,
+                                seed=settings.seed)
+            errs, fracs = [], []
+            for r in range(settings.repeats):  # the same projections as MagicPIG's repeats: the same sampled sets
+                proj = lsh.simhash_projections(jax.random.key(settings.seed * 1000 + r), q.shape[-1], K, L)
+                index = _build(k, proj, cfg, center=True)
+                out, _, num = _hybrid(q, k, v, index, hcfg)
+                static = int(index.start[0]) + N - int(index.end[0])
+                errs.append(_rel_err(out, o))
+                fracs.append((np.asarray(num, np.float64)[0] + static) / N)
+            add("hybrid", {"K": K, "L": L, "heavy": heavy, "num_sink": settings.num_sink,
+                           "num_local": settings.num_local}, np.mean(fracs, 0), np.mean(errs, 0))
     return records
 
 

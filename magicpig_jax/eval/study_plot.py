@@ -42,6 +42,13 @@ def plot_study(summary: list[dict], path: Path) -> None:
                 for s in pts:
                     ax.annotate(f"K{s['params']['K']}L{s['params']['L']}", (s["fraction"], s["rel_error"]),
                                 fontsize=7, xytext=(3, 3), textcoords="offset points")
+        hyb = [s for s in rows if s["method"] == "hybrid"]
+        if hyb:
+            ax.scatter([s["fraction"] for s in hyb], [s["rel_error"] for s in hyb], marker="P", s=50, color="C4",
+                       label="hybrid (heavy exact)")
+            for s in hyb:
+                ax.annotate(f"m{s['params']['heavy']}", (s["fraction"], s["rel_error"]), fontsize=6,
+                            xytext=(3, -8), textcoords="offset points")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("fraction of keys touched")
