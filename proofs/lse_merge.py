@@ -11,14 +11,23 @@ from _check import PERTURB, check, finish
 LOG_BASE = math.log(2) if PERTURB else 1.0  # --perturb: treat a base-2 LSE as natural
 
 
-def partial(x, v, idx):
-    """(o_A, l_A) in float64; l is a natural log unless --perturb (then base 2)."""
+def partial(x, v, idx, base=None):
+    """(o_A, l_A) in float64; l is a natural log unless --perturb (then base 2), or ``l / base``."""
+    base = LOG_BASE if base is None else base
     if len(idx) == 0:
         return np.zeros(v.shape[1]), -math.inf
     xa = x[idx]
     m = xa.max()
     e = np.exp(xa - m)
-    return e @ v[idx] / e.sum(), (m + math.log(e.sum())) / LOG_BASE
+    return e @ v[idx] / e.sum(), (m + math.log(e.sum())) / base
+
+
+def merge_naive(a, b):
+    """The merge without the max shift: exp of each LSE (overflows beyond about 709)."""
+    (oa, la), (ob, lb) = a, b
+    with np.errstate(over="ignore", invalid="ignore"):
+        wa, wb = np.exp(np.float64(la)), np.exp(np.float64(lb))
+        return (wa * oa + wb * ob) / (wa + wb), np.log(wa + wb)
 
 
 def merge(a, b):
@@ -56,17 +65,16 @@ def reference_checks(rng: np.random.Generator) -> None:
             for o, lse in trees([parts[j] for j in order]):
                 check(np.max(np.abs(o - o_all)) < 1e-12 * (1 + np.abs(o_all).max()), f"case {case}: output mismatch")
                 check(abs(lse - l_all) <= 1e-12 * (1 + abs(l_all)), f"case {case}: lse mismatch")
-    # Far-apart LSEs: no overflow.
-    o, lse = merge((np.ones(2), 1500.0), (-np.ones(2), 0.0))
+    # Far-apart LSEs: no overflow (--perturb: the merge without the max shift).
+    o, lse = (merge_naive if PERTURB else merge)((np.ones(2), 1500.0), (-np.ones(2), 0.0))
     check(np.all(np.isfinite(o)) and abs(lse - 1500.0) < 1e-12 and np.allclose(o, 1.0), "far-apart merge overflowed")
-    # Base-2 LSEs in the natural-log merge are wrong (the bug the check guards against).
+    # Base-2 LSEs in the natural-log merge are wrong (the bug the check guards against;
+    # --perturb: natural LSEs, which merge correctly).
     x = np.array([0.0, 1.0, 5.0, -2.0])
     v = np.array([[1.0], [2.0], [-3.0], [4.0]])
-    ln2 = math.log(2)
-    a = (partial(x, v, [0, 1])[0], partial(x, v, [0, 1])[1] / LOG_BASE / ln2)
-    b = (partial(x, v, [2, 3])[0], partial(x, v, [2, 3])[1] / LOG_BASE / ln2)
-    o_bad, _ = merge(a, b)
-    o_true = partial(x, v, [0, 1, 2, 3])[0]
+    base = 1.0 if PERTURB else math.log(2)
+    o_bad, _ = merge(partial(x, v, [0, 1], base), partial(x, v, [2, 3], base))
+    o_true = partial(x, v, [0, 1, 2, 3], 1.0)[0]
     check(abs(o_bad[0] - o_true[0]) / abs(o_true[0]) > 1e-3, "a base-2 LSE merged correctly (it must not)")
 
 
@@ -89,6 +97,9 @@ def library_checks(rng: np.random.Generator) -> None:
         o, lse = merge_attention(*merge_attention(outs[0], lses[0], outs[1], lses[1]), outs[2], lses[2])
         o2, lse2 = merge_attention(outs[0], lses[0], *merge_attention(outs[1], lses[1], outs[2], lses[2]))
         for oo, ll in ((o, lse), (o2, lse2)):
+            if PERTURB:  # the merge without the max shift, on LSEs 1000 higher: inf / inf
+                oo = merge_naive((np.asarray(outs[0][0]), float(lses[0][0]) + 1000),
+                                 (np.asarray(outs[2][0]), float(lses[2][0]) + 1000))[0][None]
             check(bool(np.all(np.isfinite(np.asarray(oo)))), "library merge produced NaN/inf")
             check(float(np.max(np.abs(np.asarray(oo[0], np.float64) - o_all))) < 1e-5, "library merge output")
             check(abs(float(ll[0]) - l_all * (LOG_BASE if PERTURB else 1)) < 1e-5 * (1 + abs(l_all)), "library lse")

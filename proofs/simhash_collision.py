@@ -53,7 +53,18 @@ def part1_monte_carlo(rng: np.random.Generator) -> None:
 
 
 def closed_form(P: Fraction, L: int) -> Fraction:
+    if PERTURB:  # a collision in >= 1 table
+        return 1 - (1 - P) ** L
     return 1 - (1 - P) ** L - L * P * (1 - P) ** (L - 1)
+
+
+def naive_log_u(p: np.ndarray, K: int, L: int) -> np.ndarray:
+    """log of the closed form evaluated directly in float32: cancels for small L p^K (to 0 or below)."""
+    P = p.astype(np.float32) ** np.float32(K)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        one = np.float32(1)
+        u = one - (one - P) ** np.float32(L) - np.float32(L) * P * (one - P) ** np.float32(L - 1)
+        return np.log(u).astype(np.float64)
 
 
 def part2_exact() -> None:
@@ -106,11 +117,15 @@ def part2_library() -> None:
     for K in (1, 10, 32):
         for L in (2, 150, 2000):
             log_u = np.asarray(log_u_fn(jnp.asarray(p), K, L), np.float64)
+            if PERTURB:  # the closed form, directly in float32
+                log_u = naive_log_u(p, K, L)
             ref = stats.binom.sf(1, L, p.astype(np.float64) ** K)
             big = ref >= 1e-30
-            rel = np.abs(np.exp(log_u[big]) - ref[big]) / ref[big]
+            with np.errstate(invalid="ignore"):
+                rel = np.abs(np.exp(log_u[big]) - ref[big]) / ref[big]
             check(not np.any(np.isnan(log_u)), f"log u NaN for K={K} L={L}")
-            check(rel.max() < 5e-3, f"library u rel. error {rel.max():.2e} for K={K} L={L}")
+            check(np.nanmax(rel) < 1e-4 and not np.any(np.isnan(rel)),
+                  f"library u rel. error {np.nanmax(rel):.2e} for K={K} L={L}")
 
 
 def main() -> None:
