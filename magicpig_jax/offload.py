@@ -29,6 +29,14 @@ Usage for one layer (``accel = jax.devices("gpu")[0]``, ``cpu = jax.devices("cpu
 ``examples/accelerator_check.py`` runs this on a GPU (or CPU-only) machine and prints the
 error against dense attention and the time per step; the test suite runs the same code
 with two virtual CPU devices standing in for the accelerator and the host.
+
+The decoder uses the same split for every sparse layer (:class:`OffloadDecodeStep`,
+:func:`place_decode_state`; the ``"magicpig-offload"`` entry of
+:mod:`magicpig_jax.models.backends`, chosen for ``attention="magicpig"`` on a GPU/TPU
+backend): the layer's KV cache and index stay on the host device for the whole decode, the
+accelerator keeps the hyperplanes, the sinks and a ring of the last W positions, and each
+step runs as jitted accelerator segments (from one sparse layer to the next) alternating
+with one host computation per sparse layer. It has not yet run on a GPU.
 """
 
 from __future__ import annotations
