@@ -113,6 +113,7 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
     return {
         "batch": batch, "method": method,
         "ms_per_step": spread(ms), "tokens_per_s": spread([1000.0 * batch / m for m in ms]),
+        "ms_per_token": float(np.median(ms)) / batch,  # aggregate: the median step over its B tokens
         "sampled_fraction": None if fracs[0] is None else float(np.mean(fracs)),
         "index_build_seconds": None if builds[0] is None else float(np.median(builds)),
         "compile_seconds": compile_s, "peak_rss_bytes": rss.peak_bytes(), "runs_on": runs_on,

@@ -232,7 +232,8 @@ def _one_batch(low, model, n_vocab, prompt_ids, B, steps, repeats, threads, n_ba
             ms.append(1000.0 * (time.perf_counter() - t0) / (steps - 1))
             rows = out
         tps = [1000.0 * B / m for m in ms]
-        return {"batch": B, "ms_per_step": _stats(ms), "tokens_per_s": _stats(tps), "prefill_seconds": prefill_s,
+        return {"batch": B, "ms_per_step": _stats(ms), "tokens_per_s": _stats(tps),
+                "ms_per_token": float(np.median(ms)) / B, "prefill_seconds": prefill_s,
                 "tokens": rows[0], "rows_identical": all(r == rows[0] for r in rows)}
     finally:
         low.llama_batch_free(batch)
