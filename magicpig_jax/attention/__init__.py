@@ -3,6 +3,11 @@
 Shape glossary: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, N cached
 keys, D head dim. Query head h reads KV head ``h // G``. All functions are pure
 and jit-able (configs are static Python objects).
+
+Padding is inert: a key that an estimator does not use (past its row's length, outside the
+static set or the hashed range, not sampled, not kept, never drawn) is selected out of the
+logits and of the values, so whatever its K and V rows hold (NaN, inf, garbage) the result is
+the one of a clean cache.
 """
 
 from magicpig_jax.attention.baselines import (

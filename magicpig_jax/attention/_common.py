@@ -53,14 +53,45 @@ def grouped_logits(q: jax.Array, k: jax.Array) -> jax.Array:
     return logits / jnp.float32(math.sqrt(D))
 
 
+def selected_weighted_sum(w: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Array:
+    """``sum_n w[..., n] v[n]`` over the keys where ``mask`` only, float32 ``[B, Hkv, G, D]``.
+
+    w: float ``[B, Hkv, G, N]``, zero outside ``mask``; mask: bool broadcastable to
+    ``[B, Hkv, G, N]`` (a G or Hkv axis of 1 means the same keys for every head); v: ``[B, Hkv, N, D]``.
+
+    A key outside the mask contributes nothing even when its value row is NaN or infinite
+    (padding past a row's length, a key no head selected): its row is selected out, not
+    multiplied by zero (``0 * NaN`` is NaN). The product ``w @ v`` over every key is computed
+    first; only when it is not finite (some value row non-finite) is it recomputed with the
+    unselected rows replaced by zeros (per query head where the heads select different keys).
+    Both give the same sum when every value row is finite, so the select costs nothing on
+    clean inputs.
+    """
+    vf = v.astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    num = jnp.einsum("bhgn,bhnd->bhgd", w, vf, precision=hi)
+
+    def selected(_):
+        if mask.shape[2] == 1:  # the same keys for every query head of a KV head
+            return jnp.einsum("bhgn,bhnd->bhgd", w, jnp.where(mask[:, :, 0, :, None], vf, 0.0), precision=hi)
+        return jnp.stack([
+            jnp.einsum("bhn,bhnd->bhd", w[:, :, g], jnp.where(mask[:, :, g, :, None], vf, 0.0), precision=hi)
+            for g in range(w.shape[2])
+        ], axis=2)
+
+    return jax.lax.cond(jnp.all(jnp.isfinite(num)), lambda _: num, selected, None)
+
+
 def masked_softmax_attention(
     logits: jax.Array, mask: jax.Array, v: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax of ``logits`` over the keys where ``mask``; weighted sum of ``v``.
 
-    logits, mask: ``[B, Hkv, G, N]``; v: ``[B, Hkv, N, D]``.
+    logits, mask: ``[B, Hkv, G, N]`` (mask broadcastable); v: ``[B, Hkv, N, D]``.
     Returns out float32 ``[B, Hkv*G, D]`` and natural-log LSE float32 ``[B, Hkv*G]``.
-    An empty mask gives ``out = 0`` and ``lse = -inf`` (never NaN).
+    An empty mask gives ``out = 0`` and ``lse = -inf`` (never NaN). Keys outside the mask are
+    selected out of the logits and of the values (:func:`selected_weighted_sum`): whatever their
+    K or V rows hold (NaN, inf, garbage), they do not change the result.
     """
     B, Hkv, G, N = logits.shape
     masked = jnp.where(mask, logits, -jnp.inf)
@@ -68,9 +99,7 @@ def masked_softmax_attention(
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.where(mask, jnp.exp(masked - m_safe), 0.0)
     s = jnp.sum(e, axis=-1)
-    num = jnp.einsum(
-        "bhgn,bhnd->bhgd", e, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
+    num = selected_weighted_sum(e, mask, v)
     out = num / jnp.where(s > 0, s, 1.0)[..., None]
     lse = jnp.where(s > 0, m_safe[..., 0] + jnp.log(jnp.where(s > 0, s, 1.0)), -jnp.inf)
     return out.reshape(B, Hkv * G, -1), lse.reshape(B, Hkv * G)

@@ -4,7 +4,8 @@ All three follow :func:`magicpig_jax.attention.dense_attention`'s conventions:
 q ``[B, Hq, D]``, k/v ``[B, Hkv, N, D]``, optional int ``lengths [B]``, query
 head h reads KV head ``h // (Hq // Hkv)``, computed in float32 whatever the
 input dtype, natural-log LSE, and an empty selection gives ``out = 0``,
-``lse = -inf`` (never NaN).
+``lse = -inf`` (never NaN). Keys a query head does not keep (or never draws) are selected
+out of its logits and values: NaN in their rows leaves its output unchanged.
 
 Budgets. ``budget`` is a static Python value (pass it through
 ``jax.jit(..., static_argnames=("budget",))``); ``lengths`` stays dynamic:
@@ -36,6 +37,7 @@ from magicpig_jax.attention._common import (
     check_qkv,
     grouped_logits,
     masked_softmax_attention,
+    selected_weighted_sum,
     valid_mask,
 )
 
@@ -402,9 +404,7 @@ def oracle_sampling_attention(
     counts = jax.vmap(lambda i, c: jnp.zeros((N,), jnp.float32).at[i].add(c))(
         idx.reshape(-1, S), used.reshape(-1, S)
     ).reshape(B, Hkv, G, N)
-    num = jnp.einsum(
-        "bhgn,bhnd->bhgd", counts, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-    )
+    num = selected_weighted_sum(counts, counts > 0, v)  # keys never drawn are selected out
     denom = jnp.maximum(draws, 1).astype(jnp.float32)[:, None, None, None]
     out = (num / denom).reshape(B, Hq, D)
     num_distinct = jnp.sum(counts > 0, axis=-1, dtype=jnp.int32).reshape(B, Hq)

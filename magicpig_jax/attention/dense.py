@@ -30,7 +30,8 @@ def dense_attention(
     Args:
       q: ``[B, Hq, D]`` float.
       k, v: ``[B, Hkv, N, D]`` float.
-      lengths: int ``[B]``, valid keys per row (default N; clipped to [0, N]).
+      lengths: int ``[B]``, valid keys per row (default N; clipped to [0, N]); the K and
+        V rows past them are never used (NaN there leaves the result unchanged).
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``; lse float32 ``[B, Hq]``, the
