@@ -392,6 +392,83 @@ AVX2_FN float DotQ4_1Avx2(const uint8_t* row, const float* xp, const float* xsum
   return r;
 }
 
+// Q4_K with the same AND-mask kernel (BlockQ4): the 16 bytes of half h of group g hold weight
+// 16h + j of sub-block 2g (low nibble of byte j) and of sub-block 2g + 1 (high nibble), so in
+// each vector lanes 0-3 belong to sub-block 2g and lanes 4-7 to 2g + 1, and one FMA applies
+// both sub-blocks' scales. xp: x permuted by PermuteQ4K.
+void PermuteQ4K(const float* x, int64_t ngroups, float* xp) {
+  for (int64_t g = 0; g < ngroups; ++g) {
+    const float* xg = x + 64 * g;
+    float* pg = xp + 64 * g;
+    for (int h = 0; h < 2; ++h) {
+      for (int k = 0; k < 4; ++k) {
+        for (int i = 0; i < 4; ++i) {
+          pg[32 * h + 8 * k + i] = std::ldexp(xg[16 * h + 4 * i + k], -kQ4Shift[k][0]);
+          pg[32 * h + 8 * k + 4 + i] = std::ldexp(xg[32 + 16 * h + 4 * i + k], -kQ4Shift[k][1]);
+        }
+      }
+    }
+  }
+}
+
+// The eight sub-block scales d * sc and mins dmin * m of a Q4_K / Q5_K super-block (ScaleMinK4
+// for all eight at once, four bytes per 32-bit word), rounded as gguf-py rounds them.
+AVX2_FN inline void ScalesMinsK4Avx2(const uint8_t* blk, __m256* dsc, __m256* dm) {
+  uint32_t w[3];
+  std::memcpy(w, blk + 4, 12);
+  const uint64_t sc = (w[0] & 0x3f3f3f3fu) |
+                      (static_cast<uint64_t>((w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u)) << 32);
+  const uint64_t mn = (w[1] & 0x3f3f3f3fu) |
+                      (static_cast<uint64_t>(((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u)) << 32);
+  const __m128i sc8 = _mm_cvtsi64_si128(static_cast<long long>(sc));
+  const __m128i mn8 = _mm_cvtsi64_si128(static_cast<long long>(mn));
+  *dsc = _mm256_mul_ps(_mm256_set1_ps(HalfToFloatF16c(blk)), Cvt(_mm256_cvtepu8_epi32(sc8)));
+  *dm = _mm256_mul_ps(_mm256_set1_ps(HalfToFloatF16c(blk + 2)), Cvt(_mm256_cvtepu8_epi32(mn8)));
+}
+
+// R rows at a time (R = 1 or 4), as DotQ4_1Avx2x4. Per row and super-block the scales are
+// decoded once; the mins meet the sums of x per sub-block (xsum) in one 8-lane FMA.
+template <int R>
+AVX2_FN void DotQ4KAvx2Rows(const uint8_t* row0, int64_t stride, const float* xp, const float* xsum, int64_t In,
+                            float* out) {
+  const Q4Masks mk = MakeQ4Masks();
+  const int64_t nb = In / kQKK;
+  __m256 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 xs = _mm256_loadu_ps(xsum + b * 8);
+    __m256 dsc[R];
+    for (int r = 0; r < R; ++r) {
+      __m256 dm;
+      ScalesMinsK4Avx2(row0 + r * stride + b * 144, &dsc[r], &dm);
+      macc[r] = _mm256_fmadd_ps(dm, xs, macc[r]);
+    }
+    for (int g = 0; g < 4; ++g) {
+      // lanes 0-3: the scale of sub-block 2g, lanes 4-7: of 2g + 1
+      const __m256i pick = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+      const float* xg = xp + b * kQKK + 64 * g;
+      __m256 scale[R];
+      for (int r = 0; r < R; ++r) scale[r] = _mm256_permutevar8x32_ps(dsc[r], pick);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 x0 = _mm256_loadu_ps(xg + 32 * h), x1 = _mm256_loadu_ps(xg + 32 * h + 8);
+        const __m256 x2 = _mm256_loadu_ps(xg + 32 * h + 16), x3 = _mm256_loadu_ps(xg + 32 * h + 24);
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* q = row0 + r * stride + b * 144 + 16 + 32 * g + 16 * h;
+          acc[r] = _mm256_fmadd_ps(scale[r], BlockQ4(q, mk, x0, x1, x2, x3), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = Hsum(acc[r]) - Hsum(macc[r]);
+  _mm256_zeroupper();
+}
+
+AVX2_FN float DotQ4KAvx2(const uint8_t* row, const float* xp, const float* xsum, int64_t In) {
+  float y;
+  DotQ4KAvx2Rows<1>(row, 0, xp, xsum, In, &y);
+  return y;
+}
+
 AVX2_FN float DotQ8_0Avx2(const uint8_t* row, const float* x, const float*, int64_t In) {
   const int64_t nb = In / kQK;
   __m256 acc = _mm256_setzero_ps();
@@ -471,8 +548,8 @@ AVX2_FN inline __m256i FifthBit(__m256i hv, __m128i c, __m256i one) {
   return _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(hv, c), one), 4);
 }
 
-// Q4_K / Q5_K: per super-block, eight sub-blocks of 32 with their own scale d*sc and min
-// dmin*m (the min term through xsum). Bytes 32g..32g+31 hold sub-block 2g (low nibbles) and
+// Q5_K (and the plain form of Q4_K): per super-block, eight sub-blocks of 32 with their own
+// scale d*sc and min dmin*m (the min term through xsum). Bytes 32g..32g+31 hold sub-block 2g (low nibbles) and
 // 2g + 1 (high nibbles); Q5_K's bit i of qh[l] is the fifth bit of weight l of sub-block i.
 template <bool kQ5>
 AVX2_FN float DotQ45KAvx2(const uint8_t* row, const float* x, const float* xsum, int64_t In) {
@@ -528,57 +605,67 @@ AVX2_FN float DotQ45KAvx2(const uint8_t* row, const float* x, const float* xsum,
   return r;
 }
 
-// Q6_K: two halves of 128 weights; in half h, for l < 32: weights l, l+32, l+64, l+96 are
-// (ql[l] & 15, ql[l+32] & 15, ql[l] >> 4, ql[l+32] >> 4) | (2-bit parts of qh[l] << 4), minus
-// 32; one int8 scale per 16 weights.
-AVX2_FN float DotQ6KAvx2(const uint8_t* row, const float* x, const float*, int64_t In) {
-  const __m256i low4 = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3), c32 = _mm256_set1_epi32(32);
-  const int64_t nb = In / kQKK;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 210;
-    const float d = HalfToFloatF16c(blk + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = blk + 64 * h;
-      const uint8_t* qh = blk + 128 + 32 * h;
-      const int8_t* s = sc + 8 * h;
-      const float* xh = x + b * kQKK + 128 * h;
-      for (int is = 0; is < 2; ++is) {  // l in [16 is, 16 is + 16): two groups of 8 lanes
-        __m256 t[4];
-        for (int k = 0; k < 2; ++k) {
-          const int l = 16 * is + 8 * k;
-          const __m256i a = U8x8(ql + l), c = U8x8(ql + l + 32), hh = U8x8(qh + l);
-          const __m256i q1 = _mm256_sub_epi32(
-              _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_slli_epi32(_mm256_and_si256(hh, three), 4)), c32);
-          const __m256i q2 = _mm256_sub_epi32(
-              _mm256_or_si256(_mm256_and_si256(c, low4),
-                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hh, 2), three), 4)),
-              c32);
-          const __m256i q3 = _mm256_sub_epi32(
-              _mm256_or_si256(_mm256_srli_epi32(a, 4),
-                              _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hh, 4), three), 4)),
-              c32);
-          const __m256i q4 = _mm256_sub_epi32(
-              _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(hh, 6), 4)), c32);
-          const __m256 p1 = _mm256_mul_ps(Cvt(q1), _mm256_loadu_ps(xh + l));
-          const __m256 p2 = _mm256_mul_ps(Cvt(q2), _mm256_loadu_ps(xh + l + 32));
-          const __m256 p3 = _mm256_mul_ps(Cvt(q3), _mm256_loadu_ps(xh + l + 64));
-          const __m256 p4 = _mm256_mul_ps(Cvt(q4), _mm256_loadu_ps(xh + l + 96));
-          if (k == 0) {
-            t[0] = p1, t[1] = p2, t[2] = p3, t[3] = p4;
-          } else {
-            t[0] = _mm256_add_ps(t[0], p1), t[1] = _mm256_add_ps(t[1], p2);
-            t[2] = _mm256_add_ps(t[2], p3), t[3] = _mm256_add_ps(t[3], p4);
-          }
-        }
-        for (int g = 0; g < 4; ++g) {
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(s[is + 2 * g])), t[g], acc);
+// Q6_K without byte shuffles, as BlockQ4: 32 bytes of ql (l = 0..31), of ql + 32 and of qh are
+// loaded as eight 32-bit lanes (lane i holds bytes 4i..4i+3), and vector k (k = 0..3) keeps byte
+// 4i + k of each lane with AND masks: for the four weight groups g of a half (weights 32g + l),
+//   g = 0: ql[l] & 15 | (qh[l] & 3) << 4        g = 1: ql[l+32] & 15 | (qh[l] >> 2 & 3) << 4
+//   g = 2: ql[l] >> 4 | (qh[l] >> 4 & 3) << 4   g = 3: ql[l+32] >> 4 | (qh[l] >> 6) << 4
+// each left at bit 8k of the lane, minus 32 << 8k: exact integers (q - 32) 2^8k. The activations
+// are permuted to that order and scaled by 2^-8k once per call (PermuteQ6K). Lanes 0-3 are l < 16
+// (scale index 2g of the half) and lanes 4-7 l >= 16 (2g + 1): one FMA applies both scales.
+void PermuteQ6K(const float* x, int64_t nhalves, float* xp) {
+  for (int64_t h = 0; h < nhalves; ++h) {
+    for (int g = 0; g < 4; ++g) {
+      for (int k = 0; k < 4; ++k) {
+        for (int i = 0; i < 8; ++i) {
+          xp[128 * h + 32 * g + 8 * k + i] = std::ldexp(x[128 * h + 32 * g + 4 * i + k], -8 * k);
         }
       }
     }
   }
-  const float r = Hsum(acc);
+}
+
+AVX2_FN float DotQ6KAvx2Perm(const uint8_t* row, const float* xp, const float*, int64_t In) {
+  const int64_t nb = In / kQKK;
+  const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 210;
+    const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk + 208));
+    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    for (int h = 0; h < 2; ++h) {
+      // d * sc of the half's eight 16-weight groups (gguf-py's float32 product)
+      const __m256 dsc = _mm256_mul_ps(d, Cvt(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc16, 8) : sc16)));
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+      const __m256i qlb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      // every byte of the four groups, nibble in bits 0-3 and its two high bits in bits 4-5
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 4), m2)),
+          _mm256_or_si256(_mm256_and_si256(qlb, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 2), m2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(ql, 4), m4), _mm256_and_si256(qh, m2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(qlb, 4), m4),
+                          _mm256_and_si256(_mm256_srli_epi32(qh, 2), m2))};
+      const float* xh = xp + b * kQKK + 128 * h;
+      for (int g = 0; g < 4; ++g) {
+        const __m256i pick = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+        const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick);
+        const float* xg = xh + 32 * g;
+        __m256 t = _mm256_setzero_ps();
+        for (int k = 0; k < 4; ++k) {
+          const __m256i mk = _mm256_set1_epi32(0x3f << (8 * k)), off = _mm256_set1_epi32(32 << (8 * k));
+          const __m256i q = _mm256_sub_epi32(_mm256_and_si256(v[g], mk), off);
+          t = _mm256_fmadd_ps(Cvt(q), _mm256_loadu_ps(xg + 8 * k), t);
+        }
+        if (g & 1) {
+          acc1 = _mm256_fmadd_ps(scale, t, acc1);
+        } else {
+          acc0 = _mm256_fmadd_ps(scale, t, acc0);
+        }
+      }
+    }
+  }
+  const float r = Hsum(_mm256_add_ps(acc0, acc1));
   _mm256_zeroupper();
   return r;
 }
@@ -627,9 +714,9 @@ DotFn PickKernel(int64_t qtype, bool avx2) {
       case kQ5_0: return DotLegacyAvx2<kQ5_0>;
       case kQ5_1: return DotLegacyAvx2<kQ5_1>;
       case kQ8_0: return DotQ8_0Avx2;
-      case kQ4_K: return DotQ45KAvx2<false>;
+      case kQ4_K: return DotQ4KAvx2;
       case kQ5_K: return DotQ45KAvx2<true>;
-      case kQ6_K: return DotQ6KAvx2;
+      case kQ6_K: return DotQ6KAvx2Perm;
       default: return nullptr;
     }
   }
@@ -692,7 +779,7 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (M == 0 || Out == 0) return ReadyFuture(ffi::Error::Success());
   const bool avx2 = impl != 1 && CpuHasAvx2();
   const DotFn dot = PickKernel(qtype, avx2);
-  const bool permuted = avx2 && qtype == kQ4_1;  // the AVX2 Q4_1 kernels read x permuted
+  const bool permuted = avx2 && (qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K);  // x permuted for these
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
@@ -716,7 +803,15 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 #ifdef MAGICPIG_HAVE_AVX2_PATH
   if (permuted) {
     prep->xperm.resize(M * In);
-    for (int64_t t = 0; t < M; ++t) PermuteQ4_1(xp + t * In, In / kQK, prep->xperm.data() + t * In);
+    for (int64_t t = 0; t < M; ++t) {
+      if (qtype == kQ4_1) {
+        PermuteQ4_1(xp + t * In, In / kQK, prep->xperm.data() + t * In);
+      } else if (qtype == kQ4_K) {
+        PermuteQ4K(xp + t * In, In / 64, prep->xperm.data() + t * In);
+      } else {
+        PermuteQ6K(xp + t * In, In / 128, prep->xperm.data() + t * In);
+      }
+    }
   }
 #endif
   // Work items of about 64 KiB of weights, so small matrices run on the calling thread.
@@ -741,12 +836,16 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       for (; pf < want; pf += 64) __builtin_prefetch(pf);
     };
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-    if (permuted) {  // the four-row Q4_1 kernel
+    if (permuted && qtype != kQ6_K) {  // the four-row Q4_1 / Q4_K kernels
       float y4[4];
       for (; r + 4 <= r1; r += 4) {
         keep_ahead(r + 4);
         for (int64_t t = 0; t < M; ++t) {
-          DotQ4_1Avx2x4(wp + r * row_bytes, row_bytes, xk + t * In, xsum + t * ng, In / kQK, y4);
+          if (qtype == kQ4_1) {
+            DotQ4_1Avx2x4(wp + r * row_bytes, row_bytes, xk + t * In, xsum + t * ng, In / kQK, y4);
+          } else {
+            DotQ4KAvx2Rows<4>(wp + r * row_bytes, row_bytes, xk + t * In, xsum + t * ng, In, y4);
+          }
           for (int k = 0; k < 4; ++k) yp[t * Out + r + k] = y4[k];
         }
       }
