@@ -17,6 +17,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from magicpig_jax.attention import dense_attention, merge_attention
@@ -215,14 +216,55 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     written, logits = jax.lax.optimization_barrier(([new_kv[i] for i in range(len(cache.k))], logits))
     new_k = tuple(_write_token(c, written[i][0], pos) for i, c in enumerate(cache.k))
     new_v = tuple(_write_token(c, written[i][1], pos) for i, c in enumerate(cache.v))
+    # A full row (pos == capacity; the Python entry points refuse it first) writes nothing and
+    # keeps its length: the caller sees that it did not advance.
+    lengths = jnp.where(pos < cache.capacity, pos + 1, pos)
     indices = list(indices)
     for i in sparse:
-        indices[i] = backend.after_step(spec, indices[i], new_k[i], pos + 1)
-    return next_tokens, logits, num_sampled, KVCache(k=new_k, v=new_v, lengths=pos + 1), tuple(indices)
+        indices[i] = backend.after_step(spec, indices[i], new_k[i], lengths)
+    return next_tokens, logits, num_sampled, KVCache(k=new_k, v=new_v, lengths=lengths), tuple(indices)
 
 
-decode_step = partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("cache", "indices"))(
+def check_capacity(cache: KVCache) -> None:
+    """Refuse a decode step that would write past the cache: every row needs a free position.
+
+    Raises:
+      ValueError: a row's length is already the capacity (read when ``cache.lengths`` is
+        concrete; inside a trace the step itself leaves full rows unchanged).
+    """
+    if isinstance(cache.lengths, jax.core.Tracer):
+        return
+    lengths = np.asarray(cache.lengths)
+    full = np.nonzero(lengths >= cache.capacity)[0]
+    if full.size:
+        raise ValueError(f"decode step past the cache: row(s) {full.tolist()} hold {lengths[full].tolist()} tokens, "
+                         f"the capacity is {cache.capacity} (prefill with a larger max_new_tokens)")
+
+
+_decode_step_jit = partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("cache", "indices"))(
     _decode_step)
+
+
+def decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperature, top_p, spec: DecodeSpec):
+    """One jitted decode step for every row (cache and indices donated); see :func:`_decode_step`.
+
+    Capacity: the new tokens go to position ``cache.lengths``, so every row must have one free
+    position. A call with a full row raises ``ValueError`` (:func:`check_capacity`) before
+    anything is written or donated. Traced inside another function (lengths not concrete), the
+    step writes nothing for a full row and leaves its length unchanged (never a write clamped
+    into the last slot).
+
+    Returns:
+      ``(next_tokens int32 [B], logits float32 [B, V], num_sampled int32 [S, B, Hq], cache, indices)``.
+
+    Raises:
+      ValueError: a row of ``cache`` is full.
+    """
+    check_capacity(cache)
+    return _decode_step_jit(graphdef, state, cache, indices, tokens, key, temperature, top_p, spec=spec)
+
+
+decode_step.lower = _decode_step_jit.lower
 
 
 _STEP_CACHE: dict[tuple, object] = {}  # insertion-ordered; oldest evicted first
@@ -241,7 +283,9 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
     ``jax.random.fold_in(base_key, t)`` (int32 ``t``), computed inside the step.
 
     Returns:
-      The jitted step (cache and indices donated); its outputs are those of :func:`decode_step`.
+      The step (cache and indices donated; the jitted function is its ``jitted`` attribute);
+      its outputs are those of :func:`decode_step`. Like :func:`decode_step` it raises
+      ``ValueError`` for a cache with a full row, before anything is written.
     """
     key = (graphdef, state_treedef, spec)  # hashed once per call here, not once per step
     hit = _STEP_CACHE.get(key)
@@ -254,7 +298,16 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
                             top_p, spec)
 
     make_step = backend_for(spec).make_step  # a backend with its own step (offload: accelerator + host)
-    fn = make_step(graphdef, state_treedef, spec) if make_step else jax.jit(step, donate_argnames=("cache", "indices"))
+    if make_step:
+        jitted = make_step(graphdef, state_treedef, spec)
+    else:
+        jitted = jax.jit(step, donate_argnames=("cache", "indices"))
+
+    def fn(leaves, cache, indices, *args):
+        check_capacity(cache)  # a full row: ValueError before anything is written (see decode_step)
+        return jitted(leaves, cache, indices, *args)
+
+    fn.jitted = jitted
     if len(_STEP_CACHE) >= _STEP_CACHE_SIZE:  # bounded: each entry holds compiled executables
         _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
     _STEP_CACHE[key] = fn
@@ -262,10 +315,17 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
 
 
 def _write_token(cache_layer, x, pos):
-    """Write ``x`` ``[B, Hkv, D]`` at position ``pos[b]`` of each row of ``cache_layer`` ``[B, Hkv, N, D]``."""
+    """Write ``x`` ``[B, Hkv, D]`` at position ``pos[b]`` of each row of ``cache_layer`` ``[B, Hkv, N, D]``.
+
+    A row with ``pos[b] >= N`` (full) is left as it is: ``dynamic_update_slice`` would clamp the
+    write into its last slot.
+    """
+    N = cache_layer.shape[2]
     for b in range(x.shape[0]):
         update = x[b][None, :, None, :].astype(cache_layer.dtype)
-        cache_layer = jax.lax.dynamic_update_slice(cache_layer, update, (b, 0, pos[b], 0))
+        at = (b, 0, jnp.minimum(pos[b], N - 1), 0)
+        update = jnp.where(pos[b] < N, update, jax.lax.dynamic_slice(cache_layer, at, update.shape))
+        cache_layer = jax.lax.dynamic_update_slice(cache_layer, update, at)
     return cache_layer
 
 
