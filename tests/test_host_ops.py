@@ -161,10 +161,21 @@ def test_bfloat16_close_to_float32(impl):
 
 
 def _reference_after_append(k, proj, cfg, lens_build, hidx, new_keys, counts_list):
-    """Reference LSHIndex whose codes at appended positions are the host's (same function)."""
+    """Reference LSHIndex whose codes at appended positions are the host's (same function).
+
+    A row whose hashed range was empty takes the mean of the first keys appended to it (float64
+    here, checked against the host's, whose float32 value then centers the reference too)."""
     ri = _ref_build(k, proj, cfg, lens_build)
     codes = ri.codes
     end = ri.end
+    mean, e = np.asarray(ri.mean, np.float64), np.asarray(end).copy()
+    for k_new, counts in zip(new_keys, counts_list, strict=True):
+        for b in range(k.shape[0]):
+            if int(counts[b]) and e[b] == int(ri.start[b]):  # the first keys of an empty range
+                mean[b] = np.asarray(k_new[b, :, : int(counts[b])], np.float64).mean(1)
+        e = e + np.asarray(counts)
+    np.testing.assert_allclose(np.asarray(hidx.mean), mean, rtol=0, atol=1e-5 * max(1.0, np.abs(mean).max()))
+    ri = dataclasses.replace(ri, mean=hidx.mean)
     for k_new, counts in zip(new_keys, counts_list, strict=True):
         c = _key_codes(hidx, k_new)
         for b in range(k.shape[0]):

@@ -22,7 +22,8 @@ from magicpig_jax.host._ext import ops
 from magicpig_jax.host.index import DEFAULT_OPEN_CAPACITY, MAX_CHUNK, HostIndex, chunk_geometry
 from magicpig_jax.host.validate import check_config, check_int, check_lengths_strict
 
-__all__ = ["host_build_index", "host_append", "host_key_codes", "build_lsh_index_blocked", "CODES_BLOCK_BYTES"]
+__all__ = ["host_build_index", "host_append", "host_key_codes", "first_mean", "build_lsh_index_blocked",
+           "CODES_BLOCK_BYTES"]
 
 # Above this many bytes of float32 projections ``[B, Hkv, N, K*L]`` the codes are computed in
 # blocks of positions (:func:`build_lsh_index_blocked`), so the temporary stays bounded.
@@ -140,6 +141,23 @@ def build_lsh_index_blocked(
     return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections)
 
 
+def first_mean(index: HostIndex, k_new: Float[Array, "B Hkv T D"], counts: Int[Array, " B"]) -> HostIndex:
+    """The index with a mean for each row whose hashed range is still empty: its first appended keys'.
+
+    After a prefill no longer than ``num_sink + num_local`` the hashed range ``[start, end)`` is
+    empty and the mean is 0. The first append of ``counts[b] > 0`` keys into such a row sets the
+    row's mean (per KV head) to the mean of those keys, so they, and every later key, are hashed
+    centered (arXiv 2410.16179, Section 4.2); the mean of a row that already hashes keys is kept.
+    The keys past ``counts[b]`` are selected out (their rows may hold anything).
+    """
+    T = k_new.shape[2]
+    empty = (index.end == index.start) & (counts > 0)  # [B]
+    use = jnp.arange(T, dtype=jnp.int32)[None, :] < counts[:, None]  # [B, T]
+    total = jnp.sum(jnp.where(use[:, None, :, None], jnp.asarray(k_new).astype(jnp.float32), 0.0), axis=2)
+    first = total / jnp.maximum(counts, 1).astype(jnp.float32)[:, None, None]
+    return dataclasses.replace(index, mean=jnp.where(empty[:, None, None], first, index.mean))
+
+
 def host_key_codes(index: HostIndex, k_new: Float[Array, "B Hkv T D"]) -> UInt32[Array, "B Hkv T L"]:
     """SimHash codes of new keys, centered by the index's mean (what :func:`host_append` inserts)."""
     kf = jnp.asarray(k_new).astype(jnp.float32) - index.mean[:, :, None, :]
@@ -173,7 +191,9 @@ def host_append(
     Row b appends its first ``counts[b]`` new keys (default T); the hashed range
     becomes ``[start, end + counts)``, so these keys move from the static set to the
     sampled set (e.g. decode tokens leaving a generation buffer). They are centered
-    with the index's mean (arXiv 2410.16179, Section 4.2). The buffers are aliased
+    with the index's mean (arXiv 2410.16179, Section 4.2); a row whose hashed range is still
+    empty (a prompt no longer than ``num_sink + num_local``) first takes the mean of the keys
+    it appends (:func:`first_mean`), so generated tokens are never hashed uncentered. The buffers are aliased
     input -> output, so under ``jax.jit`` with the index donated the append is in
     place: O(L) per key, plus a merge of the open chunk into the sorted chunks each
     time it fills. The capacity is static; appending past it fails at run time.
@@ -185,7 +205,7 @@ def host_append(
       max_threads: cap on worker threads (0 = XLA's pool size).
 
     Returns:
-      The updated :class:`HostIndex`.
+      The updated :class:`HostIndex` (its ``mean`` changed only for rows that were empty).
 
     Raises:
       TypeError / ValueError: bad shapes, dtypes or counts (run-time errors from the
@@ -206,6 +226,7 @@ def host_append(
     max_threads = check_int("max_threads", max_threads, 0, 4096)
     counts = _check_counts(counts, B, T)
     ops()
+    index = first_mean(index, k_new, counts)
     codes = host_key_codes(index, k_new)
     out_types = (
         jax.ShapeDtypeStruct(index.ids.shape, jnp.uint16),
