@@ -1,8 +1,8 @@
 """Timings of the products with GGUF rows (outside the test suite; run on a quiet machine).
 
   python tools/bench_weights.py matvec  [--mb 128] [--reps 20]     per-type decode matvec GB/s vs a copy
-  python tools/bench_weights.py gemm    [--tokens 256] [--reps 3]  prefill product of 8B-shaped matrices:
-                                                                   tiled vs whole-matrix dequantization vs float32
+  python tools/bench_weights.py gemm    [--tokens 256] [--reps 3] [--tile-mb 8 32]  prefill product of
+                                      8B-shaped matrices: tiled vs whole-matrix dequantization vs float32
   python tools/bench_weights.py prefill [--model M] [--tokens 2048] prefill of a model, tiled vs layer vs float32
                                                                    (each in its own process: time and peak RSS)
 
@@ -85,18 +85,20 @@ def bench_gemm(args) -> dict:
     from tests._gguf_rows import random_rows
 
     rng = np.random.default_rng(0)
-    out = {"tokens": args.tokens, "tile_bytes": linear.PREFILL_TILE_BYTES, "shapes": {}}
+    out = {"tokens": args.tokens, "tile_mb": args.tile_mb, "shapes": {}}
     for name, qtype, n_out, n_in in (("gate_up", "Q4_K", 28672, 4096), ("down", "Q6_K", 4096, 14336)):
         w = jnp.asarray(random_rows(rng, qtype, n_out, n_in))
         x = jnp.asarray(rng.standard_normal((args.tokens, n_in)).astype(np.float32))
         res = {"qtype": qtype, "out": n_out, "in": n_in}
-        tiled = jax.jit(lambda x, w, qtype=qtype: linear._tiled_matmul(x, w, qtype, linear.PREFILL_TILE_BYTES))
+        variants = [(f"tiled_{mb}mb",
+                     jax.jit(lambda x, w, qtype=qtype, mb=mb: linear._tiled_matmul(x, w, qtype, mb << 20)),
+                     (x, w)) for mb in args.tile_mb]
         layer = jax.jit(lambda x, w, qtype=qtype: linear._layer_matmul(x, w, qtype))
         jaxdq = jax.jit(lambda x, w, qtype=qtype: linear._jax_dequant_matmul(x, w, qtype))
         wf = jax.jit(dequantize, static_argnums=1)(w, qtype)
         f32 = jax.jit(lambda x, wf: linear.dense_matmul(x, wf, transposed=False))
-        for label, fn, argv in (("tiled", tiled, (x, w)), ("layer", layer, (x, w)), ("jax_dequant", jaxdq, (x, w)),
-                                ("float32_weights", f32, (x, wf))):
+        variants += [("layer", layer, (x, w)), ("jax_dequant", jaxdq, (x, w)), ("float32_weights", f32, (x, wf))]
+        for label, fn, argv in variants:
             t = _median_seconds(lambda fn=fn, argv=argv: fn(*argv).block_until_ready(), args.reps)
             temp = fn.lower(*argv).compile().memory_analysis().temp_size_in_bytes
             res[label] = {"seconds": t, "gflops": 2 * args.tokens * n_out * n_in / t / 1e9, "temp_bytes": temp}
@@ -151,6 +153,7 @@ def main(argv=None) -> int:
     g = sub.add_parser("gemm")
     g.add_argument("--tokens", type=int, default=256, help="token rows (the prefill chunk)")
     g.add_argument("--reps", type=int, default=3)
+    g.add_argument("--tile-mb", type=int, nargs="+", default=[8, 32], help="float32 MB per tile of the tiled mode")
     f = sub.add_parser("prefill")
     f.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
     f.add_argument("--tokens", type=int, default=2048)

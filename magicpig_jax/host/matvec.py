@@ -105,12 +105,15 @@ def quant_matvec(
     return y.reshape(*lead, packed.shape[0]).astype(x.dtype)
 
 
-def dequantize_rows(packed: UInt8[Array, "R RB"], qtype: str, *, max_threads: int = 0) -> Float[Array, "R In"]:
+def dequantize_rows(packed: UInt8[Array, "R RB"], qtype: str, *, impl: str = "auto",
+                    max_threads: int = 0) -> Float[Array, "R In"]:
     """The float32 rows of packed GGUF rows, bit-equal to ``gguf.quants.dequantize``.
 
     Args:
       packed: uint8 ``[R, In / block_weights * block_bytes]``.
       qtype: one of :data:`QUANT_TYPES`.
+      impl: ``"auto"`` (AVX2 where the CPU has it and the type has a vector path), ``"scalar"``
+        or ``"avx2"``; every variant gives the same bits.
       max_threads: cap on pool threads (0: all of XLA's intra-op pool).
 
     Returns:
@@ -121,6 +124,7 @@ def dequantize_rows(packed: UInt8[Array, "R RB"], qtype: str, *, max_threads: in
       TypeError: ``packed`` is not uint8.
       ImportError: the native extension is not built.
     """
+    code = impl_code(impl)
     packed = jnp.asarray(packed)
     if packed.ndim != 2:
         raise ValueError(f"packed must be uint8 [R, RB], got shape {packed.shape}")
@@ -132,4 +136,4 @@ def dequantize_rows(packed: UInt8[Array, "R RB"], qtype: str, *, max_threads: in
         "magicpig_dequantize",
         jax.ShapeDtypeStruct((packed.shape[0], n_in), jnp.float32),
         vmap_method="sequential",
-    )(packed, qtype=np.int64(QUANT_TYPES[qtype][0]), max_threads=np.int64(max_threads))
+    )(packed, qtype=np.int64(QUANT_TYPES[qtype][0]), impl=np.int64(code), max_threads=np.int64(max_threads))
