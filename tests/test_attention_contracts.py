@@ -215,3 +215,22 @@ def test_host_magicpig_unsampled_and_padding_are_inert(static_window):
     assert np.isfinite(np.asarray(got[0])).all()
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(clean[0]), rtol=0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(clean[1]), rtol=0, atol=1e-6)
+
+
+# Every parameter a public function validates has an effect a test observes.
+
+
+@pytest.mark.parametrize("window", [None, 0, 7, 100])
+def test_static_attention_num_sink_bounds_the_sinks_with_and_without_a_window(window):
+    # num_sink is validated for every call and read by both paths: with start beyond it, the sinks
+    # are the first num_sink positions, with or without a window (it was unused without one).
+    q, k, v = _case(10)
+    start, end = i32([6, 6]), i32([30, 50])
+    out, lse = static_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), start, end, i32(LENGTHS), num_sink=3,
+                                window=window)
+    pos = np.arange(N)[None, None, :]
+    tail_from = np.asarray(end) if window is None else np.maximum(np.asarray(end), LENGTHS - window)
+    keep = (pos < 3) | ((pos >= tail_from[:, None, None]) & (pos < LENGTHS[:, None, None]))
+    o64, l64 = ref.selected(q, k, v, np.broadcast_to(keep, (B, HQ, N)))
+    np.testing.assert_allclose(np.asarray(out), o64, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(lse), l64, rtol=0, atol=2e-6)

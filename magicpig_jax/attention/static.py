@@ -31,7 +31,8 @@ def static_attention(
     num_sink: int,
     window: int | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
-    """Exact softmax attention over the static keys ``[0, start) ∪ [max(end, lengths - window), lengths)``.
+    """Exact softmax attention over the static keys: the sinks ``[0, min(start, num_sink))`` and the
+    tail ``[max(end, lengths - window), lengths)``.
 
     With ``window=None`` the whole tail ``[end, lengths)`` is attended, through a mask over
     all N positions (no copy of the cache). With an int ``window`` W only the last W
@@ -42,11 +43,11 @@ def static_attention(
     Args:
       q: float ``[B, Hq, D]``.
       k, v: float ``[B, Hkv, N, D]``.
-      start: int32 ``[B]``, ``0 <= start <= min(num_sink, lengths)``: the sinks are ``[0, start)``.
+      start: int32 ``[B]``, ``0 <= start <= lengths``: the sinks are ``[0, min(start, num_sink))``.
       end: int32 ``[B]``, ``start <= end``: the tail starts here.
       lengths: int32 ``[B]`` valid keys per row, in ``[0, N]``.
-      num_sink: static bound on ``start`` (the sinks are read from the first ``num_sink``
-        positions), ``>= 0``.
+      num_sink: static bound on the sinks, ``>= 0``: they are read from the first ``num_sink``
+        positions (with or without ``window``), so ``start`` beyond it counts as ``num_sink``.
       window: static int ``>= 0`` or None (see above).
 
     Returns:
@@ -64,6 +65,7 @@ def static_attention(
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 or None, got window={window}")
     pos = jnp.arange(N, dtype=jnp.int32)[None, :]
+    start = jnp.minimum(start, num_sink)  # both paths read the sinks from the first num_sink positions
     if window is None:
         mask = (pos < start[:, None]) | ((pos >= end[:, None]) & (pos < lengths[:, None]))
         return masked_softmax_attention(grouped_logits(q, k), mask[:, None, None, :], v)
