@@ -1,0 +1,210 @@
+"""The decode spec, the hashed range of the baselines, and the :class:`Backend` record.
+
+See :mod:`magicpig_jax.models.backends` for the table and what each part of a backend does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from magicpig_jax import lsh
+from magicpig_jax.attention import (
+    GENERATION_BUFFER,
+    MagicPIGConfig,
+    dense_attention,
+)
+from magicpig_jax.attention.baselines import check_budget, check_page_size
+from magicpig_jax.attention.layer_configs import LayerConfigs
+
+__all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "LAYERED", "Backend", "DecodeSpec", "MiddleRange",
+           "layer_projections"]
+
+BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle", "hybrid")
+BUDGETED = ("topk", "quest", "oracle")
+HOST_BACKENDS = ("magicpig", "topk", "quest")  # the backends with a host op (CPU backend)
+LAYERED = ("magicpig", "magicpig-ref", "hybrid")  # the backends that take per-layer LayerConfigs
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Static description of the decode attention (hashable; a jit static argument).
+
+    Attributes:
+      backend: one of :data:`BACKENDS`.
+      magicpig: the :class:`MagicPIGConfig`; its ``num_sink``/``num_local`` define the
+        static set of every sparse backend, K/L/seed are MagicPIG's.
+      dense_layers: layer indices kept dense under a sparse backend (exact attention, in
+        the host op when the sparse layers use it).
+      budget: keys per query head for "topk"/"quest"/"oracle": an ``int`` token count
+        or a ``float`` in (0, 1], a fraction of the hashed range.
+      page_size: Quest's page size (tokens).
+      generation_buffer: (host op) generated tokens stay static until the unhashed tail
+        reaches :attr:`static_window` positions; then the oldest ``generation_buffer`` of
+        them are appended to the index in one call.
+      host: whether "magicpig" runs through the host op on the CPU backend (default: iff
+        JAX's default backend is the CPU).
+      mesh: optional ``("batch", "kv_heads")`` mesh for the host op (None: one device).
+      offload: whether "magicpig" runs as the host-offload system (:mod:`magicpig_jax.offload`):
+        the sparse layers' KV cache and index on ``host_device``, the rest on the accelerator
+        (JAX's default device). Default: iff JAX's default backend is not the CPU.
+      host_device: the CPU device that holds the offloaded cache and runs the host op
+        (default ``jax.devices("cpu")[0]``; the tests pass a second virtual CPU device so that
+        two CPU devices stand in for the accelerator and the host).
+      layers: optional :class:`~magicpig_jax.attention.LayerConfigs` (``magicpig``,
+        ``magicpig-ref``, ``hybrid``): each layer's own config or ``"dense"``; then ``magicpig``
+        must be ``layers.base()`` and ``dense_layers`` its dense layers.
+
+    Raises:
+      ValueError: unknown backend, a budgeted backend without a budget, or a configuration
+        the chosen backend cannot run (e.g. K > 16 on the host op).
+    """
+
+    backend: str = "dense"
+    magicpig: MagicPIGConfig = MagicPIGConfig()
+    dense_layers: tuple[int, ...] = ()
+    budget: int | float | None = None
+    page_size: int = 16
+    generation_buffer: int = GENERATION_BUFFER
+    host: bool | None = None
+    mesh: jax.sharding.Mesh | None = None
+    offload: bool | None = None
+    host_device: jax.Device | None = None
+    layers: LayerConfigs | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend in BUDGETED:
+            if self.budget is None:
+                raise ValueError(f"attention backend {self.backend!r} needs a budget (tokens or a fraction)")
+            check_budget(self.budget)
+            check_page_size(self.page_size)
+        if self.generation_buffer < 1:
+            raise ValueError(f"generation_buffer must be >= 1, got {self.generation_buffer}")
+        if self.layers is not None:
+            from magicpig_jax.models.backends.table import check_layers
+
+            check_layers(self)
+        if self.offload is None:
+            object.__setattr__(self, "offload", self.backend == "magicpig" and self.mesh is None
+                               and self.layers is None and jax.default_backend() != "cpu")
+        if self.offload and (self.backend != "magicpig" or self.mesh is not None):
+            raise ValueError("offload runs the 'magicpig' backend on one accelerator (no mesh), "
+                             f"got backend={self.backend!r}, mesh={self.mesh}")
+        if self.host_device is not None and self.host_device.platform != "cpu":
+            raise ValueError(f"host_device must be a CPU device, got {self.host_device}")
+        if self.host is None:
+            object.__setattr__(self, "host", self.backend in HOST_BACKENDS and not self.offload
+                               and jax.default_backend() == "cpu")
+        from magicpig_jax.models.backends.table import backend_for
+
+        backend_for(self).validate(self)
+
+    @property
+    def uses_host(self) -> bool:
+        """True when the sparse layers run through the host op in the jitted step (CPU backend)."""
+        return bool(self.host) and self.backend in HOST_BACKENDS and not self.offload
+
+    def offload_devices(self) -> tuple[jax.Device, jax.Device]:
+        """``(accelerator, host)`` of the offload system: JAX's default device and :attr:`host_device`."""
+        return jax.devices()[0], self.host_device or jax.devices("cpu")[0]
+
+    def with_config(self, config: MagicPIGConfig) -> DecodeSpec:
+        """This spec for one layer of :attr:`layers`: ``magicpig = config``, no per-layer table."""
+        return dataclasses.replace(self, magicpig=config, layers=None)
+
+    @property
+    def static_window(self) -> int:
+        """The longest unhashed tail (:meth:`MagicPIGConfig.static_window` of this generation buffer)."""
+        return self.magicpig.static_window(self.generation_buffer)
+
+    def sparse_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers that use the sparse backend (all but ``dense_layers``; none for "dense")."""
+        if self.backend == "dense":
+            return ()
+        return tuple(i for i in range(num_layers) if i not in set(self.dense_layers))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MiddleRange:
+    """The hashed range ``[start, end)`` of each row, fixed after prefill (int32 ``[B]`` each).
+
+    The decode state of the TopK, Quest and oracle backends: they apply their method to
+    these keys, as MagicPIG samples them.
+    """
+
+    start: jax.Array
+    end: jax.Array
+
+    @classmethod
+    def from_lengths(cls, lengths: jax.Array, config: MagicPIGConfig) -> MiddleRange:
+        """The range of :meth:`MagicPIGConfig.hashed_range`."""
+        start, end = config.hashed_range(lengths)
+        return cls(start=start, end=end)
+
+
+def layer_projections(config: MagicPIGConfig, layer: int, head_dim: int) -> jax.Array:
+    """SimHash projections of one layer: ``simhash_projections(fold_in(key(seed), layer), D, K, L)``."""
+    key = jax.random.fold_in(jax.random.key(config.seed), layer)
+    return lsh.simhash_projections(key, head_dim, config.K, config.L)
+
+
+# The signatures of a backend's parts (q [B, Hq, D], k/v [B, Hkv, N, D], lengths int32 [B]).
+BuildFn = Callable[["DecodeSpec", jax.Array, jax.Array, int, int], Any]  # (spec, k, lengths, layer, capacity)
+AttendFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]  # (spec, q, k, v, state, lengths, key)
+AfterStepFn = Callable[["DecodeSpec", Any, jax.Array, jax.Array], Any]  # (spec, state, k, lengths)
+PrepareFn = Callable[..., tuple[Any, tuple]]  # (spec, cache, states) -> (cache, states)
+DenseFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def _keep(spec, state, k, lengths):
+    return state
+
+
+def _in_place(spec, cache, states):
+    return cache, states
+
+
+def _accept(spec) -> None:
+    return None
+
+
+def _no_sparse_layer(*args, **kwargs):
+    raise ValueError("the 'dense' backend has no sparse layer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One decode attention method: how the decoder builds, places, uses and updates its state.
+
+    Attributes:
+      name: the backend's name (for messages and stats).
+      build: ``(spec, k, lengths, layer, capacity) -> state`` of one sparse layer.
+      attend: ``(spec, q, k, v, state, lengths, key) -> (out f32 [B,Hq,D], lse f32 [B,Hq],
+        keys_used int32 [B,Hq])``; keys_used counts the sampled (magicpig), selected
+        (topk/quest) or distinct drawn (oracle) keys of the hashed range.
+      after_step: ``(spec, state, k, lengths) -> state`` after the step wrote its token
+        (``lengths`` counts it).
+      prepare: ``(spec, cache, states) -> (cache, states)`` once after build, outside jit: the
+        cache and per-layer states the decode steps use (the same objects, or re-placed ones).
+      attend_dense: ``(q, k, v, lengths) -> (out, lse)`` for the layers kept dense.
+      validate: ``(spec) -> None``, raises ValueError for a configuration it cannot run.
+      make_step: ``(graphdef, state_treedef, spec) -> step`` replacing the jitted decode step of
+        :func:`~magicpig_jax.models.decoding.compiled_decode_step` (same call and results), or None.
+    """
+
+    name: str
+    build: BuildFn
+    attend: AttendFn
+    after_step: AfterStepFn = _keep
+    prepare: PrepareFn = _in_place
+    attend_dense: DenseFn = dense_attention
+    validate: Callable[[DecodeSpec], None] = _accept
+    make_step: Callable | None = None
+
+
