@@ -123,13 +123,13 @@ def _attend_offload(*args, **kwargs):
 
 
 def _prepare_offload(spec, cache, states):
-    from magicpig_jax import offload
+    from magicpig_jax import offload_decoder as offload
 
     return offload.place_decode_state(spec, cache, states)
 
 
 def _make_offload_step(graphdef, state_treedef, spec):
-    from magicpig_jax import offload
+    from magicpig_jax import offload_decoder as offload
 
     return offload.OffloadDecodeStep(graphdef, state_treedef, spec)
 

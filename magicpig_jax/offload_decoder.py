@@ -1,0 +1,334 @@
+"""The decoder on an accelerator: the ``"magicpig-offload"`` entry of :mod:`magicpig_jax.models.backends`.
+
+Every sparse layer's KV cache and LSH index stay on the host device for the whole decode
+(:func:`place_decode_state`); the accelerator keeps the hyperplanes, the sinks and a ring of
+the last W positions. Each step (:class:`OffloadDecodeStep`) runs as jitted accelerator
+segments, from one sparse layer to the next, alternating with one host computation per sparse
+layer (:mod:`magicpig_jax.offload` has the per-layer split and its transfer pattern). It has not
+yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from magicpig_jax import host, lsh
+from magicpig_jax.attention.dense import dense_attention
+from magicpig_jax.attention.merge import merge_attention
+
+__all__ = ["OffloadLayer", "OffloadDecodeStep", "place_decode_state"]
+
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["projections", "sink_k", "sink_v", "sink_len", "ring_k", "ring_v", "end", "index"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class OffloadLayer:
+    """One sparse layer's decode state in the offload decoder.
+
+    On the accelerator: ``projections`` float32 ``[D, K*L]``; the sinks ``sink_k/sink_v``
+    ``[B, Hkv, S, D]`` (row b's first ``sink_len[b]`` valid); a ring of the last ``W`` positions
+    ``ring_k/ring_v`` ``[B, Hkv, W, D]`` (position p in slot ``p % W``; ``W`` = the decoder's
+    static window), which every step writes its token into; ``end`` int32 ``[B]``, the index's
+    hashed end (positions ``>= end`` are not in the index yet).
+    In host memory: ``index``, the layer's :class:`~magicpig_jax.host.HostIndex` (the layer's KV
+    cache is in the decoder's :class:`~magicpig_jax.models.cache.KVCache`, also in host memory).
+    """
+
+    projections: jax.Array
+    sink_k: jax.Array
+    sink_v: jax.Array
+    sink_len: jax.Array
+    ring_k: jax.Array
+    ring_v: jax.Array
+    end: jax.Array
+    index: host.HostIndex
+
+
+@functools.partial(jax.jit, static_argnames=("num_sink", "window"))
+def _accel_layer(k, v, lengths, start, end, projections, *, num_sink: int, window: int) -> OffloadLayer:
+    """The accelerator part of a layer from its full cache (on the accelerator, once after prefill)."""
+    B, _, N, _ = k.shape
+    S = min(num_sink, N)
+    slots = jnp.arange(window, dtype=jnp.int32)[None, :]
+    pos = lengths[:, None] - 1 - jnp.remainder(lengths[:, None] - 1 - slots, window)  # latest p < len, p = s mod W
+    idx = jnp.clip(pos, 0, N - 1)
+    return OffloadLayer(
+        projections=projections, sink_k=k[:, :, :S], sink_v=v[:, :, :S],
+        sink_len=jnp.minimum(start, lengths).astype(jnp.int32),
+        ring_k=jnp.take_along_axis(k, idx[:, None, :, None], axis=2),
+        ring_v=jnp.take_along_axis(v, idx[:, None, :, None], axis=2),
+        end=end.astype(jnp.int32), index=None)
+
+
+_host_build = jax.jit(host.host_build_index, static_argnames=("config", "capacity"))
+
+
+def place_decode_state(spec, cache, states):
+    """Offload's ``prepare``: move each sparse layer's K/V to the host device, build its index there,
+    and keep on the accelerator only its hyperplanes, sinks and the ring of the last W positions.
+
+    Args:
+      spec: the :class:`~magicpig_jax.models.backends.DecodeSpec` (``offload``).
+      cache: the prefilled :class:`~magicpig_jax.models.cache.KVCache` on the accelerator.
+      states: per layer, the hyperplanes ``[D, K*L]`` of a sparse layer (None for a dense one).
+
+    Returns:
+      ``(cache, states)``: the cache with the sparse layers' K/V on the host device (the dense
+      layers' stay on the accelerator), and an :class:`OffloadLayer` per sparse layer.
+    """
+    from magicpig_jax.models.cache import KVCache
+
+    accel, host_dev = spec.offload_devices()
+    sparse = spec.sparse_layers(len(cache.k))
+    k_layers, v_layers, out = list(cache.k), list(cache.v), list(states)
+    lengths_a = jax.device_put(cache.lengths, accel)
+    lengths_h = jax.device_put(cache.lengths, host_dev)
+    for i in sparse:
+        k_h, v_h, proj_h = jax.device_put((cache.k[i], cache.v[i], states[i]), host_dev)
+        index = _host_build(k_h, proj_h, spec.magicpig, lengths_h, capacity=cache.capacity)
+        start, end = jax.device_put((index.start, index.end), accel)
+        layer = _accel_layer(jax.device_put(cache.k[i], accel), jax.device_put(cache.v[i], accel), lengths_a, start,
+                             end, jax.device_put(states[i], accel), num_sink=spec.magicpig.num_sink,
+                             window=spec.static_window)
+        layer.index = index
+        k_layers[i], v_layers[i], out[i] = k_h, v_h, layer
+    for i in set(range(len(k_layers))) - set(sparse):  # the dense layers stay, committed to the accelerator
+        k_layers[i], v_layers[i] = jax.device_put((k_layers[i], v_layers[i]), accel)
+    host.advise_huge_pages([k_layers[i] for i in sparse], [v_layers[i] for i in sparse],
+                           [out[i].index for i in sparse])
+    return KVCache(k=tuple(k_layers), v=tuple(v_layers), lengths=lengths_a), tuple(out)
+
+
+# --- the accelerator's computations of one step --------------------------------------------
+
+
+def _qkv(layer, inv_freq, x, pos):
+    q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), pos[:, None], inv_freq)
+    return q[:, 0], k[:, 0], v[:, 0]
+
+
+def _finish(layer, x, out):
+    B = x.shape[0]
+    x = x + layer.self_attn.output(out.reshape(B, 1, -1).astype(x.dtype))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _write_rows(cache, x, pos):
+    """``cache[b, :, pos[b]] = x[b]`` for every row (``cache [B, Hkv, N, D]``, ``x [B, Hkv, D]``)."""
+    for b in range(x.shape[0]):
+        cache = jax.lax.dynamic_update_slice(cache, x[b][None, :, None, :].astype(cache.dtype), (b, 0, pos[b], 0))
+    return cache
+
+
+def _static_attention(q, k_new, v_new, st: OffloadLayer, pos):
+    """Exact attention over the sinks, the ring's positions ``[max(end, pos - W), pos)`` and the new
+    token itself (one softmax over ``S + W + 1`` keys)."""
+    from magicpig_jax.attention._common import grouped_logits, masked_softmax_attention
+
+    B, S, W = q.shape[0], st.sink_k.shape[2], st.ring_k.shape[2]
+    slots = jnp.arange(W, dtype=jnp.int32)[None, :]
+    p = pos[:, None] - 1 - jnp.remainder(pos[:, None] - 1 - slots, W)
+    ring_ok = (p >= 0) & (p >= st.end[:, None])
+    sink_ok = jnp.arange(S, dtype=jnp.int32)[None, :] < st.sink_len[:, None]
+    keys = jnp.concatenate([st.sink_k.astype(jnp.float32), st.ring_k.astype(jnp.float32),
+                            k_new[:, :, None].astype(jnp.float32)], axis=2)
+    vals = jnp.concatenate([st.sink_v.astype(jnp.float32), st.ring_v.astype(jnp.float32),
+                            v_new[:, :, None].astype(jnp.float32)], axis=2)
+    mask = jnp.concatenate([sink_ok, ring_ok, jnp.ones((B, 1), bool)], axis=1)[:, None, None, :]
+    return masked_softmax_attention(grouped_logits(q, keys), mask, vals)
+
+
+def _ring_write(st: OffloadLayer, k_new, v_new, pos) -> OffloadLayer:
+    B, Hkv, W = st.ring_k.shape[0], st.ring_k.shape[1], st.ring_k.shape[2]
+    rows, heads = jnp.arange(B)[:, None], jnp.arange(Hkv)[None, :]
+    slot = jnp.remainder(pos, W)[:, None]
+    return dataclasses.replace(st, ring_k=st.ring_k.at[rows, heads, slot].set(k_new.astype(st.ring_k.dtype)),
+                               ring_v=st.ring_v.at[rows, heads, slot].set(v_new.astype(st.ring_v.dtype)))
+
+
+def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache):
+    q, k, v = _qkv(layer, inv_freq, x, pos)
+    out, lse = dense_attention(q, k_cache, v_cache, pos)
+    G = q.shape[1] // k.shape[1]
+    self_lse = jnp.sum(q.astype(jnp.float32) * jnp.repeat(k.astype(jnp.float32), G, axis=1), axis=-1)
+    self_lse = self_lse / jnp.sqrt(jnp.float32(q.shape[-1]))
+    out, _ = merge_attention(out, lse, jnp.repeat(v.astype(jnp.float32), G, axis=1), self_lse)
+    return _finish(layer, x, out), _write_rows(k_cache, k, pos), _write_rows(v_cache, v, pos)
+
+
+def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, next_state, *, K: int, L: int):
+    """One run of accelerator work between two host calls.
+
+    ``plan = (graphdef of the embedding or None, graphdef of the sparse layer being finished or None,
+    graphdefs of the dense layers, graphdef of the next sparse layer or None, graphdef of the head or
+    None)``; ``parts`` their states. In order: embed the tokens (first segment) or finish the pending
+    sparse layer (merge its host part with its static part, output projection, MLP; write its token
+    into its ring), run the dense layers, then either the next sparse layer's queries, codes and
+    static attention, or the final norm and logits (last segment).
+    """
+    g_embed, g_pending, g_dense, g_next, g_head = plan
+    p_embed, p_pending, p_dense, p_next, p_head = parts
+    if g_embed is not None:
+        x = _embed(nnx.merge(g_embed, p_embed), x)
+    if g_pending is not None:
+        out_h, lse_h, out_s, lse_s, k_new, v_new, end = pending
+        out, _ = merge_attention(out_h, lse_h, out_s, lse_s)
+        x = _finish(nnx.merge(g_pending, p_pending), x, out)
+        pending_state = dataclasses.replace(_ring_write(pending_state, k_new, v_new, pos), end=end)
+    new_kv = []
+    for g, p, (k_c, v_c) in zip(g_dense, p_dense, dense_kv, strict=True):
+        x, k_c, v_c = _dense_layer(nnx.merge(g, p), inv_freq, x, pos, k_c, v_c)
+        new_kv.append((k_c, v_c))
+    if g_next is not None:
+        q, k_new, v_new = _qkv(nnx.merge(g_next, p_next), inv_freq, x, pos)
+        codes = lsh.simhash_codes(q, next_state.projections, K, L)
+        out_s, lse_s = _static_attention(q, k_new, v_new, next_state, pos)
+        return x, pending_state, tuple(new_kv), (q.astype(jnp.float32), codes, k_new, v_new, out_s, lse_s)
+    head = nnx.merge(g_head, p_head)
+    logits = head.logits(head.norm(x)[:, 0])
+    return x, pending_state, tuple(new_kv), logits
+
+
+@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("k_cache", "v_cache", "index"))
+def _host_layer(q, codes, k_new, v_new, pos, k_cache, v_cache, index, *, spec):
+    """On the host device: the sampled attention over the layer's cache (positions ``< pos``; the
+    last W are the accelerator's), then the new token written at ``pos`` and the index's append
+    when a generation buffer is due."""
+    from magicpig_jax.models.backends import append_due
+
+    out, lse, ns = host.host_sampled_attention(q, codes, k_cache, v_cache, index, pos, window=spec.static_window)
+    # The barrier orders the cache writes after the op's reads, so XLA updates the donated cache in place.
+    out, lse, ns, k_cache, v_cache = jax.lax.optimization_barrier((out, lse, ns, k_cache, v_cache))
+    k_cache, v_cache = _write_rows(k_cache, k_new, pos), _write_rows(v_cache, v_new, pos)
+    index = append_due(spec, index, k_cache, pos + 1)
+    return out, lse, ns, index.end, k_cache, v_cache, index
+
+
+def _shell(model):
+    """The model without its layers (embedding, final norm, output projection, RoPE frequencies): an
+    NNX module sharing those variables, so a computation that embeds or computes logits receives
+    none of the layers' weights."""
+    import copy
+
+    shell = copy.copy(model)
+    shell.layers = nnx.List([])
+    return shell
+
+
+def _embed(model, tokens):
+    """``[B, 1, H]`` embeddings of ``tokens [B]`` (the model's own embedding, whichever form it has)."""
+    embed = getattr(model, "embed", None)
+    return embed(tokens[:, None]) if callable(embed) else model.embed_tokens(tokens[:, None])
+
+
+def _accel_part(st: OffloadLayer | None) -> OffloadLayer | None:
+    """The layer state without its host index (what an accelerator computation receives)."""
+    return None if st is None else dataclasses.replace(st, index=None)
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_fn(structure, K: int, L: int):
+    """The jitted :func:`_segment` of one structure (cached: every decode run of a model reuses it)."""
+    return jax.jit(functools.partial(_segment, structure, K=K, L=L), donate_argnames=("dense_kv", "pending_state"))
+
+
+class OffloadDecodeStep:
+    """The decode step of the offload system (arXiv 2410.16179, Section 4.3), as the decoder calls it.
+
+    ``step(leaves, cache, indices, tokens, base_key, t, temperature, top_p) -> (next_tokens, logits,
+    num_sampled, cache, indices)``, like the jitted step of
+    :func:`~magicpig_jax.models.decoding.compiled_decode_step`. One step is a chain of jitted
+    computations: on the accelerator, a *segment* from one sparse layer to the next (finish the
+    previous sparse layer, the dense layers in between, then the next sparse layer's query, its
+    SimHash codes and the static attention over the sinks, the ring of the last W positions and
+    the token itself); on the host device, that layer's sampled attention over its cache and index
+    (the host op), the token's write into the cache and the index's append when due. Per sparse
+    layer and step, ``q`` and its codes and the token's ``k, v`` go to the host
+    (``B × (Hq (D + L) + 2 Hkv D) × 4`` bytes) and ``out, lse`` and the index's end come back
+    (``B × (Hq (D + 1) + 1) × 4`` bytes); the keys never move.
+    """
+
+    def __init__(self, graphdef, state_treedef, spec):
+        self.graphdef, self.treedef, self.spec = graphdef, state_treedef, spec
+        self.accel, self.host = spec.offload_devices()
+        self._leaves = None  # the parameters the split below was made from
+
+    def _split(self, leaves):
+        if self._leaves is not None and len(self._leaves) == len(leaves) and all(
+                a is b for a, b in zip(self._leaves, leaves, strict=True)):
+            return
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+        self.layers = [nnx.split(layer) for layer in model.layers]
+        self.embed = self.head = nnx.split(_shell(model))
+        self.num_heads = model.config.num_heads
+        self.inv_freq = model.inv_freq[...]
+        n = len(self.layers)
+        sparse = self.spec.sparse_layers(n)
+        self.sparse = list(sparse)
+        # Segments: [start or sparse layer i, dense layers ..., next sparse layer or the head].
+        # One jitted function per distinct segment structure (equal layer graphdefs share it), made
+        # here so that no step hashes a graphdef.
+        bounds = [None, *self.sparse, None]
+        self.plan, fns = [], {}
+        K, L = self.spec.magicpig.K, self.spec.magicpig.L
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            dense = list(range(0 if a is None else a + 1, n if b is None else b))
+            structure = (self.embed[0] if a is None else None, self.layers[a][0] if a is not None else None,
+                         tuple(self.layers[i][0] for i in dense), self.layers[b][0] if b is not None else None,
+                         self.head[0] if b is None else None)
+            if structure not in fns:
+                fns[structure] = _segment_fn(structure, K, L)
+            parts = (self.embed[1] if a is None else None, self.layers[a][1] if a is not None else None,
+                     tuple(self.layers[i][1] for i in dense), self.layers[b][1] if b is not None else None,
+                     self.head[1] if b is None else None)
+            self.plan.append((a, dense, b, fns[structure], parts))
+        self._leaves = leaves
+
+    def __call__(self, leaves, cache, indices, tokens, base_key, t, temperature, top_p):
+        from magicpig_jax.models.cache import KVCache
+        from magicpig_jax.models.decoding import sample_token
+
+        self._split(leaves)
+        spec = self.spec
+        # Committed to the accelerator, so the first step and the later ones share compiled segments.
+        tokens, pos = jax.device_put((tokens, cache.lengths), self.accel)
+        pos_h = jax.device_put(pos, self.host)
+        k_layers, v_layers, states = list(cache.k), list(cache.v), list(indices)
+        x, pending, counts = tokens, None, []
+        for a, dense, b, segment, parts in self.plan:
+            x, pend_state, new_kv, res = segment(
+                parts, self.inv_freq, x, pos, pending, _accel_part(states[a] if a is not None else None),
+                tuple((k_layers[i], v_layers[i]) for i in dense), _accel_part(states[b] if b is not None else None))
+            if a is not None:
+                states[a] = dataclasses.replace(pend_state, index=states[a].index)
+            for i, (k_c, v_c) in zip(dense, new_kv, strict=True):
+                k_layers[i], v_layers[i] = k_c, v_c
+            if b is None:
+                logits = res
+                break
+            q, codes, k_new, v_new, out_s, lse_s = res
+            st = states[b]
+            out_h, lse_h, ns, end, k_h, v_h, index = _host_layer(
+                *jax.device_put((q, codes, k_new, v_new), self.host), pos_h, k_layers[b], v_layers[b], st.index,
+                spec=spec)
+            k_layers[b], v_layers[b] = k_h, v_h
+            states[b] = dataclasses.replace(st, index=index)
+            counts.append(ns)
+            out_h, lse_h, end = jax.device_put((out_h, lse_h, end), self.accel)
+            pending = (out_h, lse_h, out_s, lse_s, k_new, v_new, end)
+        next_tokens = _sample(logits, base_key, t, temperature, top_p, sample_token)
+        num_sampled = jnp.stack(counts) if counts else jnp.zeros((0, tokens.shape[0], self.num_heads), jnp.int32)
+        new_cache = KVCache(k=tuple(k_layers), v=tuple(v_layers), lengths=pos + 1)
+        return next_tokens, logits, num_sampled, new_cache, tuple(states)
+
+
+@functools.partial(jax.jit, static_argnames=("sample",))
+def _sample(logits, base_key, t, temperature, top_p, sample):
+    return sample(logits, jax.random.fold_in(base_key, t), temperature, top_p)
