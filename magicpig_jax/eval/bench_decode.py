@@ -159,14 +159,8 @@ def ratios(results: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns 0. See the module docstring."""
-    from tqdm import tqdm
-
-    from magicpig_jax.attention import MagicPIGConfig
-    from magicpig_jax.generation import kv_cache_dtype, prefill
-    from magicpig_jax.io.loader import load_model
-
+def make_parser() -> argparse.ArgumentParser:
+    """The options of ``magicpig-jax bench decode``."""
     p = argparse.ArgumentParser(prog="magicpig-jax bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt tokens")
@@ -187,6 +181,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time a peer implementation on the same GGUF and prompt ids (llama.cpp)")
     p.add_argument("--peer-threads", type=int, default=None, help="llama.cpp threads (default: every CPU)")
     p.add_argument("--out", default="runs/bench_decode", help="output prefix (.json and .png)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; returns 0. See the module docstring."""
+    from tqdm import tqdm
+
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.generation import kv_cache_dtype, prefill
+    from magicpig_jax.io.loader import load_model
+
+    p = make_parser()
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step compiles and is not timed)")
@@ -238,16 +244,20 @@ def main(argv: list[str] | None = None) -> int:
                     "the one-row prefill; llama.cpp: its own child process); tokens_equal_to_dense: greedy tokens "
                     "of row 0 equal position by position to our dense decode of the same prompt and B"}
     _print(results)
-    busy = [r for r in results if (r.get("other_processes_cpu_fraction") or 0) > 0.05]
-    if busy:
-        print(f"warning: other processes used > 5% of the CPU during {len(busy)} of {len(results)} configurations "
-              f"(up to {100 * max(r['other_processes_cpu_fraction'] for r in busy):.0f}%): those timings measure time "
-              "slices; rerun on a quiet machine")
+    _warn_if_busy(results)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results, "ratios": ratios(results)}, f, indent=2)
     _plot(results, args.out + ".png")
     print(f"wrote {args.out}.json and {args.out}.png")
     return 0
+
+
+def _warn_if_busy(results: list[dict]) -> None:
+    busy = [r for r in results if (r.get("other_processes_cpu_fraction") or 0) > 0.05]
+    if busy:
+        print(f"warning: other processes used > 5% of the CPU during {len(busy)} of {len(results)} configurations "
+              f"(up to {100 * max(r['other_processes_cpu_fraction'] for r in busy):.0f}%): those timings measure time "
+              "slices; rerun on a quiet machine")
 
 
 def _agreement(results: list[dict]) -> None:
