@@ -243,9 +243,20 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
         not implemented (named).
       ValueError: not a GGUF file.
     """
-    import gguf
 
     path = Path(path)
+    reader = _open_reader(path)
+    arch = _architecture(reader, path)
+    config, tensors = _config(reader, arch, path)
+    entries, freq_factors = _entries(tensors, arch, config, path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    return config, GGUFWeights(path, entries), meta, freq_factors
+
+
+def _open_reader(path: Path):
+    """The ``gguf.GGUFReader`` of ``path``, with errors that say what is wrong with the file."""
+    import gguf
+
     if not path.is_file():
         raise FileNotFoundError(f"model file {path} does not exist")
     try:
@@ -257,6 +268,10 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
             raise ValueError(f"{path} is a truncated GGUF file ({path.stat().st_size} bytes; its tensors "
                              f"need more): {err}") from err
         raise ValueError(f"{path} is not a readable GGUF file: {err}") from err
+    return reader
+
+
+def _architecture(reader, path: Path) -> str:
     arch = _field(reader, "general.architecture")
     if arch is None:
         raise GGUFMetadataError(f"{path} has no 'general.architecture' metadata key")
@@ -264,6 +279,11 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
         raise UnsupportedConfigError(
             f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    return arch
+
+
+def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
+    """The :class:`LlamaConfig` of the metadata and the tensors by name; refuses what is not implemented."""
     _check_keys(reader, arch, path)
     n_head = int(_required(reader, f"{arch}.attention.head_count", path))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
@@ -308,7 +328,7 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
         raise UnsupportedConfigError(f"{path}: a qwen2 model needs q/k/v biases; blk.0.attn_q.bias is missing")
     if arch == "qwen3" and "attn_q_norm.weight" not in has:
         raise UnsupportedConfigError(f"{path}: a qwen3 model needs q/k norms; blk.0.attn_q_norm.weight is missing")
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(_required(reader, f"{arch}.feed_forward_length", path)),
@@ -326,7 +346,14 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
         o_bias="attn_output.bias" in has,
         qk_norm="attn_q_norm.weight" in has,
         sliding_window=None if window is None or int(window) == 0 else int(window),
-    )
+    ), tensors
+
+
+def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple[dict, np.ndarray | None]:
+    """Where each tensor lies in the file, under its Hugging Face name; Llama 3.1's RoPE factors."""
+    import gguf
+
+    n_layers, n_head, n_kv = config.num_layers, config.num_heads, config.num_kv_heads
     layer_names = _ARCH_LAYER_NAMES[arch]
     entries: dict[str, _Entry] = {}
     freq_factors = None
@@ -353,5 +380,4 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
         blocks = qtype in QUANT_TYPES and len(shape) == 2
         entry = _Entry(int(t.data_offset), int(t.n_bytes), qtype, shape, heads, blocks)
         entries[packed_key(key, qtype) if blocks else key] = entry
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    return config, GGUFWeights(path, entries), meta, freq_factors
+    return entries, freq_factors
