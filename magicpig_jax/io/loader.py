@@ -63,111 +63,122 @@ def build_llama(config: LlamaConfig, weights: MutableMapping[str, np.ndarray], f
         the model does not use (e.g. a bias or norm that ``config`` does not declare);
         the message names it.
     """
-    import gguf
-
     module = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), dtype=dtype, freq_factors=freq_factors))
     module.inv_freq.set_value(jnp.asarray(rope_inv_freq(config, freq_factors)))
-    keys = list(weights)
-    rows_of: dict[str, tuple[str, str]] = {}  # weight name -> (key of its GGUF rows, qtype)
-    for key in keys:
-        name, qtype = split_packed_key(key)
-        if qtype is not None:
-            rows_of.setdefault(name, (key, qtype))
-    used: set[str] = set()
-
-    def fetch(key: str):
-        used.add(key)
-        w = weights[key]
-        if consume:
-            del weights[key]
-        return w
-
-    def skip(key: str):  # a second form of a weight already placed (old checkpoints hold both)
-        used.add(key)
-        if consume and key in weights:
-            del weights[key]
-
-    def take(name: str, shape: tuple[int, ...], transpose: bool = False):
-        if name in used or (name not in weights and name not in rows_of):
-            raise ValueError(f"weight {name!r} missing from the checkpoint")
-        if name in weights:
-            w = np.asarray(fetch(name))
-            if name in rows_of:
-                skip(rows_of[name][0])
-        else:
-            key, qtype = rows_of[name]
-            used.add(name)
-            w = np.asarray(gguf.quants.dequantize(np.asarray(fetch(key)), gguf.GGMLQuantizationType[qtype]),
-                           np.float32)
-        w = w.T if transpose else w
-        if tuple(w.shape) != tuple(shape):
-            raise ValueError(f"weight {name!r} has shape {w.shape}, expected {shape}")
-        return jnp.asarray(w, dtype=dtype)
-
-    def set_param(param, name, transpose=False):
-        param.set_value(take(name, param.get_value().shape, transpose))
-
-    def rows(name):
-        """(GGUF rows, qtype) of a weight when it is to be held as such, else (None, None)."""
-        if not packed_weights or name not in rows_of:
-            return None, None
-        key, qtype = rows_of[name]
-        blocks = fetch(key)
-        used.add(name)
-        skip(name)
-        return np.asarray(blocks), qtype
-
-    def set_linear(linear, name):
-        blocks, qtype = rows(name)
-        if blocks is not None:
-            linear.set_packed(blocks, qtype)
-        else:
-            set_param(linear.kernel, name, transpose=True)
-
-    def set_stacked(parent, names, setter):
-        """One matrix for layers that read the same input (q/k/v, gate/up) when they all
-        come as GGUF rows of one type; else each layer on its own."""
-        types = {rows_of[n][1] if packed_weights and n in rows_of else None for n in names}
-        if len(types) == 1 and None not in types:
-            parts = [rows(n)[0] for n in names]
-            setter(np.concatenate(parts, axis=0), types.pop())
-            return
-        for n in names:
-            set_linear(getattr(parent, n.rsplit(".", 2)[-2]), n)
-
-    blocks, qtype = rows("model.embed_tokens.weight")
+    w = _WeightPlacer(weights, dtype, packed_weights, consume)
+    blocks, qtype = w.rows("model.embed_tokens.weight")
     if blocks is not None:
         module.set_embedding_packed(blocks, qtype)
     else:
-        set_param(module.embed_tokens.embedding, "model.embed_tokens.weight")
+        w.set_param(module.embed_tokens.embedding, "model.embed_tokens.weight")
     del blocks
-    set_param(module.norm.weight, "model.norm.weight")
+    w.set_param(module.norm.weight, "model.norm.weight")
     if module.lm_head is not None:
-        set_linear(module.lm_head, "lm_head.weight")
+        w.set_linear(module.lm_head, "lm_head.weight")
     for i, layer in enumerate(module.layers):
-        p = f"model.layers.{i}."
-        attn = layer.self_attn
-        set_param(layer.input_layernorm.weight, p + "input_layernorm.weight")
-        set_param(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-        set_stacked(attn, [p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj")],
-                    attn.set_qkv_packed)
-        set_linear(attn.o_proj, p + "self_attn.o_proj.weight")
-        set_stacked(layer.mlp, [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj")],
-                    layer.mlp.set_gate_up_packed)
-        set_linear(layer.mlp.down_proj, p + "mlp.down_proj.weight")
-        for bias, proj in ((attn.q_bias, "q_proj"), (attn.k_bias, "k_proj"), (attn.v_bias, "v_proj"),
-                           (attn.o_bias, "o_proj")):
-            if bias is not None:
-                set_param(bias, p + f"self_attn.{proj}.bias")
-        if attn.q_norm is not None:
-            set_param(attn.q_norm.weight, p + "self_attn.q_norm.weight")
-            set_param(attn.k_norm.weight, p + "self_attn.k_norm.weight")
-    unused = sorted(k for k in keys if k not in used and split_packed_key(k)[0] not in used)
+        _place_layer(w, layer, f"model.layers.{i}.")
+    unused = sorted(k for k in w.keys if k not in w.used and split_packed_key(k)[0] not in w.used)
     if unused:
         shown = ", ".join(unused[:8]) + (f" (and {len(unused) - 8} more)" if len(unused) > 8 else "")
         raise ValueError(f"the checkpoint has weights this {type(config).__name__} does not use: {shown}; "
                          "refusing to load a model whose computation would differ")
     return module
+
+
+def _place_layer(w: _WeightPlacer, layer, p: str) -> None:
+    """Assign one decoder layer's weights (``p`` = ``"model.layers.{i}."``)."""
+    attn = layer.self_attn
+    w.set_param(layer.input_layernorm.weight, p + "input_layernorm.weight")
+    w.set_param(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+    w.set_stacked(attn, [p + f"self_attn.{proj}.weight" for proj in ("q_proj", "k_proj", "v_proj")],
+                  attn.set_qkv_packed)
+    w.set_linear(attn.o_proj, p + "self_attn.o_proj.weight")
+    w.set_stacked(layer.mlp, [p + f"mlp.{proj}.weight" for proj in ("gate_proj", "up_proj")],
+                  layer.mlp.set_gate_up_packed)
+    w.set_linear(layer.mlp.down_proj, p + "mlp.down_proj.weight")
+    for bias, proj in ((attn.q_bias, "q_proj"), (attn.k_bias, "k_proj"), (attn.v_bias, "v_proj"),
+                       (attn.o_bias, "o_proj")):
+        if bias is not None:
+            w.set_param(bias, p + f"self_attn.{proj}.bias")
+    if attn.q_norm is not None:
+        w.set_param(attn.q_norm.weight, p + "self_attn.q_norm.weight")
+        w.set_param(attn.k_norm.weight, p + "self_attn.k_norm.weight")
+
+
+class _WeightPlacer:
+    """Takes each weight from the mapping once: as float parameters, or as GGUF rows to hold as they are."""
+
+    def __init__(self, weights: MutableMapping, dtype, packed_weights: bool, consume: bool):
+        self.weights, self.dtype, self.packed_weights, self.consume = weights, dtype, packed_weights, consume
+        self.keys = list(weights)
+        self.rows_of: dict[str, tuple[str, str]] = {}  # weight name -> (key of its GGUF rows, qtype)
+        for key in self.keys:
+            name, qtype = split_packed_key(key)
+            if qtype is not None:
+                self.rows_of.setdefault(name, (key, qtype))
+        self.used: set[str] = set()
+
+    def fetch(self, key: str):
+        self.used.add(key)
+        w = self.weights[key]
+        if self.consume:
+            del self.weights[key]
+        return w
+
+    def skip(self, key: str) -> None:  # a second form of a weight already placed (old checkpoints hold both)
+        self.used.add(key)
+        if self.consume and key in self.weights:
+            del self.weights[key]
+
+    def take(self, name: str, shape: tuple[int, ...], transpose: bool = False):
+        import gguf
+
+        if name in self.used or (name not in self.weights and name not in self.rows_of):
+            raise ValueError(f"weight {name!r} missing from the checkpoint")
+        if name in self.weights:
+            w = np.asarray(self.fetch(name))
+            if name in self.rows_of:
+                self.skip(self.rows_of[name][0])
+        else:
+            key, qtype = self.rows_of[name]
+            self.used.add(name)
+            w = np.asarray(gguf.quants.dequantize(np.asarray(self.fetch(key)), gguf.GGMLQuantizationType[qtype]),
+                           np.float32)
+        w = w.T if transpose else w
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"weight {name!r} has shape {w.shape}, expected {shape}")
+        return jnp.asarray(w, dtype=self.dtype)
+
+    def set_param(self, param, name: str, transpose: bool = False) -> None:
+        param.set_value(self.take(name, param.get_value().shape, transpose))
+
+    def rows(self, name: str):
+        """(GGUF rows, qtype) of a weight when it is to be held as such, else (None, None)."""
+        if not self.packed_weights or name not in self.rows_of:
+            return None, None
+        key, qtype = self.rows_of[name]
+        blocks = self.fetch(key)
+        self.used.add(name)
+        self.skip(name)
+        return np.asarray(blocks), qtype
+
+    def set_linear(self, linear, name: str) -> None:
+        blocks, qtype = self.rows(name)
+        if blocks is not None:
+            linear.set_packed(blocks, qtype)
+        else:
+            self.set_param(linear.kernel, name, transpose=True)
+
+    def set_stacked(self, parent, names: list[str], setter) -> None:
+        """One matrix for layers that read the same input (q/k/v, gate/up) when they all
+        come as GGUF rows of one type; else each layer on its own."""
+        types = {self.rows_of[n][1] if self.packed_weights and n in self.rows_of else None for n in names}
+        if len(types) == 1 and None not in types:
+            parts = [self.rows(n)[0] for n in names]
+            setter(np.concatenate(parts, axis=0), types.pop())
+            return
+        for n in names:
+            self.set_linear(getattr(parent, n.rsplit(".", 2)[-2]), n)
 
 
 def load_model(path: str | Path | None = None, packed_weights: bool = True) -> LoadedModel:
