@@ -4,7 +4,7 @@ The KV cache ``[B, Hkv, N, D]``, the host index of a layer and the decode query
 ``[B, Hq, D]`` are split over a 2-D device mesh with axes ``("batch", "kv_heads")``;
 :func:`jax.shard_map` runs the host op (:mod:`magicpig_jax.host`) on every device with
 its own shard, so no device ever sees another device's keys and nothing is gathered:
-the compiled program has no collective at all (``tests/test_sharding.py`` checks the
+the compiled program has no collective at all (``tests/test_distributed.py`` checks the
 HLO). The split is GQA-consistent: query head ``h`` reads KV head ``h // G``, and the
 query heads are split into the same number of contiguous blocks as the KV heads, so
 block ``j`` holds exactly the ``G`` query heads of each of its KV heads.

@@ -17,7 +17,7 @@ import pytest
 from magicpig_jax.cli import main as cli_main
 from magicpig_jax.io.loader import load_model
 from magicpig_jax.io.tokenizer import ChatTemplateError, render_chat_template
-from tests.test_model_families import gguf_of
+from tests.test_io_families import gguf_of
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text(encoding="utf-8"))["chat"]
