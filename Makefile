@@ -46,7 +46,9 @@ asan: install-test
 	cmake --build build/asan --parallel
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  LD_PRELOAD="$(ASAN_LIBS)" MAGICPIG_HOST_OPS_LIB=$$(ls $(abspath build/asan/host_ops)/_host_ops*.so) \
-	  $(BIN)/python -m pytest tests/test_host_ops.py tests/test_host_matvec.py tests/test_host_exact.py -q -p no:cacheprovider -k "not embedded_model and not packed_decode"
+	  $(BIN)/python -m pytest tests/test_host_ops.py tests/test_host_matvec.py tests/test_host_exact.py \
+	    tests/test_host_topk.py tests/test_host_quest.py tests/test_host_build.py tests/test_host_attention.py \
+	    -q -p no:cacheprovider -k "not embedded_model and not packed_decode"
 
 # Debian's jargon-text: the prose haystack of `magicpig-jax eval` (the test suite does not need it)
 JARGON := /usr/share/doc/jargon-text/jargon.txt.gz
