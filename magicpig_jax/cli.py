@@ -153,8 +153,7 @@ def _cmd_generate(args) -> int:
     needs_budget = [a for a in args.attention if a in ("topk", "quest", "oracle")]
     if needs_budget and args.budget is None:
         raise ValueError(f"attention {needs_budget[0]!r} needs a budget: pass --budget TOKENS or --budget FRACTION")
-    for name in args.attention:
-        DecodeSpec(backend=name, magicpig=config, budget=args.budget)
+    checked = [DecodeSpec(backend=name, magicpig=config, budget=args.budget) for name in args.attention]
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(i < 0 for i in args.dense_layers or ()):
@@ -162,6 +161,7 @@ def _cmd_generate(args) -> int:
     _check_json_path(args.json)
     layered = _layer_configs(args)
     prompt = _generate_prompt(args)
+    print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
     specs = {name: decode_spec(model, name, config, args.dense_layers, args.budget) if layered is None
              or name not in ("magicpig", "magicpig-ref") else decode_spec(model, name, layered)
@@ -198,13 +198,19 @@ def _layer_configs(args):
     return LayerConfigs.load(args.magicpig_config)
 
 
-def _where(spec, prompt_tokens: int) -> str:
-    """Which attention runs where, and a note when the prompt leaves nothing to sample."""
+def _runs_on(spec) -> str:
+    """Which implementation runs a spec, and on which JAX backend ("magicpig (host op), CPU")."""
     import jax
 
     from magicpig_jax.models.backends import backend_for
 
-    where = f"{backend_for(spec).name}, {jax.default_backend().upper()}"
+    name = "XLA" if spec.backend == "dense" else backend_for(spec).name
+    return f"{name}, {jax.default_backend().upper()}"
+
+
+def _where(spec, prompt_tokens: int) -> str:
+    """Which attention runs where, and a note when the prompt leaves nothing to sample."""
+    where = _runs_on(spec)
     cfg = spec.magicpig
     if spec.backend != "dense" and prompt_tokens <= cfg.num_sink + cfg.num_local:
         where += (f"; note: the prompt ({prompt_tokens} tokens) is no longer than num_sink + num_local = "
