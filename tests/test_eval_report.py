@@ -10,7 +10,8 @@ from scipy import stats as sst
 
 from magicpig_jax.eval import run
 from magicpig_jax.eval.methods import parse_methods
-from magicpig_jax.eval.report import format_summary, pareto_front, summarize, write_plots
+from magicpig_jax.eval.plots import pareto_front, write_plots
+from magicpig_jax.eval.report import format_summary, summarize
 from magicpig_jax.eval.run import EvalSettings
 from magicpig_jax.eval.stats import wilson_interval
 

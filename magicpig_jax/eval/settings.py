@@ -1,0 +1,119 @@
+"""The settings of ``magicpig-jax eval`` and their command-line options (see :mod:`magicpig_jax.eval.run`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from magicpig_jax.eval.methods import DEFAULT_METHODS, Method, parse_lengths, parse_methods
+
+__all__ = ["EvalSettings", "SETUPS", "make_parser", "settings_from_args"]
+
+
+@dataclasses.dataclass
+class EvalSettings:
+    """What to run (see :func:`make_parser` for the meaning of each field)."""
+
+    tasks: list[str]
+    lengths: list[int]
+    samples: int
+    methods: list[Method]
+    haystack: str = "jargon"
+    seed: int = 0
+    likelihood_tokens: int = 256
+    likelihood_samples: int | None = None
+    max_new_tokens: int | None = None
+    num_sink: int = 4
+    num_local: int = 64
+    dense_layers: list[int] | None = None
+    budget_from: str = "magicpig:10x150"
+    page_size: int = 16
+    setups: list[str] = dataclasses.field(default_factory=lambda: ["A", "B"])
+
+    def fingerprint(self, model) -> dict:
+        """The settings every record of one results file must share."""
+        from magicpig_jax.models.config import default_dense_layers
+
+        n = model.config.num_layers
+        dl = sorted(set(default_dense_layers(n) if self.dense_layers is None else self.dense_layers))
+        return {"model": str(model.source), "haystack": self.haystack, "seed": self.seed,
+                "num_sink": self.num_sink, "num_local": self.num_local, "dense_layers": dl,
+                "max_new_tokens": self.max_new_tokens, "likelihood_tokens": self.likelihood_tokens,
+                "budget_from": self.budget_from, "page_size": self.page_size}
+
+
+SETUPS = {"A": "the question is inside the dense prefill (the whole prompt is prefilled; the methods decode the "
+                "answer)",
+          "B": "the question is decoded by the method after the densely prefilled document (teacher-forced), "
+                "then the answer"}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``magicpig-jax eval``."""
+    from magicpig_jax.eval.tasks import TASKS
+
+    p = argparse.ArgumentParser(prog="magicpig-jax eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", default="niah_single,niah_multikey",
+                   help=f"comma-separated tasks ({', '.join(TASKS)}; 'all', 'niah', or 'none' for likelihood only)")
+    p.add_argument("--lengths", default="2K,4K,8K", help="context lengths in tokens (prompt + new tokens)")
+    p.add_argument("--samples", type=int, default=20, help="samples per task, length and setup")
+    p.add_argument("--setups", default="A,B",
+                   help="RULER setups: A = the question inside the dense prefill, B = the question decoded by the "
+                        "method after the document")
+    p.add_argument("--magicpig-config", type=Path, default=None, action="append",
+                   help="a per-layer configurations file of `magicpig-jax calibrate` (adds method magicpig@FILE; "
+                        "repeatable)")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default: {DEFAULT_METHODS})")
+    p.add_argument("--out", type=Path, required=True, help="output folder (results.jsonl, summary.md, PNGs)")
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
+    p.add_argument("--haystack", default="jargon",
+                   help="prose: jargon (Debian jargon-text), licenses (/usr/share/common-licenses) or a text file")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples, LSH projections and oracle sampling")
+    p.add_argument("--likelihood-tokens", type=int, default=256,
+                   help="teacher-forced prose tokens per likelihood sample (0 = no likelihood)")
+    p.add_argument("--likelihood-samples", type=int, default=16, help="prose documents per length")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens for every task (default: per task)")
+    p.add_argument("--num-sink", type=int, default=4)
+    p.add_argument("--num-local", type=int, default=64)
+    p.add_argument("--dense-layers", default=None, help="layers kept dense (default: 0 and num_layers // 2)")
+    p.add_argument("--budget-from", default="magicpig:10x150",
+                   help="MagicPIG method whose measured sampled count is the TopK/Quest/oracle budget")
+    p.add_argument("--page-size", type=int, default=16, help="Quest page size; budgets are rounded to it")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    return p
+
+
+def settings_from_args(args) -> EvalSettings:
+    """Validate parsed arguments into :class:`EvalSettings` (raises ValueError with the reason)."""
+    from magicpig_jax.eval.tasks import parse_tasks
+
+    tasks = [] if args.tasks.strip().lower() == "none" else parse_tasks(args.tasks)
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if args.likelihood_tokens < 0 or (args.likelihood_samples is not None and args.likelihood_samples < 0):
+        raise ValueError("--likelihood-tokens and --likelihood-samples must be >= 0")
+    if not tasks and args.likelihood_tokens == 0:
+        raise ValueError("nothing to do: --tasks none and --likelihood-tokens 0")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.page_size < 1:
+        raise ValueError(f"--page-size must be >= 1, got {args.page_size}")
+    setups = [x.strip().upper() for x in args.setups.split(",") if x.strip()]
+    if not setups or any(x not in SETUPS for x in setups) or len(set(setups)) != len(setups):
+        raise ValueError(f"--setups takes a comma-separated subset of A, B, got {args.setups!r}")
+    methods = args.methods + "".join(f",magicpig@{p}" for p in (args.magicpig_config or []))
+    dense_layers = None
+    if args.dense_layers is not None:
+        try:
+            dense_layers = [int(x) for x in args.dense_layers.split(",") if x.strip()]
+        except ValueError as err:
+            raise ValueError(f"--dense-layers takes comma-separated integers, got {args.dense_layers!r}") from err
+    return EvalSettings(tasks=tasks, lengths=parse_lengths(args.lengths), samples=args.samples,
+                        methods=parse_methods(methods, args.budget_from), haystack=args.haystack, setups=setups,
+                        seed=args.seed, likelihood_tokens=args.likelihood_tokens,
+                        likelihood_samples=args.likelihood_samples, max_new_tokens=args.max_new_tokens,
+                        num_sink=args.num_sink, num_local=args.num_local, dense_layers=dense_layers,
+                        budget_from=args.budget_from, page_size=args.page_size)
