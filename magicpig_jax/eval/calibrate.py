@@ -132,6 +132,22 @@ def _time(fn, repeats: int) -> float:
     return 1000.0 * min(ts)  # other processes only add time: the least is the op's own cost
 
 
+def _probe_queries(model, state, ids: list[int], positions: np.ndarray) -> np.ndarray:
+    """float32 ``[P, layers, 1, Hq, D]``: each layer's decode query at each probe position."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from magicpig_jax.models.cache import KVCache
+    from magicpig_jax.models.decoding import decode_queries
+
+    graphdef, params = nnx.split(model.module)
+    queries = []
+    for p in positions:  # the query at decode position p sees the keys [0, p)
+        cache = KVCache(k=state.cache.k, v=state.cache.v, lengths=jnp.asarray([p], jnp.int32))
+        queries.append(np.asarray(decode_queries(graphdef, params, cache, jnp.asarray([ids[p]], jnp.int32))))
+    return np.stack(queries)
+
+
 def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Sequence[tuple[int, int]], base,
                    probes: int = 8, repeats: int = 5, progress: bool = True) -> list[LayerCosts]:
     """Per layer and candidate: measured ms of the layer's attention in the host op, and the attention error.
@@ -151,7 +167,6 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
     """
     import jax
     import jax.numpy as jnp
-    from flax import nnx
     from tqdm import tqdm
 
     from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, dense_attention, magicpig_attention
@@ -159,18 +174,11 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
     from magicpig_jax.generation import prefill
     from magicpig_jax.host import host_build_index, host_exact_attention, host_magicpig_attention
     from magicpig_jax.models.backends import layer_projections
-    from magicpig_jax.models.cache import KVCache
-    from magicpig_jax.models.decoding import decode_queries
 
     ids = list(ids)
     state = prefill(model, [ids], 1)
-    graphdef, params = nnx.split(model.module)
     positions = np.unique(np.linspace(prefix_len, len(ids) - 1, probes).astype(int))
-    queries = []
-    for p in positions:  # the query at decode position p sees the keys [0, p)
-        cache = KVCache(k=state.cache.k, v=state.cache.v, lengths=jnp.asarray([p], jnp.int32))
-        queries.append(np.asarray(decode_queries(graphdef, params, cache, jnp.asarray([ids[p]], jnp.int32))))
-    q_all = np.stack(queries)  # [P, layers, 1, Hq, D]
+    q_all = _probe_queries(model, state, ids, positions)  # [P, layers, 1, Hq, D]
     D = model.config.head_dim
     build_len = jnp.asarray([prefix_len], jnp.int32)
     attend = jax.jit(magicpig_attention, static_argnames="config")

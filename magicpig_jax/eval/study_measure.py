@@ -156,6 +156,25 @@ def _oracle_many(budget: int | float):
     return jax.jit(f)
 
 
+def _baseline_records(q, k, v, o, settings: StudySettings, add) -> None:
+    """TopK, Quest and oracle sampling at each fraction of :attr:`StudySettings.fractions`."""
+    N, Hq = k.shape[2], q.shape[1]
+    lengths = jnp.full((1,), N, jnp.int32)
+    for f in settings.fractions:
+        out, _ = _topk(q, k, v, f)
+        kept = min(math.ceil(f * N), N)
+        add("topk", {"budget": f}, np.full(Hq, kept / N), _rel_err(out, o))
+        out, _ = _quest(q, k, v, settings.page_size, f)
+        mask = _quest_mask(q, k, settings.page_size, f, lengths)
+        add("quest", {"budget": f, "page_size": settings.page_size},
+            np.asarray(jnp.sum(mask, -1)).reshape(-1) / N, _rel_err(out, o))
+        keys = jax.random.split(jax.random.key(settings.seed), settings.repeats)
+        outs, _, distinct = _oracle_many(f)(keys, q, k, v)
+        errs = np.stack([_rel_err(outs[r], o) for r in range(settings.repeats)])
+        add("oracle", {"budget": f, "draws": math.ceil(f * N)},
+            np.asarray(distinct, np.float64)[:, 0] / N, errs.mean(0))
+
+
 def run_case(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, settings: StudySettings, progress: tqdm | None = None
 ) -> list[dict]:
@@ -185,20 +204,7 @@ def run_case(
         if progress is not None:
             progress.update(1)
 
-    lengths = jnp.full((1,), N, jnp.int32)
-    for f in settings.fractions:
-        out, _ = _topk(q, k, v, f)
-        kept = min(math.ceil(f * N), N)
-        add("topk", {"budget": f}, np.full(Hq, kept / N), _rel_err(out, o))
-        out, _ = _quest(q, k, v, settings.page_size, f)
-        mask = _quest_mask(q, k, settings.page_size, f, lengths)
-        add("quest", {"budget": f, "page_size": settings.page_size},
-            np.asarray(jnp.sum(mask, -1)).reshape(-1) / N, _rel_err(out, o))
-        keys = jax.random.split(jax.random.key(settings.seed), settings.repeats)
-        outs, _, distinct = _oracle_many(f)(keys, q, k, v)
-        errs = np.stack([_rel_err(outs[r], o) for r in range(settings.repeats)])
-        add("oracle", {"budget": f, "draws": math.ceil(f * N)},
-            np.asarray(distinct, np.float64)[:, 0] / N, errs.mean(0))
+    _baseline_records(q, k, v, o, settings, add)
     for K, L in settings.lsh:
         cfg = MagicPIGConfig(K=K, L=L, num_sink=settings.num_sink, num_local=settings.num_local,
                              seed=settings.seed)
