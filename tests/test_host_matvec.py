@@ -158,9 +158,9 @@ def test_linear_reads_the_rows_for_decode_and_prefill(monkeypatch, qtype, mode):
     """A Linear holding GGUF rows has no float kernel; decode-sized calls use the matvec, larger
     ones dequantize (a tile or the whole matrix at a time); all equal the reference."""
     monkeypatch.setattr(linear_mod, "PREFILL_MODE", mode)
-    monkeypatch.setattr(linear_mod, "PREFILL_TILE_BYTES", 4 * 256 * 16)  # 16 rows per tile: 3 tiles + 2
+    monkeypatch.setattr(linear_mod, "PREFILL_TILE_BYTES", 4 * 256 * 20)  # 16 rows per tile (divides 48): 3 tiles
     rng = np.random.default_rng(4)
-    n_out, n_in = 50, 256
+    n_out, n_in = 48, 256
     w = random_rows(rng, qtype, n_out, n_in)
     lin = Linear(n_in, n_out, rngs=nnx.Rngs(0))
     lin.set_packed(w, qtype)
@@ -221,3 +221,24 @@ def test_packed_decode_matches_float32_decode(models):
     assert logits["packed"][0] == logits["plain"][0]
     diff = np.abs(logits["packed"][1] - logits["plain"][1]).max()
     assert diff < 2e-3, f"max |dlogit| = {diff:.2e}"
+
+
+def test_tiles_divide_the_matrix_and_bound_the_temporaries(monkeypatch):
+    """Prefill tiles cover the matrix exactly (no sliced copy of it) and the compiled program's
+    temporaries are those of a tile, not of the float32 matrix, also for several layers."""
+    assert linear_mod._tile_rows(4096, 14336, 8 << 20) == 128  # Llama-3.1-8B's down projection
+    assert linear_mod._tile_rows(128256, 4096, 8 << 20) == 384  # its vocabulary (334 tiles)
+    assert linear_mod._tile_rows(50, 256, 4 * 256 * 16) == 0  # no multiple of 8 divides 50
+    monkeypatch.setattr(linear_mod, "PREFILL_MODE", "tiled")
+    monkeypatch.setattr(linear_mod, "PREFILL_TILE_BYTES", 4 * 1024 * 32)  # 32 rows per tile
+    rng = np.random.default_rng(6)
+    layers = [jnp.asarray(random_rows(rng, "Q8_0", 1024, 1024)) for _ in range(4)]  # 4 MB of float32 each
+    x = jnp.asarray(rng.standard_normal((64, 1024)).astype(np.float32))
+
+    def net(x, ws):
+        for w in ws:
+            x = jnp.tanh(linear_mod.packed_matmul(x, w, "Q8_0"))
+        return x
+
+    temp = jax.jit(net).lower(x, layers).compile().memory_analysis().temp_size_in_bytes
+    assert temp < 2 << 20, temp  # tiles of 128 KB and activations of 256 KB; one layer's matrix is 4 MB
