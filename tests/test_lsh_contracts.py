@@ -40,12 +40,17 @@ def test_projections_accept_head_dim_one_and_stay_float32_under_x64():
         assert w.dtype == jnp.float32
         codes = lsh.simhash_codes(jnp.ones((2, 5), jnp.float64), w, 3, 4)
         assert codes.dtype == jnp.uint32 and codes.shape == (2, 4)
+        # float32 results from float64 inputs (astype(None) would keep float64 here)
+        x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 5)))
+        assert lsh.collision_probability(x, x[::-1]).dtype == jnp.float32
+        assert lsh.collision_probability_from_cosine(jnp.asarray([0.25, -1.0])).dtype == jnp.float32
+        assert lsh.log_sampling_probability(jnp.asarray([0.5, 0.9]), 10, 150).dtype == jnp.float32
 
 
 def test_codes_shape_message_gives_the_expected_shape():
     w = jnp.zeros((8, 20), jnp.float32)
     with pytest.raises(ValueError, match=r"projections must have shape \[D, K\*L\] = \[8, 24\], got \(8, 20\)"):
-        lsh.simhash_codes(jnp.ones((3, 8), jnp.float32), w, 4, 6)
+        lsh.simhash_codes(jnp.ones((2, 3, 8), jnp.float32), w, 4, 6)
 
 
 def test_codes_of_bfloat16_inputs_are_those_of_their_float32_values():
