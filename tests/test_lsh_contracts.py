@@ -24,11 +24,14 @@ def _p64(q: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 def test_validate_messages_name_the_type_and_value():
-    validate = inspect.unwrap(lsh.validate_k_l)  # past the tests' runtime type checker
+    # a bool passes the tests' runtime type checker (it is an int) and reaches the library's check
+    with pytest.raises(TypeError, match=r"^L must be an int, got bool True$"):
+        lsh.validate_k_l(2, True)
+    with pytest.raises(TypeError, match=r"^K must be an int, got bool False$"):
+        lsh.validate_k_l(False, 4)
+    validate = inspect.unwrap(lsh.validate_k_l)  # past the type checker
     with pytest.raises(TypeError, match=r"^K must be an int, got float 2\.0$"):
         validate(2.0, 4)
-    with pytest.raises(TypeError, match=r"^L must be an int, got bool True$"):
-        validate(2, True)
 
 
 def test_projections_accept_head_dim_one_and_stay_float32_under_x64():
