@@ -628,6 +628,12 @@ void PermuteQ6K(const float* x, int64_t nhalves, float* xp) {
 AVX2_FN float DotQ6KAvx2Perm(const uint8_t* row, const float* xp, const float*, int64_t In) {
   const int64_t nb = In / kQKK;
   const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
+  __m256i pick[4], mask[4], off[4];  // per group g: the scales' lanes; per byte k: its mask and 32 << 8k
+  for (int i = 0; i < 4; ++i) {
+    pick[i] = _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
+    mask[i] = _mm256_set1_epi32(0x3f << (8 * i));
+    off[i] = _mm256_set1_epi32(32 << (8 * i));
+  }
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 210;
@@ -648,15 +654,17 @@ AVX2_FN float DotQ6KAvx2Perm(const uint8_t* row, const float* xp, const float*, 
                           _mm256_and_si256(_mm256_srli_epi32(qh, 2), m2))};
       const float* xh = xp + b * kQKK + 128 * h;
       for (int g = 0; g < 4; ++g) {
-        const __m256i pick = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
-        const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick);
+        const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick[g]);
         const float* xg = xh + 32 * g;
-        __m256 t = _mm256_setzero_ps();
-        for (int k = 0; k < 4; ++k) {
-          const __m256i mk = _mm256_set1_epi32(0x3f << (8 * k)), off = _mm256_set1_epi32(32 << (8 * k));
-          const __m256i q = _mm256_sub_epi32(_mm256_and_si256(v[g], mk), off);
-          t = _mm256_fmadd_ps(Cvt(q), _mm256_loadu_ps(xg + 8 * k), t);
-        }
+        // two chains of two products (latency), summed
+        __m256 t0 = _mm256_mul_ps(Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[0]), off[0])), _mm256_loadu_ps(xg));
+        __m256 t1 = _mm256_mul_ps(Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[1]), off[1])),
+                                  _mm256_loadu_ps(xg + 8));
+        t0 = _mm256_fmadd_ps(Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[2]), off[2])), _mm256_loadu_ps(xg + 16),
+                             t0);
+        t1 = _mm256_fmadd_ps(Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[3]), off[3])), _mm256_loadu_ps(xg + 24),
+                             t1);
+        const __m256 t = _mm256_add_ps(t0, t1);
         if (g & 1) {
           acc1 = _mm256_fmadd_ps(scale, t, acc1);
         } else {
