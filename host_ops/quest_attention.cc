@@ -16,9 +16,12 @@
 //
 // Operands: q float32 [B, Hq, D]; k, v float32 or bfloat16 [B, Hkv, N, D]; kmin, kmax float32
 // [B, Hkv, P, D]; start, end int32 [B] (clipped to [0, N]; ceil((end - start) / page_size) <= P);
-// pages int32 [B] (pages kept per query head, clipped to [0, pages in range]). Results: out
-// float32 [B, Hq, D], lse float32 [B, Hq] (natural log); no page gives out = 0, lse = -inf.
-// Attributes: page_size (>= 1), impl (0 auto, 1 scalar, 2 avx2), max_threads (0: the pool).
+// pages int32 [B] (pages kept per query head, clipped to [0, pages in range]); context int32 [B]
+// (with_static: the keys [0, start) and [end, context) are attended exactly too, in the same
+// softmax: a decoder's sinks and unhashed tail). Results: out float32 [B, Hq, D], lse float32
+// [B, Hq] (natural log); no key gives out = 0, lse = -inf.
+// Attributes: page_size (>= 1), with_static (0 or 1), impl (0 auto, 1 scalar, 2 avx2),
+// max_threads (0: the pool).
 // Every shape is validated; bad input returns an ffi::Error (never a crash or a stray read).
 
 #include <algorithm>
@@ -57,7 +60,7 @@ inline float PageBound(const float* q, const float* kmin, const float* kmax, int
 
 template <typename T>
 void QuestKvHead(const float* q, const T* k, const T* v, const float* kmin, const float* kmax, int64_t s,
-                 int64_t n, int64_t pages, int64_t page_size, int64_t G, int64_t D, bool avx2, float* out,
+                 int64_t n, int64_t pages, int64_t ctx, int64_t page_size, int64_t G, int64_t D, bool avx2, float* out,
                  float* lse) {
   thread_local std::vector<uint64_t> keys;
   thread_local std::vector<float> kept_logit;
@@ -81,6 +84,7 @@ void QuestKvHead(const float* q, const T* k, const T* v, const float* kmin, cons
         kept_rows.push_back(v + (s + j) * D);
       }
     }
+    if (ctx > 0) sel::AppendStatic(qg, k, v, s, s + n, ctx, D, avx2, sqrt_d, kept_logit, kept_rows);
     sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), static_cast<int64_t>(kept_logit.size()), D, avx2,
                          out + g * D, lse + g);
   }
@@ -88,9 +92,9 @@ void QuestKvHead(const float* q, const T* k, const T* v, const float* kmin, cons
 
 ffi::Future QuestAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::F32> kmin, ffi::Buffer<ffi::F32> kmax, ffi::Buffer<ffi::S32> start,
-                               ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> pages,
+                               ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> context,
                                ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t page_size,
-                               int64_t impl, int64_t max_threads) {
+                               int64_t with_static, int64_t impl, int64_t max_threads) {
   const auto qd = q.dimensions();
   if (qd.size() != 3) return ReadyFuture(InvalidArg("q must be float32 [B, Hq, D], got " + Shape(qd)));
   const int64_t B = qd[0], Hq = qd[1], D = qd[2];
@@ -122,11 +126,12 @@ ffi::Future QuestAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   }
   const int64_t P = md[2];
   if (N > (int64_t{1} << 31)) return ReadyFuture(InvalidArg("N must be < 2^31, got " + std::to_string(N)));
-  for (auto* b : {&start, &end, &pages}) {
+  for (auto* b : {&start, &end, &pages, &context}) {
     if (b->dimensions().size() != 1 || b->dimensions()[0] != B) {
-      return ReadyFuture(InvalidArg("start, end and pages must be int32 [B], got " + Shape(b->dimensions())));
+      return ReadyFuture(InvalidArg("start, end, pages and context must be int32 [B], got " + Shape(b->dimensions())));
     }
   }
+  if (with_static != 0 && with_static != 1) return ReadyFuture(InvalidArg("with_static must be 0 or 1"));
   const auto od = out->dimensions();
   if (od.size() != 3 || od[0] != B || od[1] != Hq || od[2] != D || lse->element_count() != size_t(B * Hq)) {
     return ReadyFuture(InvalidArg("outputs must be out float32 [B, Hq, D] and lse float32 [B, Hq]"));
@@ -154,6 +159,7 @@ ffi::Future QuestAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const float* mnp = kmin.typed_data();
   const float* mxp = kmax.typed_data();
   const int32_t* pp = pages.typed_data();
+  const int32_t* cp = context.typed_data();
   float* op = out->typed_data();
   float* lp = lse->typed_data();
   return RunParallel(pool, B * Hkv, max_threads, [=](int64_t bh) -> ffi::Error {
@@ -161,15 +167,16 @@ ffi::Future QuestAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     const int64_t s = std::clamp<int64_t>(sp[b], 0, N);
     const int64_t n = std::clamp<int64_t>(ep[b], s, N) - s;
     const int64_t kept = std::clamp<int64_t>(pp[b], 0, (n + page_size - 1) / page_size);
+    const int64_t ctx = with_static ? std::clamp<int64_t>(cp[b], s + n, N) : 0;
     const int64_t base = bh * N * D;
     const float* mn = mnp + bh * P * D;
     const float* mx = mxp + bh * P * D;
     if (bf16) {
       QuestKvHead(qp + bh * G * D, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base,
-                  mn, mx, s, n, kept, page_size, G, D, avx2, op + bh * G * D, lp + bh * G);
+                  mn, mx, s, n, kept, ctx, page_size, G, D, avx2, op + bh * G * D, lp + bh * G);
     } else {
       QuestKvHead(qp + bh * G * D, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, mn,
-                  mx, s, n, kept, page_size, G, D, avx2, op + bh * G * D, lp + bh * G);
+                  mx, s, n, kept, ctx, page_size, G, D, avx2, op + bh * G * D, lp + bh * G);
     }
     return ffi::Error::Success();
   });
@@ -188,8 +195,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigQuestAttention, QuestAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("with_static")
                                   .Attr<int64_t>("impl")
                                   .Attr<int64_t>("max_threads"));

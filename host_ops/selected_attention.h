@@ -89,6 +89,19 @@ inline void SelectTop(std::vector<uint64_t>& keys, int64_t keep) {
   std::nth_element(keys.begin(), keys.begin() + keep, keys.end());
 }
 
+// Appends the exact keys [0, s) and [e, ctx) (a decoder's static set: sinks and the unhashed tail) to a
+// list of logits and value rows (query q, k and v rows of D elements).
+template <typename T>
+void AppendStatic(const float* q, const T* k, const T* v, int64_t s, int64_t e, int64_t ctx, int64_t D, bool avx2,
+                  float sqrt_d, std::vector<float>& logit, std::vector<const T*>& rows) {
+  auto add = [&](int64_t j) {
+    logit.push_back(Dot(q, k + j * D, D, avx2) / sqrt_d);
+    rows.push_back(v + j * D);
+  };
+  for (int64_t j = 0; j < s; ++j) add(j);
+  for (int64_t j = e; j < ctx; ++j) add(j);
+}
+
 // Softmax attention over `n` selected keys with logits `logit[j]` and value rows `rows[j]`
 // (pointers into V): out[0:D] = sum_j e_j v_j / sum_j e_j, *lse = max + log(sum). No key, or a
 // non-finite maximum, gives out = 0 and lse = -inf (never NaN from an empty set).

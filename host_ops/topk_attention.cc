@@ -12,9 +12,11 @@
 //
 // Operands: q float32 [B, Hq, D]; k, v float32 or bfloat16 [B, Hkv, N, D]; start, end int32
 // [B] (the range [start, end) of each row, clipped to [0, N]); keep int32 [B] (keys kept per
-// query head, clipped to [0, end - start]). Results: out float32 [B, Hq, D], lse float32
-// [B, Hq] (natural log); an empty range or keep = 0 gives out = 0, lse = -inf (never NaN).
-// Attributes: impl (0 auto, 1 scalar, 2 avx2), max_threads (0: the pool). Every shape is
+// query head, clipped to [0, end - start]); context int32 [B] (with_static: the keys [0, start)
+// and [end, context) are attended exactly too, in the same softmax: a decoder's sinks and
+// unhashed tail, so that no second pass and no merge is needed). Results: out float32
+// [B, Hq, D], lse float32 [B, Hq] (natural log); no key gives out = 0, lse = -inf (never NaN).
+// Attributes: with_static (0 or 1), impl (0 auto, 1 scalar, 2 avx2), max_threads (0: the pool). Every shape is
 // validated; bad input returns an ffi::Error (never a crash or a stray read).
 
 #include <algorithm>
@@ -42,7 +44,7 @@ constexpr int64_t kMaxG = 64;  // query heads per KV head
 
 // One (row, KV head): the G query heads q [G, D] over keys [s, s + n) of k, v [N, D].
 template <typename T>
-void TopkKvHead(const float* q, const T* k, const T* v, int64_t s, int64_t n, int64_t keep, int64_t G,
+void TopkKvHead(const float* q, const T* k, const T* v, int64_t s, int64_t n, int64_t keep, int64_t ctx, int64_t G,
                 int64_t D, bool avx2, float* out, float* lse) {
   thread_local std::vector<float> logit;
   thread_local std::vector<uint64_t> keys;
@@ -66,14 +68,16 @@ void TopkKvHead(const float* q, const T* k, const T* v, int64_t s, int64_t n, in
       kept_logit[i] = lg[j];
       kept_rows[i] = v + (s + j) * D;
     }
-    sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), keep, D, avx2, out + g * D, lse + g);
+    if (ctx > 0) sel::AppendStatic(q + g * D, k, v, s, s + n, ctx, D, avx2, sqrt_d, kept_logit, kept_rows);
+    sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), static_cast<int64_t>(kept_logit.size()), D, avx2,
+                         out + g * D, lse + g);
   }
 }
 
 ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> keep,
-                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t impl,
-                              int64_t max_threads) {
+                              ffi::Buffer<ffi::S32> context, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<ffi::F32> lse, int64_t with_static, int64_t impl, int64_t max_threads) {
   const auto qd = q.dimensions();
   if (qd.size() != 3) return ReadyFuture(InvalidArg("q must be float32 [B, Hq, D], got " + Shape(qd)));
   const int64_t B = qd[0], Hq = qd[1], D = qd[2];
@@ -95,11 +99,12 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                                   std::to_string(Hkv) + ") with G = Hq/Hkv <= " + std::to_string(kMaxG)));
   }
   if (N > (int64_t{1} << 31)) return ReadyFuture(InvalidArg("N must be < 2^31, got " + std::to_string(N)));
-  for (auto* b : {&start, &end, &keep}) {
+  for (auto* b : {&start, &end, &keep, &context}) {
     if (b->dimensions().size() != 1 || b->dimensions()[0] != B) {
-      return ReadyFuture(InvalidArg("start, end and keep must be int32 [B], got " + Shape(b->dimensions())));
+      return ReadyFuture(InvalidArg("start, end, keep and context must be int32 [B], got " + Shape(b->dimensions())));
     }
   }
+  if (with_static != 0 && with_static != 1) return ReadyFuture(InvalidArg("with_static must be 0 or 1"));
   const auto od = out->dimensions();
   if (od.size() != 3 || od[0] != B || od[1] != Hq || od[2] != D || lse->element_count() != size_t(B * Hq)) {
     return ReadyFuture(InvalidArg("outputs must be out float32 [B, Hq, D] and lse float32 [B, Hq]"));
@@ -116,6 +121,7 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t* sp = start.typed_data();
   const int32_t* ep = end.typed_data();
   const int32_t* np_ = keep.typed_data();
+  const int32_t* cp = context.typed_data();
   float* op = out->typed_data();
   float* lp = lse->typed_data();
   return RunParallel(pool, B * Hkv, max_threads, [=](int64_t bh) -> ffi::Error {
@@ -124,16 +130,17 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     const int64_t e = std::clamp<int64_t>(ep[b], s, N);
     const int64_t n = e - s;
     const int64_t kept = std::clamp<int64_t>(np_[b], 0, n);
+    const int64_t ctx = with_static ? std::clamp<int64_t>(cp[b], e, N) : 0;
     const int64_t base = bh * N * D;  // KV head (b, h) of [B, Hkv, N, D]
     const float* qh = qp + bh * G * D;
     float* oh = op + bh * G * D;
     float* lh = lp + bh * G;
     if (bf16) {
       TopkKvHead(qh, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base, s, n, kept,
-                 G, D, avx2, oh, lh);
+                 ctx, G, D, avx2, oh, lh);
     } else {
-      TopkKvHead(qh, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, s, n, kept, G, D,
-                 avx2, oh, lh);
+      TopkKvHead(qh, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, s, n, kept, ctx, G,
+                 D, avx2, oh, lh);
     }
     return ffi::Error::Success();
   });
@@ -150,7 +157,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigTopkAttention, TopkAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("with_static")
                                   .Attr<int64_t>("impl")
                                   .Attr<int64_t>("max_threads"));

@@ -82,6 +82,34 @@ def test_matches_float64_reference_and_pure_jax(impl, p):
         np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(j_lse)[fin], atol=2e-5, rtol=1e-5)
 
 
+@given(problems())
+def test_context_adds_the_static_set_in_one_softmax(p):
+    """With context, [0, start) and [end, context) join the kept pages' keys in one softmax."""
+    B, Hq, Hkv, N, D, page, dtype, ties, starts, ends, budget, seed = p
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, Hq, D)) * 2, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
+    s = np.asarray(starts)
+    e = np.maximum(np.asarray(ends), s)
+    ctx = np.asarray([rng.integers(int(x), N + 1) for x in e])
+    pages = quest_build_pages(k, jnp.asarray(s, jnp.int32), jnp.asarray(e, jnp.int32), page)
+    out, lse = _quest(q, k, v, pages, budget, context=jnp.asarray(ctx, jnp.int32))
+    qf, kf = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k))
+    keep = np.zeros((B, Hq, N), bool)
+    for b in range(B):
+        n = int(e[b] - s[b])
+        tokens = int(budget_tokens(budget, jnp.asarray([n], jnp.int32))[0])
+        keep[b, :, s[b]:e[b]] = np_ref.quest_keep(qf[b:b + 1], kf[b:b + 1, :, s[b]:e[b]], page, [tokens], [n])[0]
+        keep[b, :, :s[b]] = True
+        keep[b, :, e[b]:ctx[b]] = True
+    ref_out, ref_lse = np_ref.selected(q, k, v, keep)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=3e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], atol=3e-5, rtol=1e-5)
+
+
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 5, 16]), st.integers(1, 40))
 def test_append_equals_a_rebuild(seed, page, max_count):
     rng = np.random.default_rng(seed)

@@ -88,6 +88,32 @@ def test_matches_float64_reference_and_pure_jax(impl, p):
         np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(j_lse)[fin], atol=2e-5, rtol=1e-5)
 
 
+@given(problems())
+def test_context_adds_the_static_set_in_one_softmax(p):
+    """With context, [0, start) and [end, context) join the kept keys: the merge of TopK and the static set."""
+    B, Hq, Hkv, N, D, dtype, ties, starts, ends, budget, seed = p
+    q, k, v = _data(B, Hq, Hkv, N, D, dtype, ties, seed)
+    rng = np.random.default_rng(seed + 1)
+    s = np.clip(starts, 0, N)
+    e = np.maximum(np.clip(ends, 0, N), s)
+    ctx = np.asarray([rng.integers(int(x), N + 1) for x in e])
+    out, lse = _topk(q, k, v, budget, jnp.asarray(e, jnp.int32), start=jnp.asarray(s, jnp.int32),
+                     context=jnp.asarray(ctx, jnp.int32))
+    qf, kf = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k))
+    keep = np.zeros((B, Hq, N), bool)
+    for b in range(B):
+        n = int(e[b] - s[b])
+        tokens = int(budget_tokens(budget, jnp.asarray([n], jnp.int32))[0])
+        keep[b, :, s[b]:e[b]] = np_ref.topk_keep(qf[b:b + 1], kf[b:b + 1, :, s[b]:e[b]], [tokens], [n])[0]
+        keep[b, :, :s[b]] = True
+        keep[b, :, e[b]:ctx[b]] = True
+    ref_out, ref_lse = np_ref.selected(q, k, v, keep)
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=3e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], atol=3e-5, rtol=1e-5)
+
+
 def test_ties_keep_the_first_positions():
     """Eight identical keys, a budget of 3: the first three positions are kept (as the pure-JAX argsort)."""
     D = 4

@@ -162,6 +162,7 @@ def host_quest_attention(
     pages: QuestPages,
     budget: int | float,
     *,
+    context: Int[Array, " B"] | None = None,
     impl: str = "auto",
     max_threads: int = 0,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
@@ -170,13 +171,16 @@ def host_quest_attention(
     Equal to :func:`magicpig_jax.attention.quest_attention` ``(q, k[:, :, s:], v[:, :, s:],
     page_size, budget, end - s)`` for a row starting at ``s`` (same pages kept, same output to
     float32 rounding): each query head keeps its ``max(1, floor(t / page_size))`` best pages
-    (``t = min(budget_tokens, n)``), or all of them when ``t = n``.
+    (``t = min(budget_tokens, n)``), or all of them when ``t = n``. With ``context``, the keys
+    ``[0, start)`` and ``[end, context)`` (a decoder's sinks and unhashed tail) are attended exactly
+    too, in the same softmax (the merge with the static set, in one pass).
 
     Args:
       q: float ``[B, Hq, D]``.
       k, v: ``[B, Hkv, N, D]``, both float32 or both bfloat16 (read in place).
       pages: the :class:`QuestPages` of these keys.
       budget: ``int >= 1`` tokens or a ``float`` in ``(0, 1]`` fraction of each row's range.
+      context: optional int ``[B]``, each row's valid keys (clipped to ``[end, N]``).
       impl: ``"auto"``, ``"scalar"`` or ``"avx2"``; max_threads: cap on the op's threads (0: the pool).
 
     Returns:
@@ -203,11 +207,13 @@ def host_quest_attention(
         raise ValueError(f"G = Hq / Hkv must be <= {MAX_GROUP}, got {Hq // Hkv}")
     n = pages.end - pages.start
     kept = quest_pages_kept(budget, n, pages.page_size)
+    ctx = jnp.zeros_like(pages.end) if context is None else check_lengths(context, B, N)
     ops()
     return jax.ffi.ffi_call(
         "magicpig_quest_attention",
         (jax.ShapeDtypeStruct((B, Hq, D), jnp.float32), jax.ShapeDtypeStruct((B, Hq), jnp.float32)),
         vmap_method="sequential",
     )(q.astype(jnp.float32), k, v, pages.kmin.astype(jnp.float32), pages.kmax.astype(jnp.float32),
-      pages.start.astype(jnp.int32), pages.end.astype(jnp.int32), kept, page_size=np.int64(pages.page_size),
-      impl=np.int64(code), max_threads=np.int64(max_threads))
+      pages.start.astype(jnp.int32), pages.end.astype(jnp.int32), kept, ctx.astype(jnp.int32),
+      page_size=np.int64(pages.page_size), with_static=np.int64(context is not None), impl=np.int64(code),
+      max_threads=np.int64(max_threads))

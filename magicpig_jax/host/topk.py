@@ -50,6 +50,7 @@ def host_topk_attention(
     lengths: Int[Array, " B"] | None = None,
     *,
     start: Int[Array, " B"] | None = None,
+    context: Int[Array, " B"] | None = None,
     impl: str = "auto",
     max_threads: int = 0,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
@@ -60,6 +61,9 @@ def host_topk_attention(
     attends exactly over them. With ``start=None`` this is
     :func:`magicpig_jax.attention.topk_attention` ``(q, k, v, budget, lengths)``; with ``start``
     it is ``topk_attention`` on the keys from ``start`` (for the decoder, whose sinks are static).
+    With ``context``, the keys ``[0, start)`` and ``[lengths, context)`` (a decoder's sinks and
+    unhashed tail) are attended exactly too, in the same softmax: the result is TopK of the range
+    merged with the static set (:func:`magicpig_jax.attention.merge_attention`), in one pass.
 
     Args:
       q: float ``[B, Hq, D]`` (computed in float32).
@@ -68,6 +72,8 @@ def host_topk_attention(
         (see :func:`magicpig_jax.attention.budget_tokens`).
       lengths: int ``[B]``, the end of each row's range (default N; clipped to ``[0, N]``).
       start: int ``[B]``, the start of each row's range (default 0; clipped to ``[0, N]``).
+      context: optional int ``[B]``, each row's valid keys (clipped to ``[lengths, N]``): also attend
+        ``[0, start)`` and ``[lengths, context)`` exactly.
       impl: ``"auto"`` (AVX2/FMA where the CPU has it), ``"scalar"`` or ``"avx2"``.
       max_threads: cap on the op's worker threads (0: XLA's intra-op pool).
 
@@ -93,9 +99,11 @@ def host_topk_attention(
     s, e = range_bounds(B, N, lengths, start)
     n = e - s
     keep = jnp.minimum(budget_tokens(budget, n), n).astype(jnp.int32)
+    ctx = jnp.zeros_like(e) if context is None else check_lengths(context, B, N)
     ops()
     return jax.ffi.ffi_call(
         "magicpig_topk_attention",
         (jax.ShapeDtypeStruct((B, Hq, D), jnp.float32), jax.ShapeDtypeStruct((B, Hq), jnp.float32)),
         vmap_method="sequential",
-    )(q.astype(jnp.float32), k, v, s, e, keep, impl=np.int64(code), max_threads=np.int64(max_threads))
+    )(q.astype(jnp.float32), k, v, s, e, keep, ctx, with_static=np.int64(context is not None), impl=np.int64(code),
+      max_threads=np.int64(max_threads))

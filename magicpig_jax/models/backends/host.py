@@ -9,11 +9,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from magicpig_jax.attention import (
-    budget_tokens,
-    merge_attention,
-    static_attention,
-)
+from magicpig_jax.attention import budget_tokens
 from magicpig_jax.models.backends.pure import build_range as _build_range
 from magicpig_jax.models.backends.spec import Backend, DecodeSpec, MiddleRange, layer_projections
 
@@ -146,12 +142,6 @@ def _host_range(spec, k, state, lengths):
     return start, jnp.maximum(jnp.minimum(state.end, lengths), start)
 
 
-def _static_window_part(spec, q, k, v, start, end, lengths):
-    # The tail [end, lengths) never exceeds the static window (the range grows on MagicPIG's schedule).
-    return static_attention(q, k, v, start, end, lengths, num_sink=spec.magicpig.num_sink,
-                            window=spec.static_window)
-
-
 def _due(spec, end, lengths):
     return (lengths - end) >= spec.static_window
 
@@ -160,11 +150,10 @@ def _attend_topk_host(spec, q, k, v, state: MiddleRange, lengths, key):
     from magicpig_jax.host.topk import host_topk_attention
 
     start, end = _host_range(spec, k, state, lengths)
-    out, lse = host_topk_attention(q, k, v, spec.budget, end, start=start)
+    # one pass: the top keys of the range and the static set [0, start) u [end, lengths) in one softmax
+    out, lse = host_topk_attention(q, k, v, spec.budget, end, start=start, context=lengths)
     n = end - start
     used = jnp.broadcast_to(jnp.minimum(budget_tokens(spec.budget, n), n)[:, None], q.shape[:2]).astype(jnp.int32)
-    s_out, s_lse = _static_window_part(spec, q, k, v, state.start, state.end, lengths)
-    out, lse = merge_attention(out, lse, s_out, s_lse)
     return out, lse, used
 
 
@@ -186,13 +175,11 @@ def _build_quest_host(spec, k, lengths, layer, capacity):
 def _attend_quest_host(spec, q, k, v, state, lengths, key):
     from magicpig_jax.host.quest import host_quest_attention
 
-    out, lse = host_quest_attention(q, k, v, state, spec.budget)
+    # one pass: the kept pages and the static set [0, start) u [end, lengths) in one softmax
+    out, lse = host_quest_attention(q, k, v, state, spec.budget, context=lengths)
     n = state.end - state.start
     used = jnp.minimum(budget_tokens(spec.budget, n), n)  # as the pure-JAX entry counts it
     used = jnp.broadcast_to(used[:, None], q.shape[:2]).astype(jnp.int32)
-    hashed_start = jnp.minimum(jnp.int32(spec.magicpig.num_sink), lengths)
-    s_out, s_lse = _static_window_part(spec, q, k, v, hashed_start, state.end, lengths)
-    out, lse = merge_attention(out, lse, s_out, s_lse)
     return out, lse, used
 
 
