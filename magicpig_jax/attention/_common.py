@@ -74,10 +74,14 @@ def selected_weighted_sum(w: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Ar
     def selected(_):
         if mask.shape[2] == 1:  # the same keys for every query head of a KV head
             return jnp.einsum("bhgn,bhnd->bhgd", w, jnp.where(mask[:, :, 0, :, None], vf, 0.0), precision=hi)
-        return jnp.stack([
-            jnp.einsum("bhn,bhnd->bhd", w[:, :, g], jnp.where(mask[:, :, g, :, None], vf, 0.0), precision=hi)
-            for g in range(w.shape[2])
-        ], axis=2)
+        # one query head at a time (lax.map: one [B, Hkv, N, D] select live, an HLO loop, not G copies)
+        m = jnp.broadcast_to(mask, w.shape)
+
+        def head(args):
+            wg, mg = args
+            return jnp.einsum("bhn,bhnd->bhd", wg, jnp.where(mg[..., None], vf, 0.0), precision=hi)
+
+        return jnp.moveaxis(jax.lax.map(head, (jnp.moveaxis(w, 2, 0), jnp.moveaxis(m, 2, 0))), 0, 2)
 
     return jax.lax.cond(jnp.all(jnp.isfinite(num)), lambda _: num, selected, None)
 
