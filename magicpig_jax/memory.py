@@ -3,6 +3,11 @@
 ``peak_rss_bytes()`` is what ``generate --json`` and ``bench decode`` report
 (``getrusage(RUSAGE_SELF).ru_maxrss``, the peak since the process started).
 
+``release_compiled_programs()`` drops JAX's compiled programs when the process nears the
+kernel's limit on memory mappings (``vm.max_map_count``): every XLA CPU executable maps its
+code in several regions, and a process that compiles thousands of programs (a long study, a
+test suite) otherwise dies in the compiler when ``mmap`` fails.
+
 ``release_freed_buffers()`` tunes glibc's allocator so that buffers of at least 4 MiB (KV
 cache layers, index tables, XLA temporaries) are mapped on their own and unmapped when
 freed. By default glibc raises its mmap threshold to the size of the largest buffer freed
@@ -18,7 +23,7 @@ import ctypes.util
 import resource
 import sys
 
-__all__ = ["peak_rss_bytes", "current_rss_bytes", "release_freed_buffers"]
+__all__ = ["peak_rss_bytes", "current_rss_bytes", "release_freed_buffers", "release_compiled_programs"]
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
 _MMAP_THRESHOLD = 4 << 20
@@ -41,6 +46,47 @@ def current_rss_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def _map_count_and_limit() -> tuple[int, int] | None:
+    """``(memory mappings of this process, vm.max_map_count)``; None where ``/proc`` lacks them."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            count = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return count, limit
+
+
+def release_compiled_programs(fraction: float = 0.5) -> bool:
+    """Clear JAX's caches of compiled programs if this process holds many memory mappings.
+
+    Args:
+      fraction: clear when the mappings exceed this fraction of ``vm.max_map_count``
+        (in ``(0, 1]``).
+
+    Returns:
+      whether the caches were cleared (``jax.clear_caches()``, then a garbage collection so
+      the executables are freed and their code unmapped). Programs compile again when next
+      called. False where ``/proc`` does not say (not Linux).
+
+    Raises:
+      ValueError: ``fraction`` outside ``(0, 1]``.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    counted = _map_count_and_limit()
+    if counted is None or counted[0] <= fraction * counted[1]:
+        return False
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    return True
 
 
 def release_freed_buffers() -> bool:

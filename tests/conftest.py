@@ -12,6 +12,10 @@
   ``jax_numpy_rank_promotion="raise"`` (as equinox's test suite does). It is
   opt-in per module (``pytestmark = pytest.mark.usefixtures("strict_jax")``) so
   that model/tokenizer/CLI tests run under JAX defaults.
+* Compiled programs: after each test, JAX's caches are cleared once the process holds more
+  than half of ``vm.max_map_count`` memory mappings
+  (:func:`magicpig_jax.memory.release_compiled_programs`); the suite compiles enough XLA
+  executables to exhaust the limit, and the compiler then crashes the process.
 * Hypothesis: a deterministic, database-less profile (``derandomize=True``,
   no deadline) so CI runs the same examples every time.
 """
@@ -56,3 +60,12 @@ def strict_jax():
     """Strict dtype promotion and no implicit rank promotion for the whole module."""
     with jax.numpy_dtype_promotion("strict"), jax.numpy_rank_promotion("raise"):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """After each test: drop compiled programs if the process nears the memory-map limit."""
+    yield
+    from magicpig_jax.memory import release_compiled_programs
+
+    release_compiled_programs()

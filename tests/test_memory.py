@@ -1,13 +1,20 @@
-"""magicpig_jax.memory: the peak RSS figure, and freed large buffers going back to the OS."""
+"""magicpig_jax.memory: the peak RSS figure, freed large buffers and compiled programs going back to the OS."""
 
 from __future__ import annotations
 
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from magicpig_jax.memory import current_rss_bytes, peak_rss_bytes, release_freed_buffers
+from magicpig_jax.memory import (
+    current_rss_bytes,
+    peak_rss_bytes,
+    release_compiled_programs,
+    release_freed_buffers,
+)
 
 
 def test_peak_is_at_least_the_current_rss():
@@ -23,3 +30,30 @@ def test_freed_large_buffers_leave_the_process():
     assert current_rss_bytes() - base > 150 << 20
     del bufs
     assert current_rss_bytes() - base < 24 << 20
+
+
+def _maps() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
+def test_compiled_programs_are_released_past_the_map_fraction():
+    fns = [jax.jit(lambda x, i=i: jnp.cumsum(jnp.sin(x @ x.T) * i, axis=0) @ jnp.tanh(x)) for i in range(40)]
+    release_compiled_programs(1e-9)
+    before = _maps()
+    for f in fns:
+        f(jnp.ones((64, 64))).block_until_ready()
+    compiled = _maps()
+    assert all(f._cache_size() == 1 for f in fns)
+    assert not release_compiled_programs(1.0)  # far below the limit: nothing is dropped
+    assert all(f._cache_size() == 1 for f in fns)
+    assert release_compiled_programs(1e-9)
+    assert all(f._cache_size() == 0 for f in fns)
+    assert _maps() < compiled and _maps() <= before + (compiled - before) // 4
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5])
+def test_release_compiled_programs_rejects_a_bad_fraction(fraction):
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\], got"):
+        release_compiled_programs(fraction)

@@ -89,6 +89,7 @@ from magicpig_jax.eval.plots import write_plots
 from magicpig_jax.eval.report import finish, format_summary, summarize
 from magicpig_jax.eval.settings import EvalSettings, make_parser, settings_from_args
 from magicpig_jax.eval.store import RESULTS, ResultStore, check_fingerprint, log_invocation, machine_info, record_key
+from magicpig_jax.memory import release_compiled_programs
 
 __all__ = [
     "main",
@@ -402,6 +403,7 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
                 loop.task(task, length, index, setup)
             else:
                 loop.likelihood(length, index)
+            release_compiled_programs()  # a long campaign compiles enough programs to exhaust the map limit
             outer.update(1)
     finally:
         outer.close()
