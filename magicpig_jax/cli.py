@@ -145,7 +145,7 @@ def _cmd_generate(args) -> int:
     from magicpig_jax.models.backends import DecodeSpec
     from magicpig_jax.streaming import check_stop_strings
 
-    # Every argument is checked before the model is loaded (the layer range once it is).
+    # Every argument is checked before the model is loaded (the layer range against its metadata).
     config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
                             seed=args.seed)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -161,6 +161,7 @@ def _cmd_generate(args) -> int:
     _check_json_path(args.json)
     layered = _layer_configs(args)
     prompt = _generate_prompt(args)
+    _check_dense_layers(args)
     print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
     specs = {name: decode_spec(model, name, config, args.dense_layers, args.budget) if layered is None
@@ -185,6 +186,18 @@ def _cmd_generate(args) -> int:
                                         indent=2, allow_nan=False))
         print(f"wrote {args.json}")
     return 0
+
+
+def _check_dense_layers(args) -> None:
+    """``--dense-layers`` against the model's layer count, read from its metadata (no weights)."""
+    if not args.dense_layers:
+        return
+    from magicpig_jax.io.loader import read_model_config
+
+    n = read_model_config(args.model).num_layers
+    bad = [i for i in args.dense_layers if i >= n]
+    if bad:
+        raise ValueError(f"--dense-layers {bad} out of range: the model has {n} layers (indices 0..{n - 1})")
 
 
 def _layer_configs(args):

@@ -48,6 +48,17 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
     assert time.perf_counter() - start < 30  # interpreter start-up, no load or prefill
 
 
+@pytest.mark.parametrize("model", [None, FAMILY])
+def test_dense_layers_past_the_model_fail_before_it_loads(model):
+    """The layer count comes from the metadata (GGUF header, config.json): no load, no prefill."""
+    n = 30 if model is None else 2
+    start = time.perf_counter()
+    proc = run("generate", *(() if model is None else ("--model", str(model))), "--dense-layers", f"0,{n}")
+    one_line_error(proc, f"--dense-layers [{n}] out of range: the model has {n} layers (indices 0..{n - 1})")
+    assert "model:" not in proc.stdout and "prefill" not in proc.stdout
+    assert time.perf_counter() - start < 30
+
+
 def test_json_destination_is_checked_first(tmp_path):
     one_line_error(run("generate", "--model", "/nonexistent.gguf", "--json", str(tmp_path)), "is a directory")
     locked = tmp_path / "locked"

@@ -122,6 +122,17 @@ def test_checkpoint_keeps_the_architecture(tmp_path, refs):
     assert qwen2.config.qkv_bias and _max_dlogit(qwen2, refs["qwen2"]) <= TOLERANCE
 
 
+def test_model_config_is_read_from_metadata_alone(tmp_path):
+    """``read_model_config`` (what the CLI checks --dense-layers against) equals the loaded config."""
+    from magicpig_jax.io.loader import convert_model, read_model_config
+
+    gguf = gguf_of("qwen2", tmp_path)
+    for path in (FIXTURES / "qwen3", gguf, convert_model(gguf, tmp_path / "ckpt")):
+        assert read_model_config(path) == load_model(path).config, path
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        read_model_config(tmp_path)
+
+
 def test_linear_rope_scaling_matches_transformers(tmp_path):
     """The Mistral checkpoint with linear RoPE scaling in config.json (HF dir; GGUF rope.scaling.type)."""
     import shutil

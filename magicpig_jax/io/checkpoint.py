@@ -80,6 +80,29 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     return out
 
 
+def _read_meta(path: Path) -> dict:
+    if not is_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a magicpig_jax checkpoint (no {MARKER})")
+    meta = json.loads((path / MARKER).read_text())
+    if meta.get("format_version") not in READABLE_VERSIONS:
+        raise ValueError(f"unsupported checkpoint format_version {meta.get('format_version')!r} in {path}")
+    return meta
+
+
+def read_checkpoint_config(path: str | Path) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a checkpoint, from its ``magicpig_model.json`` alone.
+
+    Raises:
+      FileNotFoundError: not a checkpoint directory.
+      ValueError: an unknown format version.
+    """
+    cfg = dict(_read_meta(Path(path).absolute())["config"])
+    if cfg.get("rope_scaling") is not None:
+        cfg["rope_scaling"] = tuple(tuple(item) for item in cfg["rope_scaling"])
+    cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
+    return LlamaConfig(**cfg)
+
+
 def read_checkpoint(path: str | Path):
     """Read a checkpoint written by :func:`save_checkpoint`.
 
@@ -96,16 +119,8 @@ def read_checkpoint(path: str | Path):
     from magicpig_jax.io.tokenizer import Tokenizer
 
     path = Path(path).absolute()
-    if not is_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not a magicpig_jax checkpoint (no {MARKER})")
-    meta = json.loads((path / MARKER).read_text())
-    if meta.get("format_version") not in READABLE_VERSIONS:
-        raise ValueError(f"unsupported checkpoint format_version {meta.get('format_version')!r} in {path}")
-    cfg = dict(meta["config"])
-    if cfg.get("rope_scaling") is not None:
-        cfg["rope_scaling"] = tuple(tuple(item) for item in cfg["rope_scaling"])
-    cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
-    config = LlamaConfig(**cfg)
+    meta = _read_meta(path)
+    config = read_checkpoint_config(path)
     with ocp.StandardCheckpointer() as ckpt:
         tree = ckpt.restore(path / "weights")
     freq_factors = tree.pop("rope_freqs", None)

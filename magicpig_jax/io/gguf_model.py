@@ -253,6 +253,18 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
     return config, GGUFWeights(path, entries), meta, freq_factors
 
 
+def read_gguf_config(path: str | Path) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a GGUF file from its header alone (no tensor is read).
+
+    Raises:
+      as :func:`read_gguf`, for the metadata.
+    """
+    path = Path(path)
+    reader = _open_reader(path)
+    config, _ = _config(reader, _architecture(reader, path), path)
+    return config
+
+
 def _open_reader(path: Path):
     """The ``gguf.GGUFReader`` of ``path``, with errors that say what is wrong with the file."""
     import gguf

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -17,7 +18,7 @@ from magicpig_jax.io.tokenizer import Tokenizer
 from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
 from magicpig_jax.models.llama import Llama
 
-__all__ = ["LoadedModel", "load_model", "build_llama", "convert_model"]
+__all__ = ["LoadedModel", "load_model", "read_model_config", "build_llama", "convert_model"]
 
 
 @dataclasses.dataclass
@@ -209,6 +210,36 @@ def load_model(path: str | Path | None = None, packed_weights: bool = True) -> L
     module = build_llama(config, weights, freq_factors, packed_weights=packed_weights, consume=True)
     del weights
     return LoadedModel(module, config, tokenizer, source, time.perf_counter() - start)
+
+
+def read_model_config(path: str | Path | None = None) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a model path, read from its metadata only (no weights).
+
+    What the CLI checks its arguments against (``--dense-layers`` against the layer count)
+    before it loads anything: a GGUF's header, a Hugging Face ``config.json``, or a
+    checkpoint's ``magicpig_model.json``.
+
+    Args:
+      path: as :func:`load_model` (None = the embedded model).
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`load_model`, for the metadata.
+    """
+    from magicpig_jax.io.checkpoint import is_checkpoint, read_checkpoint_config
+    from magicpig_jax.io.gguf_model import read_gguf_config
+
+    source = embedded_model_path() if path is None else Path(path)
+    if not source.exists():
+        raise FileNotFoundError(
+            f"--model path {source} does not exist (expected a .gguf file or a Hugging Face directory)")
+    if source.is_dir() and is_checkpoint(source):
+        return read_checkpoint_config(source)
+    if source.is_dir():
+        cfg_path = source / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face model directory needs config.json")
+        return LlamaConfig.from_hf_config(json.loads(cfg_path.read_text()))
+    return read_gguf_config(source)
 
 
 def _read_source(path: str | Path | None):
