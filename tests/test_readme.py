@@ -53,7 +53,8 @@ BASH_SUBSTITUTIONS = {
         "study attention --n 512 --heads 1 --profiles zipf --repeats 1 --fractions 0.05 --lsh 8x60 --no-plot"
         " --out runs/study",
     "--tasks niah_single,fwe --lengths 2K --samples 1":
-        "--tasks niah_single --lengths 1K --samples 1 --likelihood-tokens 8 --no-plot --no-progress",
+        "--tasks niah_single --lengths 1K --samples 1 --setups A --likelihood-samples 1 --likelihood-tokens 8"
+        " --no-plot --no-progress",
 }
 PYTHON_SUBSTITUTIONS = {
     "max_new_tokens=64": "max_new_tokens=8",
@@ -108,7 +109,7 @@ def _check_study(out: str, cwd: Path) -> None:
 
 def _check_eval(out: str, cwd: Path) -> None:
     summary = _json(cwd / "runs" / "eval" / "summary.json")
-    assert set(summary) == {"1024"}
+    assert set(summary) == {"setups", "1024"} and summary["setups"] == ["A"]
     assert {"dense", "magicpig:10x150", "topk"} <= set(summary["1024"])
     assert (cwd / "runs" / "eval" / "summary.md").is_file()
 
