@@ -140,3 +140,21 @@ def test_ctrl_c_exits_130_with_one_line_and_the_partial_answer():
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1] == "magicpig-jax: interrupted" and "Traceback" not in err
     assert len(out.strip()) > 0  # the partial answer was printed as it was produced
+
+
+def test_ctrl_c_during_prefill_exits_130_promptly():
+    # the default document (about 6K tokens) takes seconds to prefill on any CPU
+    proc = subprocess.Popen([*CLI, "generate", "--attention", "dense", "--max-new-tokens", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while "prefilling" not in seen:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        seen += line
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    sent = time.perf_counter()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "=== answer" not in out  # stopped inside the prefill
+    assert err.strip().splitlines()[-1] == "magicpig-jax: interrupted" and "Traceback" not in err
+    assert time.perf_counter() - sent < 10  # one prefill chunk at most, not the whole prompt

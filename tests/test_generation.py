@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from magicpig_jax import generate, load_model
@@ -84,3 +86,40 @@ def test_malformed_prompts_are_refused(model, prompt, match):
 def test_stream_takes_one_prompt(model):
     with pytest.raises(ValueError, match="one prompt"):
         generate(model, ["a", "b"], stream=True)
+
+
+def test_generate_shows_its_real_signature_and_documents_every_parameter():
+    import magicpig_jax
+
+    params = inspect.signature(magicpig_jax.generate).parameters
+    assert list(params)[:2] == ["model", "prompt"]
+    for name in ("attention", "max_new_tokens", "config", "dense_layers", "budget", "page_size", "temperature",
+                 "top_p", "seed", "stop", "stream", "chat", "parse_special", "kv_dtype"):
+        assert name in params, name
+    doc = inspect.getdoc(magicpig_jax.generate)
+    undocumented = [n for n in params if not any(line.lstrip().startswith((f"{n}:", f"{n},")) or f", {n}" in
+                                                 line.split(":")[0] for line in doc.splitlines())]
+    assert undocumented == []
+
+
+def test_load_model_takes_the_loaders_options(tmp_path):
+    """``magicpig_jax.load_model(path, packed_weights=False)``: float32 matrices, the same greedy tokens."""
+    import magicpig_jax
+    from tests.fixtures.gguf_convert import write_gguf
+
+    assert "packed_weights" in inspect.signature(magicpig_jax.load_model).parameters
+    gguf = write_gguf(FAMILY, tmp_path / "qwen2.gguf", pre="qwen2")  # F16 matrices: held as the file's rows
+    packed = magicpig_jax.load_model(gguf)
+    floats = magicpig_jax.load_model(gguf, packed_weights=False)
+    assert not [x for x in jax_leaves(floats.module) if x.dtype == jnp.uint8]  # no GGUF rows: float32 copies
+    assert [x for x in jax_leaves(packed.module) if x.dtype == jnp.uint8]  # the file's rows
+    a = generate(packed, "hi there", attention="dense", max_new_tokens=4)
+    b = generate(floats, "hi there", attention="dense", max_new_tokens=4)
+    assert a.token_ids == b.token_ids
+
+
+def jax_leaves(module):
+    import jax
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(module))
