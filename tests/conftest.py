@@ -16,6 +16,8 @@
   than half of ``vm.max_map_count`` memory mappings
   (:func:`magicpig_jax.memory.release_compiled_programs`); the suite compiles enough XLA
   executables to exhaust the limit, and the compiler then crashes the process.
+* XLA's persistent compilation cache in a temporary directory for the session, inherited by
+  the CLI subprocesses (a test that asserts "nothing compiles" counts cache reads too).
 * Hypothesis: a deterministic, database-less profile (``derandomize=True``,
   no deadline) so CI runs the same examples every time.
 """
@@ -35,6 +37,18 @@ if Path.cwd().name == "mutants" and "MUTMUT_DEPENDENCY_DEPTH" in os.environ:
         _libs = sorted(Path(sys.prefix).glob("lib/python*/site-packages/magicpig_jax/_host_ops*.so"))
         if _libs:
             os.environ["MAGICPIG_HOST_OPS_LIB"] = str(_libs[0])
+
+# One XLA compilation cache on disk for the session and the CLI processes it starts (they inherit
+# the variable): each `magicpig-jax` run on the embedded model otherwise compiles the same
+# prefill and decode programs again. Deleted when the session ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _xla_cache = tempfile.mkdtemp(prefix="magicpig-jax-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    atexit.register(shutil.rmtree, _xla_cache, True)
 
 import jaxtyping  # noqa: E402
 

@@ -50,12 +50,12 @@ def test_matches_the_dequantized_gguf_tensor(gguf_tensors, name, impl):
     np.testing.assert_array_equal(deq, gguf.quants.dequantize(blocks[:64], gguf_type(qtype)))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     qtype=st.sampled_from(TYPES),
     rows=st.integers(1, 13),  # the AVX2 Q4_1 kernel takes 4 rows at a time: remainders too
     blocks=st.integers(1, 5),
-    m=st.integers(1, 3),
+    m=st.integers(1, 9),  # token rows: one row, a few, up to MATVEC_MAX_TOKENS + 1
     impl=st.sampled_from(IMPLS),
     special=st.booleans(),
     seed=st.integers(0, 2**31 - 1),

@@ -75,7 +75,7 @@ def test_matches_float64_reference_and_pure_jax(impl, p):
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=3e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], atol=3e-5, rtol=1e-5)
-    if np.all(s == s[0]):
+    if impl == IMPLS[-1] and np.all(s == s[0]):  # the pure-JAX function agrees (once: it compiles per shape)
         s0 = int(s[0])
         j_out, j_lse = quest_attention(q, k[:, :, s0:], v[:, :, s0:], page, budget, jnp.asarray(e - s0, jnp.int32))
         np.testing.assert_allclose(np.asarray(out), np.asarray(j_out), atol=2e-5, rtol=1e-4)

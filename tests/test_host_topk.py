@@ -81,7 +81,7 @@ def test_matches_float64_reference_and_pure_jax(impl, p):
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=3e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], atol=3e-5, rtol=1e-5)
-    if N and np.all(s == s[0]):  # one start for every row: the pure-JAX function on the slice
+    if impl == IMPLS[-1] and N and np.all(s == s[0]):  # one start for every row: pure JAX on the slice (once)
         s0 = int(s[0])
         j_out, j_lse = topk_attention(q, k[:, :, s0:], v[:, :, s0:], budget, jnp.asarray(e - s0, jnp.int32))
         np.testing.assert_allclose(np.asarray(out), np.asarray(j_out), atol=2e-5, rtol=1e-4)
