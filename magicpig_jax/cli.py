@@ -62,8 +62,9 @@ def _add_generate(sub) -> None:
                    help=f"text file to read (default: the bundled {DEMO_DOCUMENT.name}, ~5.9K tokens)")
     p.add_argument("--question", default=None, help=f"question about the document (default: {DEMO_QUESTION!r})")
     p.add_argument("--prompt", default=None, help="a raw user message instead of --document/--question")
-    p.add_argument("--attention", type=_attention_list, default=["magicpig", "dense"],
-                   help="comma-separated backends to decode with, sharing one prefill (default: magicpig,dense)")
+    p.add_argument("--attention", type=_attention_list, default=["dense", "magicpig"],
+                   help="comma-separated backends to decode with, in order, sharing one prefill; the last decodes "
+                        "in the prefill's own cache, the others in copies (default: dense,magicpig)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
     p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..32)")
     p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
@@ -172,7 +173,8 @@ def _cmd_generate(args) -> int:
     print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
     state = prefill(model, [ids], args.max_new_tokens, cache_dtype=kv_cache_dtype(args.kv_dtype))
     print(f"prefill: {state.seconds:.1f} s ({len(ids) / state.seconds:.0f} tokens/s)")
-    results = {name: _stream_answer(model, state, spec, args.max_new_tokens, sampling, stops)
+    last = list(specs)[-1]  # decodes in the prefill's own cache (the others in copies of it)
+    results = {name: _stream_answer(model, state, spec, args.max_new_tokens, sampling, stops, name == last)
                for name, spec in specs.items()}
     print(_summary(results, len(ids), state.seconds))
     if len(results) > 1:
@@ -231,13 +233,13 @@ def _where(spec, prompt_tokens: int) -> str:
     return where
 
 
-def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops) -> dict:
+def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops, consume: bool) -> dict:
     """Decode with ``spec``, printing the answer as it is produced; the stats with the text."""
     from magicpig_jax.decode_loop import start_decode
     from magicpig_jax.streaming import StopStrings, TextStream
 
     criterion = StopStrings(model.tokenizer.decode, stops) if stops else None
-    run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion)
+    run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion, consume_prefill=consume)
     text = TextStream(model.tokenizer.decode, stops)
     print(f"\n=== answer with {spec.backend} attention ({_where(spec, int(state.prompt_lengths[0]))}) ===",
           flush=True)

@@ -77,7 +77,7 @@ StopFn = Callable[[int, list[int]], bool]  # (row, its ids so far) -> stop this 
 
 def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: Sampling, *,
                  stop_on_eos: bool = True, stop: StopFn | None = None, progress=None,
-                 hooks: DecodeHooks | None = None) -> DecodeRun:
+                 hooks: DecodeHooks | None = None, consume_prefill: bool = False) -> DecodeRun:
     """Build the decode state of a prefill and return the run, ready to iterate.
 
     Args:
@@ -90,9 +90,13 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         (stop strings); a row it stops reports ``"stop"``.
       progress: optional ``progress(n)`` called after each step.
       hooks: evaluation hooks (:func:`magicpig_jax.eval.forcing.forced_decode`).
+      consume_prefill: decode in the prefill's own cache instead of a copy of it (one cache
+        less in memory: the copy is as large as the cache). ``state`` cannot be decoded again
+        afterwards (its ``cache`` becomes None). For the last decode of a prefill.
 
     Raises:
-      ValueError: ``max_new_tokens < 1``, bad forced tokens, or not enough cache capacity.
+      ValueError: ``max_new_tokens < 1``, bad forced tokens, not enough cache capacity, or a
+        ``state`` whose cache an earlier decode consumed.
     """
     hooks = hooks or DecodeHooks()
     B = len(state.prompt_lengths)
@@ -101,16 +105,19 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     if hooks.forced_tokens is not None and (len(hooks.forced_tokens) != B or (not hooks.then_sample and any(
             len(f) < max_new_tokens for f in hooks.forced_tokens))):
         raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
-    cache = _decode_cache(state, spec, max_new_tokens)
+    # A row stops at max_new_tokens or where its next token would need a position past the
+    # context: token i is predicted at position prompt_length + i - 1.
+    if state.cache is None:
+        raise ValueError("this PrefillState's cache was consumed by an earlier decode (consume_prefill=True): "
+                         "prefill again, or decode with consume_prefill=False while the state is still needed")
+    max_positions, limit_name = position_limit(model, state)
+    cache = _decode_cache(state, spec, max_new_tokens, consume_prefill)
     t0 = time.perf_counter()
     indices = build_indices(cache, spec, model.config.num_layers)
     jax.block_until_ready(indices)
     sparse = spec.sparse_layers(model.config.num_layers)
     cache, indices = backend_for(spec).prepare(spec, cache, indices)
     index_seconds = time.perf_counter() - t0 if sparse else None
-    # A row stops at max_new_tokens or where its next token would need a position past the
-    # context: token i is predicted at position prompt_length + i - 1.
-    max_positions, limit_name = position_limit(model, state)
     limits = np.minimum(max_new_tokens, max_positions - state.prompt_lengths + 1)
     run = DecodeRun(model, spec, sampling, hooks, state, cache, indices, limits, stop_on_eos, stop, progress)
     run.index_seconds, run.max_new_tokens = index_seconds, max_new_tokens
@@ -130,16 +137,22 @@ def run_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: Sa
     return run.outputs, run.stats()
 
 
-def _decode_cache(state, spec: DecodeSpec, max_new_tokens: int) -> KVCache:
-    """A copy of the prefill cache (sharded over ``spec.mesh`` if any), checked for capacity."""
-    cache = state.cache.copy()
+def _decode_cache(state, spec: DecodeSpec, max_new_tokens: int, consume: bool) -> KVCache:
+    """The decode's cache (sharded over ``spec.mesh`` if any), checked for capacity.
+
+    A copy of the prefill cache, whose buffers the steps then update in place (donated); with
+    ``consume`` the prefill's own buffers, and ``state.cache`` becomes None.
+    """
+    if int(state.prompt_lengths.max()) + max_new_tokens > state.cache.capacity:
+        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the cache capacity {state.cache.capacity}")
+    cache = state.cache if consume and isinstance(state.cache, KVCache) else state.cache.copy()
+    if consume:
+        state.cache = None
     if spec.mesh is not None:
         from magicpig_jax import distributed as dist
 
         mesh = spec.mesh
         cache = jax.tree.map(lambda x: dist.shard_kv(mesh, x) if x.ndim == 4 else dist.shard_rows(mesh, x), cache)
-    if int(state.prompt_lengths.max()) + max_new_tokens > cache.capacity:
-        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the cache capacity {cache.capacity}")
     return cache
 
 

@@ -332,7 +332,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     state = prefill(model, ids, max_new_tokens, cache_dtype=cache_dtype)
     decode_text = model.tokenizer.decode
     criterion = StopStrings(decode_text, stops) if stops else None
-    run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion)
+    # the prefill is not needed after this decode: decode in its cache, not in a copy of it
+    run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion, consume_prefill=True)
     if stream:
         return _stream(run, TextStream(decode_text, stops))
     for _ in run:

@@ -88,3 +88,28 @@ def test_decode_takes_sampling_only_as_a_dataclass(small_context_model):
     with pytest.raises(TypeError, match="seed"):
         decode(model, state, max_new_tokens=2, seed=1)
     assert np.isfinite(np.asarray(state.last_logits)).all()
+
+
+@pytest.mark.parametrize("attention", ["dense", "magicpig"])
+def test_consuming_the_prefill_decodes_the_same_tokens_without_a_copy(small_context_model, attention):
+    from magicpig_jax.decode_loop import start_decode
+    from magicpig_jax.generation import decode_spec
+
+    model = small_context_model
+    state = prefill(model, [list(range(1, 21)), list(range(3, 13))], 6)
+    spec = decode_spec(model, attention)
+    sampling = Sampling()
+    copied = [start_decode(model, state, spec, 6, sampling, stop_on_eos=False) for _ in range(2)]
+    for run in copied:
+        for _ in run:
+            pass
+    prefill_v = state.cache.v[-1]
+    assert not prefill_v.is_deleted()  # the copies' steps updated their own buffers
+    consumed = start_decode(model, state, spec, 6, sampling, stop_on_eos=False, consume_prefill=True)
+    assert state.cache is None
+    for _ in consumed:
+        pass
+    assert prefill_v.is_deleted()  # donated to the steps: decoded in the prefill's own buffers
+    assert copied[0].outputs == copied[1].outputs == consumed.outputs
+    with pytest.raises(ValueError, match="cache was consumed by an earlier decode"):
+        start_decode(model, state, spec, 6, sampling)
