@@ -183,8 +183,11 @@ def _cmd_generate(args) -> int:
         print(f"answers identical across backends: {'yes' if same else 'no'}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
+        from magicpig_jax.memory import peak_rss_bytes
+
         args.json.write_text(json.dumps({"model": str(model.source), "prompt_tokens": len(ids),
-                                         "prefill_seconds": state.seconds, "results": results},
+                                         "prefill_seconds": state.seconds, "peak_rss_bytes": peak_rss_bytes(),
+                                         "results": results},
                                         indent=2, allow_nan=False))
         print(f"wrote {args.json}")
     return 0

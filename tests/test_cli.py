@@ -122,6 +122,7 @@ def test_generate_streams_says_where_it_runs_and_writes_strict_json(tmp_path):
     data = json.loads(out_json.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert data["results"]["dense"]["decode_tokens_per_s"] is None
     assert data["results"]["magicpig"]["stop_reasons"] == ["length"] and data["model"] == str(FAMILY)
+    assert 100e6 < data["peak_rss_bytes"] < 20e9  # the process's peak resident memory, in bytes
 
 
 def test_ctrl_c_exits_130_with_one_line_and_the_partial_answer():
