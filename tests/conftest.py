@@ -19,7 +19,10 @@
 * XLA's persistent compilation cache in a temporary directory for the session, inherited by
   the CLI subprocesses (a test that asserts "nothing compiles" counts cache reads too).
 * Hypothesis: a deterministic, database-less profile (``derandomize=True``,
-  no deadline) so CI runs the same examples every time.
+  no deadline) so CI runs the same examples every time; ``make asan`` selects
+  ``MAGICPIG_HYPOTHESIS_PROFILE=magicpig-sanitizer`` (20 examples per property).
+* pytest-xdist (``make test`` runs two workers): the workers inherit the controller's
+  environment, so they share its compilation cache directory.
 """
 
 from __future__ import annotations
@@ -66,7 +69,10 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.load_profile("magicpig")
+# `make asan`: the host ops under AddressSanitizer run each property on fewer examples (the
+# sanitizer makes every example about ten times slower); `make test` runs them all.
+settings.register_profile("magicpig-sanitizer", parent=settings.get_profile("magicpig"), max_examples=20)
+settings.load_profile(os.environ.get("MAGICPIG_HYPOTHESIS_PROFILE", "magicpig"))
 
 
 @pytest.fixture(scope="module")
