@@ -50,7 +50,8 @@ def test_matches_the_dequantized_gguf_tensor(gguf_tensors, name, impl):
     np.testing.assert_array_equal(deq, gguf.quants.dequantize(blocks[:64], gguf_type(qtype)))
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=min(80, settings.default.max_examples), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     qtype=st.sampled_from(TYPES),
     rows=st.integers(1, 13),  # the AVX2 Q4_1 kernel takes 4 rows at a time: remainders too
@@ -73,7 +74,7 @@ def test_random_rows_property(qtype, rows, blocks, m, impl, special, seed):
     assert np.all(np.isfinite(y)) and np.all(np.abs(y - ref) <= bound)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=min(60, settings.default.max_examples), deadline=None)
 @given(qtype=st.sampled_from(TYPES), rows=st.integers(1, 9), blocks=st.integers(1, 3), special=st.booleans(),
        impl=st.sampled_from(IMPLS), seed=st.integers(0, 2**31 - 1))
 def test_dequantize_rows_is_bit_equal_to_gguf(qtype, rows, blocks, special, impl, seed):

@@ -385,7 +385,8 @@ def cases(draw):
     return preset, lengths, grow, extra, seed, impl
 
 
-@settings(max_examples=48, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=min(48, settings.default.max_examples), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fuzz_against_reference(case):
     preset, lengths, grow, extra, seed, impl = case
