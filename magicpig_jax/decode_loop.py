@@ -105,11 +105,11 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     if hooks.forced_tokens is not None and (len(hooks.forced_tokens) != B or (not hooks.then_sample and any(
             len(f) < max_new_tokens for f in hooks.forced_tokens))):
         raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
-    # A row stops at max_new_tokens or where its next token would need a position past the
-    # context: token i is predicted at position prompt_length + i - 1.
     if state.cache is None:
         raise ValueError("this PrefillState's cache was consumed by an earlier decode (consume_prefill=True): "
                          "prefill again, or decode with consume_prefill=False while the state is still needed")
+    # A row stops at max_new_tokens or where its next token would need a position past the
+    # context: token i is predicted at position prompt_length + i - 1.
     max_positions, limit_name = position_limit(model, state)
     cache = _decode_cache(state, spec, max_new_tokens, consume_prefill)
     t0 = time.perf_counter()
