@@ -143,6 +143,7 @@ def _cmd_generate(args) -> int:
     from magicpig_jax.attention import MagicPIGConfig
     from magicpig_jax.generation import Sampling, decode_spec, encode_prompt, kv_cache_dtype, prefill
     from magicpig_jax.io.loader import load_model
+    from magicpig_jax.memory import drop_compiled_programs
     from magicpig_jax.models.backends import DecodeSpec
     from magicpig_jax.streaming import check_stop_strings
 
@@ -172,6 +173,7 @@ def _cmd_generate(args) -> int:
     ids = encode_prompt(model, prompt, chat=not args.no_chat, parse_special=args.parse_special)
     print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
     state = prefill(model, [ids], args.max_new_tokens, cache_dtype=kv_cache_dtype(args.kv_dtype))
+    drop_compiled_programs()  # one-shot: the prefill's program will not run again (memory.py)
     print(f"prefill: {state.seconds:.1f} s ({len(ids) / state.seconds:.0f} tokens/s)")
     last = list(specs)[-1]  # decodes in the prefill's own cache (the others in copies of it)
     results = {name: _stream_answer(model, state, spec, args.max_new_tokens, sampling, stops, name == last)
@@ -237,12 +239,19 @@ def _where(spec, prompt_tokens: int) -> str:
 
 
 def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops, consume: bool) -> dict:
-    """Decode with ``spec``, printing the answer as it is produced; the stats with the text."""
+    """Decode with ``spec``, printing the answer as it is produced; the stats with the text.
+
+    The CLI runs each backend once, so the programs of its index build and of its decode step
+    are freed as soon as they are done (:func:`~magicpig_jax.memory.drop_compiled_programs`):
+    the peak then holds one backend's compiled step, not every phase's.
+    """
     from magicpig_jax.decode_loop import start_decode
+    from magicpig_jax.memory import drop_compiled_programs
     from magicpig_jax.streaming import StopStrings, TextStream
 
     criterion = StopStrings(model.tokenizer.decode, stops) if stops else None
     run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion, consume_prefill=consume)
+    drop_compiled_programs()  # the index build's program (and the cache copy's)
     text = TextStream(model.tokenizer.decode, stops)
     print(f"\n=== answer with {spec.backend} attention ({_where(spec, int(state.prompt_lengths[0]))}) ===",
           flush=True)
@@ -254,6 +263,8 @@ def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops, con
     stats["text"] = criterion.cut(full) if criterion else full
     stats["token_ids"] = run.outputs[0]
     stats["stop"] = list(stops)
+    del run
+    drop_compiled_programs()  # this backend's decode step
     return stats
 
 

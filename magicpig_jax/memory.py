@@ -14,6 +14,13 @@ freed. By default glibc raises its mmap threshold to the size of the largest buf
 so far (up to 32 MiB), after which such buffers come from the heap and stay resident once
 freed: decoding SmolLM2 at 6K tokens kept about 350 MB of freed cache copies that way.
 :func:`magicpig_jax.io.loader.load_model` calls it.
+
+``drop_compiled_programs()`` frees every compiled program now and returns the freed heap to
+the OS (``malloc_trim``). A one-shot process calls it between phases that never run again
+(the prefill, a finished decode backend, the index build): XLA's compiled code and the
+compiler's freed working memory otherwise stay resident until the process exits, and a
+30-layer program is tens of megabytes of it. A process that will call the same programs
+again (a server, repeated ``generate()`` calls) should not: they compile again.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import ctypes.util
 import resource
 import sys
 
-__all__ = ["peak_rss_bytes", "current_rss_bytes", "release_freed_buffers", "release_compiled_programs"]
+__all__ = ["peak_rss_bytes", "current_rss_bytes", "release_freed_buffers", "release_compiled_programs",
+           "drop_compiled_programs", "trim_heap"]
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
 _MMAP_THRESHOLD = 4 << 20
@@ -80,13 +88,49 @@ def release_compiled_programs(fraction: float = 0.5) -> bool:
     counted = _map_count_and_limit()
     if counted is None or counted[0] <= fraction * counted[1]:
         return False
+    drop_compiled_programs()
+    return True
+
+
+def drop_compiled_programs() -> None:
+    """Free JAX's compiled programs now, and return the freed heap to the OS.
+
+    ``jax.clear_caches()``, a garbage collection (so the executables are destroyed and their
+    code unmapped), then :func:`trim_heap`. Programs compile again when next called: for
+    phases of a one-shot run that will not run again (see the module docstring).
+    """
     import gc
 
     import jax
 
     jax.clear_caches()
     gc.collect()
-    return True
+    trim_heap()
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_heap() -> bool:
+    """Return the free memory of glibc's heaps to the OS (``malloc_trim(0)``).
+
+    Freed blocks below the mmap threshold stay in the heap, resident, until the heap's top is
+    free; ``malloc_trim`` also releases whole free pages inside it. Returns whether any
+    memory was released (False where the C library is not glibc).
+    """
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim(0) == 1
 
 
 def release_freed_buffers() -> bool:
@@ -98,12 +142,8 @@ def release_freed_buffers() -> bool:
     global _done
     if _done:
         return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

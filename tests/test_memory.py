@@ -11,9 +11,11 @@ import pytest
 
 from magicpig_jax.memory import (
     current_rss_bytes,
+    drop_compiled_programs,
     peak_rss_bytes,
     release_compiled_programs,
     release_freed_buffers,
+    trim_heap,
 )
 
 
@@ -57,3 +59,25 @@ def test_compiled_programs_are_released_past_the_map_fraction():
 def test_release_compiled_programs_rejects_a_bad_fraction(fraction):
     with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\], got"):
         release_compiled_programs(fraction)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
+def test_freed_small_blocks_go_back_with_trim_heap():
+    # Blocks below the mmap threshold come from the heap; freed, they stay resident until trimmed.
+    release_freed_buffers()
+    blocks = [bytearray(b"x" * 60_000) for _ in range(4_000)]  # 240 MB of touched 60 kB blocks
+    keep = blocks[-1]  # a live block at the heap's top: plain free() cannot shrink the heap past it
+    del blocks
+    before = current_rss_bytes()
+    assert trim_heap()
+    assert before - current_rss_bytes() > 150 << 20
+    assert keep[0] == ord("x")
+
+
+def test_drop_compiled_programs_frees_every_program():
+    fns = [jax.jit(lambda x, i=i: jnp.sin(x) * i) for i in range(3)]
+    outs = [np.asarray(f(jnp.ones(4))) for f in fns]
+    assert all(f._cache_size() == 1 for f in fns)
+    drop_compiled_programs()
+    assert all(f._cache_size() == 0 for f in fns)
+    np.testing.assert_array_equal([np.asarray(f(jnp.ones(4))) for f in fns], outs)  # compiled again, same values
