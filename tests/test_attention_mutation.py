@@ -1,0 +1,106 @@
+"""Tests written against mutmut's surviving mutants of ``magicpig_jax/attention/`` (issue 18,
+docs/mutation.md): each asserts values against an independent reference (float64 NumPy or
+SciPy, or a case computed by hand) or an exact error message, where the older tests were too
+loose to notice the mutant."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from magicpig_jax.attention import HybridConfig, LayerConfigs, MagicPIGConfig, cost_model
+from magicpig_jax.attention.layer_configs import FORMAT
+
+# --- cost_model ------------------------------------------------------------------------------
+
+
+def _fraction64(cos, K, L):
+    p = 1 - np.arccos(np.clip(cos, -1, 1)) / np.pi
+    return float(np.mean(stats.binom.sf(1, L, p**K)))
+
+
+def test_tables_for_fraction_small_l_by_hand():
+    # K = 1, cos = 0: p = 1/2, u(L) = P(Binomial(L, 1/2) >= 2) = 1 - (L + 1) / 2^L:
+    # u(2) = 1/4, u(3) = 1/2, u(4) = 11/16, u(5) = 13/16
+    zeros = np.zeros(3)
+    f = {L: cost_model.expected_sampled_fraction(zeros, 1, L) for L in range(2, 10)}
+    for L, u in f.items():
+        assert u == pytest.approx(1 - (L + 1) / 2**L, rel=1e-6)
+    assert cost_model.tables_for_fraction(zeros, 1, 0.4) == 3
+    assert cost_model.tables_for_fraction(zeros, 1, 0.2) == 2
+    assert cost_model.tables_for_fraction(zeros, 1, 0.6) == 4
+    # a target equal to the fraction at L is reached at L, not one table later (f is
+    # strictly increasing); max_L = L ends the exponential search at the cap
+    for L, u in f.items():
+        assert cost_model.tables_for_fraction(zeros, 1, u) == L
+        assert cost_model.tables_for_fraction(zeros, 1, u, max_L=L) == L
+    # u(4) < 3/4 <= u(5): not reachable with 4 tables
+    with pytest.raises(ValueError) as err:
+        cost_model.tables_for_fraction(zeros, 1, 0.75, max_L=4)
+    assert str(err.value) == "target fraction 0.75 is not reached with K=1 and L <= 4"
+    assert cost_model.tables_for_fraction(zeros, 1, 0.75, max_L=5) == 5
+
+
+@settings(max_examples=25)
+@given(
+    cos=st.lists(st.floats(-0.5, 0.9), min_size=1, max_size=6),
+    K=st.integers(1, 4),
+    target=st.floats(0.05, 0.95),
+)
+def test_tables_for_fraction_is_the_boundary_of_the_float64_fraction(cos, K, target):
+    cos = np.asarray(cos)
+    L = cost_model.tables_for_fraction(cos, K, target, max_L=1 << 12)
+    assert L >= 2 and _fraction64(cos, K, L) >= target * (1 - 1e-4)
+    if L > 2:
+        assert _fraction64(cos, K, L - 1) < target * (1 + 1e-4)
+
+
+# --- layer_configs ---------------------------------------------------------------------------
+
+
+def _obj(**layers):
+    return {"format": FORMAT, "num_sink": 4, "num_local": 64, "seed": 0, "layers": layers}
+
+
+def test_layer_configs_json_messages():
+    with pytest.raises(ValueError) as err:
+        LayerConfigs.from_json({"format": FORMAT, "num_sink": 4, "num_local": 64, "layers": {}})
+    assert str(err.value) == "layer-configs file lacks or mangles num_sink/num_local/seed/layers: 'seed'"
+    with pytest.raises(ValueError) as err:
+        LayerConfigs.from_json(dict(_obj(), layers=["dense"]))
+    assert str(err.value) == "layer-configs 'layers' must map layer -> {'K', 'L'} or 'dense'"
+    with pytest.raises(ValueError) as err:
+        LayerConfigs.from_json(_obj(first="dense"))
+    assert str(err.value) == "layer-configs: layer key 'first' is not an integer"
+    with pytest.raises(ValueError) as err:
+        LayerConfigs.from_json(_obj(**{"0": {"K": 4}}))
+    assert str(err.value) == "layer-configs: layer 0 must be 'dense' or {'K': .., 'L': ..}, got {'K': 4}"
+    # a sequence holding the names "K" and "L" is not a {K, L} mapping
+    with pytest.raises(ValueError) as err:
+        LayerConfigs.from_json(_obj(**{"0": ["K", "L"]}))
+    assert str(err.value) == "layer-configs: layer 0 must be 'dense' or {'K': .., 'L': ..}, got ['K', 'L']"
+
+
+def test_layer_configs_load_messages(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        LayerConfigs.load(tmp_path / "none.json")
+    assert str(err.value) == f"layer-configs file {tmp_path / 'none.json'} does not exist"
+
+
+def test_layer_configs_save_makes_the_parent_directories(tmp_path):
+    lc = LayerConfigs(((0, MagicPIGConfig(K=4, L=10)), (1, "dense")))
+    path = lc.save(tmp_path / "a" / "b" / "cfg.json")
+    assert path == tmp_path / "a" / "b" / "cfg.json"
+    assert LayerConfigs.load(path) == lc
+
+
+def test_hybrid_layer_round_trip_keeps_the_static_set_and_seed():
+    hy = LayerConfigs(((0, HybridConfig(K=4, L=10, heavy=5, num_sink=2, num_local=16, seed=7)), (1, "dense")))
+    back = LayerConfigs.from_json(json.loads(json.dumps(hy.to_json())))
+    assert back == hy
+    assert (back.base().num_sink, back.base().num_local, back.base().seed, back.base().heavy) == (2, 16, 7, 5)
