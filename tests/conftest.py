@@ -33,8 +33,12 @@ from pathlib import Path
 
 # mutmut (`make mutate`) runs the tests on a mutated copy of the package in ./mutants: import
 # that copy, not the editable install (whose import finder comes first on sys.meta_path), and
-# load the host ops built by the install.
-if Path.cwd().name == "mutants" and "MUTMUT_DEPENDENCY_DEPTH" in os.environ:
+# load the host ops built by the install. Recognised by where this file lies (mutants/tests/),
+# not by mutmut's environment: MUTMUT_DEPENDENCY_DEPTH is set only in a run that collects the
+# stats, so a second `mutmut run` (stats cached) tested the editable install and every mutant
+# survived (mutmut's forced-fail check caught it).
+_ROOT = Path(__file__).resolve().parent.parent
+if _ROOT.name == "mutants" and (_ROOT / "magicpig_jax").is_dir():
     sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "ScikitBuildRedirectingFinder"]
     if "MAGICPIG_HOST_OPS_LIB" not in os.environ:
         _libs = sorted(Path(sys.prefix).glob("lib/python*/site-packages/magicpig_jax/_host_ops*.so"))
