@@ -5,16 +5,75 @@ loose to notice the mutant."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import jax
+import jaxtyping
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from magicpig_jax.attention import HybridConfig, LayerConfigs, MagicPIGConfig, cost_model
+from magicpig_jax import lsh
+from magicpig_jax.attention import (
+    HybridConfig,
+    LayerConfigs,
+    MagicPIGConfig,
+    build_lsh_index,
+    cost_model,
+    magicpig_attention,
+)
 from magicpig_jax.attention.layer_configs import FORMAT
+
+pytestmark = pytest.mark.usefixtures("strict_jax")
+
+from tests._jitted import make_qkv  # noqa: E402
+
+
+@contextlib.contextmanager
+def _without_jaxtyping():
+    """The library's own argument checks, past the test suite's jaxtyping hook (which refuses the
+    wrong ranks and types first). ``inspect.unwrap`` would also pass mutmut's trampoline, and so
+    could not see a mutant (docs/mutation.md)."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
+def _message(exc, fn, *args, **kwargs):
+    with pytest.raises(exc) as err:
+        fn(*args, **kwargs)
+    return str(err.value)
+
+
+# --- magicpig --------------------------------------------------------------------------------
+
+
+def test_magicpig_messages():
+    cfg = MagicPIGConfig(K=4, L=10)
+    q, k, v = make_qkv(9, N=30)
+    proj = lsh.simhash_projections(jax.random.key(0), 16, 4, 10)
+    index = build_lsh_index(k, proj, cfg)
+    assert _message(ValueError, magicpig_attention, q, k, v, index, MagicPIGConfig(K=4, L=12)) == (
+        "index.codes must be [B, Hkv, N, L] = (2, 2, 30, 12), got (2, 2, 30, 10)"
+    )
+    assert _message(ValueError, magicpig_attention, q, k, v, index, MagicPIGConfig(K=5, L=10)) == (
+        "index.projections must be [D, K*L] = (16, 50), got (16, 40)"
+    )
+    assert _message(ValueError, build_lsh_index, k, proj[:, :-1], cfg) == (
+        "projections must be [D, K*L] = [16, 40] for K=4, L=10, got (16, 39)"
+    )
+    with _without_jaxtyping():
+        assert _message(ValueError, build_lsh_index, k[0], proj, cfg) == (
+            "k must be [B, Hkv, N, D], got shape (2, 30, 16)"
+        )
+        assert _message(TypeError, build_lsh_index, k, proj, {"K": 4}) == "config must be a MagicPIGConfig, got dict"
+        assert _message(TypeError, build_lsh_index, k, proj, cfg, center=1) == "center must be a bool, got int 1"
+
 
 # --- cost_model ------------------------------------------------------------------------------
 
