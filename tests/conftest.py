@@ -93,3 +93,19 @@ def _release_compiled_programs():
     from magicpig_jax.memory import release_compiled_programs
 
     release_compiled_programs()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under mutmut, run a mutant's tests fastest first (their durations as mutmut measured them).
+
+    mutmut runs each mutant's tests with ``-x``, so a killed mutant costs the tests up to the
+    first failure: the direct float64 comparisons (a second each) then go before the decoders
+    compiled end to end (ten). The order of a normal run is unchanged.
+    """
+    stats = Path.cwd() / "mutmut-stats.json"
+    if _ROOT.name != "mutants" or not stats.is_file() or os.environ.get("MUTANT_UNDER_TEST", "") in ("", "stats"):
+        return
+    import json
+
+    duration = json.loads(stats.read_text()).get("duration_by_test", {})
+    items.sort(key=lambda item: duration.get(item.nodeid, 0.0))

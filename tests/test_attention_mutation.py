@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 
+import _np_reference as ref
 import jax
 import jaxtyping
 import numpy as np
@@ -29,7 +30,7 @@ from magicpig_jax.attention.layer_configs import FORMAT
 
 pytestmark = pytest.mark.usefixtures("strict_jax")
 
-from tests._jitted import make_qkv  # noqa: E402
+from tests._jitted import i32, make_qkv  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -73,6 +74,29 @@ def test_magicpig_messages():
         )
         assert _message(TypeError, build_lsh_index, k, proj, {"K": 4}) == "config must be a MagicPIGConfig, got dict"
         assert _message(TypeError, build_lsh_index, k, proj, cfg, center=1) == "center must be a bool, got int 1"
+
+
+def test_magicpig_under_x64_keeps_its_dtypes_and_matches_float64():
+    K, L, num_sink, num_local, N = 4, 10, 2, 3, 40
+    cfg = MagicPIGConfig(K=K, L=L, num_sink=num_sink, num_local=num_local)
+    with jax.enable_x64(True):
+        q, k, v = make_qkv(54, B=3, N=N, scale=1.5, cone=4.0)
+        build, lengths = i32([N - 5, N, 6]), i32([N, N, 5])
+        proj = lsh.simhash_projections(jax.random.key(K), 16, K, L)
+        index = build_lsh_index(k, proj, cfg, build)
+        out, lse, num = magicpig_attention(q, k, v, index, cfg, lengths)
+        qcodes = np.asarray(lsh.simhash_codes(q, proj, K, L))
+    assert (index.codes.dtype, index.mean.dtype, index.start.dtype, index.end.dtype) == (
+        np.uint32, np.float32, np.int32, np.int32
+    )
+    assert (out.dtype, lse.dtype, num.dtype) == (np.float32, np.float32, np.int32)
+    r_out, r_lse, r_num = ref.magicpig(
+        q, k, v, np.asarray(index.codes), qcodes, K, L, num_sink, num_local, np.asarray(build), np.asarray(lengths)
+    )
+    assert 0 < r_num.sum() < 3 * N * 4
+    np.testing.assert_array_equal(num, r_num)
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
 
 
 # --- cost_model ------------------------------------------------------------------------------
