@@ -81,8 +81,9 @@ def _add_generate(sub) -> None:
                    help="special-token strings in the prompt become control tokens (raw prompts)")
     p.add_argument("--budget", type=_budget, default=None,
                    help="keys per query head for topk/quest/oracle: a token count (int) or a fraction in (0, 1]")
-    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="storage of the KV cache (the host op reads either)")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="bfloat16",
+                   help="storage of the KV cache (default bfloat16: half the bytes; docs/benchmarks.md gives its "
+                        "KL from a float32 cache)")
     p.add_argument("--magicpig-config", type=Path, default=None,
                    help="per-layer (K, L) or dense from `magicpig-jax calibrate` for magicpig/magicpig-ref "
                         "(replaces --K, --L, --num-sink, --num-local, --seed and --dense-layers there)")
@@ -224,7 +225,7 @@ def _runs_on(spec) -> str:
 
     from magicpig_jax.models.backends import backend_for
 
-    name = "XLA" if spec.backend == "dense" else backend_for(spec).name
+    name = backend_for(spec).name
     return f"{name}, {jax.default_backend().upper()}"
 
 

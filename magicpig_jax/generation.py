@@ -284,7 +284,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
              budget: int | float | None = None, page_size: int = 16, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None, stream: bool = False,
              chat: bool = True, parse_special: bool = False,
-             kv_dtype: str = "float32") -> Generation | list[Generation] | Iterator[str]:
+             kv_dtype: str = "bfloat16") -> Generation | list[Generation] | Iterator[str]:
     """Generate a reply to ``prompt`` with the chosen attention.
 
     Args:
@@ -311,7 +311,9 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
       chat: apply the chat template (False: ``prompt`` is raw text).
       parse_special: special-token strings in the prompt become control tokens (default: they
         stay literal text, so a user message cannot forge a turn).
-      kv_dtype: storage of the KV cache, ``"float32"`` or ``"bfloat16"``.
+      kv_dtype: storage of the KV cache, ``"bfloat16"`` (default: half the bytes of float32, and
+        its KL from a float32 cache is far below MagicPIG's sampling error; docs/benchmarks.md
+        has the measurement) or ``"float32"``.
 
     Returns:
       a :class:`Generation` (one prompt), a list of them (a batch), or an iterator of str

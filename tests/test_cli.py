@@ -116,7 +116,8 @@ def test_generate_streams_says_where_it_runs_and_writes_strict_json(tmp_path):
     proc = run("generate", "--model", str(FAMILY), "--prompt", "hi", "--max-new-tokens", "1",
                "--attention", "magicpig,dense", "--json", str(out_json))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[0] == "attention: magicpig (magicpig (host op), CPU); dense (XLA, CPU)"
+    assert proc.stdout.splitlines()[0] == ("attention: magicpig (magicpig (host op), CPU); "
+                                           "dense (dense (host exact op), CPU)")
     assert "=== answer with magicpig attention (magicpig (host op), CPU; note: the prompt" in proc.stdout
     assert "so every key is static" in proc.stdout
     data = json.loads(out_json.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))

@@ -253,3 +253,25 @@ def test_greedy_sampling_skips_the_sort_but_sampling_still_samples():
     assert len(draws) > 1  # temperature 1 over 50 similar logits: not always the argmax
     top = sample_token(logits, jax.random.key(1), jnp.float32(1.0), jnp.float32(1e-6))
     np.testing.assert_array_equal(np.asarray(top), np.argmax(np.asarray(logits), -1))  # top-p -> argmax only
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_dense_decode_through_the_host_exact_op_equals_xla(model, dtype):
+    # On the CPU backend "dense" runs every layer through the host exact op (it reads a bfloat16
+    # cache in place); host=False keeps XLA's dense attention. Same cache, same tokens and logits.
+    from magicpig_jax.models.backends import backend_for
+
+    host, xla = DecodeSpec("dense"), DecodeSpec("dense", host=False)
+    assert backend_for(host).name == "dense (host exact op)" and backend_for(xla).name == "dense"
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (300, 41)]
+    out = {}
+    for name, spec in (("host", host), ("xla", xla)):
+        state = prefill(model, prompts, 6, cache_dtype=dtype)
+        got = []
+        forced_decode(model, state, spec=spec, max_new_tokens=6, stop_on_eos=False,
+                      logits_callback=lambda t, lg, got=got: got.append(np.asarray(lg)))
+        out[name] = np.stack(got)
+    assert np.isfinite(out["host"]).all()
+    np.testing.assert_allclose(out["host"], out["xla"], atol=2e-4, rtol=0)
+    np.testing.assert_array_equal(out["host"].argmax(-1), out["xla"].argmax(-1))

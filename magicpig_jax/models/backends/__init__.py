@@ -19,7 +19,8 @@ Each :class:`Backend` has four parts, called by the decoder in this order:
 sequence of accelerator and host computations, :mod:`magicpig_jax.offload`).
 :func:`backend_for` is the one place that chooses the entry for a :class:`DecodeSpec`:
 
-  dense         exact attention over every cached key (no sparse layer).
+  dense         exact attention over every cached key (no sparse layer); on the CPU backend the
+                host exact op (:mod:`magicpig_jax.host.exact`), which reads a bfloat16 cache in place.
   magicpig      LSH sampling; on the CPU backend the index and the sampled attention run in
                 the host op (:mod:`magicpig_jax.host`); on a GPU/TPU backend the paper's
                 system: the sparse layers' KV cache and index in host memory, the host op

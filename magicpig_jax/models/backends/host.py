@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from magicpig_jax.attention import budget_tokens
 from magicpig_jax.models.backends.pure import build_range as _build_range
-from magicpig_jax.models.backends.spec import Backend, DecodeSpec, MiddleRange, layer_projections
+from magicpig_jax.models.backends.spec import Backend, DecodeSpec, MiddleRange, _no_sparse_layer, layer_projections
 
 __all__ = ["ENTRIES", "HostOps", "append_due", "sharded"]
 
@@ -193,6 +193,10 @@ def _after_step_quest(spec, state, k, lengths):
 
 
 ENTRIES: dict[str, Backend] = {
+    # Dense decoding on the CPU backend: every layer through the host exact op, which reads a
+    # bfloat16 cache in place (XLA's dense attention converted the whole cache to float32 each step).
+    "dense-host": Backend("dense (host exact op)", build=_no_sparse_layer, attend=_no_sparse_layer,
+                          attend_dense=_attend_dense_host),
     "magicpig-host": Backend("magicpig (host op)", build=_build_host, attend=_attend_host, after_step=append_due,
                              prepare=_prepare_host, attend_dense=_attend_dense_host, validate=_validate_host),
     "magicpig-host-sharded": Backend("magicpig (host op, sharded)", build=_build_host, attend=_attend_host,

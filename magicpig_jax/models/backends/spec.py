@@ -25,7 +25,7 @@ __all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "LAYERED", "Backend", "Decod
 
 BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle", "hybrid")
 BUDGETED = ("topk", "quest", "oracle")
-HOST_BACKENDS = ("magicpig", "topk", "quest")  # the backends with a host op (CPU backend)
+HOST_BACKENDS = ("dense", "magicpig", "topk", "quest")  # the backends with a host op (CPU backend)
 LAYERED = ("magicpig", "magicpig-ref", "hybrid")  # the backends that take per-layer LayerConfigs
 
 

@@ -94,7 +94,7 @@ def _entry(spec: DecodeSpec) -> Backend:
         if spec.uses_host:
             return _TABLE["magicpig-host" if spec.mesh is None else "magicpig-host-sharded"]
         return _TABLE["magicpig-ref"]
-    if spec.backend in ("topk", "quest") and spec.uses_host and spec.mesh is None:
+    if spec.backend in ("dense", "topk", "quest") and spec.uses_host and spec.mesh is None:
         return _TABLE[f"{spec.backend}-host"]
     return _TABLE[spec.backend]
 
