@@ -10,6 +10,7 @@ import json
 
 import _np_reference as ref
 import jax
+import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 import pytest
@@ -24,7 +25,9 @@ from magicpig_jax.attention import (
     MagicPIGConfig,
     build_lsh_index,
     cost_model,
+    dense_attention,
     magicpig_attention,
+    merge_attention,
 )
 from magicpig_jax.attention.layer_configs import FORMAT
 
@@ -97,6 +100,105 @@ def test_magicpig_under_x64_keeps_its_dtypes_and_matches_float64():
     np.testing.assert_array_equal(num, r_num)
     np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+
+
+# --- _common (through dense_attention) and config ---------------------------------------------
+
+
+def test_shape_dtype_and_config_messages():
+    q, k, v = make_qkv(4)
+    cases = [
+        ((q[0], k, v), ValueError, "q must be [B, Hq, D], got shape (4, 16)"),
+        ((q, k[0], v[0]), ValueError, "k and v must be [B, Hkv, N, D], got k (2, 24, 16), v (2, 24, 16)"),
+        ((q, k, v[0]), ValueError, "k and v must be [B, Hkv, N, D], got k (2, 2, 24, 16), v (2, 24, 16)"),
+        ((q, k, v[:, :, :5]), ValueError, "k and v must have the same shape, got (2, 2, 24, 16) and (2, 2, 5, 16)"),
+        ((q[:1], k, v), ValueError, "q (1, 4, 16) and k (2, 2, 24, 16) disagree on B or D"),
+        ((q[..., :8], k, v), ValueError, "q (2, 4, 8) and k (2, 2, 24, 16) disagree on B or D"),
+        ((q[:, :3], k, v), ValueError, "Hq (3) must be a multiple of Hkv (2) for GQA"),
+        ((q, k[:, :0], v[:, :0]), ValueError, "Hq (4) must be a multiple of Hkv (0) for GQA"),
+        ((q.astype(jnp.int32), k, v), TypeError, "q must be a floating dtype, got int32"),
+        ((q, k.astype(jnp.int32), v), TypeError, "k must be a floating dtype, got int32"),
+        ((q, k, v.astype(jnp.int32)), TypeError, "v must be a floating dtype, got int32"),
+        ((q, k, v, i32([1, 2, 3])), ValueError, "lengths must be [B] = [2], got shape (3,)"),
+        ((q, k, v, jnp.array([1.0, 2.0])), TypeError, "lengths must be an integer array, got float32"),
+    ]
+    with _without_jaxtyping():
+        for args, exc, want in cases:
+            assert _message(exc, dense_attention, *args) == want
+    configs = [
+        ({"K": 0}, ValueError, "K must be in [1, 32] (bits per uint32 code), got K=0"),
+        ({"L": 1}, ValueError, "L must be >= 2 (sampling needs >= 2 colliding tables), got L=1"),
+        ({"num_sink": -1}, ValueError, "num_sink must be >= 0, got num_sink=-1"),
+        ({"num_sink": 1.5}, TypeError, "num_sink must be an int, got float 1.5"),
+        ({"num_local": -2}, ValueError, "num_local must be >= 0, got num_local=-2"),
+        ({"num_local": None}, TypeError, "num_local must be an int, got NoneType None"),
+        ({"num_local": True}, TypeError, "num_local must be an int, got bool True"),
+        ({"seed": -1}, ValueError, "seed must be >= 0, got seed=-1"),
+        ({"seed": "0"}, TypeError, "seed must be an int, got str '0'"),
+    ]
+    with _without_jaxtyping():
+        for kwargs, exc, want in configs:
+            assert _message(exc, MagicPIGConfig, **kwargs) == want
+    # the boundaries are accepted
+    assert MagicPIGConfig(num_sink=0, num_local=0, seed=0) == MagicPIGConfig(num_sink=0, num_local=0)
+
+
+# --- merge -----------------------------------------------------------------------------------
+
+
+def _merge64(out_a, lse_a, out_b, lse_b):
+    """Float64 ``(s_a out_a + s_b out_b) / (s_a + s_b)``, ``log(s_a + s_b)`` with ``s = exp(lse)``."""
+    out_a, lse_a, out_b, lse_b = (np.asarray(x, np.float64) for x in (out_a, lse_a, out_b, lse_b))
+    lse = np.logaddexp(lse_a, lse_b)
+    with np.errstate(invalid="ignore"):
+        wa = np.where(np.isneginf(lse_a), 0.0, np.exp(lse_a - lse))
+        wb = np.where(np.isneginf(lse_b), 0.0, np.exp(lse_b - lse))
+    return wa[..., None] * out_a + wb[..., None] * out_b, lse
+
+
+_lse = st.one_of(st.floats(-80, 80, width=32), st.just(-np.inf))
+
+
+@given(lse=st.lists(st.tuples(_lse, _lse), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_merge_matches_float64(lse, seed):
+    lse_a, lse_b = (np.asarray(x, np.float32) for x in zip(*lse, strict=True))
+    out_a, out_b = np.random.default_rng(seed).normal(size=(2, len(lse), 3)).astype(np.float32)
+    out, m_lse = merge_attention(jnp.asarray(out_a), jnp.asarray(lse_a), jnp.asarray(out_b), jnp.asarray(lse_b))
+    r_out, r_lse = _merge64(out_a, lse_a, out_b, lse_b)
+    both_empty = np.isneginf(lse_a) & np.isneginf(lse_b)
+    np.testing.assert_array_equal(np.isneginf(m_lse), both_empty)
+    np.testing.assert_allclose(np.where(both_empty, 0.0, m_lse), np.where(both_empty, 0.0, r_lse), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out, np.where(both_empty[:, None], 0.0, r_out), rtol=1e-5, atol=1e-6)
+
+
+def test_merge_half_precision_parts_under_x64_stay_float32():
+    rng = np.random.default_rng(3)
+    out_a, out_b = rng.normal(size=(2, 2, 3, 5))
+    lse_a, lse_b = rng.normal(size=(2, 2, 3)) * 3
+    with jax.enable_x64(True):
+        for dtype in (jnp.bfloat16, jnp.float16):
+            args = [jnp.asarray(x, dtype) for x in (out_a, lse_a, out_b, lse_b)]
+            out, lse = merge_attention(*args)
+            assert (out.dtype, lse.dtype) == (np.float32, np.float32)
+            r_out, r_lse = _merge64(*(np.asarray(x.astype(jnp.float32)) for x in args))
+            np.testing.assert_allclose(out, r_out, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(lse, r_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_messages():
+    a = jnp.ones((2, 3, 4))
+    want = "merge_attention needs out_a/out_b of shape [..., D] and lse_a/lse_b of shape [...]; got "
+    with _without_jaxtyping():
+        # each of the three conditions alone
+        assert _message(ValueError, merge_attention, a, a[..., 0], a[:, :2], a[..., 0]) == (
+            want + "(2, 3, 4), (2, 3), (2, 2, 4), (2, 3)"
+        )
+        assert _message(ValueError, merge_attention, a, a[..., 0], a, a[:, :2, 0]) == (
+            want + "(2, 3, 4), (2, 3), (2, 3, 4), (2, 2)"
+        )
+        assert _message(ValueError, merge_attention, a, a[..., :2, 0], a, a[..., :2, 0]) == (
+            want + "(2, 3, 4), (2, 2), (2, 3, 4), (2, 2)"
+        )
 
 
 # --- cost_model ------------------------------------------------------------------------------
