@@ -28,6 +28,7 @@ from magicpig_jax.attention import (
     dense_attention,
     magicpig_attention,
     merge_attention,
+    static_attention,
 )
 from magicpig_jax.attention.layer_configs import FORMAT
 
@@ -141,6 +142,41 @@ def test_shape_dtype_and_config_messages():
             assert _message(exc, MagicPIGConfig, **kwargs) == want
     # the boundaries are accepted
     assert MagicPIGConfig(num_sink=0, num_local=0, seed=0) == MagicPIGConfig(num_sink=0, num_local=0)
+
+
+# --- static --------------------------------------------------------------------------------
+
+
+@settings(max_examples=40)
+@given(data=st.data(), N=st.integers(1, 12), Hkv=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_static_attention_matches_float64(data, N, Hkv, seed):
+    B, Hq = 2, 2 * Hkv
+    lengths = np.asarray(data.draw(st.lists(st.integers(0, N), min_size=B, max_size=B)))
+    start = np.asarray([data.draw(st.integers(0, n)) for n in lengths])
+    end = np.asarray([data.draw(st.integers(s, n)) for s, n in zip(start, lengths, strict=True)])
+    num_sink = data.draw(st.integers(0, N + 2))
+    window = data.draw(st.one_of(st.none(), st.integers(0, N + 2)))
+    q, k, v = make_qkv(seed, B=B, Hq=Hq, Hkv=Hkv, N=N, D=4, scale=2.0)
+    out, lse = static_attention(q, k, v, i32(start), i32(end), i32(lengths), num_sink=num_sink, window=window)
+    pos = np.arange(N)
+    keep = np.zeros((B, Hq, N), bool)
+    for b in range(B):
+        tail_from = end[b] if window is None else max(end[b], lengths[b] - window)
+        keep[b] = (pos < min(start[b], num_sink)) | ((pos >= tail_from) & (pos < lengths[b]))
+    r_out, r_lse = ref.selected(q, k, v, keep)
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_static_attention_messages():
+    q, k, v = make_qkv(2, N=6)
+    n = i32([6, 6])
+    assert _message(ValueError, static_attention, q, k, v, n, n, n, num_sink=-1) == (
+        "num_sink must be >= 0, got num_sink=-1"
+    )
+    assert _message(ValueError, static_attention, q, k, v, n, n, n, num_sink=0, window=-1) == (
+        "window must be >= 0 or None, got window=-1"
+    )
 
 
 # --- merge -----------------------------------------------------------------------------------
