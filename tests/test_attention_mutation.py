@@ -140,6 +140,15 @@ def test_shape_dtype_and_config_messages():
     with _without_jaxtyping():
         for kwargs, exc, want in configs:
             assert _message(exc, MagicPIGConfig, **kwargs) == want
+    # the static window: the local window and two generation buffers (by hand)
+    assert MagicPIGConfig(num_local=64).static_window() == 64 + 2 * 256
+    assert MagicPIGConfig(num_local=5).static_window(10) == 25
+    assert MagicPIGConfig(num_local=0).static_window(0) == 0
+    # the hashed range [min(num_sink, n), max(n - num_local, start)), by hand
+    start, end = MagicPIGConfig(num_sink=3, num_local=4).hashed_range(i32([0, 2, 3, 6, 7, 8, 20]))
+    assert (start.dtype, end.dtype) == (np.int32, np.int32)
+    np.testing.assert_array_equal(start, [0, 2, 3, 3, 3, 3, 3])
+    np.testing.assert_array_equal(end, [0, 2, 3, 3, 3, 4, 16])
     # the boundaries are accepted
     assert MagicPIGConfig(num_sink=0, num_local=0, seed=0) == MagicPIGConfig(num_sink=0, num_local=0)
 
