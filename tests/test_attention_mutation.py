@@ -103,6 +103,25 @@ def test_magicpig_under_x64_keeps_its_dtypes_and_matches_float64():
     np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [0.05, 0.2])
+def test_magicpig_small_norms_match_float64(scale):
+    # |q| |k - mean| < 1 for most keys: the cosine must still be q.k / (|q| |k|), not the bare dot
+    K, L, N = 3, 12, 48
+    cfg = MagicPIGConfig(K=K, L=L, num_sink=1, num_local=2)
+    q, k, v = make_qkv(77, B=2, N=N, scale=scale)
+    proj = lsh.simhash_projections(jax.random.key(3), 16, K, L)
+    index = build_lsh_index(k, proj, cfg)
+    out, lse, num = magicpig_attention(q, k, v, index, cfg)
+    kc = np.asarray(k, np.float64) - np.asarray(index.mean, np.float64)[:, :, None, :]
+    assert np.mean(np.linalg.norm(kc, axis=-1)[..., None, :] * np.linalg.norm(q, axis=-1)[:, None, :, None]) < 1
+    qcodes = np.asarray(lsh.simhash_codes(q, proj, K, L))
+    r_out, r_lse, r_num = ref.magicpig(q, k, v, np.asarray(index.codes), qcodes, K, L, 1, 2, [N, N], [N, N])
+    assert 0 < r_num.sum() < 2 * 4 * N
+    np.testing.assert_array_equal(num, r_num)
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+
+
 # --- _common (through dense_attention) and config ---------------------------------------------
 
 
