@@ -469,6 +469,83 @@ AVX2_FN float DotQ4KAvx2(const uint8_t* row, const float* xp, const float* xsum,
   return y;
 }
 
+// Token-blocked kernels: one row against T <= kTokenBlock tokens. A block's weights are
+// unpacked and converted to float once and meet every token's activations, instead of once
+// per token (a batched decode step multiplies each weight by B token rows). Per token the
+// operations and their order are those of the one-token kernels above (DotQ4_1Avx2 /
+// DotQ4KAvx2Rows), so each token's result is bit-identical to computing it alone (this file
+// is compiled without FP contraction): a batch row does not depend on the other rows.
+constexpr int kTokenBlock = 8;
+
+// xp, xsum: token t's permuted activations at xp + t * In and its block sums at xsum + t * nb.
+AVX2_FN void DotQ4_1Avx2Tokens(const uint8_t* row, const float* xp, const float* xsum, int64_t In, int T,
+                               float* out) {
+  const int64_t nb = In / kQK;
+  const Q4Masks mk = MakeQ4Masks();
+  __m256 acc[kTokenBlock];
+  float macc[kTokenBlock];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), macc[t] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 20;
+    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+    const __m256 f0 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[0]));
+    const __m256 f1 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[1]));
+    const __m256 f2 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[2]));
+    const __m256 f3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q, 4), mk.m[3]));
+    const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk));
+    const float m = HalfToFloatF16c(blk + 2);
+    for (int t = 0; t < T; ++t) {
+      const float* xb = xp + t * In + b * kQK;
+      __m256 s = _mm256_mul_ps(f0, _mm256_loadu_ps(xb));
+      s = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xb + 8), s);
+      s = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xb + 16), s);
+      s = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xb + 24), s);
+      acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
+      macc[t] += m * xsum[t * nb + b];
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]) + macc[t];
+  _mm256_zeroupper();
+}
+
+// Q4_K; xsum: token t's sub-block sums at xsum + t * (In / 32).
+AVX2_FN void DotQ4KAvx2Tokens(const uint8_t* row, const float* xp, const float* xsum, int64_t In, int T,
+                              float* out) {
+  const Q4Masks mk = MakeQ4Masks();
+  const int64_t nb = In / kQKK, ng = In / kQK;
+  __m256 acc[kTokenBlock], macc[kTokenBlock];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), macc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 144;
+    __m256 dsc, dm;
+    ScalesMinsK4Avx2(blk, &dsc, &dm);
+    for (int t = 0; t < T; ++t) macc[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xsum + t * ng + b * 8), macc[t]);
+    for (int g = 0; g < 4; ++g) {
+      const __m256i pick = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+      const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 32 * g + 16 * h)));
+        const __m256 f0 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[0]));
+        const __m256 f1 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[1]));
+        const __m256 f2 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[2]));
+        const __m256 f3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q, 4), mk.m[3]));
+        const int64_t off = b * kQKK + 64 * g + 32 * h;
+        for (int t = 0; t < T; ++t) {
+          const float* xg = xp + t * In + off;
+          __m256 s = _mm256_mul_ps(f0, _mm256_loadu_ps(xg));
+          s = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xg + 8), s);
+          s = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xg + 16), s);
+          s = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xg + 24), s);
+          acc[t] = _mm256_fmadd_ps(scale, s, acc[t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]) - Hsum(macc[t]);
+  _mm256_zeroupper();
+}
+
 AVX2_FN float DotQ8_0Avx2(const uint8_t* row, const float* x, const float*, int64_t In) {
   const int64_t nb = In / kQK;
   __m256 acc = _mm256_setzero_ps();
@@ -959,7 +1036,23 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       for (; pf < want; pf += 64) __builtin_prefetch(pf);
     };
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-    if (permuted && qtype != kQ6_K) {  // the four-row Q4_1 / Q4_K kernels
+    if (permuted && qtype != kQ6_K && M > 1) {  // a batch: the token-blocked Q4_1 / Q4_K kernels
+      float yt[kTokenBlock];
+      for (; r < r1; ++r) {
+        keep_ahead(r + 1);
+        const uint8_t* row = wp + r * row_bytes;
+        for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
+          const int T = static_cast<int>(std::min<int64_t>(kTokenBlock, M - t0));
+          if (qtype == kQ4_1) {
+            DotQ4_1Avx2Tokens(row, xk + t0 * In, xsum + t0 * ng, In, T, yt);
+          } else {
+            DotQ4KAvx2Tokens(row, xk + t0 * In, xsum + t0 * ng, In, T, yt);
+          }
+          for (int k = 0; k < T; ++k) yp[(t0 + k) * Out + r] = yt[k];
+        }
+      }
+    }
+    if (permuted && qtype != kQ6_K) {  // the four-row Q4_1 / Q4_K kernels (one token)
       float y4[4];
       for (; r + 4 <= r1; r += 4) {
         keep_ahead(r + 4);

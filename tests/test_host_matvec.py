@@ -56,7 +56,7 @@ def test_matches_the_dequantized_gguf_tensor(gguf_tensors, name, impl):
     qtype=st.sampled_from(TYPES),
     rows=st.integers(1, 13),  # the AVX2 Q4_1 kernel takes 4 rows at a time: remainders too
     blocks=st.integers(1, 5),
-    m=st.integers(1, 9),  # token rows: one row, a few, up to MATVEC_MAX_TOKENS + 1
+    m=st.integers(1, 20),  # token rows: one, a few, past a token block (8) and past MATVEC_MAX_TOKENS
     impl=st.sampled_from(IMPLS),
     special=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
@@ -72,6 +72,22 @@ def test_random_rows_property(qtype, rows, blocks, m, impl, special, seed):
     y = np.asarray(_matvec(jnp.asarray(x), jnp.asarray(w), qtype=qtype, impl=impl))
     ref, bound = reference(x, w, qtype)
     assert np.all(np.isfinite(y)) and np.all(np.abs(y - ref) <= bound)
+
+
+@settings(max_examples=min(40, settings.default.max_examples), deadline=None)
+@given(qtype=st.sampled_from(TYPES), m=st.sampled_from([2, 3, 8, 9, 16, 17]), rows=st.integers(1, 6),
+       impl=st.sampled_from(IMPLS), seed=st.integers(0, 2**31 - 1))
+def test_a_batch_row_is_bit_equal_to_the_token_alone(qtype, m, rows, impl, seed):
+    """A batch of token rows (the token-blocked kernels past one token) gives each row exactly
+    the bits of that token multiplied alone: a batched decode row does not depend on the others."""
+    rng = np.random.default_rng(seed)
+    n_in = 2 * max(QUANT_TYPES[qtype][2], 32)
+    w = jnp.asarray(random_rows(rng, qtype, rows, n_in))
+    x = rng.standard_normal((m, n_in)).astype(np.float32)
+    batch = np.asarray(_matvec(jnp.asarray(x), w, qtype=qtype, impl=impl))
+    alone = np.concatenate([np.asarray(_matvec(jnp.asarray(x[t:t + 1]), w, qtype=qtype, impl=impl))
+                            for t in range(m)])
+    np.testing.assert_array_equal(batch.view(np.uint32), alone.view(np.uint32))
 
 
 @settings(max_examples=min(60, settings.default.max_examples), deadline=None)

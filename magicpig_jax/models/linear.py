@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, UInt8
 __all__ = ["Linear", "PackedWeight", "MATVEC_MAX_TOKENS", "PREFILL_MODE", "PREFILL_TILE_BYTES", "make_packed",
            "packed_matmul", "dense_matmul"]
 
-MATVEC_MAX_TOKENS = 8  # token rows (B*T) up to which the C++ matvec reads the rows
+MATVEC_MAX_TOKENS = 16  # token rows (B*T) up to which the C++ matvec reads the rows (a batch of 16 decodes)
 PREFILL_MODE = "tiled"  # "tiled" or "layer": see the module docstring and docs/benchmarks.md
 PREFILL_TILE_BYTES = 32 << 20  # float32 bytes of weights dequantized per tile ("tiled")
 
