@@ -903,6 +903,84 @@ AVX2_FN bool DequantRowAvx2(int64_t qtype, const uint8_t* row, int64_t In, float
 // 4096 (2048 and 8192 within noise of it, 16384 worse).
 constexpr int64_t kPrefetchAhead = 4096;
 
+// Q8_0 against T tokens (x not permuted): as DotQ8_0Avx2 per token.
+AVX2_FN void DotQ8_0Avx2Tokens(const uint8_t* row, const float* x, int64_t In, int T, float* out) {
+  const int64_t nb = In / kQK;
+  __m256 acc[kTokenBlock];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 34;
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+    const __m256 f0 = I8ToF32(q0), f1 = I8ToF32(_mm_srli_si128(q0, 8));
+    const __m256 f2 = I8ToF32(q1), f3 = I8ToF32(_mm_srli_si128(q1, 8));
+    const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk));
+    for (int t = 0; t < T; ++t) {
+      const float* xb = x + t * In + b * kQK;
+      __m256 s = _mm256_mul_ps(f0, _mm256_loadu_ps(xb));
+      s = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xb + 8), s);
+      s = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xb + 16), s);
+      s = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xb + 24), s);
+      acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
+  _mm256_zeroupper();
+}
+
+// Q6_K against T tokens (x permuted by PermuteQ6K): as DotQ6KAvx2Perm per token.
+AVX2_FN void DotQ6KAvx2Tokens(const uint8_t* row, const float* xp, int64_t In, int T, float* out) {
+  const int64_t nb = In / kQKK;
+  const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
+  __m256i pick[4], mask[4], off[4];
+  for (int i = 0; i < 4; ++i) {
+    pick[i] = _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
+    mask[i] = _mm256_set1_epi32(0x3f << (8 * i));
+    off[i] = _mm256_set1_epi32(32 << (8 * i));
+  }
+  __m256 acc0[kTokenBlock], acc1[kTokenBlock];
+  for (int t = 0; t < T; ++t) acc0[t] = _mm256_setzero_ps(), acc1[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * 210;
+    const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk + 208));
+    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dsc = _mm256_mul_ps(d, Cvt(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc16, 8) : sc16)));
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+      const __m256i qlb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      const __m256i v[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 4), m2)),
+          _mm256_or_si256(_mm256_and_si256(qlb, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 2), m2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(ql, 4), m4), _mm256_and_si256(qh, m2)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(qlb, 4), m4),
+                          _mm256_and_si256(_mm256_srli_epi32(qh, 2), m2))};
+      for (int g = 0; g < 4; ++g) {
+        const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick[g]);
+        const __m256 f0 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[0]), off[0]));
+        const __m256 f1 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[1]), off[1]));
+        const __m256 f2 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[2]), off[2]));
+        const __m256 f3 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[3]), off[3]));
+        for (int t = 0; t < T; ++t) {
+          const float* xg = xp + t * In + b * kQKK + 128 * h + 32 * g;
+          __m256 t0 = _mm256_mul_ps(f0, _mm256_loadu_ps(xg));
+          __m256 t1 = _mm256_mul_ps(f1, _mm256_loadu_ps(xg + 8));
+          t0 = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xg + 16), t0);
+          t1 = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xg + 24), t1);
+          const __m256 tt = _mm256_add_ps(t0, t1);
+          if (g & 1) {
+            acc1[t] = _mm256_fmadd_ps(scale, tt, acc1[t]);
+          } else {
+            acc0[t] = _mm256_fmadd_ps(scale, tt, acc0[t]);
+          }
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = Hsum(_mm256_add_ps(acc0[t], acc1[t]));
+  _mm256_zeroupper();
+}
+
 DotFn PickKernel(int64_t qtype, bool avx2) {
 #ifdef MAGICPIG_HAVE_AVX2_PATH
   if (avx2) {
@@ -1014,6 +1092,9 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     }
   }
 #endif
+  // More than one token row: Q4_1, Q4_K, Q6_K and Q8_0 run the token-blocked kernels.
+  const bool token_blocked =
+      avx2 && M > 1 && (qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0);
   // Work items of about 64 KiB of weights, so small matrices run on the calling thread.
   const int64_t row_bytes = wd[1];
   const int64_t rows_per_item = std::max<int64_t>(8, (int64_t{64} << 10) / row_bytes / 4 * 4);
@@ -1036,7 +1117,7 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       for (; pf < want; pf += 64) __builtin_prefetch(pf);
     };
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-    if (permuted && qtype != kQ6_K && M > 1) {  // a batch: the token-blocked Q4_1 / Q4_K kernels
+    if (token_blocked) {  // a batch: the token-blocked kernels
       float yt[kTokenBlock];
       for (; r < r1; ++r) {
         keep_ahead(r + 1);
@@ -1045,8 +1126,12 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
           const int T = static_cast<int>(std::min<int64_t>(kTokenBlock, M - t0));
           if (qtype == kQ4_1) {
             DotQ4_1Avx2Tokens(row, xk + t0 * In, xsum + t0 * ng, In, T, yt);
-          } else {
+          } else if (qtype == kQ4_K) {
             DotQ4KAvx2Tokens(row, xk + t0 * In, xsum + t0 * ng, In, T, yt);
+          } else if (qtype == kQ6_K) {
+            DotQ6KAvx2Tokens(row, xk + t0 * In, In, T, yt);
+          } else {
+            DotQ8_0Avx2Tokens(row, xk + t0 * In, In, T, yt);
           }
           for (int k = 0; k < T; ++k) yp[(t0 + k) * Out + r] = yt[k];
         }
