@@ -1,4 +1,4 @@
-"""Exact decode attention over the host KV cache, for the layers MagicPIG keeps dense (XLA FFI, CPU).
+"""Exact decode attention over the host KV cache (XLA FFI, CPU): the layers MagicPIG keeps dense, and dense decoding.
 
 MagicPIG leaves a few layers dense (arXiv 2410.16179, Section 5; the decoder's default is
 ``{0, num_layers // 2}``). With the KV cache in host memory such a layer reads every cached
