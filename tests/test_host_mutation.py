@@ -136,6 +136,9 @@ def test_check_lengths_strict_bounds_and_message():
         validate.check_lengths_strict(jnp.asarray([9.0, -1.0]), 2, 7)
     # an empty batch passes
     assert validate.check_lengths_strict(jnp.zeros((0,), jnp.int32), 0, 7).shape == (0,)
+    # traced lengths are not read: they are clipped, as check_lengths does
+    clipped = jax.jit(lambda n: validate.check_lengths_strict(n, 2, 7))(jnp.asarray([3, 9]))
+    np.testing.assert_array_equal(np.asarray(clipped), [3, 7])
 
 
 def test_check_kv_dtypes_pairs_and_message():
