@@ -244,6 +244,7 @@ def test_table_size_at_an_exact_power_of_two():
     assert table_size(1, 129) == 1 << 15
     assert table_size(2, 4096) == 1 << 14  # 128 * 2 * 64 = 16384
     assert table_size(1, 256) == 1 << 15  # 32768 exactly
+    assert table_size(2, 4225) == 1 << 15  # 128 * 2 * 65 = 16640
 
 
 def _scipy_log_u_of_p(p: np.ndarray, K: int, L: int) -> np.ndarray:
