@@ -196,6 +196,23 @@ def test_static_attention_matches_float64(data, N, Hkv, seed):
     np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_sink,window", [(0, 0), (2, 3), (2, None)])
+def test_static_attention_under_x64_stays_float32(num_sink, window):
+    N, lengths, start, end = 10, [10, 7], [2, 2], [6, 4]
+    with jax.enable_x64(True):
+        q, k, v = make_qkv(12, N=N)
+        out, lse = static_attention(q, k, v, i32(start), i32(end), i32(lengths), num_sink=num_sink, window=window)
+    assert (out.dtype, lse.dtype) == (np.float32, np.float32)
+    pos = np.arange(N)
+    keep = np.zeros((2, 4, N), bool)
+    for b in range(2):
+        tail_from = end[b] if window is None else max(end[b], lengths[b] - window)
+        keep[b] = (pos < min(start[b], num_sink)) | ((pos >= tail_from) & (pos < lengths[b]))
+    r_out, r_lse = ref.selected(q, k, v, keep)
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_static_attention_messages():
     q, k, v = make_qkv(2, N=6)
     n = i32([6, 6])
