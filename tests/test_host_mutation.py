@@ -375,6 +375,9 @@ def test_quest_pages_kept_by_hand():
     assert quest_pages_kept(0.25, n, 8).dtype == jnp.int32
     # every page of a range of 2^25 keys: ceil(2^25 / 8) in integers (2^25 + 7 is not a float32)
     np.testing.assert_array_equal(np.asarray(quest_pages_kept(1.0, jnp.asarray([1 << 25], jnp.int32), 8)), [1 << 22])
+    # and 2^25 - 1 tokens of them keep floor((2^25 - 1) / 8) pages (2^25 - 1 is not a float32 either)
+    np.testing.assert_array_equal(np.asarray(quest_pages_kept((1 << 25) - 1, jnp.asarray([1 << 25], jnp.int32), 8)),
+                                  [(1 << 22) - 1])
 
 
 def test_range_bounds_by_hand():
