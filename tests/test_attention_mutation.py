@@ -196,7 +196,7 @@ def test_static_attention_matches_float64(data, N, Hkv, seed):
     np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_sink,window", [(0, 0), (2, 3), (2, None)])
+@pytest.mark.parametrize("num_sink,window", [(0, 0), (2, 3), (2, None), (1, 1)])
 def test_static_attention_under_x64_stays_float32(num_sink, window):
     N, lengths, start, end = 10, [10, 7], [2, 2], [6, 4]
     with jax.enable_x64(True):
