@@ -196,6 +196,19 @@ def test_static_attention_matches_float64(data, N, Hkv, seed):
     np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_static_attention_window_past_the_row_start_reads_position_0():
+    # W >= lengths (the window covers the whole row) with W < N: the slice of W positions starts at
+    # 0, so position 0 is attended (a lower clip bound of 1 would drop it; static mutant 100).
+    N, lengths, start, end = 8, [5, 8], [0, 0], [0, 0]
+    q, k, v = make_qkv(21, N=N)
+    out, lse = static_attention(q, k, v, i32(start), i32(end), i32(lengths), num_sink=0, window=6)
+    pos = np.arange(N)
+    keep = np.stack([np.broadcast_to((pos >= max(0, n - 6)) & (pos < n), (4, N)) for n in lengths])
+    r_out, r_lse = ref.selected(q, k, v, keep)
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("num_sink,window", [(0, 0), (2, 3), (2, None), (1, 1)])
 def test_static_attention_under_x64_stays_float32(num_sink, window):
     N, lengths, start, end = 10, [10, 7], [2, 2], [6, 4]
