@@ -126,11 +126,17 @@ def test_generate_streams_says_where_it_runs_and_writes_strict_json(tmp_path):
     assert 100e6 < data["peak_rss_bytes"] < 20e9  # the process's peak resident memory, in bytes
 
 
+def _default_sigint():
+    # A suite started in the background (`cmd &` in a script) inherits SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler: give the CLI the terminal's default disposition.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_exits_130_with_one_line_and_the_partial_answer():
     # the embedded model: its 8K context leaves room for a long answer
     proc = subprocess.Popen([*CLI, "generate", "--prompt", "Tell me a long story.", "--attention", "dense",
                              "--max-new-tokens", "4000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_default_sigint)
     seen = ""
     while "=== answer with dense" not in seen:  # decoding has started
         line = proc.stdout.readline()
@@ -149,7 +155,7 @@ def test_ctrl_c_exits_130_with_one_line_and_the_partial_answer():
 def test_ctrl_c_during_prefill_exits_130_promptly():
     # the default document (about 6K tokens) takes seconds to prefill on any CPU
     proc = subprocess.Popen([*CLI, "generate", "--attention", "dense", "--max-new-tokens", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     seen = ""
     while "prefilling" not in seen:
         line = proc.stdout.readline()
