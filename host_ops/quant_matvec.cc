@@ -702,9 +702,24 @@ void PermuteQ6K(const float* x, int64_t nhalves, float* xp) {
   }
 }
 
+// Half h of a Q6_K super-block: d * sc of its eight 16-weight groups (gguf-py's float32
+// product), and in v every byte of its four groups, the nibble in bits 0-3 and its two high
+// bits in bits 4-5.
+AVX2_FN inline __m256 Q6KHalf(const uint8_t* blk, int h, __m256 d, __m128i sc16, __m256i v[4]) {
+  const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+  const __m256i qlb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+  v[0] = _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 4), m2));
+  v[1] = _mm256_or_si256(_mm256_and_si256(qlb, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 2), m2));
+  v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(ql, 4), m4), _mm256_and_si256(qh, m2));
+  v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(qlb, 4), m4),
+                         _mm256_and_si256(_mm256_srli_epi32(qh, 2), m2));
+  return _mm256_mul_ps(d, Cvt(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc16, 8) : sc16)));
+}
+
 AVX2_FN float DotQ6KAvx2Perm(const uint8_t* row, const float* xp, const float*, int64_t In) {
   const int64_t nb = In / kQKK;
-  const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
   __m256i pick[4], mask[4], off[4];  // per group g: the scales' lanes; per byte k: its mask and 32 << 8k
   for (int i = 0; i < 4; ++i) {
     pick[i] = _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
@@ -717,18 +732,8 @@ AVX2_FN float DotQ6KAvx2Perm(const uint8_t* row, const float* xp, const float*, 
     const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk + 208));
     const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
     for (int h = 0; h < 2; ++h) {
-      // d * sc of the half's eight 16-weight groups (gguf-py's float32 product)
-      const __m256 dsc = _mm256_mul_ps(d, Cvt(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc16, 8) : sc16)));
-      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
-      const __m256i qlb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-      // every byte of the four groups, nibble in bits 0-3 and its two high bits in bits 4-5
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 4), m2)),
-          _mm256_or_si256(_mm256_and_si256(qlb, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 2), m2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(ql, 4), m4), _mm256_and_si256(qh, m2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(qlb, 4), m4),
-                          _mm256_and_si256(_mm256_srli_epi32(qh, 2), m2))};
+      __m256i v[4];
+      const __m256 dsc = Q6KHalf(blk, h, d, sc16, v);
       const float* xh = xp + b * kQKK + 128 * h;
       for (int g = 0; g < 4; ++g) {
         const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick[g]);
@@ -931,7 +936,6 @@ AVX2_FN void DotQ8_0Avx2Tokens(const uint8_t* row, const float* x, int64_t In, i
 // Q6_K against T tokens (x permuted by PermuteQ6K): as DotQ6KAvx2Perm per token.
 AVX2_FN void DotQ6KAvx2Tokens(const uint8_t* row, const float* xp, int64_t In, int T, float* out) {
   const int64_t nb = In / kQKK;
-  const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
   __m256i pick[4], mask[4], off[4];
   for (int i = 0; i < 4; ++i) {
     pick[i] = _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
@@ -945,16 +949,8 @@ AVX2_FN void DotQ6KAvx2Tokens(const uint8_t* row, const float* xp, int64_t In, i
     const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk + 208));
     const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
     for (int h = 0; h < 2; ++h) {
-      const __m256 dsc = _mm256_mul_ps(d, Cvt(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(sc16, 8) : sc16)));
-      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
-      const __m256i qlb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-      const __m256i v[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 4), m2)),
-          _mm256_or_si256(_mm256_and_si256(qlb, m4), _mm256_and_si256(_mm256_slli_epi32(qh, 2), m2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(ql, 4), m4), _mm256_and_si256(qh, m2)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(qlb, 4), m4),
-                          _mm256_and_si256(_mm256_srli_epi32(qh, 2), m2))};
+      __m256i v[4];
+      const __m256 dsc = Q6KHalf(blk, h, d, sc16, v);
       for (int g = 0; g < 4; ++g) {
         const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick[g]);
         const __m256 f0 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[0]), off[0]));
