@@ -175,6 +175,19 @@ def test_shape_dtype_and_config_messages():
 # --- static --------------------------------------------------------------------------------
 
 
+def _assert_static_is_the_float64_selection(q, k, v, out, lse, start, end, lengths, num_sink, window):
+    """static_attention's result equals float64 attention over the sinks and the (windowed) tail."""
+    (B, Hq, _), N = q.shape, k.shape[2]
+    pos = np.arange(N)
+    keep = np.zeros((B, Hq, N), bool)
+    for b in range(B):
+        tail_from = end[b] if window is None else max(end[b], lengths[b] - window)
+        keep[b] = (pos < min(start[b], num_sink)) | ((pos >= tail_from) & (pos < lengths[b]))
+    r_out, r_lse = ref.selected(q, k, v, keep)
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+
+
 @settings(max_examples=40)
 @given(data=st.data(), N=st.integers(1, 12), Hkv=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_static_attention_matches_float64(data, N, Hkv, seed):
@@ -186,14 +199,7 @@ def test_static_attention_matches_float64(data, N, Hkv, seed):
     window = data.draw(st.one_of(st.none(), st.integers(0, N + 2)))
     q, k, v = make_qkv(seed, B=B, Hq=Hq, Hkv=Hkv, N=N, D=4, scale=2.0)
     out, lse = static_attention(q, k, v, i32(start), i32(end), i32(lengths), num_sink=num_sink, window=window)
-    pos = np.arange(N)
-    keep = np.zeros((B, Hq, N), bool)
-    for b in range(B):
-        tail_from = end[b] if window is None else max(end[b], lengths[b] - window)
-        keep[b] = (pos < min(start[b], num_sink)) | ((pos >= tail_from) & (pos < lengths[b]))
-    r_out, r_lse = ref.selected(q, k, v, keep)
-    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+    _assert_static_is_the_float64_selection(q, k, v, out, lse, start, end, lengths, num_sink, window)
 
 
 def test_static_attention_window_past_the_row_start_reads_position_0():
@@ -202,11 +208,7 @@ def test_static_attention_window_past_the_row_start_reads_position_0():
     N, lengths, start, end = 8, [5, 8], [0, 0], [0, 0]
     q, k, v = make_qkv(21, N=N)
     out, lse = static_attention(q, k, v, i32(start), i32(end), i32(lengths), num_sink=0, window=6)
-    pos = np.arange(N)
-    keep = np.stack([np.broadcast_to((pos >= max(0, n - 6)) & (pos < n), (4, N)) for n in lengths])
-    r_out, r_lse = ref.selected(q, k, v, keep)
-    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+    _assert_static_is_the_float64_selection(q, k, v, out, lse, start, end, lengths, 0, 6)
 
 
 @pytest.mark.parametrize("num_sink,window", [(0, 0), (2, 3), (2, None), (1, 1)])
@@ -216,14 +218,7 @@ def test_static_attention_under_x64_stays_float32(num_sink, window):
         q, k, v = make_qkv(12, N=N)
         out, lse = static_attention(q, k, v, i32(start), i32(end), i32(lengths), num_sink=num_sink, window=window)
     assert (out.dtype, lse.dtype) == (np.float32, np.float32)
-    pos = np.arange(N)
-    keep = np.zeros((2, 4, N), bool)
-    for b in range(2):
-        tail_from = end[b] if window is None else max(end[b], lengths[b] - window)
-        keep[b] = (pos < min(start[b], num_sink)) | ((pos >= tail_from) & (pos < lengths[b]))
-    r_out, r_lse = ref.selected(q, k, v, keep)
-    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+    _assert_static_is_the_float64_selection(q, k, v, out, lse, start, end, lengths, num_sink, window)
 
 
 def test_static_attention_messages():
