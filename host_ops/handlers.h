@@ -8,9 +8,9 @@
 
 namespace magicpig {
 
-constexpr int kMaxK = 16;             // bucket offsets are 2^K + 1 int32 per chunk and table
+constexpr int kMaxK = 16;             // bucket offsets are 2^K + 1 uint16 per chunk and table
 constexpr int64_t kMaxL = 4096;       // tables
-constexpr int64_t kMaxChunk = 65536;  // positions per chunk (uint16 token ids)
+constexpr int64_t kMaxChunk = 65535;  // positions per chunk (uint16 token ids and bucket offsets)
 
 }  // namespace magicpig
 

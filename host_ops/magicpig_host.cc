@@ -6,12 +6,13 @@
 //
 // Index layout (all plain XLA buffers, no global state; see magicpig_jax/host/index.py):
 //   ids      uint16 [B, Hkv, NC, L, CH]   per chunk and table, token ids (pos - c*CH) sorted by bucket
-//   offsets  int32  [B, Hkv, NC, L, 2^K+1] bucket starts; offsets[..., 2^K] = tokens in the chunk
+//   offsets  uint16 [B, Hkv, NC, L, 2^K+1] bucket starts; offsets[..., 2^K] = tokens in the chunk
 //   open     uint16 [B, Hkv, L, OPEN]      codes of the open (unsorted) chunk, scanned linearly
 //   bounds   int32  [B, 3]                 (start, end, sealed_end): hashed range [start, end);
 //                                          [start, sealed_end) is in the sorted chunks and
 //                                          [sealed_end, end) in the open chunk (end - sealed <= OPEN)
-// Chunk c covers the positions [c*CH, (c+1)*CH), CH <= 65536, so ids fit in 16 bits.
+// Chunk c covers the positions [c*CH, (c+1)*CH), CH <= 65535, so the ids and the bucket offsets
+// (at most CH, the tokens in a full chunk) fit in 16 bits.
 //
 // Every handler re-validates shapes, dtypes and the data it dereferences and returns an
 // ffi::Error instead of crashing or reading out of bounds.
@@ -292,12 +293,12 @@ ffi::Error IndexGeometry(int64_t K, ffi::Span<const int64_t> ids, ffi::Span<cons
     return InvalidArg("L must be in [2, " + std::to_string(kMaxL) + "], got L=" + std::to_string(g->L));
   }
   if (g->CH < 1 || g->CH > kMaxChunk) {
-    return InvalidArg("chunk size must be in [1, 65536], got " + std::to_string(g->CH));
+    return InvalidArg("chunk size must be in [1, " + std::to_string(kMaxChunk) + "], got " + std::to_string(g->CH));
   }
   if (g->NC * g->CH > INT32_MAX) return InvalidArg("index capacity exceeds int32 positions");
   if (offsets.size() != 5 || offsets[0] != g->B || offsets[1] != g->Hkv || offsets[2] != g->NC ||
       offsets[3] != g->L || offsets[4] != g->NB) {
-    return InvalidArg("offsets must be int32 [B, Hkv, NC, L, 2^K+1] = [" + std::to_string(g->B) + ", " +
+    return InvalidArg("offsets must be uint16 [B, Hkv, NC, L, 2^K+1] = [" + std::to_string(g->B) + ", " +
                       std::to_string(g->Hkv) + ", " + std::to_string(g->NC) + ", " +
                       std::to_string(g->L) + ", " + std::to_string(g->NB) + "], got " + Shape(offsets));
   }
@@ -326,11 +327,11 @@ ffi::Error CheckBounds(const Geometry& g, int64_t b, int32_t start, int32_t end,
 // into the chunk's tables by counting sort.
 template <typename CodeFn>
 void SortChunk(const Geometry& g, int64_t c, int64_t lo, int64_t hi, CodeFn code, uint16_t* ids,
-               int32_t* offsets) {
+               uint16_t* offsets) {
   const int64_t nb = g.NB - 1;
   const int64_t n = std::max<int64_t>(0, hi - lo);
   for (int64_t l = 0; l < g.L; ++l) {
-    int32_t* off = offsets + l * g.NB;
+    uint16_t* off = offsets + l * g.NB;
     uint16_t* out = ids + l * g.CH;
     std::fill(off, off + g.NB, 0);
     for (int64_t p = lo; p < hi; ++p) off[code(p, l) + 1]++;
@@ -349,7 +350,7 @@ void SortChunk(const Geometry& g, int64_t c, int64_t lo, int64_t hi, CodeFn code
 
 ffi::Future BuildImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> codes, ffi::Buffer<ffi::S32> start,
                       ffi::Buffer<ffi::S32> end, ffi::Result<ffi::Buffer<ffi::U16>> ids,
-                      ffi::Result<ffi::Buffer<ffi::S32>> offsets, ffi::Result<ffi::Buffer<ffi::U16>> open,
+                      ffi::Result<ffi::Buffer<ffi::U16>> offsets, ffi::Result<ffi::Buffer<ffi::U16>> open,
                       ffi::Result<ffi::Buffer<ffi::S32>> bounds, int64_t K, int64_t max_threads) {
   Geometry g;
   if (auto e = IndexGeometry(K, ids->dimensions(), offsets->dimensions(), open->dimensions(),
@@ -400,7 +401,7 @@ ffi::Future BuildImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> codes, ffi::Bu
   }
   std::memset(open->untyped_data(), 0, open->size_bytes());
   uint16_t* ids_p = ids->typed_data();
-  int32_t* off_p = offsets->typed_data();
+  uint16_t* off_p = offsets->typed_data();
   const uint32_t* codes_p = codes.typed_data();
   return RunParallel(pool, g.B * g.Hkv * g.NC, max_threads,
                      [=](int64_t item) -> ffi::Error {
@@ -421,7 +422,7 @@ ffi::Future BuildImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> codes, ffi::Bu
 
 // Insert the open chunk's tokens (positions [sealed, sealed + n)) into the sorted chunks.
 void MergeOpen(const Geometry& g, int64_t sealed, int64_t n, const uint16_t* open, uint16_t* ids_bh,
-               int32_t* off_bh, std::vector<uint32_t>& scratch) {
+               uint16_t* off_bh, std::vector<uint32_t>& scratch) {
   int64_t p = sealed;
   while (p < sealed + n) {
     const int64_t c = p / g.CH;
@@ -435,14 +436,14 @@ void MergeOpen(const Geometry& g, int64_t sealed, int64_t n, const uint16_t* ope
         scratch[i] = (static_cast<uint32_t>(orow[i]) << 16) | static_cast<uint32_t>(p + i - c * g.CH);
       }
       std::sort(scratch.begin(), scratch.end());
-      int32_t* off = off_bh + (c * g.L + l) * g.NB;
+      uint16_t* off = off_bh + (c * g.L + l) * g.NB;
       uint16_t* lst = ids_bh + (c * g.L + l) * g.CH;
       const int64_t nb = g.NB - 1;
       const int64_t old_count = off[nb];
       int64_t w = old_count + m;  // write pointer (exclusive)
       int64_t j = m - 1;
       int64_t old_hi = old_count;  // old start of bucket bk + 1
-      off[nb] = static_cast<int32_t>(w);
+      off[nb] = static_cast<uint16_t>(w);
       for (int64_t bk = nb - 1; bk >= 0 && j >= 0; --bk) {
         while (j >= 0 && static_cast<int64_t>(scratch[j] >> 16) == bk) {
           lst[--w] = static_cast<uint16_t>(scratch[j] & 0xFFFFu);
@@ -452,7 +453,7 @@ void MergeOpen(const Geometry& g, int64_t sealed, int64_t n, const uint16_t* ope
         const int64_t len = old_hi - old_lo;
         w -= len;
         if (w != old_lo && len > 0) std::memmove(lst + w, lst + old_lo, len * sizeof(uint16_t));
-        off[bk] = static_cast<int32_t>(w);
+        off[bk] = static_cast<uint16_t>(w);
         old_hi = old_lo;
       }
     }
@@ -460,10 +461,10 @@ void MergeOpen(const Geometry& g, int64_t sealed, int64_t n, const uint16_t* ope
   }
 }
 
-ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::Buffer<ffi::S32> off_in,
+ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::Buffer<ffi::U16> off_in,
                        ffi::Buffer<ffi::U16> open_in, ffi::Buffer<ffi::S32> bounds_in,
                        ffi::Buffer<ffi::U32> codes, ffi::Buffer<ffi::S32> counts,
-                       ffi::Result<ffi::Buffer<ffi::U16>> ids, ffi::Result<ffi::Buffer<ffi::S32>> offsets,
+                       ffi::Result<ffi::Buffer<ffi::U16>> ids, ffi::Result<ffi::Buffer<ffi::U16>> offsets,
                        ffi::Result<ffi::Buffer<ffi::U16>> open, ffi::Result<ffi::Buffer<ffi::S32>> bounds,
                        int64_t K, int64_t max_threads) {
   Geometry g;
@@ -525,7 +526,7 @@ ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::
   copy_if(open->untyped_data(), open_in.untyped_data(), open_in.size_bytes());
   std::memcpy(bounds->typed_data(), new_b.data(), 3 * g.B * sizeof(int32_t));
   uint16_t* ids_p = ids->typed_data();
-  int32_t* off_p = offsets->typed_data();
+  uint16_t* off_p = offsets->typed_data();
   uint16_t* open_p = open->typed_data();
   const uint32_t* codes_p = codes.typed_data();
   return RunParallel(pool, g.B * g.Hkv, max_threads,
@@ -535,7 +536,7 @@ ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::
                        int64_t o = old_b[3 * b + 1] - se;
                        uint16_t* ob = open_p + bh * g.L * g.OPEN;
                        uint16_t* idb = ids_p + bh * g.NC * g.L * g.CH;
-                       int32_t* offb = off_p + bh * g.NC * g.L * g.NB;
+                       uint16_t* offb = off_p + bh * g.NC * g.L * g.NB;
                        std::vector<uint32_t> scratch;
                        for (int64_t i = 0; i < cnt[b]; ++i) {
                          if (o == g.OPEN) {
@@ -595,7 +596,7 @@ struct AttendArgs {
   const void* k = nullptr;           // [B, Hkv, Nmax, D] float32, or bfloat16 as uint16
   const void* v = nullptr;           // as k
   const uint16_t* ids = nullptr;     // [B, Hkv, NC, L, CH]
-  const int32_t* offsets = nullptr;  // [B, Hkv, NC, L, 2^K+1]
+  const uint16_t* offsets = nullptr; // [B, Hkv, NC, L, 2^K+1]
   const uint16_t* open = nullptr;    // [B, Hkv, L, OPEN]
   const int32_t* bounds = nullptr;   // [B, 3]
   const float* mean = nullptr;       // [B, Hkv, D]
@@ -629,16 +630,16 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
   const int64_t sealed_hi = std::min({sealed, len, phi});
   for (int64_t c = 0; c < g.NC; ++c) {
     if (c * g.CH >= sealed_hi || (c + 1) * g.CH <= start) continue;
-    const int32_t* offc = a.offsets + (bh * g.NC + c) * g.L * g.NB;
+    const uint16_t* offc = a.offsets + (bh * g.NC + c) * g.L * g.NB;
     const uint16_t* idc = a.ids + (bh * g.NC + c) * g.L * g.CH;
     // The L bucket ranges sit at random places in memory: request them all first, then read
     // and check them, requesting the first lines of each bucket for the walk.
     for (int64_t l = 0; l < g.L; ++l) __builtin_prefetch(offc + l * g.NB + qc[l]);
     int32_t* rng = s.range.data();
     for (int64_t l = 0; l < g.L; ++l) {
-      const int32_t* off = offc + l * g.NB;
+      const uint16_t* off = offc + l * g.NB;
       const int64_t lo = off[qc[l]], hi = off[qc[l] + 1], total = off[nb];
-      if (!(0 <= lo && lo <= hi && hi <= total && total <= g.CH)) {
+      if (!(lo <= hi && hi <= total && total <= g.CH)) {
         return InvalidArg("corrupt index offsets (row " + std::to_string(b) + ", KV head " +
                           std::to_string(h) + ", chunk " + std::to_string(c) + ")");
       }
@@ -890,7 +891,7 @@ void MergePieces(int64_t P, int64_t D, const float* o, const float* lse, const i
 
 ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U32> q_codes,
                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::U16> ids,
-                          ffi::Buffer<ffi::S32> offsets, ffi::Buffer<ffi::U16> open,
+                          ffi::Buffer<ffi::U16> offsets, ffi::Buffer<ffi::U16> open,
                           ffi::Buffer<ffi::S32> bounds, ffi::Buffer<ffi::F32> mean,
                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::U32> table,
                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
@@ -1059,7 +1060,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigBuild, BuildImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U16>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U16>>()
                                   .Ret<ffi::Buffer<ffi::U16>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("K")
@@ -1069,13 +1070,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAppend, AppendImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::U16>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::U16>>()
                                   .Ret<ffi::Buffer<ffi::U16>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("K")
@@ -1089,7 +1090,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAttention, AttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

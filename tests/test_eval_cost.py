@@ -39,7 +39,7 @@ def test_each_method_by_its_formula():
     used = 0.1 * n * Hq
     mp = _bytes("magicpig")
     assert mp["k"] == pytest.approx(dense_layer + 3 * (static + used * D * e))
-    assert mp["index"] == pytest.approx(3 * Hq * 20 * (8 + 2 * m / 16))
+    assert mp["index"] == pytest.approx(3 * Hq * 20 * (4 + 2 * m / 16))
     tk = _bytes("topk")
     assert tk["k"] == pytest.approx(dense_layer + 3 * (static + m * Hkv * D * e))
     assert tk["v"] == pytest.approx(dense_layer + 3 * (static + used * D * e))
@@ -47,7 +47,7 @@ def test_each_method_by_its_formula():
     assert qu["pages"] == pytest.approx(3 * 2 * math.ceil(m / 16) * Hkv * D * 4)
     assert _bytes("hybrid") == mp and _bytes("oracle")["k"] == tk["k"]
     per_layer = _bytes("magicpig", layer_kl={1: (4, 20), 2: (8, 100), 3: (4, 20)})
-    assert per_layer["index"] == pytest.approx(2 * Hq * 20 * (8 + 2 * m / 16) + Hq * 100 * (8 + 2 * m / 256))
+    assert per_layer["index"] == pytest.approx(2 * Hq * 20 * (4 + 2 * m / 16) + Hq * 100 * (4 + 2 * m / 256))
     with pytest.raises(ValueError):
         _bytes("flash")
     with pytest.raises(ValueError, match="K and L"):

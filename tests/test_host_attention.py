@@ -1,8 +1,8 @@
 """magicpig_jax.host.attention: the sampled-attention op at the edges the fuzz does not reach.
 
 * the per-thread stamp epoch wraps between two query heads (a stale stamp must never count);
-* the paper's setting (K=10, L=150, D=64 and 128) over a full 65,536-position chunk and past it
-  (N = 65,536, 70,000 and 131,073), against the pure-JAX reference;
+* the paper's setting (K=10, L=150, D=64 and 128) over a full 65,535-position chunk and past it
+  (N = 65,535, 70,000 and 131,071), against the pure-JAX reference;
 * the op reads only the K/V rows it selects (NaN elsewhere leaves the result unchanged).
 """
 
@@ -81,9 +81,9 @@ def _reference(q, k, v, index, lengths, cfg):
 @pytest.mark.parametrize(
     "N,D,chunk_size,chunks",
     [
-        (65_536, 128, None, (1, 65_536)),  # one full chunk: ids 0 .. 65535 use every uint16
+        (65_535, 128, None, (1, 65_535)),  # one full chunk: its count 65535 is the largest uint16 offset
         (70_000, 64, None, (2, 35_000)),  # past one chunk: two balanced chunks
-        (131_073, 64, 65_536, (3, 65_536)),  # two full chunks and one position in a third
+        (131_071, 64, 65_535, (3, 65_535)),  # two full chunks and one position in a third
     ],
 )
 def test_paper_setting_over_full_chunks_matches_reference(N, D, chunk_size, chunks):
@@ -116,6 +116,33 @@ def test_paper_setting_over_full_chunks_matches_reference(N, D, chunk_size, chun
         np.testing.assert_array_equal(np.asarray(mask), mask_r)
         np.testing.assert_allclose(np.asarray(lse), lse_r, rtol=0, atol=1e-5 * max(1.0, np.abs(lse_r).max()))
         np.testing.assert_allclose(np.asarray(out), out_r, rtol=0, atol=1e-5 * max(1.0, np.abs(out_r).max()))
+
+
+def test_one_bucket_holding_a_full_chunk():
+    # Every key of a full 65,535-position chunk in one bucket of each table: the bucket starts
+    # are uint16, and this chunk's are [0, 65535, 65535, 65535, 65535] (the largest count a
+    # chunk can have). Identical keys center to the zero vector (code 0 in both tables with the
+    # identity projections), the query's codes are 0 too, so every key is sampled, each with the
+    # same u; the estimate is then the u-weighted mean of V, checked in float64.
+    K, L, D, N = 2, 2, 4, 65_535
+    cfg = MagicPIGConfig(K=K, L=L, num_sink=0, num_local=0)
+    rng = np.random.default_rng(1)
+    # values whose float32 sums stay exact, so the mean is the key itself and it centers to zero
+    k = jnp.asarray(np.broadcast_to([1.0, -2.0, 0.5, 3.0], (1, 1, N, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 1, N, D)), jnp.float32)
+    q = jnp.asarray([[[-1.0, -2.0, -0.5, -1.5]]], jnp.float32)
+    lengths = jnp.asarray([N], jnp.int32)
+    hidx = host.host_build_index(k, jnp.eye(D, dtype=jnp.float32), cfg, lengths)
+    assert hidx.offsets.dtype == jnp.uint16 and hidx.ids.shape[2:] == (1, L, N)
+    np.testing.assert_array_equal(np.asarray(hidx.offsets[0, 0, 0]), [[0, N, N, N, N]] * L)
+    for impl in IMPLS:
+        out, lse, ns = host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, impl=impl)
+        assert int(ns[0, 0]) == N
+        # equal scores and equal u: the weights cancel, out is the mean of V (float64)
+        np.testing.assert_allclose(np.asarray(out[0, 0]), np.asarray(v, np.float64)[0, 0].mean(0), rtol=0, atol=1e-5)
+        score = float(np.asarray(k, np.float64)[0, 0, 0] @ np.asarray(q, np.float64)[0, 0]) / np.sqrt(D)
+        log_u = 2 * np.log(0.5**K)  # zero-vector key: cosine 0, p = 1/2 per bit, collide in both tables
+        assert abs(float(lse[0, 0]) - (score + np.log(N) - log_u)) < 1e-4
 
 
 @pytest.mark.parametrize("impl", IMPLS)

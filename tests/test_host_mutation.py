@@ -158,7 +158,7 @@ def test_check_kv_dtypes_pairs_and_message():
 def _index(B=2, Hkv=3, NC=2, L=4, CH=5, K=2, OPEN=6, D=8, **replace):
     fields = dict(
         ids=jnp.zeros((B, Hkv, NC, L, CH), jnp.uint16),
-        offsets=jnp.zeros((B, Hkv, NC, L, (1 << K) + 1), jnp.int32),
+        offsets=jnp.zeros((B, Hkv, NC, L, (1 << K) + 1), jnp.uint16),
         open_codes=jnp.zeros((B, Hkv, L, OPEN), jnp.uint16),
         bounds=jnp.zeros((B, 3), jnp.int32),
         mean=jnp.zeros((B, Hkv, D), jnp.float32),
@@ -180,7 +180,7 @@ def test_check_index_names_each_buffer():
     bad = {
         "ids": (jnp.zeros((2, 3, 2, 4, 5), jnp.int32), "index.ids must be uint16 [2, 3, 2, 4, 5], got int32 "
                 "[2, 3, 2, 4, 5]"),
-        "offsets": (jnp.zeros((2, 3, 2, 4, 4), jnp.int32), "index.offsets must be int32 [2, 3, 2, 4, 5], got int32 "
+        "offsets": (jnp.zeros((2, 3, 2, 4, 4), jnp.uint16), "index.offsets must be uint16 [2, 3, 2, 4, 5], got uint16 "
                     "[2, 3, 2, 4, 4]"),
         "open_codes": (jnp.zeros((2, 3, 5, 6), jnp.uint16), "index.open_codes must be uint16 [2, 3, 4, 6], got "
                        "uint16 [2, 3, 5, 6]"),
@@ -192,6 +192,10 @@ def test_check_index_names_each_buffer():
     for name, (value, message) in bad.items():
         with pytest.raises(ValueError, match=_exact(message)):
             validate.check_index(_index(**{name: value}), cfg, 2, 3, 8)
+    # the old int32 offsets of the right shape are refused by their dtype
+    message = "index.offsets must be uint16 [2, 3, 2, 4, 5], got int32 [2, 3, 2, 4, 5]"
+    with pytest.raises(ValueError, match=_exact(message)):
+        validate.check_index(_index(offsets=jnp.zeros((2, 3, 2, 4, 5), jnp.int32)), cfg, 2, 3, 8)
     # the caller's B, Hkv and D are each checked
     for B, Hkv, D in ((1, 3, 8), (2, 2, 8), (2, 3, 7)):
         with pytest.raises(ValueError, match="^index\\."):
@@ -202,9 +206,9 @@ def test_check_index_names_each_buffer():
 
 
 def test_chunk_geometry_by_hand():
-    assert MAX_CHUNK == 65536 and DEFAULT_OPEN_CAPACITY == 512
-    cases = {0: (0, 1), -3: (0, 1), 1: (1, 1), 65535: (1, 65535), 65536: (1, 65536), 65537: (2, 32769),
-             131072: (2, 65536), 131073: (3, 43691), 200000: (4, 50000)}
+    assert MAX_CHUNK == 65535 and DEFAULT_OPEN_CAPACITY == 512  # a full chunk's count fits the uint16 offsets
+    cases = {0: (0, 1), -3: (0, 1), 1: (1, 1), 65535: (1, 65535), 65536: (2, 32768), 65537: (2, 32769),
+             131070: (2, 65535), 131071: (3, 43691), 131073: (3, 43691), 200000: (4, 50000)}
     for capacity, expect in cases.items():
         assert chunk_geometry(capacity) == expect, capacity
     assert chunk_geometry(10, 3) == (4, 3)
@@ -224,7 +228,7 @@ def test_chunk_geometry_covers_capacity_with_fewest_balanced_chunks(capacity):
 def test_index_bytes_and_properties():
     idx = _index(B=2, Hkv=3, NC=2, L=4, CH=5, K=2, OPEN=6, D=8)
     ids = 2 * 3 * 2 * 4 * 5 * 2
-    offsets = 2 * 3 * 2 * 4 * 5 * 4
+    offsets = 2 * 3 * 2 * 4 * 5 * 2
     open_codes = 2 * 3 * 4 * 6 * 2
     bounds = 2 * 3 * 4
     assert index_nbytes(idx) == ids + offsets + open_codes + bounds

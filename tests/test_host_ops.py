@@ -326,7 +326,7 @@ def test_op_rejects_corrupt_or_mismatched_buffers():
     bad = dataclasses.replace(hidx, bounds=hidx.bounds.at[0, 1].set(10_000))
     with pytest.raises(Exception, match="corrupt index bounds"):
         run(bad)
-    bad = dataclasses.replace(hidx, offsets=hidx.offsets.at[0, 0, 0, :, 1:].set(1 << 20))
+    bad = dataclasses.replace(hidx, offsets=hidx.offsets.at[0, 0, 0, :, 1:].set(60_000))
     with pytest.raises(Exception, match="corrupt index offsets"):
         run(bad)
     with pytest.raises(Exception, match="query code"):
@@ -335,7 +335,7 @@ def test_op_rejects_corrupt_or_mismatched_buffers():
     ri = build_lsh_index(k, proj, cfg, lens)
     types = (
         jax.ShapeDtypeStruct(hidx.ids.shape, jnp.uint16),
-        jax.ShapeDtypeStruct(hidx.offsets.shape, jnp.int32),
+        jax.ShapeDtypeStruct(hidx.offsets.shape, jnp.uint16),
         jax.ShapeDtypeStruct(hidx.open_codes.shape, jnp.uint16),
         jax.ShapeDtypeStruct(hidx.bounds.shape, jnp.int32),
     )

@@ -99,11 +99,11 @@ def test_cli_bench_attention_reports_what_its_shapes_imply(tmp_path):
          cwd=tmp_path)
     (r,) = json.loads((tmp_path / "runs" / "ba.json").read_text())["results"]
     assert (r["shape"], r["N"], r["K"], r["L"], r["Hq"], r["Hkv"], r["D"]) == ("smollm2-135m", 2048, 10, 150, 9, 3, 64)
-    # bf16 K and V rows: 2 * D * 2 bytes; the index: 2L (ids) + 4L(2^K + 1)/CH (offsets) + 2L*OPEN/C per token
+    # bf16 K and V rows: 2 * D * 2 bytes; the index: 2L (ids) + 2L(2^K + 1)/CH (offsets) + 2L*OPEN/C per token
     # with one chunk CH = C = 2048 and the open chunk of 512 (docs/host_op.md), plus the 12 bytes of bounds
     assert r["kv_bytes_per_token_per_kv_head"] == 256
     L, K, C = 150, 10, 2048
-    per_token = 2 * L + 4 * L * (2**K + 1) / C + 2 * L * 512 / C + 12 / (C * 3)
+    per_token = 2 * L + 2 * L * (2**K + 1) / C + 2 * L * 512 / C + 12 / (C * 3)
     assert r["index_bytes_per_token_per_kv_head"] == pytest.approx(per_token, rel=1e-9)
     assert r["index_to_kv_ratio"] == pytest.approx(r["index_bytes_per_token_per_kv_head"] / 256)
     hashed = 2048 - 4 - 64

@@ -18,8 +18,8 @@ tail) and ``m = n - s`` the middle (hashed) range, and ``c_h`` the keys a query 
 dense layer           K and V of every key: ``2 n Hkv D e``
 static set (sparse)   K and V of the static keys: ``2 s Hkv D e``
 MagicPIG, hybrid      K and V of each head's sampled rows ``2 D e sum_h c_h``; index: per query
-                      head and table two int32 bucket offsets and the bucket's uint16 ids,
-                      ``Hq L (8 + 2 m / 2^K)`` (buckets of the expected uniform size ``m/2^K``)
+                      head and table two uint16 bucket offsets and the bucket's uint16 ids,
+                      ``Hq L (4 + 2 m / 2^K)`` (buckets of the expected uniform size ``m/2^K``)
 TopK                  K of the whole middle range once per KV head ``m Hkv D e`` (every key is
                       scored), V of each head's kept rows ``D e sum_h c_h``
 Quest                 page bounds ``2 P Hkv D 4`` (float32 min and max, ``P = ceil(m / page)``),
@@ -116,7 +116,7 @@ def step_bytes(backend: str, *, num_layers: int, num_heads: int, num_kv_heads: i
                 raise ValueError(f"{backend}: K and L are needed for layer {layer}")
             out["k"] += used * D * e
             out["v"] += used * D * e
-            out["index"] += Hq * tables * (8 + 2 * m / 2**k_bits)
+            out["index"] += Hq * tables * (4 + 2 * m / 2**k_bits)
         elif backend == "topk":
             out["k"] += m * Hkv * D * e
             out["v"] += used * D * e

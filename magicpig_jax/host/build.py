@@ -54,10 +54,10 @@ def host_build_index(
         ``[0, N]`` raise.
       capacity: positions the index must hold, including later appends
         (default N; must be in ``[N, 2^31 - 1]``).
-      open_capacity: size of the open chunk, ``[1, 65536]`` (default 512).
+      open_capacity: size of the open chunk, ``[1, 65535]`` (default 512).
       max_threads: cap on worker threads (0 = XLA's intra-op pool size).
-      chunk_size: positions per chunk, ``[1, 65536]`` (default: balanced chunks of
-        at most 65536).
+      chunk_size: positions per chunk, ``[1, 65535]`` (default: balanced chunks of
+        at most 65535).
 
     Returns:
       A :class:`HostIndex`.
@@ -89,7 +89,7 @@ def host_build_index(
     nbk = (1 << config.K) + 1
     out_types = (
         jax.ShapeDtypeStruct((B, Hkv, nc, config.L, ch), jnp.uint16),
-        jax.ShapeDtypeStruct((B, Hkv, nc, config.L, nbk), jnp.int32),
+        jax.ShapeDtypeStruct((B, Hkv, nc, config.L, nbk), jnp.uint16),
         jax.ShapeDtypeStruct((B, Hkv, config.L, open_capacity), jnp.uint16),
         jax.ShapeDtypeStruct((B, 3), jnp.int32),
     )
@@ -230,7 +230,7 @@ def host_append(
     codes = host_key_codes(index, k_new)
     out_types = (
         jax.ShapeDtypeStruct(index.ids.shape, jnp.uint16),
-        jax.ShapeDtypeStruct(index.offsets.shape, jnp.int32),
+        jax.ShapeDtypeStruct(index.offsets.shape, jnp.uint16),
         jax.ShapeDtypeStruct(index.open_codes.shape, jnp.uint16),
         jax.ShapeDtypeStruct(index.bounds.shape, jnp.int32),
     )

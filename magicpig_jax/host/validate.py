@@ -87,7 +87,7 @@ def check_index(index: HostIndex, config: MagicPIGConfig, B: int, Hkv: int, D: i
     nc, ch = index.ids.shape[2], index.ids.shape[4]
     expect = {
         "ids": ((B, Hkv, nc, config.L, ch), jnp.uint16),
-        "offsets": ((B, Hkv, nc, config.L, (1 << config.K) + 1), jnp.int32),
+        "offsets": ((B, Hkv, nc, config.L, (1 << config.K) + 1), jnp.uint16),
         "open_codes": ((B, Hkv, config.L, index.open_codes.shape[-1]), jnp.uint16),
         "bounds": ((B, 3), jnp.int32),
         "mean": ((B, Hkv, D), jnp.float32),
