@@ -392,3 +392,350 @@ def test_range_bounds_by_hand():
     s, e = range_bounds(3, 10, jnp.asarray([4, 12, 7]), jnp.asarray([6, -1, 3]))
     np.testing.assert_array_equal(np.asarray(s), [6, 0, 3])
     np.testing.assert_array_equal(np.asarray(e), [6, 10, 7])  # end >= start
+
+
+# -- attention (the op called directly, and the decode step) ---------------------------------------
+
+
+def _np_codes(x: np.ndarray, proj: np.ndarray, K: int, L: int) -> np.ndarray:
+    """float64 SimHash codes ``[..., L]``: bit j of table l is ``x . proj[:, l*K + j] > 0``."""
+    bits = (x @ proj > 0).reshape(*x.shape[:-1], L, K)
+    return (bits * (1 << np.arange(K))).sum(-1).astype(np.uint32)
+
+
+def _np_sampled_attention(q, q_codes, k, v, hidx, lengths, K, L, window, sinks):
+    """float64 NumPy of the op's contract: ``(out, lse, num_sampled, mask)``.
+
+    Keys of ``[start, end)`` (and ``< lengths``) whose centered code equals the query's in >= 2
+    tables: logit ``q.k/sqrt(D) - max(log u, LOG_U_FLOOR)`` (u: SciPy's binomial tail of
+    ``p^K``, ``p = 1 - arccos(cos(q, k - mean))/pi``); keys of ``[end, lengths - window)``
+    exact; the sinks ``[0, start)`` exact when ``sinks``.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    mean = np.asarray(hidx.mean, np.float64)
+    proj = np.asarray(hidx.projections, np.float64)
+    start, end = np.asarray(hidx.start), np.asarray(hidx.end)
+    B, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    out, lse = np.zeros((B, Hq, D)), np.full((B, Hq), -np.inf)
+    num, mask = np.zeros((B, Hq), np.int64), np.zeros((B, Hq, N), bool)
+    for b in range(B):
+        n = int(lengths[b])
+        for h in range(Hq):
+            kh, vh = k[b, h // G], v[b, h // G]
+            kc = kh - mean[b, h // G]
+            logits = kh @ q[b, h] / math.sqrt(D)
+            hits = (_np_codes(kc, proj, K, L) == np.asarray(q_codes)[b, h]).sum(-1)
+            pos = np.arange(N)
+            sampled = (pos >= start[b]) & (pos < end[b]) & (pos < n) & (hits >= 2)
+            cos = kc @ q[b, h] / (np.linalg.norm(kc, axis=-1) * np.linalg.norm(q[b, h]))
+            p = 1.0 - np.arccos(np.clip(cos, -1.0, 1.0)) / math.pi
+            with np.errstate(divide="ignore"):
+                log_u = np.maximum(np.log(stats.binom.sf(1, L, p**K)), LOG_U_FLOOR)
+            exact = (pos >= end[b]) & (pos < n - window)
+            if sinks:
+                exact |= pos < start[b]
+            keep = sampled | exact
+            if keep.any():
+                x = np.where(sampled, logits - log_u, logits)[keep]
+                m = x.max()
+                e = np.exp(x - m)
+                out[b, h] = e @ vh[keep] / e.sum()
+                lse[b, h] = m + math.log(e.sum())
+            num[b, h], mask[b, h] = sampled.sum(), sampled
+    return out, lse, num, mask
+
+
+def _sampled_case():
+    # two rows (lengths 40 and 29 of N = 40), GQA 4 / 2, K = 2, L = 6: most hashed keys collide in 2 tables
+    cfg = MagicPIGConfig(K=2, L=6, num_sink=3, num_local=4)
+    rng = np.random.default_rng(11)
+    q = rng.normal(size=(2, 4, 8)).astype(np.float32)
+    k = (rng.normal(size=(2, 2, 40, 8)) + 0.5).astype(np.float32)
+    v = rng.normal(size=(2, 2, 40, 8)).astype(np.float32)
+    proj = rng.normal(size=(8, 12)).astype(np.float32)
+    build_lengths = np.array([33, 22], np.int32)  # keys appended after the build: [end, lengths) is unhashed
+    hidx = host.host_build_index(jnp.asarray(k), jnp.asarray(proj), cfg, jnp.asarray(build_lengths), chunk_size=16)
+    q_codes = _np_codes(q.astype(np.float64), np.asarray(hidx.projections, np.float64), 2, 6)
+    return cfg, q, q_codes, k, v, hidx, np.array([40, 29], np.int32)
+
+
+def _assert_matches(got, ref, tol=2e-5):
+    out, lse, ns = (np.asarray(x) for x in got[:3])
+    assert out.dtype == np.float32 and lse.dtype == np.float32 and ns.dtype == np.int32
+    np.testing.assert_array_equal(ns, ref[2])
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref[1]))
+    fin = np.isfinite(ref[1])
+    np.testing.assert_allclose(lse[fin], ref[1][fin], rtol=0, atol=tol)
+    np.testing.assert_allclose(out, ref[0], rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize(("window", "sinks"), [(0, False), (5, False), (0, True), (5, True), (2**31 - 1, True)])
+def test_host_sampled_attention_direct_against_float64(window, sinks):
+    cfg, q, q_codes, k, v, hidx, lengths = _sampled_case()
+    ref = _np_sampled_attention(q, q_codes, k, v, hidx, lengths, 2, 6, window, sinks)
+    assert ref[2].sum() > 10 and (ref[2] < np.asarray(hidx.end - hidx.start)[:, None]).any()
+    got = host.host_sampled_attention(jnp.asarray(q), jnp.asarray(q_codes), jnp.asarray(k), jnp.asarray(v), hidx,
+                                      jnp.asarray(lengths), window=window, sinks=sinks, return_mask=True)
+    assert len(got) == 4 and got[3].dtype == jnp.bool_
+    np.testing.assert_array_equal(np.asarray(got[3]), ref[3])
+    _assert_matches(got, ref)
+
+
+def test_host_sampled_attention_defaults_x64_and_vmap():
+    cfg, q, q_codes, k, v, hidx, lengths = _sampled_case()
+    ref = _np_sampled_attention(q, q_codes, k, v, hidx, lengths, 2, 6, 0, False)
+    args = (jnp.asarray(q_codes), jnp.asarray(k), jnp.asarray(v), hidx)
+    got = host.host_sampled_attention(jnp.asarray(q), *args, jnp.asarray(lengths))  # window 0, no sinks, no mask
+    assert len(got) == 3
+    _assert_matches(got, ref)
+    with jax.enable_x64(True):  # a float64 query and int64 lengths are given to the op as float32 and int32
+        got64 = host.host_sampled_attention(jnp.asarray(q, jnp.float64), *args, jnp.asarray(lengths, jnp.int64))
+        _assert_matches(got64, ref)
+    # vmapped over a stack of two queries (the op runs once per query, sequentially)
+    q2 = np.stack([q, q[:, ::-1]])
+    c2 = np.stack([q_codes, q_codes[:, ::-1]])
+    fn = jax.vmap(lambda qq, cc: host.host_sampled_attention(qq, cc, *args[1:], jnp.asarray(lengths)))
+    got2 = fn(jnp.asarray(q2), jnp.asarray(c2))
+    for i in range(2):
+        _assert_matches([x[i] for x in got2],
+                        _np_sampled_attention(q2[i], c2[i], k, v, hidx, lengths, 2, 6, 0, False))
+
+
+def test_host_sampled_attention_argument_messages():
+    cfg, q, q_codes, k, v, hidx, lengths = _sampled_case()
+    q, q_codes, k, v, lengths = (jnp.asarray(x) for x in (q, q_codes, k, v, lengths))
+
+    def call(**kw):
+        args = dict(q=q, q_codes=q_codes, k=k, v=v, index=hidx, lengths=lengths)
+        args.update(kw)
+        return host.host_sampled_attention(**args)
+
+    for window in (-1, 2**31):
+        with pytest.raises(ValueError, match=_exact(f"window must be in [0, 2147483647], got window={window}")):
+            call(window=window)
+    with pytest.raises(TypeError, match=_exact("window must be an int, got bool True")):
+        call(window=True)
+    for t in (-1, 4097):
+        with pytest.raises(ValueError, match=_exact(f"max_threads must be in [0, 4096], got max_threads={t}")):
+            call(max_threads=t)
+    ref = _np_sampled_attention(q, q_codes, k, v, hidx, lengths, 2, 6, 62, False)
+    _assert_matches(call(window=62, max_threads=4096), ref)  # the bounds are inclusive
+    _assert_matches(call(max_threads=1), _np_sampled_attention(q, q_codes, k, v, hidx, lengths, 2, 6, 0, False))
+    with pytest.raises(ValueError, match=_exact("q_codes must be uint32 [B, Hq, L] = [2, 4, 6], got int32 [2, 4, 6]")):
+        call(q_codes=q_codes.astype(jnp.int32))
+    with pytest.raises(ValueError, match=_exact("q_codes must be uint32 [B, Hq, L] = [2, 4, 6], got uint32 [2, 4, 5]")):
+        call(q_codes=q_codes[:, :, :5])
+    with pytest.raises(TypeError, match="k and v must both be float32 or both bfloat16"):
+        call(v=v.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        call(impl="avx512")
+
+
+def test_host_magicpig_attention_static_window_bounds_and_messages():
+    cfg, q, q_codes, k, v, hidx, lengths = _sampled_case()
+    q, k, v, lengths = (jnp.asarray(x) for x in (q, k, v, lengths))
+    for w in (-1, 2**31):
+        message = f"static_window must be in [0, 2147483647], got static_window={w}"
+        with pytest.raises(ValueError, match=_exact(message)):
+            host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, static_window=w)
+    with pytest.raises(TypeError, match=_exact("static_window must be an int, got float 4.0")):
+        host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, static_window=4.0)
+    # every static_window in the bounds gives the estimator: the sinks, the unhashed tail and the sampled keys
+    ref = _np_sampled_attention(q, q_codes, k, v, hidx, lengths, 2, 6, 0, True)
+    for w in (None, 0, 1, 5, 62, 2**31 - 1):
+        got = host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, static_window=w, return_mask=True)
+        np.testing.assert_array_equal(np.asarray(got[3]), ref[3])
+        _assert_matches(got, ref)
+
+
+# -- exact -----------------------------------------------------------------------------------------
+
+
+def _np_dense(q, k, v, lengths):
+    """float64 NumPy exact attention over the first ``lengths[b]`` keys: ``(out, lse)``."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out, lse = np.zeros((B, Hq, D)), np.full((B, Hq), -np.inf)
+    for b in range(B):
+        for h in range(Hq):
+            n = int(lengths[b])
+            if n:
+                x = k[b, h // G, :n] @ q[b, h] / math.sqrt(D)
+                m = x.max()
+                e = np.exp(x - m)
+                out[b, h], lse[b, h] = e @ v[b, h // G, :n] / e.sum(), m + math.log(e.sum())
+    return out, lse
+
+
+def _assert_attention(got, ref, tol=2e-5):
+    out, lse = (np.asarray(x) for x in got)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref[1]))
+    fin = np.isfinite(ref[1])
+    np.testing.assert_allclose(lse[fin], ref[1][fin], rtol=0, atol=tol)
+    np.testing.assert_allclose(out, ref[0], rtol=0, atol=tol)
+
+
+def test_host_exact_attention_group_bound_threads_x64_and_vmap():
+    rng = np.random.default_rng(7)
+    N, D = 12, 8
+    k = rng.normal(size=(1, 1, N, D)).astype(np.float32)
+    v = rng.normal(size=(1, 1, N, D)).astype(np.float32)
+    # G = 64 (MAX_GROUP) is accepted, G = 65 refused with its message
+    q64 = rng.normal(size=(1, 64, D)).astype(np.float32)
+    _assert_attention(host.host_exact_attention(jnp.asarray(q64), jnp.asarray(k), jnp.asarray(v)),
+                      _np_dense(q64, k, v, [N]))
+    q65 = jnp.zeros((1, 65, D), jnp.float32)
+    with pytest.raises(ValueError, match=_exact("G = Hq / Hkv must be <= 64, got 65")):
+        host.host_exact_attention(q65, jnp.asarray(k), jnp.asarray(v))
+    q = rng.normal(size=(2, 4, D)).astype(np.float32)
+    k2 = rng.normal(size=(2, 2, N, D)).astype(np.float32)
+    v2 = rng.normal(size=(2, 2, N, D)).astype(np.float32)
+    args = (jnp.asarray(k2), jnp.asarray(v2))
+    lengths = np.array([5, 0], np.int32)
+    ref = _np_dense(q, k2, v2, lengths)
+    for t in (-1, 1.5):
+        with pytest.raises(ValueError, match=_exact(f"max_threads must be an int >= 0, got {t!r}")):
+            host.host_exact_attention(jnp.asarray(q), *args, jnp.asarray(lengths), max_threads=t)
+    for t in (0, 1):
+        _assert_attention(host.host_exact_attention(jnp.asarray(q), *args, jnp.asarray(lengths), max_threads=t), ref)
+    _assert_attention(host.host_exact_attention(jnp.asarray(q), *args), _np_dense(q, k2, v2, [N, N]))
+    with jax.enable_x64(True):  # float64 q and int64 lengths reach the op as float32 and int32
+        got = host.host_exact_attention(jnp.asarray(q, jnp.float64), *args, jnp.asarray(lengths, jnp.int64))
+        _assert_attention(got, ref)
+    qs = np.stack([q, -q])
+    got = jax.vmap(lambda qq: host.host_exact_attention(qq, *args, jnp.asarray(lengths)))(jnp.asarray(qs))
+    for i in range(2):
+        _assert_attention([x[i] for x in got], _np_dense(qs[i], k2, v2, lengths))
+
+
+# -- topk ------------------------------------------------------------------------------------------
+
+
+def _np_topk(q, k, v, budget, lengths, start=None, context=None):
+    """float64 NumPy TopK over ``[start, lengths)`` (+ ``[0, start)`` and ``[lengths, context)`` exactly)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, Hq, D = q.shape
+    N, G = k.shape[2], Hq // k.shape[1]
+    out, lse = np.zeros((B, Hq, D)), np.full((B, Hq), -np.inf)
+    for b in range(B):
+        s = 0 if start is None else min(max(int(start[b]), 0), N)
+        e = max(min(max(int(lengths[b]), 0), N), s)
+        n = e - s
+        t = min(budget if isinstance(budget, int) else math.ceil(budget * n), n)
+        for h in range(Hq):
+            x = k[b, h // G] @ q[b, h] / math.sqrt(D)
+            order = sorted(range(s, e), key=lambda i: (-x[i], i))
+            keep = np.zeros(N, bool)
+            keep[order[:t]] = True
+            if context is not None:
+                keep[:s] = True
+                keep[e:min(max(int(context[b]), 0), N)] = True
+            if keep.any():
+                m = x[keep].max()
+                w = np.exp(x[keep] - m)
+                out[b, h], lse[b, h] = w @ v[b, h // G][keep] / w.sum(), m + math.log(w.sum())
+    return out, lse
+
+
+def test_host_topk_attention_against_float64_messages_x64_and_vmap():
+    rng = np.random.default_rng(8)
+    B, Hq, Hkv, N, D = 3, 4, 2, 20, 8
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32)
+    k = rng.normal(size=(B, Hkv, N, D)).astype(np.float32)
+    v = rng.normal(size=(B, Hkv, N, D)).astype(np.float32)
+    kv = (jnp.asarray(k), jnp.asarray(v))
+    lengths, start, context = np.array([20, 9, 14]), np.array([3, 0, 14]), np.array([20, 12, 17])
+    for budget in (3, 0.5):
+        _assert_attention(host.host_topk_attention(jnp.asarray(q), *kv, budget, jnp.asarray(lengths)),
+                          _np_topk(q, k, v, budget, lengths))
+        _assert_attention(host.host_topk_attention(jnp.asarray(q), *kv, budget, jnp.asarray(lengths),
+                                                   start=jnp.asarray(start)),
+                          _np_topk(q, k, v, budget, lengths, start))
+        _assert_attention(host.host_topk_attention(jnp.asarray(q), *kv, budget, jnp.asarray(lengths),
+                                                   start=jnp.asarray(start), context=jnp.asarray(context)),
+                          _np_topk(q, k, v, budget, lengths, start, context))
+    _assert_attention(host.host_topk_attention(jnp.asarray(q), *kv, 4), _np_topk(q, k, v, 4, [N] * B))
+    for t in (-1, 4097):
+        with pytest.raises(ValueError, match=_exact(f"max_threads must be in [0, 4096], got max_threads={t}")):
+            host.host_topk_attention(jnp.asarray(q), *kv, 3, max_threads=t)
+    for t in (1, 4096):
+        _assert_attention(host.host_topk_attention(jnp.asarray(q), *kv, 3, jnp.asarray(lengths), max_threads=t),
+                          _np_topk(q, k, v, 3, lengths))
+    with pytest.raises(TypeError, match="budget must be an int"):
+        host.host_topk_attention(jnp.asarray(q), *kv, "3")
+    # G = 64 is accepted, 65 refused
+    k1, v1 = jnp.asarray(k[:1, :1]), jnp.asarray(v[:1, :1])
+    q64 = rng.normal(size=(1, 64, D)).astype(np.float32)
+    _assert_attention(host.host_topk_attention(jnp.asarray(q64), k1, v1, 5),
+                      _np_topk(q64, k[:1, :1], v[:1, :1], 5, [N]))
+    with pytest.raises(ValueError, match=_exact("G = Hq / Hkv must be <= 64, got 65")):
+        host.host_topk_attention(jnp.zeros((1, 65, D), jnp.float32), k1, v1, 5)
+    with jax.enable_x64(True):  # float64 q, int64 bounds: the op is given float32 and int32
+        got = host.host_topk_attention(jnp.asarray(q, jnp.float64), *kv, 0.5, jnp.asarray(lengths, jnp.int64),
+                                       start=jnp.asarray(start, jnp.int64), context=jnp.asarray(context, jnp.int64))
+        _assert_attention(got, _np_topk(q, k, v, 0.5, lengths, start, context))
+    qs = np.stack([q, -q])
+    got = jax.vmap(lambda qq: host.host_topk_attention(qq, *kv, 3, jnp.asarray(lengths)))(jnp.asarray(qs))
+    for i in range(2):
+        _assert_attention([x[i] for x in got], _np_topk(qs[i], k, v, 3, lengths))
+
+
+# -- matvec ----------------------------------------------------------------------------------------
+
+
+def test_quant_matvec_and_dequantize_rows_shapes_dtypes_messages_x64_and_vmap():
+    import gguf
+
+    from magicpig_jax.host.matvec import dequantize_rows
+    from tests._gguf_rows import gguf_type, random_rows, reference
+
+    rng = np.random.default_rng(4)
+    w = random_rows(rng, "Q4_1", 5, 64)  # 5 rows of 40 bytes
+    deq = np.asarray(gguf.quants.dequantize(w, gguf_type("Q4_1")), np.float32)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    ref, bound = reference(x.reshape(6, 64), w, "Q4_1")
+    ref, bound = ref.reshape(2, 3, 5), bound.reshape(2, 3, 5)
+    for t in (0, 1):
+        y = np.asarray(host.quant_matvec(jnp.asarray(x), jnp.asarray(w), "Q4_1", max_threads=t))
+        assert y.shape == (2, 3, 5) and y.dtype == np.float32 and np.all(np.abs(y - ref) <= bound)
+        got = np.asarray(dequantize_rows(jnp.asarray(w), "Q4_1", max_threads=t))
+        assert got.shape == (5, 64)
+        np.testing.assert_array_equal(got.view(np.uint32), deq.view(np.uint32))
+    y1 = np.asarray(host.quant_matvec(jnp.asarray(x[0, 0]), jnp.asarray(w), "Q4_1"))  # one vector [In]
+    assert y1.shape == (5,) and np.all(np.abs(y1 - ref[0, 0]) <= bound[0, 0])
+    with jax.enable_x64(True):  # float64 activations are multiplied in float32; the result keeps x's dtype
+        y64 = host.quant_matvec(jnp.asarray(x, jnp.float64), jnp.asarray(w), "Q4_1")
+        assert y64.dtype == jnp.float64 and np.all(np.abs(np.asarray(y64) - ref) <= bound)
+        assert host.quant_matvec(jnp.asarray(x), jnp.asarray(w), "Q4_1").dtype == jnp.float32
+    yv = jax.vmap(lambda xx: host.quant_matvec(xx, jnp.asarray(w), "Q4_1"))(jnp.asarray(x))
+    assert yv.shape == (2, 3, 5) and np.all(np.abs(np.asarray(yv) - ref) <= bound)
+    dv = jax.vmap(lambda ww: dequantize_rows(ww, "Q4_1"))(jnp.asarray(np.stack([w, w[::-1]])))
+    np.testing.assert_array_equal(np.asarray(dv), np.stack([deq, deq[::-1]]))
+    xj, wj = jnp.asarray(x), jnp.asarray(w)
+    for t in (-1, 1.5):
+        with pytest.raises(ValueError, match=_exact(f"max_threads must be an int >= 0, got {t!r}")):
+            host.quant_matvec(xj, wj, "Q4_1", max_threads=t)
+        with pytest.raises(ValueError, match=_exact(f"max_threads must be an int >= 0, got {t!r}")):
+            dequantize_rows(wj, "Q4_1", max_threads=t)
+    with pytest.raises(ValueError, match=_exact("x must have at least one dimension [..., In], got shape ()")):
+        host.quant_matvec(jnp.float32(1.0), wj, "Q4_1")
+    with pytest.raises(TypeError, match=_exact("packed must be uint8 GGUF rows, got int8")):
+        host.quant_matvec(xj, wj.astype(jnp.int8), "Q4_1")
+    with pytest.raises(ValueError, match=_exact("packed must be uint8 [Out, 40] for Q4_1 rows of In=64, got shape "
+                                                "(5, 34)")):
+        host.quant_matvec(xj, wj[:, :34], "Q4_1")
+    with pytest.raises(ValueError, match=_exact("packed must be uint8 [Out, 40] for Q4_1 rows of In=64, got shape "
+                                                "(5, 40, 1)")):
+        host.quant_matvec(xj, wj[:, :, None], "Q4_1")
+    with pytest.raises(ValueError, match=_exact("packed must be uint8 [Out, 40] for Q4_1 rows of In=64, got shape "
+                                                "(40,)")):
+        host.quant_matvec(xj, wj[0], "Q4_1")
+    for bad in (wj[0], wj[:, :, None]):
+        with pytest.raises(ValueError, match=_exact(f"packed must be uint8 [R, RB], got shape {bad.shape}")):
+            dequantize_rows(bad, "Q4_1")
+    with pytest.raises(TypeError, match=_exact("packed must be uint8 GGUF rows, got int8")):
+        dequantize_rows(wj.astype(jnp.int8), "Q4_1")
