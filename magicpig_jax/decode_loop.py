@@ -10,6 +10,7 @@ for EOS and statistics, and evaluation feeds tokens and reads logits through
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -19,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from magicpig_jax.memory import compile_then_trim
 from magicpig_jax.models.backends import DecodeSpec, backend_for
 from magicpig_jax.models.cache import KVCache
-from magicpig_jax.models.decoding import build_indices, compiled_decode_step, sample_token
+from magicpig_jax.models.decoding import build_indices, check_capacity, compiled_decode_step, sample_token
 
 __all__ = ["Sampling", "DecodeHooks", "DecodeRun", "start_decode", "run_decode", "position_limit"]
 
@@ -112,14 +114,32 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     # context: token i is predicted at position prompt_length + i - 1.
     max_positions, limit_name = position_limit(model, state)
     cache = _decode_cache(state, spec, max_new_tokens, consume_prefill)
+    n_layers = model.config.num_layers
+    graphdef, params = nnx.split(model.module)
+    leaves, treedef = jax.tree.flatten(params)
+    step = compiled_decode_step(graphdef, treedef, spec)
+    # Compile the step and the index build before the index exists (memory.compile_then_trim).
+    # Not for a backend with its own step (offload) or a sharded cache: their programs take
+    # placements that the shapes alone do not give.
+    ahead = backend_for(spec).make_step is None and spec.mesh is None
+    compile_seconds = 0.0
+    if ahead:
+        t0 = time.perf_counter()
+        build = functools.partial(build_indices, spec=spec, num_layers=n_layers)
+        step = _step_compiled_ahead(step, leaves, cache, build, B, sampling)
+        compile_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    indices = build_indices(cache, spec, model.config.num_layers)
+    if ahead:
+        indices = compile_then_trim(build_indices, cache, spec, n_layers)(cache)
+    else:
+        indices = build_indices(cache, spec, n_layers)
     jax.block_until_ready(indices)
-    sparse = spec.sparse_layers(model.config.num_layers)
+    sparse = spec.sparse_layers(n_layers)
     cache, indices = backend_for(spec).prepare(spec, cache, indices)
     index_seconds = time.perf_counter() - t0 if sparse else None
     limits = np.minimum(max_new_tokens, max_positions - state.prompt_lengths + 1)
-    run = DecodeRun(model, spec, sampling, hooks, state, cache, indices, limits, stop_on_eos, stop, progress)
+    run = DecodeRun(model, spec, sampling, hooks, state, cache, indices, limits, stop_on_eos, stop, progress,
+                    step=(leaves, step, compile_seconds))
     run.index_seconds, run.max_new_tokens = index_seconds, max_new_tokens
     for b in np.nonzero(limits < max_new_tokens)[0]:
         run.stop_reasons[b] = limit_name
@@ -156,6 +176,46 @@ def _decode_cache(state, spec: DecodeSpec, max_new_tokens: int, consume: bool) -
     return cache
 
 
+_FLAT_STEPS: dict = {}  # (step, index tree) -> the step jitted over the index's leaves
+
+
+def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling):
+    """``step`` (from :func:`compiled_decode_step`) compiled now, before ``build(cache)`` runs.
+
+    The index exists only as shapes (``jax.eval_shape``); the step is compiled over its
+    leaves, so no index object is ever made of shapes (a type-checked index such as
+    ``LSHIndex`` accepts arrays only). Called like ``step``.
+    """
+    box = {}
+
+    def index_leaves(c):
+        flat, box["tree"] = jax.tree.flatten(build(c))
+        return flat
+
+    shapes = jax.eval_shape(index_leaves, cache)
+    tree = box["tree"]
+    flat = _FLAT_STEPS.get((step.jitted, tree))
+    if flat is None:
+        inner = step.jitted
+
+        def flat_step(leaves, cache, index_leaves, *args):
+            return inner(leaves, cache, jax.tree.unflatten(tree, index_leaves), *args)
+
+        flat = jax.jit(flat_step, donate_argnums=(1, 2))
+        if len(_FLAT_STEPS) >= 8:  # bounded, like the step cache
+            _FLAT_STEPS.pop(next(iter(_FLAT_STEPS)))
+        _FLAT_STEPS[(step.jitted, tree)] = flat
+    compiled = compile_then_trim(flat, leaves, cache, shapes, jax.ShapeDtypeStruct((B,), jnp.int32),
+                                 jax.random.key(sampling.seed), np.int32(1), jnp.float32(sampling.temperature),
+                                 jnp.float32(sampling.top_p))
+
+    def fn(leaves, cache, indices, *args):
+        check_capacity(cache)  # a full row: ValueError before anything is written (see decode_step)
+        return compiled(leaves, cache, jax.tree.leaves(indices), *args)
+
+    return fn
+
+
 # Jitted once: sampling the first token eagerly would retrace lax.cond's branches every call.
 _sample_token_jit = jax.jit(sample_token)
 
@@ -186,19 +246,22 @@ class DecodeRun:
     """
 
     def __init__(self, model, spec: DecodeSpec, sampling: Sampling, hooks: DecodeHooks, state, cache, indices,
-                 limits: np.ndarray, stop_on_eos: bool, stop: StopFn | None, progress):
+                 limits: np.ndarray, stop_on_eos: bool, stop: StopFn | None, progress, step=None):
         self.model, self.spec, self.sampling, self.hooks, self.state = model, spec, sampling, hooks, state
         self.cache, self.indices, self.limits = cache, indices, limits
         self.stop_on_eos, self.stop, self.progress = stop_on_eos, stop, progress
         self.B = len(limits)
-        graphdef, params = nnx.split(model.module)
-        self.leaves, treedef = jax.tree.flatten(params)
-        self.step = compiled_decode_step(graphdef, treedef, spec)
+        self.compile_seconds = 0.0
+        if step is None:  # (parameter leaves, step, seconds already spent compiling it)
+            graphdef, params = nnx.split(model.module)
+            leaves, treedef = jax.tree.flatten(params)
+            step = (leaves, compiled_decode_step(graphdef, treedef, spec), 0.0)
+        self.leaves, self.step, self._compiled_seconds = step
         self.base_key = jax.random.key(sampling.seed)
         self.eos = set(model.tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
         self.frac_sum = np.zeros(len(spec.sparse_layers(model.config.num_layers)))
         self.frac_steps = self.steps = 0
-        self.compile_seconds = self.seconds = 0.0
+        self.seconds = 0.0
         self.index_seconds: float | None = None
         self.max_new_tokens = int(limits.max()) if len(limits) else 0
         self.stop_reasons: list[str] = ["length"] * self.B
@@ -261,9 +324,9 @@ class DecodeRun:
             if hooks.on_logits is not None:
                 hooks.on_logits(t + 1, np.asarray(logits))
             self.steps += 1
-            if self.steps == 1:  # the first step compiles; time the rest
+            if self.steps == 1:  # the first step compiles (unless compiled ahead); time the rest
                 jax.block_until_ready(tokens)
-                self.compile_seconds = time.perf_counter() - t0
+                self.compile_seconds = self._compiled_seconds + time.perf_counter() - t0
                 t0 = time.perf_counter()
             if len(self.frac_sum):
                 ns = np.asarray(num_sampled, np.float64)  # [S, B, Hq]

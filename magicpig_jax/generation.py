@@ -18,6 +18,7 @@ from flax import nnx
 from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
 from magicpig_jax.decode_loop import Sampling, run_decode, start_decode
 from magicpig_jax.io.loader import LoadedModel
+from magicpig_jax.memory import compile_then_trim
 from magicpig_jax.models.backends import BACKENDS, DecodeSpec
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.config import default_dense_layers
@@ -191,12 +192,16 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
         padded[b, : len(p)] = p
     graphdef, state = nnx.split(model.module)
     start = time.perf_counter()
-    cache = KVCache.zeros(model.config, B, capacity, cache_dtype)
     lengths_j = jnp.asarray(lengths)
+    # Compile the chunk before the cache exists (memory.compile_then_trim): the compiler's
+    # working memory and the cache are then never resident together.
+    chunk = compile_then_trim(
+        prefill_chunk, graphdef, state, jax.eval_shape(lambda: KVCache.zeros(model.config, B, capacity, cache_dtype)),
+        jax.ShapeDtypeStruct((B, CHUNK), jnp.int32), jnp.int32(0), lengths_j)
+    cache = KVCache.zeros(model.config, B, capacity, cache_dtype)
     last_hidden = np.zeros((B, model.config.hidden_size), np.float32)
     for s in range(0, padded.shape[1], CHUNK):
-        hidden, cache = prefill_chunk(graphdef, state, cache, jnp.asarray(padded[:, s:s + CHUNK]),
-                                      jnp.int32(s), lengths_j)
+        hidden, cache = chunk(state, cache, jnp.asarray(padded[:, s:s + CHUNK]), jnp.int32(s), lengths_j)
         rows = np.nonzero((lengths - 1 >= s) & (lengths - 1 < s + CHUNK))[0]
         if rows.size:
             h = np.asarray(hidden)

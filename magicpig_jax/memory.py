@@ -21,6 +21,12 @@ the OS (``malloc_trim``). A one-shot process calls it between phases that never 
 compiler's freed working memory otherwise stay resident until the process exits, and a
 30-layer program is tens of megabytes of it. A process that will call the same programs
 again (a server, repeated ``generate()`` calls) should not: they compile again.
+
+``compile_then_trim()`` compiles a jitted function ahead of its call, from the arguments'
+shapes, and then trims the heap. The prefill compiles its chunk before allocating the KV
+cache, and a decode compiles its step and its index build before building the index: the
+compiler's working memory (a 30-layer program takes over a hundred megabytes while it
+compiles) is then gone before the cache and the index exist, instead of adding to them.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import resource
 import sys
 
 __all__ = ["peak_rss_bytes", "current_rss_bytes", "release_freed_buffers", "release_compiled_programs",
-           "drop_compiled_programs", "trim_heap"]
+           "drop_compiled_programs", "trim_heap", "compile_then_trim"]
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
 _MMAP_THRESHOLD = 4 << 20
@@ -104,8 +110,62 @@ def drop_compiled_programs() -> None:
     import jax
 
     jax.clear_caches()
+    _COMPILED.clear()
     gc.collect()
     trim_heap()
+
+
+def compile_then_trim(jitted, *args, **kwargs):
+    """Compile ``jitted`` for these arguments now, then :func:`trim_heap`.
+
+    Args:
+      jitted: a ``jax.jit``-wrapped function.
+      *args, **kwargs: its arguments as they will be passed, static ones included; array
+        arguments may be ``jax.ShapeDtypeStruct`` (nothing is allocated for them).
+
+    Returns:
+      The ``jax.stages.Compiled`` program. Call it with the non-static arguments only, passed
+      the same way (positionally or by name) as here; it checks their shapes and dtypes and
+      raises ``TypeError`` on a mismatch. Donation is the jitted function's.
+
+    Programs are kept by the arguments' structure, shapes and dtypes (and the static values),
+    so a second call with the same signature returns the same program without tracing again
+    (a bounded cache of the last few; :func:`drop_compiled_programs` empties it).
+    """
+    key = _signature(jitted, args, kwargs)
+    compiled = _COMPILED.get(key) if key is not None else None
+    if compiled is None:
+        compiled = jitted.lower(*args, **kwargs).compile()
+        trim_heap()
+        if key is not None:
+            if len(_COMPILED) >= _COMPILED_SIZE:
+                _COMPILED.pop(next(iter(_COMPILED)))
+            _COMPILED[key] = compiled
+    return compiled
+
+
+_COMPILED: dict = {}
+_COMPILED_SIZE = 16
+
+
+def _signature(jitted, args, kwargs):
+    """A hashable key of a call's signature (array leaves by shape, dtype and weak type; other
+    leaves by value), or None when a leaf is not hashable."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    sig = []
+    for x in leaves:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            sig.append((tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))))
+        else:
+            sig.append(x)
+    key = (jitted, treedef, tuple(sig))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _libc():

@@ -81,3 +81,32 @@ def test_drop_compiled_programs_frees_every_program():
     drop_compiled_programs()
     assert all(f._cache_size() == 0 for f in fns)
     np.testing.assert_array_equal([np.asarray(f(jnp.ones(4))) for f in fns], outs)  # compiled again, same values
+
+
+def test_compile_then_trim_compiles_once_per_signature_from_shapes():
+    from functools import partial
+
+    from magicpig_jax import memory
+
+    traces = []
+
+    @partial(jax.jit, static_argnames="scale", donate_argnames="x")
+    def f(x, y, scale):
+        traces.append(1)
+        return x * scale + y
+
+    drop_compiled_programs()
+    x, y = jnp.arange(6.0).reshape(2, 3), jnp.ones((3,))
+    spec = jax.ShapeDtypeStruct((2, 3), jnp.float32)
+    c = memory.compile_then_trim(f, spec, y, scale=2.0)  # x only as its shape: nothing allocated
+    assert memory.compile_then_trim(f, x, y, scale=2.0) is c and len(traces) == 1  # same signature
+    np.testing.assert_array_equal(np.asarray(c(x, y)), np.arange(6.0).reshape(2, 3) * 2 + 1)
+    # another shape, dtype or static value is another program
+    assert memory.compile_then_trim(f, jax.ShapeDtypeStruct((3, 3), jnp.float32), y, scale=2.0) is not c
+    assert memory.compile_then_trim(f, jax.ShapeDtypeStruct((2, 3), jnp.bfloat16), y, scale=2.0) is not c
+    assert memory.compile_then_trim(f, spec, y, scale=3.0) is not c
+    assert len(traces) == 4
+    with pytest.raises(TypeError):
+        c(jnp.zeros((3, 3)), y)  # the program checks its arguments' shapes
+    drop_compiled_programs()  # empties the cache: the next call compiles again
+    assert memory.compile_then_trim(f, spec, y, scale=2.0) is not c and len(traces) == 5
