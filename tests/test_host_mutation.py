@@ -739,3 +739,16 @@ def test_quant_matvec_and_dequantize_rows_shapes_dtypes_messages_x64_and_vmap():
             dequantize_rows(bad, "Q4_1")
     with pytest.raises(TypeError, match=_exact("packed must be uint8 GGUF rows, got int8")):
         dequantize_rows(wj.astype(jnp.int8), "Q4_1")
+
+
+def test_host_magicpig_attention_passes_impl_and_max_threads_to_the_op_on_both_paths():
+    # static_window 0 (the op alone) and 5 (the op and the static part): an unknown impl or a thread count out
+    # of range reaches the op's checks on either path
+    cfg, q, q_codes, k, v, hidx, lengths = _sampled_case()
+    q, k, v, lengths = (jnp.asarray(x) for x in (q, k, v, lengths))
+    for w in (0, 5):
+        with pytest.raises(ValueError, match=_exact("impl must be one of ['auto', 'avx2', 'scalar'], got 'neon'")):
+            host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, static_window=w, impl="neon")
+        for t in (-1, 4097):
+            with pytest.raises(ValueError, match=_exact(f"max_threads must be in [0, 4096], got max_threads={t}")):
+                host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, static_window=w, max_threads=t)
