@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from magicpig_jax.memory import compile_then_trim
+from magicpig_jax.memory import compile_then_trim, trim_heap
 from magicpig_jax.models.backends import DecodeSpec, backend_for
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.decoding import build_indices, check_capacity, compiled_decode_step, sample_token
@@ -118,7 +118,7 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     graphdef, params = nnx.split(model.module)
     leaves, treedef = jax.tree.flatten(params)
     step = compiled_decode_step(graphdef, treedef, spec)
-    # Compile the step and the index build before the index exists (memory.compile_then_trim).
+    # Compile the step before the index exists (memory.compile_then_trim).
     # Not for a backend with its own step (offload) or a sharded cache: their programs take
     # placements that the shapes alone do not give.
     ahead = backend_for(spec).make_step is None and spec.mesh is None
@@ -129,11 +129,9 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         step = _step_compiled_ahead(step, leaves, cache, build, B, sampling)
         compile_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if ahead:
-        indices = compile_then_trim(build_indices, cache, spec, n_layers)(cache)
-    else:
-        indices = build_indices(cache, spec, n_layers)
+    indices = build_indices(cache, spec, n_layers)
     jax.block_until_ready(indices)
+    trim_heap()  # the build's freed working memory
     sparse = spec.sparse_layers(n_layers)
     cache, indices = backend_for(spec).prepare(spec, cache, indices)
     index_seconds = time.perf_counter() - t0 if sparse else None

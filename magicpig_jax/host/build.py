@@ -27,7 +27,7 @@ __all__ = ["host_build_index", "host_append", "host_key_codes", "first_mean", "b
 
 # Above this many bytes of float32 projections ``[B, Hkv, N, K*L]`` the codes are computed in
 # blocks of positions (:func:`build_lsh_index_blocked`), so the temporary stays bounded.
-CODES_BLOCK_BYTES = 512 << 20
+CODES_BLOCK_BYTES = 32 << 20
 
 
 def host_build_index(
@@ -127,17 +127,18 @@ def build_lsh_index_blocked(
     count = jnp.maximum(end - start, 1).astype(jnp.float32)
     mean = jnp.sum(jnp.where(in_range[:, None, :, None], k.astype(jnp.float32), 0.0), axis=2)
     mean = mean / count[:, None, None]
-    blk = max(1, CODES_BLOCK_BYTES // (B * Hkv * config.K * config.L * 4))
+    blk = min(N, max(1, CODES_BLOCK_BYTES // (B * Hkv * config.K * config.L * 4)))
     nblk = -(-N // blk)
-    kp = jnp.pad(k, ((0, 0), (0, 0), (0, nblk * blk - N), (0, 0)))
-    kp = jnp.moveaxis(kp.reshape(B, Hkv, nblk, blk, D), 2, 0)
 
-    def codes_of(kb):
-        kc = kb.astype(jnp.float32) - mean[:, :, None, :]
-        return lsh.simhash_codes(kc, projections, config.K, config.L)
+    def codes_of_block(i, codes):
+        # Blocks written in place into the codes; the last one is shifted back to end at N
+        # (its overlap is written twice, with the same codes), so nothing is padded or copied.
+        s = jnp.minimum(i * blk, N - blk)
+        kc = jax.lax.dynamic_slice_in_dim(k, s, blk, axis=2).astype(jnp.float32) - mean[:, :, None, :]
+        return jax.lax.dynamic_update_slice_in_dim(codes, lsh.simhash_codes(kc, projections, config.K, config.L),
+                                                   s, axis=2)
 
-    codes = jax.lax.map(codes_of, kp)  # [nblk, B, Hkv, blk, L]
-    codes = jnp.moveaxis(codes, 0, 2).reshape(B, Hkv, nblk * blk, config.L)[:, :, :N]
+    codes = jax.lax.fori_loop(0, nblk, codes_of_block, jnp.zeros((B, Hkv, N, config.L), jnp.uint32))
     return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections)
 
 

@@ -114,26 +114,42 @@ def hidden_to_logits(graphdef, state, hidden):
     return nnx.merge(graphdef, state).logits(hidden)
 
 
-@partial(jax.jit, static_argnames=("spec", "num_layers"))
 def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple:
     """Per-layer decode state built after prefill by the spec's backend (:func:`backend_for`):
-    an index or a hashed range for every sparse layer, None for the dense layers."""
-    backend = backend_for(spec)
+    an index or a hashed range for every sparse layer, None for the dense layers.
+
+    Each sparse layer is built by its own program call, one after the other, so only one
+    layer's temporaries exist at a time (e.g. its float32 projections ``[B, Hkv, N, K*L]``:
+    393 MB for a Llama-3.1-8B layer at 8K tokens) and each is freed before the next layer
+    starts; one program built all layers before, and XLA kept more than one layer's
+    temporaries in its working memory. The layer number is an argument of that program
+    (the layers share one compiled build) unless each layer has its own configuration
+    (:class:`~magicpig_jax.attention.LayerConfigs`). Traceable (``jax.eval_shape``).
+    """
     sparse = set(spec.sparse_layers(num_layers))
-    states, prev = [], None
+    states = []
     for i in range(num_layers):
         if i not in sparse:
             states.append(None)
             continue
-        k = cache.k[i]
-        if prev is not None:
-            # One layer at a time: this layer's temporaries (e.g. its float32 projections
-            # [B, Hkv, N, K*L]) may start only once the previous index exists, so at most one
-            # layer's are live (XLA otherwise overlapped them: 3.4 GB for SmolLM2 at 6K tokens).
-            k, _ = jax.lax.optimization_barrier((k, prev))
-        prev = backend.build(spec, k, cache.lengths, i, cache.capacity)
-        states.append(prev)
+        if spec.layers is None:
+            state = _build_layer(cache.k[i], cache.lengths, jnp.int32(i), spec, cache.capacity)
+        else:
+            state = _build_layer_configured(cache.k[i], cache.lengths, spec, i, cache.capacity)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+            jax.block_until_ready(state)  # this layer's temporaries are gone before the next starts
+        states.append(state)
     return tuple(states)
+
+
+@partial(jax.jit, static_argnames=("spec", "capacity"))
+def _build_layer(k, lengths, layer, spec: DecodeSpec, capacity: int):
+    return backend_for(spec).build(spec, k, lengths, layer, capacity)
+
+
+@partial(jax.jit, static_argnames=("spec", "layer", "capacity"))
+def _build_layer_configured(k, lengths, spec: DecodeSpec, layer: int, capacity: int):
+    return backend_for(spec).build(spec, k, lengths, layer, capacity)
 
 
 def sample_token(logits, key, temperature, top_p):
