@@ -378,3 +378,49 @@ def test_hybrid_layer_round_trip_keeps_the_static_set_and_seed():
     back = LayerConfigs.from_json(json.loads(json.dumps(hy.to_json())))
     assert back == hy
     assert (back.base().num_sink, back.base().num_local, back.base().seed, back.base().heavy) == (2, 16, 7, 5)
+
+
+# --- _common and baselines under x64 -----------------------------------------------------------
+
+
+def test_estimators_under_x64_keep_their_dtypes_and_match_float64():
+    # x64 makes the default integer int64 and the default float float64: an index, length or
+    # logit built without its int32/float32 dtype is then refused under strict promotion or
+    # comes out float64 (the x64 mutants of check_lengths, grouped_logits, valid_mask, ...)
+    from magicpig_jax.attention import oracle_sampling_attention, quest_attention, topk_attention
+    from magicpig_jax.attention._common import check_lengths
+
+    N, lengths = 13, [13, 6]
+    with jax.enable_x64(True):
+        q, k, v = make_qkv(31, N=N, D=8, scale=1.5)
+        default = check_lengths(None, 2, N)
+        results = {
+            "dense": dense_attention(q, k, v, i32(lengths)),
+            "dense_default": dense_attention(q, k, v),
+            "topk": topk_attention(q, k, v, 4, i32(lengths)),
+            "topk_frac": topk_attention(q, k, v, 0.5, i32(lengths)),
+            "quest": quest_attention(q, k, v, 3, 5, i32(lengths)),
+            "quest_frac": quest_attention(q, k, v, 2, 0.5, i32(lengths)),
+            "oracle": oracle_sampling_attention(jax.random.key(4), q, k, v, 7, i32(lengths)),
+        }
+    assert default.dtype == np.int32
+    np.testing.assert_array_equal(default, [N, N])
+    for name, res in results.items():
+        assert tuple(x.dtype for x in res) == (np.float32, np.float32, np.int32)[: len(res)], name
+    r_dense = ref.dense(q, k, v, lengths)
+    for name, want in (("dense", r_dense), ("dense_default", ref.dense(q, k, v))):
+        np.testing.assert_allclose(results[name][0], want[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(results[name][1], want[1], rtol=1e-6, atol=1e-6)
+    n = np.asarray(lengths)
+    for name, keep in (
+        ("topk", ref.topk_keep(q, k, [4, 4], n)),
+        ("topk_frac", ref.topk_keep(q, k, [7, 3], n)),
+        ("quest", ref.quest_keep(q, k, 3, [5, 5], n)),
+        ("quest_frac", ref.quest_keep(q, k, 2, [7, 3], n)),
+    ):
+        r_out, r_lse = ref.selected(q, k, v, keep)
+        np.testing.assert_allclose(results[name][0], r_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(results[name][1], r_lse, rtol=1e-6, atol=1e-6)
+    out, lse, distinct = results["oracle"]
+    np.testing.assert_allclose(lse, r_dense[1], rtol=1e-6, atol=1e-6)
+    assert np.all((distinct >= 1) & (distinct <= np.minimum(7, n)[:, None]))
