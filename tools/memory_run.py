@@ -8,6 +8,12 @@ random GGUF make any text meaningless; the cost does not depend on the ids). Eac
 prints the RSS now and the peak so far (``VmHWM``). With ``--consume-cache`` the last
 method decodes from the prefill's cache itself instead of a copy of it (what a run that does
 not reuse its prefill needs). Run under ``/usr/bin/time -v`` for the process's peak.
+
+``--synthetic-prefill`` skips the prefill: the cache is filled with random keys and values of
+the model's shapes (standard normal, in the cache dtype) and the first token's logits are
+zero. For timing and memory at contexts whose real prefill would take hours on this machine
+(issue 14: the 8B-shaped file at 32K); the tokens decoded from it mean nothing, and the
+sampled fraction is that of random keys, not of a real model's attention.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--methods", nargs="+", default=["magicpig", "dense"])
     p.add_argument("--consume-cache", action="store_true")
+    p.add_argument("--synthetic-prefill", action="store_true",
+                   help="random K/V of the model's shapes instead of a prefill (timing and memory only)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -59,9 +67,13 @@ def main(argv=None) -> int:
     mark("load", time.perf_counter() - t)
     ids = np.random.default_rng(0).integers(300, model.config.vocab_size - 300, args.length).tolist()
     t = time.perf_counter()
-    state = prefill(model, [ids], args.steps + 1,
-                    cache_dtype=jnp.bfloat16 if args.kv_dtype == "bfloat16" else jnp.float32)
-    mark("prefill", time.perf_counter() - t, tokens=args.length)
+    dtype = jnp.bfloat16 if args.kv_dtype == "bfloat16" else jnp.float32
+    if args.synthetic_prefill:
+        state = synthetic_prefill(model, args.length, args.steps + 1, dtype)
+        mark("synthetic prefill", time.perf_counter() - t, tokens=args.length)
+    else:
+        state = prefill(model, [ids], args.steps + 1, cache_dtype=dtype)
+        mark("prefill", time.perf_counter() - t, tokens=args.length)
     for i, method in enumerate(args.methods):
         last = i == len(args.methods) - 1
         original = KVCache.copy
@@ -79,6 +91,28 @@ def main(argv=None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "phases": phases}, indent=1))
     return 0
+
+
+def synthetic_prefill(model, length: int, max_new_tokens: int, dtype):
+    """A one-row PrefillState of ``length`` positions of random keys and values (see the docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from magicpig_jax.generation import CHUNK, PrefillState
+    from magicpig_jax.models.cache import KVCache
+
+    cfg = model.config
+    capacity = -(-(length + max_new_tokens + 1) // CHUNK) * CHUNK
+    shape = (1, cfg.num_kv_heads, capacity, cfg.head_dim)
+    fill = jax.jit(lambda key: jax.random.normal(key, shape, jnp.float32).astype(dtype))
+    base = jax.random.key(0)
+    k = tuple(fill(jax.random.fold_in(base, 2 * i)) for i in range(cfg.num_layers))
+    v = tuple(fill(jax.random.fold_in(base, 2 * i + 1)) for i in range(cfg.num_layers))
+    cache = KVCache(k=k, v=v, lengths=jnp.asarray([length], jnp.int32))
+    jax.block_until_ready(cache)
+    logits = jnp.zeros((1, cfg.vocab_size), jnp.float32)
+    return PrefillState(cache, logits, np.asarray([length], np.int32), 0.0)
 
 
 if __name__ == "__main__":
