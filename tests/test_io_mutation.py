@@ -73,3 +73,47 @@ def test_row_sizes_round_trip(qtype, blocks):
     assert packed_row_bytes(qtype, blocks * nweights) == blocks * nbytes
     assert row_weights(qtype, blocks * nbytes) == blocks * nweights
     assert type(packed_row_bytes(qtype, blocks * nweights)) is int and type(row_weights(qtype, nbytes)) is int
+
+
+# -- chat_template -------------------------------------------------------------------------------
+
+
+def test_chat_template_tojson_passes_its_arguments_to_json_dumps():
+    import json
+
+    from magicpig_jax.io.chat_template import render_chat_template
+
+    data = {"b": "é", "a": [1, 2]}
+    cases = [("", {}), ("indent=2", {"indent": 2}), ("separators=(',', ':')", {"separators": (",", ":")}),
+             ("sort_keys=true", {"sort_keys": True}), ("ensure_ascii=true", {"ensure_ascii": True})]
+    for args, kw in cases:
+        template = "{{ data | tojson(" + args + ") }}"
+        assert render_chat_template(template, [], data=data) == json.dumps(data, **{"ensure_ascii": False, **kw})
+
+
+def test_chat_template_errors_name_the_error_type_and_message():
+    from magicpig_jax.io.chat_template import ChatTemplateError, render_chat_template
+
+    with pytest.raises(ChatTemplateError, match=_exact("the chat template failed: TemplateError: no system role")):
+        render_chat_template("{{ raise_exception('no system role') }}", [])
+    # a Python error while rendering (not a Jinja one) is named by its type too
+    with pytest.raises(ChatTemplateError, match=_exact("the chat template failed: ZeroDivisionError: integer division "
+                                                       "or modulo by zero")):
+        render_chat_template("{{ n // 0 }}", [], n=1)
+
+
+def test_chat_template_variables_and_the_generation_tag():
+    from magicpig_jax.io.chat_template import render_chat_template
+
+    messages = ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"})  # any sequence
+    template = ("{{ messages | length }}{% for m in messages %}[{% generation %}{{ m.content }}{% endgeneration %}]"
+                "{% endfor %}{{ add_generation_prompt }}")
+    assert render_chat_template(template, messages) == "2[a][b]True"
+    assert render_chat_template(template, messages, add_generation_prompt=False) == "2[a][b]False"
+    both = "{{ bos_token is defined }} {{ eos_token is defined }}"
+    assert render_chat_template(both, []) == "False False"
+    assert render_chat_template(both, [], bos_token="<s>") == "True False"
+    assert render_chat_template(both, [], eos_token="</s>") == "False True"
+    assert render_chat_template("{{ bos_token }}|{{ eos_token }}|{{ tools is none }}", [], bos_token="<s>",
+                                eos_token="</s>") == "<s>|</s>|True"
+    assert render_chat_template("{{ tools }} {{ documents }}", [], tools=[1]) == "[1] None"
