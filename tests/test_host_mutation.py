@@ -9,6 +9,7 @@ value or a message that a mutant changed without any other test noticing.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import re
@@ -31,7 +32,13 @@ from magicpig_jax.host import build as host_build
 from magicpig_jax.host.build import build_lsh_index_blocked
 from magicpig_jax.host.index import DEFAULT_OPEN_CAPACITY, MAX_CHUNK, HostIndex, chunk_geometry, index_nbytes
 from magicpig_jax.host.log_u import LOG_U_TABLE_SIZE, host_log_u, log_u_exact, log_u_table, table_size
-from magicpig_jax.host.quest import quest_append_pages, quest_build_pages, quest_page_bytes, quest_pages_kept
+from magicpig_jax.host.quest import (
+    QuestPages,
+    quest_append_pages,
+    quest_build_pages,
+    quest_page_bytes,
+    quest_pages_kept,
+)
 from magicpig_jax.host.topk import range_bounds
 
 
@@ -752,3 +759,132 @@ def test_host_magicpig_attention_passes_impl_and_max_threads_to_the_op_on_both_p
         for t in (-1, 4097):
             with pytest.raises(ValueError, match=_exact(f"max_threads must be in [0, 4096], got max_threads={t}")):
                 host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, static_window=w, max_threads=t)
+
+
+# -- quest -----------------------------------------------------------------------------------------
+
+
+def _np_quest(q, k, v, page, budget, start, end, context=None):
+    """float64 NumPy Quest over ``[start, end)`` paged from ``start`` (+ ``[0, start)``, ``[end, context)``
+    exactly): each head keeps its ``max(1, t // page)`` best pages by ``sum max(q kmin, q kmax)`` (ties by
+    the smaller page), all of them when ``t = min(tokens, n) = n``."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, Hq, D = q.shape
+    N, G = k.shape[2], Hq // k.shape[1]
+    out, lse = np.zeros((B, Hq, D)), np.full((B, Hq), -np.inf)
+    for b in range(B):
+        s, e = int(start[b]), int(end[b])
+        n = e - s
+        t = min(budget if isinstance(budget, int) else math.ceil(budget * n), n)
+        n_pages = -(-n // page)
+        n_keep = n_pages if t >= n else max(1, t // page)
+        for h in range(Hq):
+            kh = k[b, h // G]
+            scores = [np.sum(np.maximum(q[b, h] * kh[s + j * page:min(s + (j + 1) * page, e)].min(0),
+                                        q[b, h] * kh[s + j * page:min(s + (j + 1) * page, e)].max(0)))
+                      for j in range(n_pages)]
+            keep = np.zeros(N, bool)
+            for j in sorted(range(n_pages), key=lambda j: (-scores[j], j))[:n_keep]:
+                keep[s + j * page:min(s + (j + 1) * page, e)] = True
+            if context is not None:
+                keep[:s] = True
+                keep[e:min(int(context[b]), N)] = True
+            if keep.any():
+                x = kh @ q[b, h] / math.sqrt(D)
+                m = x[keep].max()
+                w = np.exp(x[keep] - m)
+                out[b, h], lse[b, h] = w @ v[b, h // G][keep] / w.sum(), m + math.log(w.sum())
+    return out, lse
+
+
+def _pages_of(k, start, end, page, P):
+    """QuestPages from float64 NumPy bounds (not from quest_build_pages)."""
+    kmin, kmax = _np_page_bounds(np.asarray(k, np.float64), start, end, page, P)
+    return QuestPages(kmin=jnp.asarray(kmin, jnp.float32), kmax=jnp.asarray(kmax, jnp.float32),
+                      start=jnp.asarray(start, jnp.int32), end=jnp.asarray(end, jnp.int32), page_size=page)
+
+
+def test_host_quest_attention_against_float64_messages_x64_and_vmap():
+    rng = np.random.default_rng(9)
+    B, Hq, Hkv, N, D, page = 3, 4, 2, 30, 8, 4
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32)
+    k = rng.normal(size=(B, Hkv, N, D)).astype(np.float32)
+    v = rng.normal(size=(B, Hkv, N, D)).astype(np.float32)
+    kv = (jnp.asarray(k), jnp.asarray(v))
+    start, end, context = np.array([2, 0, 7]), np.array([27, 13, 7]), np.array([30, 20, 9])
+    pages = _pages_of(k, start, end, page, 8)
+    for budget in (5, 9, 0.5, 1.0):
+        _assert_attention(host.host_quest_attention(jnp.asarray(q), *kv, pages, budget),
+                          _np_quest(q, k, v, page, budget, start, end))
+        _assert_attention(host.host_quest_attention(jnp.asarray(q), *kv, pages, budget, context=jnp.asarray(context)),
+                          _np_quest(q, k, v, page, budget, start, end, context))
+    ref = _np_quest(q, k, v, page, 9, start, end, context)
+    for t in (1, 4096):
+        _assert_attention(host.host_quest_attention(jnp.asarray(q), *kv, pages, 9, context=jnp.asarray(context),
+                                                    max_threads=t), ref)
+    for t in (-1, 4097):
+        with pytest.raises(ValueError, match=_exact(f"max_threads must be in [0, 4096], got max_threads={t}")):
+            host.host_quest_attention(jnp.asarray(q), *kv, pages, 9, max_threads=t)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        host.host_quest_attention(jnp.asarray(q), *kv, pages, 9, impl="neon")
+    with pytest.raises(TypeError, match="budget must be an int"):
+        host.host_quest_attention(jnp.asarray(q), *kv, pages, "9")
+    with pytest.raises(TypeError, match=_exact("pages must be a QuestPages, got tuple")):
+        host.host_quest_attention(jnp.asarray(q), *kv, (pages.kmin, pages.kmax), 9)
+    bad = dataclasses.replace(pages, kmax=pages.kmax[:, :, :7])
+    with pytest.raises(ValueError, match=_exact("pages.kmin/kmax must be [B, Hkv, P, D] = [3, 2, P, 8], got "
+                                                "(3, 2, 8, 8) and (3, 2, 7, 8)")):
+        host.host_quest_attention(jnp.asarray(q), *kv, bad, 9)
+    for kmin in (pages.kmin[:2], pages.kmin[:, :1], pages.kmin[..., :7]):
+        with pytest.raises(ValueError, match=r"^pages\.kmin/kmax must be \[B, Hkv, P, D\]"):
+            host.host_quest_attention(jnp.asarray(q), *kv, dataclasses.replace(pages, kmin=kmin), 9)
+    # G = 64 is accepted, 65 refused
+    p1 = _pages_of(k[:1, :1], start[:1], end[:1], page, 8)
+    q64 = rng.normal(size=(1, 64, D)).astype(np.float32)
+    _assert_attention(host.host_quest_attention(jnp.asarray(q64), kv[0][:1, :1], kv[1][:1, :1], p1, 9),
+                      _np_quest(q64, k[:1, :1], v[:1, :1], page, 9, start[:1], end[:1]))
+    with pytest.raises(ValueError, match=_exact("G = Hq / Hkv must be <= 64, got 65")):
+        host.host_quest_attention(jnp.zeros((1, 65, D), jnp.float32), kv[0][:1, :1], kv[1][:1, :1], p1, 9)
+    with jax.enable_x64(True):  # float64 q and bounds, int64 range and context: the op gets float32 / int32
+        p64 = QuestPages(kmin=pages.kmin.astype(jnp.float64), kmax=pages.kmax.astype(jnp.float64),
+                         start=jnp.asarray(start, jnp.int64), end=jnp.asarray(end, jnp.int64), page_size=page)
+        _assert_attention(host.host_quest_attention(jnp.asarray(q, jnp.float64), *kv, p64, 9,
+                                                    context=jnp.asarray(context, jnp.int64)), ref)
+    qs = np.stack([q, -q])
+    got = jax.vmap(lambda qq: host.host_quest_attention(qq, *kv, pages, 9))(jnp.asarray(qs))
+    for i in range(2):
+        _assert_attention([x[i] for x in got], _np_quest(qs[i], k, v, page, 9, start, end))
+
+
+def test_quest_build_pages_against_float64_bounds_and_messages():
+    rng = np.random.default_rng(10)
+    k = rng.normal(size=(2, 3, 37, 5)).astype(np.float32)
+    start, end = np.array([3, 0]), np.array([37, 20])
+    # default page_size 16 and capacity N: P = ceil(37 / 16) = 3
+    pages = quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end))
+    assert pages.page_size == 16 and pages.kmin.shape == (2, 3, 3, 5) and pages.kmin.dtype == jnp.float32
+    kmin, kmax = _np_page_bounds(k.astype(np.float64), start, end, 16, 3)
+    np.testing.assert_array_equal(np.asarray(pages.kmin), kmin)
+    np.testing.assert_array_equal(np.asarray(pages.kmax), kmax)
+    assert pages.start.dtype == jnp.int32 and pages.end.dtype == jnp.int32
+    # page_size 5, capacity 41 (P = 9), an end before its start (empty), bounds past N clipped
+    pages = quest_build_pages(jnp.asarray(k), jnp.asarray([4, 50]), jnp.asarray([2, 60]), 5, capacity=41)
+    assert pages.kmin.shape == (2, 3, 9, 5)
+    np.testing.assert_array_equal(np.asarray(pages.start), [4, 37])
+    np.testing.assert_array_equal(np.asarray(pages.end), [4, 37])
+    assert np.isposinf(np.asarray(pages.kmin)).all() and np.isneginf(np.asarray(pages.kmax)).all()
+    pages = quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 5, capacity=1)
+    assert pages.kmin.shape == (2, 3, 1, 5)
+    with jax.enable_x64(True):  # float64 keys and int64 bounds: float32 bounds, int32 range
+        pages = quest_build_pages(jnp.asarray(k, jnp.float64), jnp.asarray(start, jnp.int64),
+                                  jnp.asarray(end, jnp.int64), 5)
+        assert pages.kmin.dtype == jnp.float32 and pages.start.dtype == jnp.int32 and pages.end.dtype == jnp.int32
+        kmin, kmax = _np_page_bounds(k.astype(np.float64), start, end, 5, 8)
+        np.testing.assert_array_equal(np.asarray(pages.kmin), kmin)
+        np.testing.assert_array_equal(np.asarray(pages.kmax), kmax)
+    with pytest.raises(ValueError, match=_exact("capacity must be >= 1, got 0")):
+        quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 5, capacity=0)
+    with pytest.raises(ValueError, match=_exact("k must be [B, Hkv, N, D], got shape (3, 37, 5)")):
+        quest_build_pages(jnp.asarray(k[0]), jnp.asarray(start), jnp.asarray(end), 5)
+    with pytest.raises(ValueError, match=_exact("page_size must be >= 1, got page_size=0")):
+        quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 0)
