@@ -397,6 +397,7 @@ def test_estimators_under_x64_keep_their_dtypes_and_match_float64():
         results = {
             "dense": dense_attention(q, k, v, i32(lengths)),
             "dense_default": dense_attention(q, k, v),
+            "dense_int64": dense_attention(q, k, v, jnp.asarray(lengths, jnp.int64)),
             "topk": topk_attention(q, k, v, 4, i32(lengths)),
             "topk_frac": topk_attention(q, k, v, 0.5, i32(lengths)),
             "quest": quest_attention(q, k, v, 3, 5, i32(lengths)),
@@ -408,7 +409,7 @@ def test_estimators_under_x64_keep_their_dtypes_and_match_float64():
     for name, res in results.items():
         assert tuple(x.dtype for x in res) == (np.float32, np.float32, np.int32)[: len(res)], name
     r_dense = ref.dense(q, k, v, lengths)
-    for name, want in (("dense", r_dense), ("dense_default", ref.dense(q, k, v))):
+    for name, want in (("dense", r_dense), ("dense_default", ref.dense(q, k, v)), ("dense_int64", r_dense)):
         np.testing.assert_allclose(results[name][0], want[0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(results[name][1], want[1], rtol=1e-6, atol=1e-6)
     n = np.asarray(lengths)
@@ -424,3 +425,81 @@ def test_estimators_under_x64_keep_their_dtypes_and_match_float64():
     out, lse, distinct = results["oracle"]
     np.testing.assert_allclose(lse, r_dense[1], rtol=1e-6, atol=1e-6)
     assert np.all((distinct >= 1) & (distinct <= np.minimum(7, n)[:, None]))
+
+
+def test_lengths_outside_0_n_are_clipped_for_every_estimator():
+    # lengths past N or negative mean N or 0 keys: a fractional budget, MagicPIG's hashed range and
+    # the index's mean and range are computed from the clipped length (check_lengths' clip)
+    from magicpig_jax.attention import oracle_sampling_attention, quest_attention, topk_attention
+
+    N = 12
+    over, under = [N + 7, -3], [N, 0]
+    q, k, v = make_qkv(41, N=N, D=8, scale=1.5, cone=1.0)
+    for budget, tokens in ((0.5, [6, 0]), (5, [5, 5])):
+        out, lse = topk_attention(q, k, v, budget, i32(over))
+        r_out, r_lse = ref.selected(q, k, v, ref.topk_keep(q, k, tokens, under))
+        np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse, r_lse, rtol=1e-6, atol=1e-6)
+        out, lse = quest_attention(q, k, v, 3, budget, i32(over))
+        r_out, r_lse = ref.selected(q, k, v, ref.quest_keep(q, k, 3, tokens, under))
+        np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse, r_lse, rtol=1e-6, atol=1e-6)
+    # oracle sampling with v_i = e_i: out * draws is the vector of draw counts, ceil(N / 2) draws
+    qe = jnp.asarray(np.random.default_rng(2).normal(size=(2, 4, N)), jnp.float32)
+    ke = jnp.asarray(np.random.default_rng(3).normal(size=(2, 2, N, N)), jnp.float32)
+    ve = jnp.broadcast_to(jnp.eye(N, dtype=jnp.float32), (2, 2, N, N))
+    out, lse, distinct = oracle_sampling_attention(jax.random.key(7), qe, ke, ve, 0.5, i32(over))
+    counts = np.asarray(out[0], np.float64) * 6
+    np.testing.assert_allclose(counts, np.round(counts), atol=1e-4)
+    np.testing.assert_allclose(counts.sum(-1), 6, atol=1e-4)
+    np.testing.assert_array_equal(distinct[0], np.sum(np.round(counts) > 0, -1))
+    np.testing.assert_allclose(lse[0], ref.dense(qe, ke, ve)[1][0], rtol=1e-6)
+    np.testing.assert_array_equal(out[1], 0.0)
+    np.testing.assert_array_equal(distinct[1], 0)
+    assert np.all(np.isneginf(lse[1]))
+    # MagicPIG: the index built at lengths past N and below 0, then attended at such lengths
+    K, L, ns, nl = 3, 10, 2, 3
+    cfg = MagicPIGConfig(K=K, L=L, num_sink=ns, num_local=nl)
+    proj = lsh.simhash_projections(jax.random.key(5), 8, K, L)
+    index = build_lsh_index(k, proj, cfg, i32([N + 9, -4]))
+    np.testing.assert_array_equal(index.start, [ns, 0])
+    np.testing.assert_array_equal(index.end, [N - nl, 0])
+    out, lse, num = magicpig_attention(q, k, v, index, cfg, i32(over))
+    qcodes = np.asarray(lsh.simhash_codes(q, proj, K, L))
+    r_out, r_lse, r_num = ref.magicpig(q, k, v, np.asarray(index.codes), qcodes, K, L, ns, nl, under, under)
+    np.testing.assert_array_equal(num, r_num)
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("G,N,per_head", [(2, 1, True), (2, 4, True), (3, 4, True), (2, 4, False), (1, 3, True)])
+def test_masked_softmax_selects_out_non_finite_values_per_head(G, N, per_head):
+    # a value row outside a head's mask is NaN or inf: the heads that do not select it are exact,
+    # whatever the mask's head axis (1, or G with different keys per head; N = 1 included)
+    from magicpig_jax.attention._common import masked_softmax_attention
+
+    rng = np.random.default_rng(G * 10 + N)
+    B, Hkv, D = 2, 2, 3
+    logits = rng.normal(size=(B, Hkv, G, N)).astype(np.float32)
+    mask = rng.random(size=(B, Hkv, G if per_head else 1, N)) < 0.5
+    mask[0, 0, 0, 0], mask[0, 0, -1, 0] = True, False  # head 0 keeps key 0, the last head does not
+    if not per_head:
+        mask[0, 0, 0, 0] = False
+    v = rng.normal(size=(B, Hkv, N, D)).astype(np.float32)
+    v[0, 0, 0] = [np.nan, np.inf, -np.inf]
+    out, lse = masked_softmax_attention(jnp.asarray(logits), jnp.asarray(mask), jnp.asarray(v))
+    full = np.broadcast_to(mask, logits.shape)
+    for b in range(B):
+        for h in range(Hkv):
+            for g in range(G):
+                sel = full[b, h, g]
+                if not sel.any():
+                    want_out, want_lse = np.zeros(D), -np.inf
+                else:
+                    x = logits[b, h, g][sel].astype(np.float64)
+                    e = np.exp(x - x.max())
+                    with np.errstate(invalid="ignore"):
+                        want_out = e @ v[b, h][sel].astype(np.float64) / e.sum()
+                    want_lse = x.max() + np.log(e.sum())
+                np.testing.assert_allclose(out[b, h * G + g], want_out, rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(lse[b, h * G + g], want_lse, rtol=1e-6, atol=1e-6)
