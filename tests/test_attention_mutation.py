@@ -503,3 +503,133 @@ def test_masked_softmax_selects_out_non_finite_values_per_head(G, N, per_head):
                     want_lse = x.max() + np.log(e.sum())
                 np.testing.assert_allclose(out[b, h * G + g], want_out, rtol=1e-5, atol=1e-6)
                 np.testing.assert_allclose(lse[b, h * G + g], want_lse, rtol=1e-6, atol=1e-6)
+
+
+# --- hybrid ----------------------------------------------------------------------------------
+
+
+def _log_uc64(p, K, L, m):
+    """float64 ``log P[X >= 2 | X < m]``, ``X ~ Binomial(L, clip(p, 0, 1)^K)`` (SciPy's log pmf)."""
+    P = np.clip(np.asarray(p, np.float64), 0.0, 1.0) ** K
+    lp = stats.binom.logpmf(np.arange(m), L, P[..., None])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        num = np.log(np.sum(np.exp(lp[..., 2:]), -1))
+        den = np.log(np.sum(np.exp(lp), -1))
+    return np.where(P > 0, np.where(P < 1, num - den, 0.0), -np.inf)
+
+
+def _hybrid64(q, k, v, key_codes, query_codes, K, L, m, num_sink, num_local, build_lengths, lengths):
+    """Float64 hybrid estimator given the codes: a sampled key (>= 2 collisions in the hashed range)
+    enters with ``q·k/sqrt(D)`` if ``hits >= m``, else ``- max(log u_c, log 1e-30)``; every other
+    valid key is exact (``ref.magicpig`` with the hybrid's weights)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, Hq, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    out, lse, num = np.zeros((B, Hq, D)), np.zeros((B, Hq)), np.zeros((B, Hq), np.int64)
+    for b in range(B):
+        n0, n = int(build_lengths[b]), int(lengths[b])
+        start = min(num_sink, n0)
+        end = max(n0 - num_local, start)
+        for h in range(Hq):
+            kh, vh = k[b, h // G], v[b, h // G]
+            mean = kh[start:end].mean(0) if end > start else np.zeros(D)
+            logits = kh @ q[b, h] / np.sqrt(D)
+            mask = np.zeros(N, bool)
+            for i in range(n):
+                if not start <= i < end:
+                    mask[i] = True
+                    continue
+                hits = int(np.sum(key_codes[b, h // G, i] == query_codes[b, h]))
+                if hits < 2:
+                    continue
+                kc = kh[i] - mean
+                nq, nk = np.linalg.norm(q[b, h]), np.linalg.norm(kc)
+                cos = q[b, h] @ kc / (nq * nk) if nq * nk > 0 else 0.0
+                p = 1 - np.arccos(np.clip(cos, -1, 1)) / np.pi
+                if hits < m:
+                    logits[i] -= max(float(_log_uc64(p, K, L, m)), ref.LOG_U_FLOOR)
+                mask[i] = True
+                num[b, h] += 1
+            out[b, h], lse[b, h] = ref.softmax_over(logits, mask, vh)
+    return out, lse, num
+
+
+def test_hybrid_messages_and_bounds():
+    from magicpig_jax.attention import hybrid_attention
+    from magicpig_jax.attention.hybrid import log_light_probability
+
+    want = "heavy must be in [3, L + 1] = [3, 11], got heavy={}"
+    for heavy in (2, 12):
+        assert _message(ValueError, HybridConfig, K=4, L=10, heavy=heavy) == want.format(heavy)
+        assert _message(ValueError, log_light_probability, jnp.float32(0.5), 4, 10, heavy) == want.format(heavy)
+    with _without_jaxtyping():
+        assert _message(TypeError, HybridConfig, K=4, L=10, heavy=3.0) == "heavy must be an int, got float 3.0"
+        assert _message(TypeError, HybridConfig, K=4, L=10, heavy=True) == "heavy must be an int, got bool True"
+    assert _message(ValueError, HybridConfig, K=4, L=10, heavy=-1) == "heavy must be >= 0, got heavy=-1"
+    assert _message(ValueError, log_light_probability, jnp.float32(0.5), 0, 10, 3) == (
+        "K must be in [1, 32] (bits per uint32 code), got K=0"
+    )
+    assert _message(ValueError, log_light_probability, jnp.float32(0.5), 4, 1, 3) == (
+        "L must be >= 2 (sampling needs >= 2 colliding tables), got L=1"
+    )
+    # the bounds are accepted: heavy = 3 and heavy = L + 1
+    for heavy in (3, 11):
+        assert HybridConfig(K=4, L=10, heavy=heavy).heavy == heavy
+        got = log_light_probability(jnp.float32(0.7), 4, 10, heavy)
+        np.testing.assert_allclose(got, _log_uc64(np.float32(0.7), 4, 10, heavy), rtol=1e-5)
+    q, k, v = make_qkv(5, N=10, D=8)
+    base = MagicPIGConfig(K=4, L=10)
+    index = build_lsh_index(k, lsh.simhash_projections(jax.random.key(0), 8, 4, 10), base)
+    with _without_jaxtyping():
+        assert _message(TypeError, hybrid_attention, q, k, v, index, base) == (
+            "config must be a HybridConfig, got MagicPIGConfig"
+        )
+    assert _message(ValueError, hybrid_attention, q, k, v, index, HybridConfig(K=4, L=12)) == (
+        "index.codes must be [B, Hkv, N, L] = (2, 2, 10, 12), got (2, 2, 10, 10)"
+    )
+    assert _message(ValueError, hybrid_attention, q[:, :3], k, v, index, HybridConfig(K=4, L=10)) == (
+        "Hq (3) must be a multiple of Hkv (2) for GQA"
+    )
+
+
+def test_hybrid_light_probability_and_weights_by_hand_and_under_x64():
+    from magicpig_jax.attention.hybrid import hybrid_log_weights, log_light_probability
+
+    K, L, m = 2, 9, 4
+    p = np.array([[-0.3, 0.0, 0.2, 0.55], [0.8, 0.97, 1.0, 1.7]], np.float32)  # clipped to [0, 1]
+    want = _log_uc64(p, K, L, m)
+    assert np.all(np.isneginf(want[0, :2])) and np.all(want[1, 2:] == 0)
+    hits = np.array([[0, 2, 3, 4], [5, 3, 4, 1]], np.int32)  # hits >= m: heavy, weight 0
+    want_w = np.where(hits >= m, 0.0, np.maximum(want, ref.LOG_U_FLOOR))
+    with jax.enable_x64(True):
+        got = log_light_probability(jnp.asarray(p, jnp.float64), K, L, m)
+        got_w = hybrid_log_weights(jnp.asarray(hits), jnp.asarray(p, jnp.float64), K, L, m)
+    got32 = log_light_probability(jnp.asarray(p), K, L, m)
+    assert (got.dtype, got_w.dtype, got32.dtype) == (np.float32, np.float32, np.float32)
+    for g in (got, got32):
+        np.testing.assert_array_equal(np.isneginf(g), np.isneginf(want))
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(np.asarray(g)[finite], want[finite], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_hybrid_with_lengths_small_norms_and_x64_matches_float64(x64):
+    from magicpig_jax.attention import hybrid_attention
+
+    K, L, m, ns, nl, N = 2, 8, 4, 2, 3, 30
+    cfg = HybridConfig(K=K, L=L, heavy=m, num_sink=ns, num_local=nl)
+    with jax.enable_x64(x64):
+        q, k, v = make_qkv(61, B=3, N=N, D=8, scale=0.3, cone=0.5)  # |q| |k - mean| < 1 for most keys
+        build, lengths = [N - 4, N, 9], [N - 2, N, 6]
+        proj = lsh.simhash_projections(jax.random.key(9), 8, K, L)
+        index = build_lsh_index(k, proj, cfg, i32(build))
+        out, lse, num = hybrid_attention(q, k, v, index, cfg, i32(lengths))
+        qcodes = np.asarray(lsh.simhash_codes(q, proj, K, L))
+    assert (out.dtype, lse.dtype, num.dtype) == (np.float32, np.float32, np.int32)
+    r_out, r_lse, r_num = _hybrid64(q, k, v, np.asarray(index.codes), qcodes, K, L, m, ns, nl, build, lengths)
+    assert 0 < r_num.sum() < 3 * 4 * N
+    np.testing.assert_array_equal(num, r_num)
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
