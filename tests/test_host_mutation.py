@@ -888,3 +888,25 @@ def test_quest_build_pages_against_float64_bounds_and_messages():
         quest_build_pages(jnp.asarray(k[0]), jnp.asarray(start), jnp.asarray(end), 5)
     with pytest.raises(ValueError, match=_exact("page_size must be >= 1, got page_size=0")):
         quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 0)
+
+
+def test_quest_append_pages_at_position_0_and_into_the_last_page():
+    # row 0: an empty range at 0 grows to [0, 5) (position 0 is read); row 1: [0, 9) grows to [0, 12) = N, into the
+    # last page (P = 3) and up to position N - 1; the page size is kept
+    rng = np.random.default_rng(12)
+    k = rng.normal(size=(2, 2, 12, 3)).astype(np.float32)
+    start, end = np.array([0, 0]), np.array([0, 9])
+    pages = quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 4, capacity=12)
+    grown = quest_append_pages(pages, jnp.asarray(k), jnp.asarray([5, 3]), 5)
+    assert grown.page_size == 4 and grown.kmin.shape == (2, 2, 3, 3)
+    np.testing.assert_array_equal(np.asarray(grown.end), [5, 12])
+    kmin, kmax = _np_page_bounds(k.astype(np.float64), start, np.array([5, 12]), 4, 3)
+    np.testing.assert_array_equal(np.asarray(grown.kmin), kmin)
+    np.testing.assert_array_equal(np.asarray(grown.kmax), kmax)
+    with jax.enable_x64(True), warnings.catch_warnings():
+        # float64 keys: the bounds stay float32 and no dtype-promotion warning is raised on the way
+        warnings.simplefilter("error")
+        grown = quest_append_pages(pages, jnp.asarray(k, jnp.float64), jnp.asarray([5, 3]), 5)
+        assert grown.kmin.dtype == jnp.float32 and grown.kmax.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(grown.kmin), kmin)
+        np.testing.assert_array_equal(np.asarray(grown.kmax), kmax)
