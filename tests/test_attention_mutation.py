@@ -23,6 +23,7 @@ from magicpig_jax.attention import (
     HybridConfig,
     LayerConfigs,
     MagicPIGConfig,
+    budget_tokens,
     build_lsh_index,
     cost_model,
     dense_attention,
@@ -633,3 +634,49 @@ def test_hybrid_with_lengths_small_norms_and_x64_matches_float64(x64):
     np.testing.assert_array_equal(num, r_num)
     np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
+
+
+# --- baselines -------------------------------------------------------------------------------
+
+
+def test_baseline_budget_and_page_size_messages_and_bounds():
+    from magicpig_jax.attention import oracle_sampling_attention, quest_attention, topk_attention
+    from magicpig_jax.attention.baselines import quest_page_scores
+
+    q, k, v = make_qkv(8, N=10, D=8)
+    kind = "budget must be an int (tokens) or a float in (0, 1] (fraction of the context), got "
+    count = "budget as a token count must be >= 1, got budget={}"
+    frac = "budget as a fraction of the context must be in (0, 1], got budget={}"
+    cases = [
+        (True, TypeError, kind + "bool True"),
+        ("3", TypeError, kind + "str '3'"),
+        (None, TypeError, kind + "NoneType None"),
+        (0, ValueError, count.format(0)),
+        (-2, ValueError, count.format(-2)),
+        (0.0, ValueError, frac.format(0.0)),
+        (1.5, ValueError, frac.format(1.5)),
+        (float("inf"), ValueError, frac.format(float("inf"))),
+        (float("nan"), ValueError, frac.format(float("nan"))),
+    ]
+    with _without_jaxtyping():
+        for budget, exc, want in cases:
+            assert _message(exc, budget_tokens, budget, i32([4])) == want, budget
+            assert _message(exc, topk_attention, q, k, v, budget) == want, budget
+            assert _message(exc, quest_attention, q, k, v, 2, budget) == want, budget
+            assert _message(exc, oracle_sampling_attention, jax.random.key(0), q, k, v, budget) == want, budget
+        for page_size, exc, want in [
+            (0, ValueError, "page_size must be >= 1, got page_size=0"),
+            (2.0, TypeError, "page_size must be an int, got float 2.0"),
+            (False, TypeError, "page_size must be an int, got bool False"),
+        ]:
+            assert _message(exc, quest_attention, q, k, v, page_size, 4) == want
+            assert _message(exc, quest_page_scores, q, k, page_size, i32([10, 10])) == want
+    # the bounds are accepted: a budget of 1 token, a fraction of 1.0, a page of 1 key
+    np.testing.assert_array_equal(budget_tokens(1, i32([0, 9])), [1, 1])
+    np.testing.assert_array_equal(budget_tokens(1.0, i32([0, 9])), [0, 9])
+    # a fraction below 1 / 65536 rounds to 0 and is raised to 1 / 32768: ceil(n / 32768) tokens
+    np.testing.assert_array_equal(budget_tokens(1e-7, i32([0, 1, 32768, 32769])), [0, 1, 1, 2])
+    out, lse = quest_attention(q, k, v, 1, 1, i32([10, 3]))
+    r_out, r_lse = ref.selected(q, k, v, ref.quest_keep(q, k, 1, [1, 1], [10, 3]))
+    np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, r_lse, rtol=1e-6, atol=1e-6)
