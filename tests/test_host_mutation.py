@@ -910,3 +910,23 @@ def test_quest_append_pages_at_position_0_and_into_the_last_page():
         assert grown.kmin.dtype == jnp.float32 and grown.kmax.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(grown.kmin), kmin)
         np.testing.assert_array_equal(np.asarray(grown.kmax), kmax)
+
+
+def test_host_quest_attention_ranges_not_at_0_and_both_bounds_of_the_wrong_heads():
+    # the pages kept are counted on the range's length end - start (a range starting at 8 keeps 2 of 4 pages at 0.5)
+    rng = np.random.default_rng(13)
+    B, Hq, Hkv, N, D, page = 2, 2, 2, 30, 8, 4
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32)
+    k = rng.normal(size=(B, Hkv, N, D)).astype(np.float32)
+    v = rng.normal(size=(B, Hkv, N, D)).astype(np.float32)
+    kv = (jnp.asarray(k), jnp.asarray(v))
+    start, end = np.array([8, 12]), np.array([24, 30])
+    pages = _pages_of(k, start, end, page, 5)
+    for budget in (0.5, 6):
+        _assert_attention(host.host_quest_attention(jnp.asarray(q), *kv, pages, budget),
+                          _np_quest(q, k, v, page, budget, start, end))
+    # kmin and kmax of the same wrong shape (one KV head): refused by the shape check, not by the op
+    one = dataclasses.replace(pages, kmin=pages.kmin[:, :1], kmax=pages.kmax[:, :1])
+    with pytest.raises(ValueError, match=_exact("pages.kmin/kmax must be [B, Hkv, P, D] = [2, 2, P, 8], got "
+                                                "(2, 1, 5, 8) and (2, 1, 5, 8)")):
+        host.host_quest_attention(jnp.asarray(q), *kv, one, 6)
