@@ -623,7 +623,8 @@ def test_hybrid_with_lengths_small_norms_and_x64_matches_float64(x64):
     cfg = HybridConfig(K=K, L=L, heavy=m, num_sink=ns, num_local=nl)
     with jax.enable_x64(x64):
         q, k, v = make_qkv(61, B=3, N=N, D=8, scale=0.3, cone=0.5)  # |q| |k - mean| < 1 for most keys
-        build, lengths = [N - 4, N, 9], [N - 2, N, 6]
+        # row 2 hashes one key (range [2, 3)): it is its own mean, a centered key of norm 0 (cos 0)
+        build, lengths = [N - 4, N, ns + nl + 1], [N - 2, N, 6]
         proj = lsh.simhash_projections(jax.random.key(9), 8, K, L)
         index = build_lsh_index(k, proj, cfg, i32(build))
         out, lse, num = hybrid_attention(q, k, v, index, cfg, i32(lengths))
