@@ -117,3 +117,86 @@ def test_chat_template_variables_and_the_generation_tag():
     assert render_chat_template("{{ bos_token }}|{{ eos_token }}|{{ tools is none }}", [], bos_token="<s>",
                                 eos_token="</s>") == "<s>|</s>|True"
     assert render_chat_template("{{ tools }} {{ documents }}", [], tools=[1]) == "[1] None"
+
+
+# -- hf_model ------------------------------------------------------------------------------------
+
+
+def _hf_dir(tmp_path, files: dict, generation=None, tie=True, eos=(1, 4, 5)):
+    """A Hugging Face directory: the llama3 family's config.json (tie and eos replaced) and safetensors files
+    written by safetensors' NumPy API."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((Path(__file__).parent / "fixtures" / "families" / "llama3" / "config.json").read_text())
+    cfg["tie_word_embeddings"], cfg["eos_token_id"] = tie, list(eos)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    for name, tensors in files.items():
+        save_file(tensors, str(tmp_path / name))
+    return tmp_path
+
+
+def test_read_generation_eos_ids_by_hand(tmp_path):
+    import json
+
+    from magicpig_jax.io.hf_model import read_generation_eos_ids
+
+    assert read_generation_eos_ids(tmp_path) == ()
+    for contents, expect in (({}, ()), ({"eos_token_id": None}, ()), ({"eos_token_id": 7}, (7,)),
+                             ({"eos_token_id": [3, 9]}, (3, 9)), ({"eos_token_id": "5"}, (5,))):
+        (tmp_path / "generation_config.json").write_text(json.dumps(contents))
+        got = read_generation_eos_ids(str(tmp_path))
+        assert got == expect and all(type(e) is int for e in got)
+
+
+def test_read_hf_dir_weights_ties_stop_ids_and_messages(tmp_path):
+    import numpy as np
+
+    from magicpig_jax.io.hf_model import read_hf_dir
+    from magicpig_jax.models.config import UnsupportedConfigError
+
+    rng = np.random.default_rng(0)
+    embed = rng.normal(size=(6, 4)).astype(np.float16)
+    other = rng.normal(size=(3, 4)).astype(np.float32)
+    d = tmp_path / "a"
+    d.mkdir()
+    _hf_dir(d, {}, generation={"eos_token_id": [4, 9, 1, 11]})
+    with pytest.raises(FileNotFoundError, match=_exact(f"no *.safetensors files in {d}")):
+        read_hf_dir(d)
+    # a rotary buffer before another weight of its file (skipped, the rest of the file read)
+    _hf_dir(d, {"b.safetensors": {"model.embed_tokens.weight": embed, "lm_head.weight": embed.copy()},
+                "a.safetensors": {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(2, np.float32),
+                                  "model.norm.weight": other}})
+    config, weights = read_hf_dir(str(d))
+    assert config.eos_token_ids == (1, 4, 5, 9, 11)  # config.json's, then generation_config.json's new ones
+    assert sorted(weights) == ["model.embed_tokens.weight", "model.norm.weight"]  # inv_freq and the tied head dropped
+    assert all(w.dtype == np.float32 for w in weights.values())
+    np.testing.assert_array_equal(weights["model.embed_tokens.weight"], embed.astype(np.float32))
+    np.testing.assert_array_equal(weights["model.norm.weight"], other)
+    # untied: the head is kept
+    e = tmp_path / "e"
+    e.mkdir()
+    _hf_dir(e, {"m.safetensors": {"model.embed_tokens.weight": embed, "lm_head.weight": other}}, tie=False)
+    assert sorted(read_hf_dir(e)[1]) == ["lm_head.weight", "model.embed_tokens.weight"]
+    # tied but different, or tied without an embedding
+    for name, tensors in (("f", {"model.embed_tokens.weight": embed, "lm_head.weight": embed * 2}),
+                          ("g", {"lm_head.weight": embed})):
+        (tmp_path / name).mkdir()
+        _hf_dir(tmp_path / name, {"m.safetensors": tensors})
+        with pytest.raises(UnsupportedConfigError, match=_exact(
+                f"{tmp_path / name}: tie_word_embeddings is true but lm_head.weight differs from "
+                "model.embed_tokens.weight")):
+            read_hf_dir(tmp_path / name)
+    h = tmp_path / "h"
+    h.mkdir()
+    _hf_dir(h, {"1.safetensors": {"model.norm.weight": other}, "2.safetensors": {"model.norm.weight": other}})
+    with pytest.raises(ValueError, match=_exact(f"weight 'model.norm.weight' appears in more than one safetensors "
+                                                f"file of {h}")):
+        read_hf_dir(h)
+    with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path / 'none' / 'config.json'} not found: a Hugging "
+                                                       "Face model directory needs config.json")):
+        read_hf_dir(tmp_path / "none")
