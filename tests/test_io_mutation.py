@@ -200,3 +200,82 @@ def test_read_hf_dir_weights_ties_stop_ids_and_messages(tmp_path):
     with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path / 'none' / 'config.json'} not found: a Hugging "
                                                        "Face model directory needs config.json")):
         read_hf_dir(tmp_path / "none")
+
+
+# -- checkpoint ------------------------------------------------------------------------------------
+
+
+def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from magicpig_jax.io import checkpoint
+    from magicpig_jax.io.hf_model import read_hf_dir
+    from magicpig_jax.io.tokenizer import Tokenizer
+
+    family = Path(__file__).parent / "fixtures" / "families" / "llama3"
+    config, _ = read_hf_dir(family)  # llama3 RoPE scaling: a tuple of (key, value) pairs
+    assert config.rope_scaling is not None
+    tok = Tokenizer.from_hf_dir(family, eos_token_ids=(1, 4))
+    rng = np.random.default_rng(1)
+    weights = {"model.embed_tokens.weight": rng.normal(size=(5, 3)).astype(np.float16),
+               "model.layers.0.mlp.up_proj.weight": rng.normal(size=(2, 3)),  # float64: saved as float32
+               "model.layers.0.mlp.down_proj.weight.q4_1": rng.integers(0, 256, (2, 20), dtype=np.uint8)}
+    freq = np.array([1.0, 0.5, 0.25], np.float64)
+    out = tmp_path / "a" / "b"  # parents are created
+    assert not checkpoint.is_checkpoint(out)
+    assert checkpoint.save_checkpoint(out, config, weights, tok, freq) == out.absolute()
+    assert checkpoint.is_checkpoint(str(out)) and (out / checkpoint.MARKER).is_file()
+    meta = json.loads((out / checkpoint.MARKER).read_text())
+    assert meta["format_version"] == 2
+    assert checkpoint.read_checkpoint_config(out) == config
+    cfg, got, tok2, freq2 = checkpoint.read_checkpoint(str(out))
+    assert cfg == config and sorted(got) == sorted(weights)
+    for name, w in weights.items():
+        want = w if w.dtype == np.uint8 else w.astype(np.float32)
+        assert got[name].dtype == want.dtype, name
+        np.testing.assert_array_equal(got[name], want)
+    assert freq2.dtype == np.float32
+    np.testing.assert_array_equal(freq2, freq.astype(np.float32))
+    for attr in ("chat_template", "eos_token_ids", "bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token"):
+        assert getattr(tok2, attr) == getattr(tok, attr), attr
+    assert tok2.chat_template and tok2.eos_token_ids[:2] == (1, 4)
+    assert tok2.encode("hello there") == tok.encode("hello there")
+    # the weights are stored under their names with "/" for "." (orbax's nested keys: the on-disk format)
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckpt:
+        stored = ckpt.restore(out.absolute() / "weights")
+    assert sorted(stored) == sorted([k.replace(".", "/") for k in weights] + ["rope_freqs"])
+    # a tokenizer that adds EOS, saved into an existing empty directory
+    tok_eos = Tokenizer(tok.backend, chat_template=None, eos_token_ids=(4,), add_eos_token=True)
+    (tmp_path / "empty").mkdir()
+    checkpoint.save_checkpoint(tmp_path / "empty", config, {"w": np.ones((2, 2), np.float32)}, tok_eos)
+    tok4 = checkpoint.read_checkpoint(tmp_path / "empty")[2]
+    assert (tok4.add_eos_token, tok4.eos_token_id, tok4.eos_token_ids, tok4.add_bos_token) == (True, 4, (4,), False)
+    with pytest.raises(FileExistsError, match=_exact(f"{out.absolute()} already holds a checkpoint; choose another OUT "
+                                                     "or remove it")):
+        checkpoint.save_checkpoint(out, config, weights, tok)
+    # a version-1 file without the tokenizer's fields and without rope_freqs: the defaults
+    bare = tmp_path / "bare"
+    checkpoint.save_checkpoint(bare, config, {"w": np.ones((2, 2), np.float32)}, tok)
+    meta = json.loads((bare / checkpoint.MARKER).read_text())
+    meta = {"format_version": 1, "config": {k: v for k, v in meta["config"].items() if k != "eos_token_ids"}}
+    (bare / checkpoint.MARKER).write_text(json.dumps(meta))
+    cfg3, got, tok3, freq3 = checkpoint.read_checkpoint(bare)
+    assert cfg3.eos_token_ids == () and cfg3 == dataclasses.replace(config, eos_token_ids=())
+    assert freq3 is None and sorted(got) == ["w"]
+    assert (tok3.chat_template, tok3.eos_token_ids, tok3.bos_token_id, tok3.eos_token_id, tok3.add_bos_token,
+            tok3.add_eos_token) == (None, (), None, None, False, False)
+    meta["format_version"] = 3
+    (bare / checkpoint.MARKER).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 3 in {bare.absolute()}")):
+        checkpoint.read_checkpoint(bare)
+    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 3 in {bare.absolute()}")):
+        checkpoint.read_checkpoint_config(bare)
+    with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path.absolute()} is not a magicpig_jax checkpoint (no "
+                                                       "magicpig_model.json)")):
+        checkpoint.read_checkpoint(tmp_path)
