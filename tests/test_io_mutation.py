@@ -279,3 +279,142 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
     with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path.absolute()} is not a magicpig_jax checkpoint (no "
                                                        "magicpig_model.json)")):
         checkpoint.read_checkpoint(tmp_path)
+
+
+# -- tokenizer -------------------------------------------------------------------------------------
+
+
+def _llama3_backend():
+    from pathlib import Path
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return HFTokenizer.from_file(str(Path(__file__).parent / "fixtures" / "families" / "llama3" / "tokenizer.json"))
+
+
+def test_tokenizer_fields_special_ids_encode_decode_and_messages():
+    import numpy as np
+
+    from magicpig_jax.io.tokenizer import Tokenizer, TokenizerMetadataError
+
+    backend = _llama3_backend()  # <|begin_of_text|> 0, <|end_of_text|> 1, <|eom_id|> 4, <|eot_id|> 5, "a" 70
+    tok = Tokenizer(backend, chat_template=None, eos_token_ids=[5, np.int64(1), 5, 4], bos_token_id=np.int64(0))
+    assert tok.eos_token_ids == (5, 1, 4) and all(type(i) is int for i in tok.eos_token_ids)
+    assert tok.eos_token_id == 5 and type(tok.bos_token_id) is int and tok.bos_token_id == 0
+    assert (tok.add_bos_token, tok.add_eos_token) == (False, False)
+    assert (tok.bos_token, tok.eos_token) == ("<|begin_of_text|>", "<|eot_id|>")
+    assert {"<|begin_of_text|>", "<|eot_id|>"} <= set(tok.special_tokens)
+    bare = Tokenizer(backend, chat_template=None, eos_token_ids=())
+    assert (bare.bos_token_id, bare.eos_token_id, bare.bos_token, bare.eos_token) == (None, None, None, None)
+    assert Tokenizer(backend, chat_template=None, eos_token_ids=(5,), eos_token_id=np.int64(1)).eos_token_id == 1
+    with pytest.raises(TokenizerMetadataError, match=_exact("add_bos_token is set but the tokenizer has no BOS token "
+                                                            "id")):
+        Tokenizer(backend, chat_template=None, eos_token_ids=(5,), add_bos_token=1)
+    with pytest.raises(TokenizerMetadataError, match=_exact("add_eos_token is set but the tokenizer has no EOS token "
+                                                            "id")):
+        Tokenizer(backend, chat_template=None, eos_token_ids=(), add_eos_token=1)
+    both = Tokenizer(backend, chat_template=None, eos_token_ids=(5,), bos_token_id=0, add_bos_token=1, add_eos_token=1)
+    assert both.add_bos_token is True and both.add_eos_token is True
+    # encode: special strings parsed by default, literal on request; BOS/EOS only when asked and not already there
+    assert tok.encode("a") == [70] and both.encode("a") == [70]
+    assert tok.encode("<|eot_id|>") == [5]
+    literal = tok.encode("<|eot_id|>", parse_special=False)
+    assert 5 not in literal and backend.decode(literal) == "<|eot_id|>"
+    assert both.encode("a", add_special_tokens=True) == [0, 70, 5]
+    assert both.encode("<|begin_of_text|>a<|eot_id|>", add_special_tokens=True) == [0, 70, 5]
+    assert both.encode("", add_special_tokens=True) == [0, 5]
+    assert both._add_special([], eos=False) == [0] and both._add_special([70], eos=False) == [0, 70]
+    assert tok.encode("a", add_special_tokens=True) == [70]
+    with pytest.raises(TypeError, match=_exact("text must be a str, got bytes")):
+        tok.encode(b"a")
+    assert tok.decode(np.array([0, 70, 5])) == "a"
+    assert tok.decode([0, 70], skip_special_tokens=False) == "<|begin_of_text|>a"
+    # the chat template
+    with pytest.raises(ValueError, match=_exact("this model has no chat template; pass chat=False to use the raw "
+                                                "prompt")):
+        tok.apply_chat_template([{"role": "user", "content": "a"}])
+    chat = Tokenizer(backend, chat_template="{{ bos_token }}|{{ eos_token }}|{{ add_generation_prompt }}|{{ x }}",
+                     eos_token_ids=(5,), bos_token_id=0)
+    assert chat.apply_chat_template([], x=3) == "<|begin_of_text|>|<|eot_id|>|True|3"
+    assert chat.apply_chat_template([], False, x=3) == "<|begin_of_text|>|<|eot_id|>|False|3"
+
+
+def test_tokenizer_content_helpers():
+    from magicpig_jax.io.tokenizer import _map_contents, _strings
+
+    assert _strings({"a": ["x", {"b": "y"}, ("z", 3)], "c": 3, "d": None}) == ["x", "y", "z"]
+    assert _strings("s") == ["s"] and _strings(4) == []
+    message = {"role": "user", "content": "ab"}
+    assert _map_contents(message, str.upper) == {"role": "user", "content": "AB"} and message["content"] == "ab"
+    parts = [{"type": "text", "text": "ab"}, {"type": "image"}, {"type": "text", "text": 3}, "raw"]
+    got = _map_contents({"role": "user", "content": parts}, str.upper)
+    assert got["content"] == [{"type": "text", "text": "AB"}, {"type": "image"}, {"type": "text", "text": 3}, "raw"]
+    assert parts[0]["text"] == "ab"
+    assert _map_contents({"role": "user"}, str.upper) == {"role": "user"}
+    assert _map_contents({"role": "user", "content": None}, str.upper) == {"role": "user", "content": None}
+
+
+def _hf_tok_dir(path, config=None, jinja=None, template_json=None, eos_in_post=False):
+    import json
+    import shutil
+    from pathlib import Path
+
+    path.mkdir()
+    src = Path(__file__).parent / "fixtures" / "families" / "llama3" / "tokenizer.json"
+    if eos_in_post:  # the post-processor adds <|end_of_text|> after the text too
+        tj = json.loads(src.read_text())
+        tj["post_processor"]["single"].append({"SpecialToken": {"id": "<|end_of_text|>", "type_id": 0}})
+        tj["post_processor"]["special_tokens"]["<|end_of_text|>"] = {"id": "<|end_of_text|>", "ids": [1],
+                                                                    "tokens": ["<|end_of_text|>"]}
+        (path / "tokenizer.json").write_text(json.dumps(tj))
+    else:
+        shutil.copy(src, path / "tokenizer.json")
+    if config is not None:
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja is not None:
+        (path / "chat_template.jinja").write_text(jinja)
+    if template_json is not None:
+        (path / "chat_template.json").write_text(json.dumps({"chat_template": template_json}))
+    return path
+
+
+def test_tokenizer_from_hf_dir_templates_special_ids_and_flags(tmp_path):
+    from magicpig_jax.io.tokenizer import Tokenizer, TokenizerMetadataError
+
+    def fields(tok):
+        return (tok.chat_template, tok.bos_token_id, tok.eos_token_id, tok.eos_token_ids, tok.add_bos_token,
+                tok.add_eos_token)
+
+    d = _hf_tok_dir(tmp_path / "a", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                                     "chat_template": "T1"}, jinja="J")
+    tok = Tokenizer.from_hf_dir(str(d), eos_token_ids=(1, 4))
+    assert fields(tok) == ("T1", 0, 5, (1, 4, 5), True, False)
+    assert tok.encode("a", add_special_tokens=True) == [0, 70]
+    d = _hf_tok_dir(tmp_path / "b", {"bos_token": {"content": "<|begin_of_text|>"},
+                                     "eos_token": {"content": "<|eot_id|>"},
+                                     "chat_template": [{"name": "tool_use", "template": "T2"},
+                                                       {"name": "default", "template": "T3"}],
+                                     "add_bos_token": False, "add_eos_token": True})
+    assert fields(Tokenizer.from_hf_dir(d)) == ("T3", 0, 5, (5,), False, True)
+    # no tokenizer_config.json: the template from chat_template.jinja, BOS from the post-processor
+    d = _hf_tok_dir(tmp_path / "c", None, jinja="J", template_json="K")
+    assert fields(Tokenizer.from_hf_dir(d, eos_token_ids=(4,))) == ("J", 0, 4, (4,), True, False)
+    d = _hf_tok_dir(tmp_path / "d", None, template_json="K")
+    assert fields(Tokenizer.from_hf_dir(d)) == ("K", 0, None, (), True, False)
+    # a list of templates without "default", then the .jinja file
+    d = _hf_tok_dir(tmp_path / "e", {"chat_template": [{"name": "x", "template": "X"}, "junk"]}, jinja="J")
+    assert fields(Tokenizer.from_hf_dir(d))[0] == "J"
+    d = _hf_tok_dir(tmp_path / "f", {"chat_template": [{"name": "x", "template": "X"}]})
+    assert fields(Tokenizer.from_hf_dir(d))[0] is None
+    # the post-processor adds EOS too: add_eos_token and the EOS id follow it (no eos_token in the config)
+    d = _hf_tok_dir(tmp_path / "g", {"bos_token": 7}, eos_in_post=True)
+    assert fields(Tokenizer.from_hf_dir(d)) == (None, 0, 1, (1,), True, True)
+    d = _hf_tok_dir(tmp_path / "h", {"add_eos_token": False, "add_bos_token": True, "bos_token": "<|eom_id|>"},
+                    eos_in_post=True)
+    assert fields(Tokenizer.from_hf_dir(d)) == (None, 4, None, (), True, False)
+    d = _hf_tok_dir(tmp_path / "i", {"add_eos_token": True})
+    with pytest.raises(TokenizerMetadataError, match="add_eos_token is set but the tokenizer has no EOS token id"):
+        Tokenizer.from_hf_dir(d)
+    with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path / 'tokenizer.json'} not found: a Hugging Face model "
+                                                       "directory needs tokenizer.json")):
+        Tokenizer.from_hf_dir(tmp_path)
