@@ -512,11 +512,11 @@ def test_masked_softmax_selects_out_non_finite_values_per_head(G, N, per_head):
 def _log_uc64(p, K, L, m):
     """float64 ``log P[X >= 2 | X < m]``, ``X ~ Binomial(L, clip(p, 0, 1)^K)`` (SciPy's log pmf)."""
     P = np.clip(np.asarray(p, np.float64), 0.0, 1.0) ** K
-    lp = stats.binom.logpmf(np.arange(m), L, P[..., None])
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # P = 0 or 1: log 0 (the where picks -inf or 0)
+        lp = stats.binom.logpmf(np.arange(m), L, P[..., None])
         num = np.log(np.sum(np.exp(lp[..., 2:]), -1))
         den = np.log(np.sum(np.exp(lp), -1))
-    return np.where(P > 0, np.where(P < 1, num - den, 0.0), -np.inf)
+        return np.where(P > 0, np.where(P < 1, num - den, 0.0), -np.inf)
 
 
 def _hybrid64(q, k, v, key_codes, query_codes, K, L, m, num_sink, num_local, build_lengths, lengths):
