@@ -24,14 +24,38 @@ def test_peak_is_at_least_the_current_rss():
     assert now > 0 and peak_rss_bytes() >= now - (4 << 20)  # the kernel syncs per-thread counters lazily
 
 
+_FREED_BUFFERS = """
+import sys
+import numpy as np
+from magicpig_jax.memory import current_rss_bytes, release_freed_buffers
+if sys.argv[1] == "release":
+    assert release_freed_buffers() and release_freed_buffers()  # idempotent
+x = np.ones(16 << 20, np.uint8)
+del x  # glibc's default: freeing a mapped 16 MiB buffer raises its mmap threshold to 16 MiB
+base = current_rss_bytes()
+bufs = [np.ones(8 << 20, np.uint8) for _ in range(24)]  # 192 MiB in buffers of 8 MiB, touched
+pin = np.ones(1 << 16, np.uint8)  # a block allocated after them keeps the heap's top in use
+grown = current_rss_bytes() - base
+del bufs
+print(grown >> 20, (current_rss_bytes() - base) >> 20)
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_freed_large_buffers_leave_the_process():
-    assert release_freed_buffers() and release_freed_buffers()  # idempotent
-    base = current_rss_bytes()
-    bufs = [np.ones(8 << 20, np.uint8) for _ in range(24)]  # 192 MiB in buffers of 8 MiB, touched
-    assert current_rss_bytes() - base > 150 << 20
-    del bufs
-    assert current_rss_bytes() - base < 24 << 20
+    # A fresh process each: in a long test process the heap may already hold large free
+    # chunks (trimmed, so not resident), and glibc serves an 8 MiB request from them before
+    # it considers mmap; what this checks is the threshold itself.
+    import subprocess
+
+    def grown_and_kept(arm):
+        out = subprocess.run([sys.executable, "-c", _FREED_BUFFERS, arm], capture_output=True, text=True, check=True)
+        return [int(x) for x in out.stdout.split()]
+
+    grown, kept = grown_and_kept("default")  # without it: the buffers come from the heap and stay
+    assert grown > 150 and kept > 150, (grown, kept)
+    grown, kept = grown_and_kept("release")  # with it: each is mapped on its own and unmapped when freed
+    assert grown > 150 and kept < 24, (grown, kept)
 
 
 def _maps() -> int:
