@@ -930,3 +930,22 @@ def test_host_quest_attention_ranges_not_at_0_and_both_bounds_of_the_wrong_heads
     with pytest.raises(ValueError, match=_exact("pages.kmin/kmax must be [B, Hkv, P, D] = [2, 2, P, 8], got "
                                                 "(2, 1, 5, 8) and (2, 1, 5, 8)")):
         host.host_quest_attention(jnp.asarray(q), *kv, one, 6)
+
+
+def test_max_threads_refuses_a_bool_in_every_host_op():
+    # True is an int to isinstance; like every other op's check_int, these refuse it by name
+    # rather than run it as one thread.
+    from magicpig_jax.host.matvec import dequantize_rows, packed_row_bytes, quant_matvec
+
+    q, kv = jnp.zeros((1, 2, 8)), jnp.zeros((1, 1, 4, 8))
+    packed = jnp.zeros((3, packed_row_bytes("Q8_0", 32)), jnp.uint8)
+    calls = {
+        "host_exact_attention": lambda t: host.host_exact_attention(q, kv, kv, max_threads=t),
+        "quant_matvec": lambda t: quant_matvec(jnp.zeros((32,)), packed, "Q8_0", max_threads=t),
+        "dequantize_rows": lambda t: dequantize_rows(packed, "Q8_0", max_threads=t),
+    }
+    for name, call in calls.items():
+        for bad in (True, False, -1, 1.0):
+            with pytest.raises(ValueError, match=re.escape(f"max_threads must be an int >= 0, got {bad!r}")):
+                call(bad)
+        assert np.all(np.isfinite(np.asarray(jax.tree.leaves(call(1))[0]))), name

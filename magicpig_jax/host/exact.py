@@ -67,7 +67,7 @@ def host_exact_attention(
     Source: arXiv 2410.16179, Eq. (1); online softmax of Milakov & Gimelshein (2018).
     """
     code = impl_code(impl)
-    if not isinstance(max_threads, int) or max_threads < 0:
+    if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 0:
         raise ValueError(f"max_threads must be an int >= 0, got {max_threads!r}")
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_kv_dtypes(k, v)

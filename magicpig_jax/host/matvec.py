@@ -39,7 +39,7 @@ __all__ = ["QUANT_TYPES", "BLOCK_SIZE", "block_bytes", "block_weights", "packed_
 
 
 def _check_threads(max_threads) -> None:
-    if not isinstance(max_threads, int) or max_threads < 0:
+    if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 0:
         raise ValueError(f"max_threads must be an int >= 0, got {max_threads!r}")
 
 
