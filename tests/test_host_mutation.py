@@ -949,3 +949,16 @@ def test_max_threads_refuses_a_bool_in_every_host_op():
             with pytest.raises(ValueError, match=re.escape(f"max_threads must be an int >= 0, got {bad!r}")):
                 call(bad)
         assert np.all(np.isfinite(np.asarray(jax.tree.leaves(call(1))[0]))), name
+
+
+def test_quest_append_pages_refuses_keys_past_its_pages():
+    # pages built for capacity 8 from position 2 (P = 2 pages of 4: positions [2, 10)); row 1
+    # has room for 2 more keys, not 3; under jit the caller keeps within the capacity
+    k = jnp.asarray(np.random.default_rng(14).normal(size=(2, 1, 16, 3)), jnp.float32)
+    pages = quest_build_pages(k, jnp.asarray([2, 2]), jnp.asarray([4, 8]), 4, capacity=8)
+    assert pages.kmin.shape[2] == 2
+    grown = quest_append_pages(pages, k, jnp.asarray([6, 2]), 6)  # both rows exactly full
+    np.testing.assert_array_equal(np.asarray(grown.end), [10, 10])
+    with pytest.raises(ValueError, match=re.escape("row 1: appending 3 keys at position 8 exceeds the 2 pages of 4 "
+                                                   "positions built from position 2")):
+        quest_append_pages(pages, k, jnp.asarray([0, 3]), 6)

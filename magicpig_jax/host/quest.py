@@ -114,10 +114,22 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
 
     Returns:
       the updated :class:`QuestPages` (``end`` advanced by ``counts``).
+
+    Raises:
+      ValueError: concrete ``end + counts`` past the ``P * page_size`` positions the pages
+        were built for (``start + P * page_size``), naming the row; under ``jit`` the caller
+        keeps within the capacity (the decoder checks its cache's before each step).
     """
     B, Hkv, N, D = k.shape
     ps = pages.page_size
     P = pages.kmin.shape[2]
+    if not any(isinstance(x, jax.core.Tracer) for x in (pages.start, pages.end, counts)):
+        room = np.asarray(pages.start) + P * ps - np.asarray(pages.end)
+        want = np.clip(np.asarray(counts), 0, max_count)
+        for b in np.nonzero(want > room)[0]:
+            raise ValueError(f"row {int(b)}: appending {int(want[b])} keys at position {int(np.asarray(pages.end)[b])} "
+                             f"exceeds the {P} pages of {ps} positions built from position "
+                             f"{int(np.asarray(pages.start)[b])}")
     counts = jnp.clip(jnp.asarray(counts, jnp.int32), 0, max_count)
     new_end = jnp.minimum(pages.end + counts, N)
     first = (pages.end - pages.start) // ps  # the page the first new key falls in
