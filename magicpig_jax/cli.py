@@ -66,7 +66,8 @@ def _add_generate(sub) -> None:
                    help="comma-separated backends to decode with, in order, sharing one prefill; the last decodes "
                         "in the prefill's own cache, the others in copies (default: dense,magicpig)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
-    p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..32)")
+    p.add_argument("--K", type=int, default=10,
+                   help="SimHash bits per table (1..16 with the host op, 1..32 with magicpig-ref)")
     p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
     p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
     p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
@@ -287,7 +288,7 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="write a model's dequantized weights as an orbax checkpoint",
+    p = sub.add_parser("convert", help="write a model as an orbax checkpoint (quantized matrices as their GGUF rows)",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", help="GGUF file or Hugging Face directory ('embedded' = the bundled SmolLM2)")
     p.add_argument("out", type=Path, help="checkpoint directory to create")
