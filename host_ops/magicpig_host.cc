@@ -556,15 +556,13 @@ ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::
 // 3. Sampled attention.
 // ---------------------------------------------------------------------------------------------
 
-// Per-thread scratch. `stamp` holds, per token of a chunk, (epoch << 2) | hits with hits
-// saturating at 2: a new epoch per (query head, chunk) visit makes every stale stamp read as
-// zero hits, so nothing is cleared per step (a full clear only when the 14-bit epoch wraps,
-// once per 16383 visits).
+// Per-thread scratch. `once` and `twice` are bitsets over the positions of a chunk: a token's
+// bit is set in `once` at its first hit and in `twice` at its second. They are cleared (the
+// words up to the chunk's token count) at each (query head, chunk) visit: 2 bits per token stay
+// in L1 where 16-bit per-token counters would not (a full chunk's 128 KiB).
 struct Scratch {
-  std::vector<uint16_t> stamp;
-  uint32_t epoch = 0;
-  std::vector<int32_t> cand;     // candidate positions
-  std::vector<uint8_t> exact;    // 1 = exact static key (no -log u, not counted)
+  std::vector<uint64_t> once, twice;
+  std::vector<int32_t> cand;     // candidate positions: the sampled keys, then the exact static ones
   std::vector<uint16_t> hits;
   std::vector<float> acc;
   std::vector<float> logit;
@@ -576,14 +574,6 @@ struct Scratch {
 Scratch& ThreadScratch() {
   thread_local Scratch s;
   return s;
-}
-
-inline uint16_t NextEpoch(Scratch& s) {
-  if (++s.epoch >= (1u << 14)) {
-    std::fill(s.stamp.begin(), s.stamp.end(), uint16_t{0});
-    s.epoch = 1;
-  }
-  return static_cast<uint16_t>(s.epoch << 2);
 }
 
 // One sampled-attention call: its geometry, its buffers (whole, every row and head) and its
@@ -612,7 +602,7 @@ struct AttendArgs {
   uint8_t* mask = nullptr;           // [B, Hq, Nmax], or null
 };
 
-// The sampled keys of (b, h) among the positions [plo, phi) into s.cand (s.exact = 0): tokens of
+// The sampled keys of (b, h) among the positions [plo, phi) appended to s.cand: tokens of
 // [start, min(sealed, len)) that collide with the query codes qc in >= 2 tables of the sorted
 // chunks, then those of the open chunk [sealed, min(end, len)). A token's hits are counted over
 // all L tables by the one call that owns its position, so splitting a head's positions into
@@ -624,7 +614,8 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
   const int32_t* bnd = a.bounds + 3 * b;
   const int64_t start = std::max<int64_t>(bnd[0], plo), end = bnd[1], sealed = bnd[2];
   const int64_t nb = g.NB - 1;
-  uint16_t* st = s.stamp.data();
+  uint64_t* once = s.once.data();
+  uint64_t* twice = s.twice.data();
   // Sealed chunks: one walk over the query's bucket in each table; a token becomes a candidate
   // when its hit count reaches 2.
   const int64_t sealed_hi = std::min({sealed, len, phi});
@@ -649,8 +640,13 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
       __builtin_prefetch(first);
       if (hi - lo > 32) __builtin_prefetch(first + 32);
     }
-    const uint16_t one = NextEpoch(s) | 1, two = one + 1;
     const int64_t base = c * g.CH;
+    // The chunk's ids are positions below the sealed end: ids at or past it would be a corrupt
+    // index, skipped, never a read past the bitsets.
+    const int64_t filled = std::min<int64_t>(g.CH, sealed - base);
+    const int64_t words = (filled + 63) / 64;
+    std::fill(once, once + words, uint64_t{0});
+    std::fill(twice, twice + words, uint64_t{0});
     const int64_t lo_ok = std::max<int64_t>(start - base, 0), hi_ok = std::min<int64_t>(sealed_hi - base, g.CH);
     // A piece that owns only part of the chunk walks only its ids: a bucket lists its ids in
     // ascending order (build sorts positions stably, append adds larger positions at the end).
@@ -663,20 +659,25 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
         j0 = std::lower_bound(lst + j0, lst + j1, lo_ok, below) - lst;
         j1 = std::lower_bound(lst + j0, lst + j1, hi_ok, below) - lst;
       }
-      for (int64_t j = j0, e = j1; j < e; ++j) {
+      // Branch-free: a token reaching its second hit is appended by a select, not a branch (a
+      // bucket's hits are unpredictable).
+      const size_t n0 = s.cand.size();
+      s.cand.resize(n0 + static_cast<size_t>(std::max<int64_t>(j1 - j0, 0)));
+      int32_t* out = s.cand.data() + n0;
+      int64_t m = 0;
+      for (int64_t j = j0; j < j1; ++j) {
         const int64_t id = lst[j];
-        if (id >= g.CH) continue;
-        const uint16_t v = st[id];
-        if (v == one) {
-          st[id] = two;
-          if (id >= lo_ok && id < hi_ok) {
-            s.cand.push_back(static_cast<int32_t>(base + id));
-            s.exact.push_back(0);
-          }
-        } else if (v != two) {
-          st[id] = one;
-        }
+        if (id >= filled) continue;
+        const int64_t w = id >> 6;
+        const uint64_t bit = uint64_t{1} << (id & 63);
+        const uint64_t o1 = once[w], o2 = twice[w];
+        const bool reach = (o1 & ~o2 & bit) != 0;  // the second hit
+        twice[w] = o2 | (o1 & bit);
+        once[w] = o1 | bit;
+        out[m] = static_cast<int32_t>(base + id);
+        m += reach & (id >= lo_ok) & (id < hi_ok);
       }
+      s.cand.resize(n0 + m);
     }
   }
   // Open chunk: linear scan of the codes of its positions [o0, o1) in the piece.
@@ -694,89 +695,110 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
       OpenHitsScalar(ob, g.L, g.OPEN, n_open, qc, s.hits.data());
     }
     for (int64_t i = 0; i < n_open; ++i) {
-      if (s.hits[i] >= 2) {
-        s.cand.push_back(static_cast<int32_t>(o0 + i));
-        s.exact.push_back(0);
-      }
+      if (s.hits[i] >= 2) s.cand.push_back(static_cast<int32_t>(o0 + i));
     }
   }
   return ffi::Error::Success();
 }
 
-// Softmax attention of query q over the candidate rows s.cand of kb/vb (logit q.k/sqrt(D), minus
-// log u for the sampled ones): o [D] and *lse; o = 0, *lse = -inf when the sum is not positive.
+// Softmax attention of query q over the candidate rows s.cand of kb/vb: o [D] and *lse; o = 0,
+// *lse = -inf when the sum is not positive. The first n_sampled candidates are sampled (logit
+// q.k/sqrt(D) - log u), the rest exact static keys (logit q.k/sqrt(D)).
+//
+// One pass in blocks of kBlock candidates (an online softmax): a block's K rows give its logits
+// and log u, then its V rows, requested with the K rows and still in L1/L2, are summed with the
+// running maximum. Two passes over all the candidates read every V row twice from memory once
+// they outgrow the L2 (a head at 128K samples about 2K rows: 1 MiB of K and V in bfloat16).
+constexpr int64_t kBlock = 32;  // a multiple of 8: the AVX2 log u takes the same 8-lane groups
+
 template <typename T>
 void AttendCandidates(const AttendArgs& a, const float* q, const float* mean, const T* kb, const T* vb,
-                      Scratch& s, float* o, float* lse) {
+                      int64_t n_sampled, Scratch& s, float* o, float* lse) {
   const int64_t D = a.D;
   const int64_t n = static_cast<int64_t>(s.cand.size());
-  // Logits: q.k / sqrt(D) - log u.
   float qn2 = 0.f;
   for (int64_t d = 0; d < D; ++d) qn2 += q[d] * q[d];
   const float qn = std::sqrt(qn2);
   const float scale = std::sqrt(static_cast<float>(D));
-  s.logit.resize(n);
-  s.cosine.resize(n);
-  s.logu.resize(n + 8);
-  float m = -INFINITY;
-  // Prefetch the K and V rows of a later candidate: the V rows are then in cache (L2) for the
-  // second pass, which only re-reads rows this pass already requested.
-  constexpr int64_t kAhead = 12;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      const int64_t nxt = static_cast<int64_t>(s.cand[i + kAhead]) * D;
-      for (int64_t off = 0; off < row_bytes; off += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(kb + nxt) + off);
-        __builtin_prefetch(reinterpret_cast<const char*>(vb + nxt) + off);
-      }
-    }
-    const T* kr = kb + static_cast<int64_t>(s.cand[i]) * D;
-    float dot, cdot, kc2;
-#ifdef MAGICPIG_HAVE_AVX2_PATH
-    if (a.avx2) {
-      RowAvx2(q, mean, kr, D, &dot, &cdot, &kc2);
-    } else
-#endif
-    {
-      RowScalar(q, mean, kr, D, &dot, &cdot, &kc2);
-    }
-    const float norms = qn * std::sqrt(kc2);
-    s.logit[i] = dot / scale;
-    s.cosine[i] = norms > 0.f ? cdot / norms : 0.f;
-  }
-  // log u of every candidate in one batch (vectorized on AVX2), then the max logit.
-  const int K = a.g.K;
-#ifdef MAGICPIG_HAVE_AVX2_PATH
-  if (a.avx2) {
-    LogUBatchAvx2(s.cosine.data(), n, K, a.table, a.T, s.logu.data());
-  } else
-#endif
-  {
-    for (int64_t i = 0; i < n; ++i) s.logu[i] = LogU(s.cosine[i], K, a.table, a.T);
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const float lg = s.exact[i] ? s.logit[i] : s.logit[i] - s.logu[i];
-    s.logit[i] = lg;
-    m = std::max(m, lg);
-  }
-  // Softmax-weighted sum of the sampled values.
+  s.logit.resize(kBlock);
+  s.cosine.resize(kBlock);
+  s.logu.resize(kBlock);
   if (static_cast<int64_t>(s.acc.size()) < D) s.acc.resize(D);
   float* acc = s.acc.data();
   std::fill(acc, acc + D, 0.0f);
-  const float m_safe = std::isfinite(m) ? m : 0.f;
+  const int K = a.g.K;
+  // Prefetch the K and V rows kAhead candidates ahead (across block boundaries), into L2
+  // (prefetcht1): into L1 the requests of 12 rows ahead already filled its miss buffers, and
+  // further ahead they would evict the rows in use (measured in docs/benchmarks.md).
+  constexpr int64_t kAhead = 32;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  float m = -INFINITY;   // running maximum logit
+  float m_safe = 0.f;    // the shift of the exponentials so far (m when finite, else 0)
   double sum = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float e = std::exp(s.logit[i] - m_safe);
-    sum += e;
-    const T* vr = vb + static_cast<int64_t>(s.cand[i]) * D;
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t nb = std::min(kBlock, n - i0);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t i = i0 + j;
+      if (i + kAhead < n) {
+        const int64_t nxt = static_cast<int64_t>(s.cand[i + kAhead]) * D;
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(kb + nxt) + off, 0, 2);
+          __builtin_prefetch(reinterpret_cast<const char*>(vb + nxt) + off, 0, 2);
+        }
+      }
+      const T* kr = kb + static_cast<int64_t>(s.cand[i]) * D;
+      float dot, cdot, kc2;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+      if (a.avx2) {
+        RowAvx2(q, mean, kr, D, &dot, &cdot, &kc2);
+      } else
+#endif
+      {
+        RowScalar(q, mean, kr, D, &dot, &cdot, &kc2);
+      }
+      const float norms = qn * std::sqrt(kc2);
+      s.logit[j] = dot / scale;
+      s.cosine[j] = norms > 0.f ? cdot / norms : 0.f;
+    }
+    // log u of the block's sampled candidates (vectorized on AVX2).
+    const int64_t ns = std::clamp<int64_t>(n_sampled - i0, 0, nb);
 #ifdef MAGICPIG_HAVE_AVX2_PATH
     if (a.avx2) {
-      AxpyAvx2(e, vr, acc, D);
+      LogUBatchAvx2(s.cosine.data(), ns, K, a.table, a.T, s.logu.data());
     } else
 #endif
     {
-      AxpyScalar(e, vr, acc, D);
+      for (int64_t j = 0; j < ns; ++j) s.logu[j] = LogU(s.cosine[j], K, a.table, a.T);
+    }
+    float bm = m;
+    for (int64_t j = 0; j < nb; ++j) {
+      const float lg = j < ns ? s.logit[j] - s.logu[j] : s.logit[j];
+      s.logit[j] = lg;
+      bm = std::max(bm, lg);
+    }
+    // A larger maximum: rescale what is summed so far to the new shift.
+    const float shift = std::isfinite(bm) ? bm : 0.f;
+    if (shift != m_safe) {
+      if (sum != 0.0) {
+        const float f = std::exp(m_safe - shift);
+        for (int64_t d = 0; d < D; ++d) acc[d] *= f;
+        sum *= f;
+      }
+      m_safe = shift;
+    }
+    m = bm;
+    for (int64_t j = 0; j < nb; ++j) {
+      const float e = std::exp(s.logit[j] - m_safe);
+      sum += e;
+      const T* vr = vb + static_cast<int64_t>(s.cand[i0 + j]) * D;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+      if (a.avx2) {
+        AxpyAvx2(e, vr, acc, D);
+      } else
+#endif
+      {
+        AxpyScalar(e, vr, acc, D);
+      }
     }
   }
   if (sum > 0.0 && std::isfinite(sum)) {
@@ -811,27 +833,24 @@ ffi::Error AttendPiece(const AttendArgs& a, int64_t b, int64_t hq, int64_t plo, 
     }
   }
   Scratch& s = ThreadScratch();
-  if (static_cast<int64_t>(s.stamp.size()) < g.CH) {
-    s.stamp.assign(g.CH, 0);
-    s.epoch = 0;
+  if (static_cast<int64_t>(s.once.size()) * 64 < g.CH) {
+    s.once.assign((g.CH + 63) / 64, 0);
+    s.twice.assign((g.CH + 63) / 64, 0);
   }
   if (static_cast<int64_t>(s.range.size()) < 2 * g.L) s.range.resize(2 * g.L);
   s.cand.clear();
-  s.exact.clear();
   if (auto e = CollectSampled(a, b, h, qc, len, plo, phi, s); !e.success()) return e;
   const int32_t n_sampled = static_cast<int32_t>(s.cand.size());
   // The sinks, when the caller leaves them to the op: exact.
   if (a.sinks) {
     for (int64_t pos = std::max<int64_t>(plo, 0); pos < std::min({start, len, phi}); ++pos) {
       s.cand.push_back(static_cast<int32_t>(pos));
-      s.exact.push_back(1);
     }
   }
   // Unhashed keys past the index that the JAX static window does not cover: exact.
   const int64_t over_hi = std::min({std::max(end, len - std::max<int64_t>(a.window, 0)), len, phi});
   for (int64_t pos = std::max({end, start, plo}); pos < over_hi; ++pos) {
     s.cand.push_back(static_cast<int32_t>(pos));
-    s.exact.push_back(1);
   }
   if (a.mask != nullptr) {
     uint8_t* mrow = a.mask + item * a.Nmax;
@@ -846,7 +865,7 @@ ffi::Error AttendPiece(const AttendArgs& a, int64_t b, int64_t hq, int64_t plo, 
   }
   const T* kb = static_cast<const T*>(a.k) + bh * a.Nmax * a.D;
   const T* vb = static_cast<const T*>(a.v) + bh * a.Nmax * a.D;
-  AttendCandidates<T>(a, a.q + item * a.D, a.mean + bh * a.D, kb, vb, s, o, lse);
+  AttendCandidates<T>(a, a.q + item * a.D, a.mean + bh * a.D, kb, vb, n_sampled, s, o, lse);
   return ffi::Error::Success();
 }
 

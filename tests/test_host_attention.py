@@ -1,6 +1,7 @@
 """magicpig_jax.host.attention: the sampled-attention op at the edges the fuzz does not reach.
 
-* the per-thread stamp epoch wraps between two query heads (a stale stamp must never count);
+* the per-thread hit counts never carry over from one query head to another (they did once: a
+  16-bit stamp epoch that wrapped without a clear);
 * the paper's setting (K=10, L=150, D=64 and 128) over a full 65,535-position chunk and past it
   (N = 65,535, 70,000 and 131,071), against the pure-JAX reference;
 * the op reads only the K/V rows it selects (NaN elsewhere leaves the result unchanged).
@@ -21,18 +22,19 @@ from tests._np_reference import softmax_over
 
 IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
 
-EPOCHS = 1 << 14  # the stamp is (epoch << 2) | hits in 16 bits; epochs run 1 .. 2^14 - 1
+EPOCHS = 1 << 14  # heads visited by one thread: the former 14-bit stamp epoch wrapped within them
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_stamp_epoch_wrap_between_two_heads_samples_nothing(impl):
+def test_hits_never_carry_over_between_heads_samples_nothing(impl):
     # One KV head, Hq = 2^14 query heads, one worker thread (max_threads=1): the op visits the
-    # heads in order, one chunk each, so head 0 and head 2^14 - 1 run under the same epoch value
-    # and the epoch wraps between them. Position 1 is the only hashed key (sinks [0, 1), local
+    # heads in order, one chunk each, with the same per-thread hit bitsets (cleared per visit;
+    # the former 16-bit stamps ran head 0 and head 2^14 - 1 under the same epoch value).
+    # Position 1 is the only hashed key (sinks [0, 1), local
     # [2, 3)); centered it is the zero vector, so its code is 0 in both tables. Head 0 collides
     # with it in table 0 only, head 2^14 - 1 in table 1 only, every other head in neither. No
-    # head reaches 2 tables: nothing may be sampled. A wrap that kept head 0's stamp would let
-    # the last head count 2 hits.
+    # head reaches 2 tables: nothing may be sampled. Hits kept from head 0 would let the last
+    # head count 2 hits.
     K, L, D = 2, 2, 4
     Hq = EPOCHS
     cfg = MagicPIGConfig(K=K, L=L, num_sink=1, num_local=1)
@@ -47,7 +49,7 @@ def test_stamp_epoch_wrap_between_two_heads_samples_nothing(impl):
     lengths = jnp.asarray([3], jnp.int32)
     hidx = host.host_build_index(k, proj, cfg, lengths)
     np.testing.assert_array_equal(np.asarray(hidx.bounds), [[1, 2, 2]])
-    for _ in range(2):  # a second call starts from wherever the thread's epoch is now
+    for _ in range(2):  # a second call reuses the thread's bitsets
         out, lse, ns, mask = host.host_magicpig_attention(q, k, v, hidx, cfg, lengths, impl=impl,
                                                           max_threads=1, return_mask=True)
         assert int(np.asarray(ns).sum()) == 0
