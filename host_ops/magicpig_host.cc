@@ -732,6 +732,15 @@ void AttendCandidates(const AttendArgs& a, const float* q, const float* mean, co
   // further ahead they would evict the rows in use (measured in docs/benchmarks.md).
   constexpr int64_t kAhead = 32;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  // The first kAhead rows are requested before the loop (a head at a short context samples
+  // fewer keys than that: without this none of its rows would be prefetched).
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) {
+    const int64_t row = static_cast<int64_t>(s.cand[i]) * D;
+    for (int64_t off = 0; off < row_bytes; off += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(kb + row) + off, 0, 2);
+      __builtin_prefetch(reinterpret_cast<const char*>(vb + row) + off, 0, 2);
+    }
+  }
   float m = -INFINITY;   // running maximum logit
   float m_safe = 0.f;    // the shift of the exponentials so far (m when finite, else 0)
   double sum = 0.0;
