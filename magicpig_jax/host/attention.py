@@ -1,11 +1,11 @@
 """Sampled attention on the host index (XLA FFI, CPU), and one MagicPIG decode step built on it.
 
 Lookup (per query head, ``host_ops/magicpig_host.cc``): for every chunk, walk the query's
-bucket of each table once over a per-thread array of 16-bit stamps ``(epoch << 2) | hits``
-(a new epoch per chunk visit makes stale stamps read as zero hits; an id is emitted when its
-hits reach 2), so nothing is cleared per step and no per-step work is proportional to N
-besides the walk itself; the open chunk is compared code by code. The K/V rows of the
-candidates are prefetched (:func:`~magicpig_jax.host.advise_huge_pages` backs the buffers
+bucket of each table once, counting hits in two per-thread bitsets over the chunk's
+positions (first and second hit, cleared per chunk visit; an id is emitted at its second
+hit), so no per-step work is proportional to N besides the walk itself; the open chunk is
+compared code by code. The candidates are attended in one pass, in blocks of 32 (an online
+softmax), and their K/V rows are prefetched (:func:`~magicpig_jax.host.advise_huge_pages` backs the buffers
 with huge pages). ``log u`` comes from the table of :mod:`magicpig_jax.host.log_u`. Work is
 split over (row, query head) with XLA's intra-op thread pool; when those are too few for the
 pool (``B * Hq`` not a multiple of the threads and below 8 per thread, e.g. one row on two
