@@ -734,13 +734,14 @@ void AttendCandidates(const AttendArgs& a, const float* q, const float* mean, co
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   // The first kAhead rows are requested before the loop (a head at a short context samples
   // fewer keys than that: without this none of its rows would be prefetched).
-  for (int64_t i = 0; i < std::min(n, kAhead); ++i) {
+  auto prefetch_rows = [&](int64_t i) {
     const int64_t row = static_cast<int64_t>(s.cand[i]) * D;
     for (int64_t off = 0; off < row_bytes; off += 64) {
       __builtin_prefetch(reinterpret_cast<const char*>(kb + row) + off, 0, 2);
       __builtin_prefetch(reinterpret_cast<const char*>(vb + row) + off, 0, 2);
     }
-  }
+  };
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch_rows(i);
   float m = -INFINITY;   // running maximum logit
   float m_safe = 0.f;    // the shift of the exponentials so far (m when finite, else 0)
   double sum = 0.0;
@@ -748,13 +749,7 @@ void AttendCandidates(const AttendArgs& a, const float* q, const float* mean, co
     const int64_t nb = std::min(kBlock, n - i0);
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t i = i0 + j;
-      if (i + kAhead < n) {
-        const int64_t nxt = static_cast<int64_t>(s.cand[i + kAhead]) * D;
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(kb + nxt) + off, 0, 2);
-          __builtin_prefetch(reinterpret_cast<const char*>(vb + nxt) + off, 0, 2);
-        }
-      }
+      if (i + kAhead < n) prefetch_rows(i + kAhead);
       const T* kr = kb + static_cast<int64_t>(s.cand[i]) * D;
       float dot, cdot, kc2;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
