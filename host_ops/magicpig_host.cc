@@ -596,6 +596,7 @@ struct AttendArgs {
   const double* table = nullptr;     // log-u table, T + 1 entries
   int64_t T = 0;
   bool avx2 = false;
+  int64_t elem_bytes = 4;            // bytes per K/V element (2 for bfloat16)
   float* out = nullptr;              // [B, Hq, D]
   float* lse = nullptr;              // [B, Hq]
   int32_t* nsamp = nullptr;          // [B, Hq]
@@ -616,6 +617,10 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
   const int64_t nb = g.NB - 1;
   uint64_t* once = s.once.data();
   uint64_t* twice = s.twice.data();
+  // The K and V rows of this (row, KV head), requested as their tokens are sampled (below).
+  const int64_t row_bytes = a.D * a.elem_bytes;
+  const char* kbytes = static_cast<const char*>(a.k) + bh * a.Nmax * row_bytes;
+  const char* vbytes = static_cast<const char*>(a.v) + bh * a.Nmax * row_bytes;
   // Sealed chunks: one walk over the query's bucket in each table; a token becomes a candidate
   // when its hit count reaches 2.
   const int64_t sealed_hi = std::min({sealed, len, phi});
@@ -678,6 +683,17 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
         m += reach & (id >= lo_ok) & (id < hi_ok);
       }
       s.cand.resize(n0 + m);
+      // Request this bucket's new candidates' K and V rows into L2 now (prefetcht1), so that
+      // their reads from memory overlap the rest of the walk, which needs only the bitsets (L1)
+      // and the bucket lists; the attention then finds them in cache (a head at 128K samples
+      // about 2K rows, 1 MiB of K and V in bfloat16, within the L2). A/B in docs/host_op.md.
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t off = static_cast<int64_t>(out[i]) * row_bytes;
+        for (int64_t x = 0; x < row_bytes; x += 64) {
+          __builtin_prefetch(kbytes + off + x, 0, 2);
+          __builtin_prefetch(vbytes + off + x, 0, 2);
+        }
+      }
     }
   }
   // Open chunk: linear scan of the codes of its positions [o0, o1) in the piece.
@@ -1001,6 +1017,7 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.table = reinterpret_cast<const double*>(table.untyped_data());
   a.T = TT;
   a.avx2 = avx2;
+  a.elem_bytes = bf16 ? 2 : 4;
   a.out = out->typed_data();
   a.lse = lse->typed_data();
   a.nsamp = nsamp->typed_data();
