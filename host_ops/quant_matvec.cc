@@ -291,19 +291,23 @@ float DotQ4_1Scalar(const uint8_t* row, const float* x, const float* xsum, int64
 using magicpig::Hsum;
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+// The small helpers of the kernels are always inlined: GCC kept BlockQ4 out of line, and a call
+// in the block loop spills every ymm accumulator (all caller-saved) to the stack and back, which
+// made the Q4_1 kernel latency-bound (docs/benchmarks.md).
+#define AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
-AVX2_FN inline float HalfToFloatF16c(const uint8_t* p) {
+AVX2_INLINE float HalfToFloatF16c(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
 }
 
-AVX2_FN inline __m256 I8ToF32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+AVX2_INLINE __m256 I8ToF32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 // 8 bytes -> 8 int32 lanes.
-AVX2_FN inline __m256i U8x8(const uint8_t* p) {
+AVX2_INLINE __m256i U8x8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-AVX2_FN inline __m256 Cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
+AVX2_INLINE __m256 Cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
 
 // The AVX2 Q4_1 kernels avoid byte shuffles (the bottleneck port of a cvtepu8 unpacking):
 // the 16 bytes of a block are broadcast to both 128-bit lanes, and vector k (k = 0..3) keeps
@@ -330,7 +334,7 @@ struct Q4Masks {
   __m256i m[4];
 };
 
-AVX2_FN inline Q4Masks MakeQ4Masks() {
+AVX2_INLINE Q4Masks MakeQ4Masks() {
   Q4Masks q;
   for (int k = 0; k < 4; ++k) {
     const int lo = 0xf << kQ4Shift[k][0], hi = 0xf << kQ4Shift[k][1];
@@ -340,7 +344,7 @@ AVX2_FN inline Q4Masks MakeQ4Masks() {
 }
 
 // s = sum over the block of q_j * x_j (x permuted and scaled by PermuteQ4_1).
-AVX2_FN inline __m256 BlockQ4(const uint8_t* qs, const Q4Masks& mk, __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+AVX2_INLINE __m256 BlockQ4(const uint8_t* qs, const Q4Masks& mk, __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
   const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
   const __m256i q4 = _mm256_srli_epi32(q, 4);
   __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[0])), x0);
@@ -362,6 +366,7 @@ AVX2_FN void DotQ4_1Avx2x4(const uint8_t* row0, int64_t stride, const float* xp,
     const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
     const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
     const float xs = xsum[b];
+    #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const uint8_t* blk = row0 + r * stride + b * 20;
       const __m256 s = BlockQ4(blk + 4, mk, x0, x1, x2, x3);
@@ -369,6 +374,7 @@ AVX2_FN void DotQ4_1Avx2x4(const uint8_t* row0, int64_t stride, const float* xp,
       macc[r] += HalfToFloatF16c(blk + 2) * xs;
     }
   }
+  #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) out[r] = Hsum(acc[r]) + macc[r];
   _mm256_zeroupper();
 }
@@ -413,7 +419,7 @@ void PermuteQ4K(const float* x, int64_t ngroups, float* xp) {
 
 // The eight sub-block scales d * sc and mins dmin * m of a Q4_K / Q5_K super-block (ScaleMinK4
 // for all eight at once, four bytes per 32-bit word), rounded as gguf-py rounds them.
-AVX2_FN inline void ScalesMinsK4Avx2(const uint8_t* blk, __m256* dsc, __m256* dm) {
+AVX2_INLINE void ScalesMinsK4Avx2(const uint8_t* blk, __m256* dsc, __m256* dm) {
   uint32_t w[3];
   std::memcpy(w, blk + 4, 12);
   const uint64_t sc = (w[0] & 0x3f3f3f3fu) |
@@ -434,10 +440,12 @@ AVX2_FN void DotQ4KAvx2Rows(const uint8_t* row0, int64_t stride, const float* xp
   const Q4Masks mk = MakeQ4Masks();
   const int64_t nb = In / kQKK;
   __m256 acc[R], macc[R];
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), macc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const __m256 xs = _mm256_loadu_ps(xsum + b * 8);
     __m256 dsc[R];
+    #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       __m256 dm;
       ScalesMinsK4Avx2(row0 + r * stride + b * 144, &dsc[r], &dm);
@@ -448,10 +456,12 @@ AVX2_FN void DotQ4KAvx2Rows(const uint8_t* row0, int64_t stride, const float* xp
       const __m256i pick = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
       const float* xg = xp + b * kQKK + 64 * g;
       __m256 scale[R];
+      #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) scale[r] = _mm256_permutevar8x32_ps(dsc[r], pick);
       for (int h = 0; h < 2; ++h) {
         const __m256 x0 = _mm256_loadu_ps(xg + 32 * h), x1 = _mm256_loadu_ps(xg + 32 * h + 8);
         const __m256 x2 = _mm256_loadu_ps(xg + 32 * h + 16), x3 = _mm256_loadu_ps(xg + 32 * h + 24);
+        #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const uint8_t* q = row0 + r * stride + b * 144 + 16 + 32 * g + 16 * h;
           acc[r] = _mm256_fmadd_ps(scale[r], BlockQ4(q, mk, x0, x1, x2, x3), acc[r]);
@@ -459,6 +469,7 @@ AVX2_FN void DotQ4KAvx2Rows(const uint8_t* row0, int64_t stride, const float* xp
       }
     }
   }
+  #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) out[r] = Hsum(acc[r]) - Hsum(macc[r]);
   _mm256_zeroupper();
 }
@@ -566,7 +577,7 @@ AVX2_FN float DotQ8_0Avx2(const uint8_t* row, const float* x, const float*, int6
 }
 
 // sum_j q_j x_j over 32 weights given as four vectors of 8 int32 lanes in weight order.
-AVX2_FN inline __m256 Dot32(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const float* x) {
+AVX2_INLINE __m256 Dot32(__m256i q0, __m256i q1, __m256i q2, __m256i q3, const float* x) {
   __m256 s = _mm256_mul_ps(Cvt(q0), _mm256_loadu_ps(x));
   s = _mm256_fmadd_ps(Cvt(q1), _mm256_loadu_ps(x + 8), s);
   s = _mm256_fmadd_ps(Cvt(q2), _mm256_loadu_ps(x + 16), s);
@@ -621,7 +632,7 @@ AVX2_FN float DotLegacyAvx2(const uint8_t* row, const float* x, const float* xsu
 }
 
 // (bit c of each lane) << 4.
-AVX2_FN inline __m256i FifthBit(__m256i hv, __m128i c, __m256i one) {
+AVX2_INLINE __m256i FifthBit(__m256i hv, __m128i c, __m256i one) {
   return _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(hv, c), one), 4);
 }
 
@@ -705,7 +716,7 @@ void PermuteQ6K(const float* x, int64_t nhalves, float* xp) {
 // Half h of a Q6_K super-block: d * sc of its eight 16-weight groups (gguf-py's float32
 // product), and in v every byte of its four groups, the nibble in bits 0-3 and its two high
 // bits in bits 4-5.
-AVX2_FN inline __m256 Q6KHalf(const uint8_t* blk, int h, __m256 d, __m128i sc16, __m256i v[4]) {
+AVX2_INLINE __m256 Q6KHalf(const uint8_t* blk, int h, __m256 d, __m128i sc16, __m256i v[4]) {
   const __m256i m4 = _mm256_set1_epi32(0x0f0f0f0f), m2 = _mm256_set1_epi32(0x30303030);
   const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
   const __m256i qlb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
@@ -762,7 +773,7 @@ AVX2_FN float DotQ6KAvx2Perm(const uint8_t* row, const float* xp, const float*, 
 
 // F16 / BF16 rows: 32 weights per iteration in four independent chains, then a scalar tail.
 template <int64_t kType>
-AVX2_FN inline __m256 Load8Half(const uint8_t* p) {
+AVX2_INLINE __m256 Load8Half(const uint8_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if (kType == kF16) return _mm256_cvtph_ps(h);
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -791,7 +802,7 @@ AVX2_FN float DotHalfAvx2(const uint8_t* row, const float* x, const float*, int6
 // product, then a sum or difference, never fused), 8 weights at a time. Types without a
 // vector path return false (the caller uses the scalar one).
 // ---------------------------------------------------------------------------------------------
-AVX2_FN inline void Store4(float* y, __m256 a, __m256 b, __m256 c, __m256 d) {
+AVX2_INLINE void Store4(float* y, __m256 a, __m256 b, __m256 c, __m256 d) {
   _mm256_storeu_ps(y, a);
   _mm256_storeu_ps(y + 8, b);
   _mm256_storeu_ps(y + 16, c);
