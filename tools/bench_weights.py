@@ -21,14 +21,18 @@ from pathlib import Path
 import numpy as np
 
 
-def _median_seconds(fn, reps: int) -> float:
+def _times(fn, reps: int) -> list[float]:
     fn()  # compile / warm up
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return times
+
+
+def _median_seconds(fn, reps: int) -> float:
+    return float(np.median(_times(fn, reps)))
 
 
 def _copy_gbps(nbytes: int, reps: int) -> dict:
@@ -49,6 +53,7 @@ def bench_matvec(args) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from magicpig_jax.eval.rss import OtherLoad
     from magicpig_jax.host import has_avx2
     from magicpig_jax.host.matvec import quant_matvec
     from magicpig_jax.io.gguf_blocks import QUANT_TYPES, packed_row_bytes
@@ -66,12 +71,20 @@ def bench_matvec(args) -> dict:
         res = {"rows": rows, "in": n_in, "bytes": rows * rb}
         for impl in impls:
             f = jax.jit(lambda x, w, impl=impl, qtype=qtype: quant_matvec(x, w, qtype, impl=impl))
-            t = _median_seconds(lambda f=f, x=x, w=w: f(x, w).block_until_ready(), args.reps if impl == "avx2" else 3)
+            with OtherLoad() as load:
+                ts = _times(lambda f=f, x=x, w=w: f(x, w).block_until_ready(), args.reps if impl == "avx2" else 3)
+            t = float(np.median(ts))
             res[f"{impl}_ms"] = 1e3 * t
+            res[f"{impl}_ms_min_max"] = [1e3 * min(ts), 1e3 * max(ts)]
             res[f"{impl}_gbps"] = rows * rb / t / 1e9
+            res[f"{impl}_gbps_min_max"] = [rows * rb / max(ts) / 1e9, rows * rb / min(ts) / 1e9]
+            res[f"{impl}_other_processes_cpu_fraction"] = load.fraction
         out["types"][qtype] = res
         print(qtype, {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}, flush=True)
-    print("copy", out["copy"])
+    out["copy_end"] = _copy_gbps(args.mb << 20, args.reps)
+    out["note"] = ("medians over --reps calls (min/max: the spread); x one float32 token; the pool's threads; "
+                   "copy: NumPy one thread / XLA elementwise, before and after the types")
+    print("copy", out["copy"], "end", out["copy_end"])
     return out
 
 
