@@ -115,11 +115,12 @@ class _Writer(gguf.GGUFWriter):
             super().add_key_value(key, val, vtype, sub_type)
 
 
-def _write(path, arch="llama", weights=None, types=None, kv=None, skip=(), drop=(), tensors=None, permute=None):
+def _write(path, arch="llama", weights=None, types=None, kv=None, skip=(), drop=(), tensors=None, permute=None,
+           tensors_first=False):
     """A GGUF of Hugging Face ``weights`` (q/k rows permuted for ``llama``), each stored as
     ``types[name]`` ("F16", "Q8_0"; F32 otherwise), the metadata ``_base_kv`` updated by ``kv``
     (None values dropped), metadata ``skip``ped, weights in ``drop`` left out, and more raw
-    ``tensors`` (GGUF name -> array)."""
+    ``tensors`` (GGUF name -> array, or (rows, type)), after the weights or before them."""
     w = _Writer(path, arch, skip)
     for key, value in ({**_base_kv(arch), **(kv or {})}).items():
         if value is None or key in skip:
@@ -135,6 +136,8 @@ def _write(path, arch="llama", weights=None, types=None, kv=None, skip=(), drop=
         else:
             w.add_array(key, value)
     permute = arch == "llama" if permute is None else permute
+    if tensors_first:
+        _add_tensors(w, tensors)
     for name, value in (weights or {}).items():
         if name in drop:
             continue
@@ -148,16 +151,21 @@ def _write(path, arch="llama", weights=None, types=None, kv=None, skip=(), drop=
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(value, t), raw_dtype=t)
         else:
             w.add_tensor(_gguf_name(name), value)
-    for gname, value in (tensors or {}).items():
-        if isinstance(value, tuple):  # (raw rows, their GGUF type)
-            w.add_tensor(gname, value[0], raw_dtype=gguf.GGMLQuantizationType[value[1]])
-        else:
-            w.add_tensor(gname, value)
+    if not tensors_first:
+        _add_tensors(w, tensors)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_tensors(w, tensors):
+    for gname, value in (tensors or {}).items():
+        if isinstance(value, tuple):  # (raw rows, their GGUF type)
+            w.add_tensor(gname, value[0], raw_dtype=gguf.GGMLQuantizationType[value[1]])
+        else:
+            w.add_tensor(gname, value)
 
 
 def _f16_rows(w):
@@ -202,7 +210,7 @@ def test_read_gguf_llama_weights_types_permutation_metadata_and_factors(tmp_path
                   kv={"tokenizer.ggml.eot_token_id": 9, "tokenizer.ggml.eom_token_id": EOS,
                       "tokenizer.chat_template": "{{ x }}", "tokenizer.chat_template.tool_use": "{{ y }}",
                       "general.name": "tiny", "qwen2.context_length": 5},
-                  tensors={"rope_freqs.weight": factors})
+                  tensors={"rope_freqs.weight": factors}, tensors_first=True)  # first, as llama.cpp writes it
     config, weights, meta, freq = read_gguf(path)
     assert config == _llama_config(eos_token_ids=(EOS, 9), qkv_bias=True, o_bias=True)
     np.testing.assert_array_equal(freq, factors)
@@ -464,6 +472,10 @@ def test_build_llama_places_every_float_weight(tmp_path):
     module = build_llama(config, weights, dtype=jnp.bfloat16, consume=True)
     assert weights == {}
     _assert_module_holds(module, hf, jnp.bfloat16)
+    rows = module.embed(jnp.asarray([[3, 0]], jnp.int32))  # the embedding computes in its dtype too
+    assert rows.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(rows[0], np.float32),
+                                  hf["model.embed_tokens.weight"][[3, 0]].astype(jnp.bfloat16).astype(np.float32))
     np.testing.assert_allclose(np.asarray(module.inv_freq[...]), _inv_freq(5000.0), rtol=1e-7)
     # tied embeddings: no lm_head
     hf = _hf_weights(6, tied=True)
@@ -604,11 +616,32 @@ def test_load_model_and_read_model_config_of_a_gguf_and_a_directory(tmp_path):
     assert loaded.tokenizer.eos_token_ids == (5,)
     _assert_module_holds(loaded.module, hf)
     np.testing.assert_allclose(np.asarray(loaded.module.inv_freq[...]), _inv_freq(5000.0), rtol=1e-7)
+    # the tokenizer's added tokens count: one past the model's vocabulary is refused
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    extra = _hf_dir(tmp_path / "extra", hf)
+    backend = HFTokenizer.from_file(str(extra / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken("<extra>", normalized=False)])
+    backend.save(str(extra / "tokenizer.json"))
+    with _raises(ValueError, f"{extra}: the tokenizer has {V + 1} tokens but the model's vocabulary only {V}"):
+        load_model(extra)
     # the vocabulary must hold the tokenizer's 258 tokens
     small = _hf_weights(9, vocab=V - 1)
     p = _write(tmp_path / "small.gguf", weights=small)
     with _raises(ValueError, f"{p}: the tokenizer has {V} tokens but the model's vocabulary only {V - 1}"):
         load_model(p)
+
+
+def test_load_model_consumes_the_weights_it_read(tmp_path, monkeypatch):
+    """Each weight is deleted from what the source returned once it is placed (never held twice)."""
+    hf = _hf_weights(12)
+    weights = dict(hf)
+    tok = object()
+    monkeypatch.setattr(loader, "_read_source", lambda path: (tmp_path, (_llama_config(), weights, tok, None)))
+    loaded = load_model(tmp_path)
+    assert weights == {} and loaded.tokenizer is tok
+    _assert_module_holds(loaded.module, hf)
 
 
 def test_loader_paths_messages_and_the_embedded_model(tmp_path, monkeypatch):
@@ -642,12 +675,13 @@ def test_convert_model_writes_what_it_read(tmp_path):
     hf = _hf_weights(10)
     factors = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
     path = _write(tmp_path / "m.gguf", weights=hf, types={"model.layers.1.mlp.up_proj.weight": "Q8_0"},
-                  tensors={"rope_freqs.weight": factors})
+                  tensors={"rope_freqs.weight": factors[None]})  # [1, D/2]: read flat
     out = convert_model(path, tmp_path / "ckpt")
     assert out == tmp_path / "ckpt"
     config, weights, tokenizer, freq = read_checkpoint(out)
     assert config == _llama_config() == read_model_config(out)
     np.testing.assert_array_equal(freq, factors)
+    assert freq.shape == (D // 2,)
     assert tokenizer.eos_token_ids == (EOS,) and tokenizer.encode(" t") == [256]
     up = "model.layers.1.mlp.up_proj.weight"
     assert sorted(weights) == sorted([n for n in hf if n != up] + [up + "_q8_0"])
