@@ -5,13 +5,11 @@ loose to notice the mutant."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import _np_reference as ref
 import jax
 import jax.numpy as jnp
-import jaxtyping
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -36,25 +34,7 @@ from magicpig_jax.attention.layer_configs import FORMAT
 pytestmark = pytest.mark.usefixtures("strict_jax")
 
 from tests._jitted import i32, make_qkv  # noqa: E402
-
-
-@contextlib.contextmanager
-def _without_jaxtyping():
-    """The library's own argument checks, past the test suite's jaxtyping hook (which refuses the
-    wrong ranks and types first). ``inspect.unwrap`` would also pass mutmut's trampoline, and so
-    could not see a mutant (docs/mutation.md)."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
-
-
-def _message(exc, fn, *args, **kwargs):
-    with pytest.raises(exc) as err:
-        fn(*args, **kwargs)
-    return str(err.value)
-
+from tests._messages import message, without_jaxtyping  # noqa: E402
 
 # --- magicpig --------------------------------------------------------------------------------
 
@@ -64,21 +44,21 @@ def test_magicpig_messages():
     q, k, v = make_qkv(9, N=30)
     proj = lsh.simhash_projections(jax.random.key(0), 16, 4, 10)
     index = build_lsh_index(k, proj, cfg)
-    assert _message(ValueError, magicpig_attention, q, k, v, index, MagicPIGConfig(K=4, L=12)) == (
+    assert message(ValueError, magicpig_attention, q, k, v, index, MagicPIGConfig(K=4, L=12)) == (
         "index.codes must be [B, Hkv, N, L] = (2, 2, 30, 12), got (2, 2, 30, 10)"
     )
-    assert _message(ValueError, magicpig_attention, q, k, v, index, MagicPIGConfig(K=5, L=10)) == (
+    assert message(ValueError, magicpig_attention, q, k, v, index, MagicPIGConfig(K=5, L=10)) == (
         "index.projections must be [D, K*L] = (16, 50), got (16, 40)"
     )
-    assert _message(ValueError, build_lsh_index, k, proj[:, :-1], cfg) == (
+    assert message(ValueError, build_lsh_index, k, proj[:, :-1], cfg) == (
         "projections must be [D, K*L] = [16, 40] for K=4, L=10, got (16, 39)"
     )
-    with _without_jaxtyping():
-        assert _message(ValueError, build_lsh_index, k[0], proj, cfg) == (
+    with without_jaxtyping():
+        assert message(ValueError, build_lsh_index, k[0], proj, cfg) == (
             "k must be [B, Hkv, N, D], got shape (2, 30, 16)"
         )
-        assert _message(TypeError, build_lsh_index, k, proj, {"K": 4}) == "config must be a MagicPIGConfig, got dict"
-        assert _message(TypeError, build_lsh_index, k, proj, cfg, center=1) == "center must be a bool, got int 1"
+        assert message(TypeError, build_lsh_index, k, proj, {"K": 4}) == "config must be a MagicPIGConfig, got dict"
+        assert message(TypeError, build_lsh_index, k, proj, cfg, center=1) == "center must be a bool, got int 1"
 
 
 def test_magicpig_under_x64_keeps_its_dtypes_and_matches_float64():
@@ -143,9 +123,9 @@ def test_shape_dtype_and_config_messages():
         ((q, k, v, i32([1, 2, 3])), ValueError, "lengths must be [B] = [2], got shape (3,)"),
         ((q, k, v, jnp.array([1.0, 2.0])), TypeError, "lengths must be an integer array, got float32"),
     ]
-    with _without_jaxtyping():
+    with without_jaxtyping():
         for args, exc, want in cases:
-            assert _message(exc, dense_attention, *args) == want
+            assert message(exc, dense_attention, *args) == want
     configs = [
         ({"K": 0}, ValueError, "K must be in [1, 32] (bits per uint32 code), got K=0"),
         ({"L": 1}, ValueError, "L must be >= 2 (sampling needs >= 2 colliding tables), got L=1"),
@@ -157,9 +137,9 @@ def test_shape_dtype_and_config_messages():
         ({"seed": -1}, ValueError, "seed must be >= 0, got seed=-1"),
         ({"seed": "0"}, TypeError, "seed must be an int, got str '0'"),
     ]
-    with _without_jaxtyping():
+    with without_jaxtyping():
         for kwargs, exc, want in configs:
-            assert _message(exc, MagicPIGConfig, **kwargs) == want
+            assert message(exc, MagicPIGConfig, **kwargs) == want
     # the static window: the local window and two generation buffers (by hand)
     assert MagicPIGConfig(num_local=64).static_window() == 64 + 2 * 256
     assert MagicPIGConfig(num_local=5).static_window(10) == 25
@@ -225,10 +205,10 @@ def test_static_attention_under_x64_stays_float32(num_sink, window):
 def test_static_attention_messages():
     q, k, v = make_qkv(2, N=6)
     n = i32([6, 6])
-    assert _message(ValueError, static_attention, q, k, v, n, n, n, num_sink=-1) == (
+    assert message(ValueError, static_attention, q, k, v, n, n, n, num_sink=-1) == (
         "num_sink must be >= 0, got num_sink=-1"
     )
-    assert _message(ValueError, static_attention, q, k, v, n, n, n, num_sink=0, window=-1) == (
+    assert message(ValueError, static_attention, q, k, v, n, n, n, num_sink=0, window=-1) == (
         "window must be >= 0 or None, got window=-1"
     )
 
@@ -278,15 +258,15 @@ def test_merge_half_precision_parts_under_x64_stay_float32():
 def test_merge_messages():
     a = jnp.ones((2, 3, 4))
     want = "merge_attention needs out_a/out_b of shape [..., D] and lse_a/lse_b of shape [...]; got "
-    with _without_jaxtyping():
+    with without_jaxtyping():
         # each of the three conditions alone
-        assert _message(ValueError, merge_attention, a, a[..., 0], a[:, :2], a[..., 0]) == (
+        assert message(ValueError, merge_attention, a, a[..., 0], a[:, :2], a[..., 0]) == (
             want + "(2, 3, 4), (2, 3), (2, 2, 4), (2, 3)"
         )
-        assert _message(ValueError, merge_attention, a, a[..., 0], a, a[:, :2, 0]) == (
+        assert message(ValueError, merge_attention, a, a[..., 0], a, a[:, :2, 0]) == (
             want + "(2, 3, 4), (2, 3), (2, 3, 4), (2, 2)"
         )
-        assert _message(ValueError, merge_attention, a, a[..., :2, 0], a, a[..., :2, 0]) == (
+        assert message(ValueError, merge_attention, a, a[..., :2, 0], a, a[..., :2, 0]) == (
             want + "(2, 3, 4), (2, 2), (2, 3, 4), (2, 2)"
         )
 
@@ -562,16 +542,16 @@ def test_hybrid_messages_and_bounds():
 
     want = "heavy must be in [3, L + 1] = [3, 11], got heavy={}"
     for heavy in (2, 12):
-        assert _message(ValueError, HybridConfig, K=4, L=10, heavy=heavy) == want.format(heavy)
-        assert _message(ValueError, log_light_probability, jnp.float32(0.5), 4, 10, heavy) == want.format(heavy)
-    with _without_jaxtyping():
-        assert _message(TypeError, HybridConfig, K=4, L=10, heavy=3.0) == "heavy must be an int, got float 3.0"
-        assert _message(TypeError, HybridConfig, K=4, L=10, heavy=True) == "heavy must be an int, got bool True"
-    assert _message(ValueError, HybridConfig, K=4, L=10, heavy=-1) == "heavy must be >= 0, got heavy=-1"
-    assert _message(ValueError, log_light_probability, jnp.float32(0.5), 0, 10, 3) == (
+        assert message(ValueError, HybridConfig, K=4, L=10, heavy=heavy) == want.format(heavy)
+        assert message(ValueError, log_light_probability, jnp.float32(0.5), 4, 10, heavy) == want.format(heavy)
+    with without_jaxtyping():
+        assert message(TypeError, HybridConfig, K=4, L=10, heavy=3.0) == "heavy must be an int, got float 3.0"
+        assert message(TypeError, HybridConfig, K=4, L=10, heavy=True) == "heavy must be an int, got bool True"
+    assert message(ValueError, HybridConfig, K=4, L=10, heavy=-1) == "heavy must be >= 0, got heavy=-1"
+    assert message(ValueError, log_light_probability, jnp.float32(0.5), 0, 10, 3) == (
         "K must be in [1, 32] (bits per uint32 code), got K=0"
     )
-    assert _message(ValueError, log_light_probability, jnp.float32(0.5), 4, 1, 3) == (
+    assert message(ValueError, log_light_probability, jnp.float32(0.5), 4, 1, 3) == (
         "L must be >= 2 (sampling needs >= 2 colliding tables), got L=1"
     )
     # the bounds are accepted: heavy = 3 and heavy = L + 1
@@ -582,14 +562,14 @@ def test_hybrid_messages_and_bounds():
     q, k, v = make_qkv(5, N=10, D=8)
     base = MagicPIGConfig(K=4, L=10)
     index = build_lsh_index(k, lsh.simhash_projections(jax.random.key(0), 8, 4, 10), base)
-    with _without_jaxtyping():
-        assert _message(TypeError, hybrid_attention, q, k, v, index, base) == (
+    with without_jaxtyping():
+        assert message(TypeError, hybrid_attention, q, k, v, index, base) == (
             "config must be a HybridConfig, got MagicPIGConfig"
         )
-    assert _message(ValueError, hybrid_attention, q, k, v, index, HybridConfig(K=4, L=12)) == (
+    assert message(ValueError, hybrid_attention, q, k, v, index, HybridConfig(K=4, L=12)) == (
         "index.codes must be [B, Hkv, N, L] = (2, 2, 10, 12), got (2, 2, 10, 10)"
     )
-    assert _message(ValueError, hybrid_attention, q[:, :3], k, v, index, HybridConfig(K=4, L=10)) == (
+    assert message(ValueError, hybrid_attention, q[:, :3], k, v, index, HybridConfig(K=4, L=10)) == (
         "Hq (3) must be a multiple of Hkv (2) for GQA"
     )
 
@@ -659,19 +639,19 @@ def test_baseline_budget_and_page_size_messages_and_bounds():
         (float("inf"), ValueError, frac.format(float("inf"))),
         (float("nan"), ValueError, frac.format(float("nan"))),
     ]
-    with _without_jaxtyping():
+    with without_jaxtyping():
         for budget, exc, want in cases:
-            assert _message(exc, budget_tokens, budget, i32([4])) == want, budget
-            assert _message(exc, topk_attention, q, k, v, budget) == want, budget
-            assert _message(exc, quest_attention, q, k, v, 2, budget) == want, budget
-            assert _message(exc, oracle_sampling_attention, jax.random.key(0), q, k, v, budget) == want, budget
+            assert message(exc, budget_tokens, budget, i32([4])) == want, budget
+            assert message(exc, topk_attention, q, k, v, budget) == want, budget
+            assert message(exc, quest_attention, q, k, v, 2, budget) == want, budget
+            assert message(exc, oracle_sampling_attention, jax.random.key(0), q, k, v, budget) == want, budget
         for page_size, exc, want in [
             (0, ValueError, "page_size must be >= 1, got page_size=0"),
             (2.0, TypeError, "page_size must be an int, got float 2.0"),
             (False, TypeError, "page_size must be an int, got bool False"),
         ]:
-            assert _message(exc, quest_attention, q, k, v, page_size, 4) == want
-            assert _message(exc, quest_page_scores, q, k, page_size, i32([10, 10])) == want
+            assert message(exc, quest_attention, q, k, v, page_size, 4) == want
+            assert message(exc, quest_page_scores, q, k, page_size, i32([10, 10])) == want
     # the bounds are accepted: a budget of 1 token, a fraction of 1.0, a page of 1 key
     np.testing.assert_array_equal(budget_tokens(1, i32([0, 9])), [1, 1])
     np.testing.assert_array_equal(budget_tokens(1.0, i32([0, 9])), [0, 9])

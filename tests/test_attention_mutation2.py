@@ -6,43 +6,28 @@ public functions (``inspect.unwrap`` would pass mutmut's trampoline and see no m
 
 from __future__ import annotations
 
-import contextlib
-
-import jaxtyping
 import numpy as np
 import pytest
 
 from magicpig_jax.attention import LayerConfigs, MagicPIGConfig, cost_model
 from magicpig_jax.attention.layer_configs import DENSE
+from tests._messages import message, without_jaxtyping
 
 pytestmark = pytest.mark.usefixtures("strict_jax")
 
 
-@contextlib.contextmanager
-def _without_jaxtyping():
-    """The library's own argument checks, past the test suite's jaxtyping hook (which refuses the
-    wrong types first)."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
-def _message(exc, fn, *args, **kwargs):
-    with pytest.raises(exc) as err:
-        fn(*args, **kwargs)
-    return str(err.value)
 
 
 # --- cost_model ------------------------------------------------------------------------------
 
 
 def test_expected_sampled_fraction_messages_one_cosine_and_a_float64_mean():
-    assert _message(ValueError, cost_model.expected_sampled_fraction, np.zeros(0), 10, 150) == (
+    assert message(ValueError, cost_model.expected_sampled_fraction, np.zeros(0), 10, 150) == (
         "cosines must not be empty"
     )
-    assert _message(ValueError, cost_model.expected_sampled_fraction, np.array([0.1, np.nan]), 10, 150) == (
+    assert message(ValueError, cost_model.expected_sampled_fraction, np.array([0.1, np.nan]), 10, 150) == (
         "cosines must not contain NaN"
     )
     # one cosine is a set of keys too; cos = 1 (p = 1) is always sampled, cos = -1 (p = 0) never
@@ -65,26 +50,26 @@ def test_layer_configs_messages_order_and_accessors():
     assert LayerConfigs(((0, DENSE), (1, DENSE))).base() == MagicPIGConfig()
     assert LayerConfigs(((0, b),)).base() is b
     lc.check_num_layers(3)
-    assert _message(ValueError, lc.check_num_layers, 2) == "the layer configs give 3 layers, the model has 2"
-    assert _message(ValueError, LayerConfigs, ()) == "LayerConfigs needs at least one layer"
-    assert _message(ValueError, LayerConfigs, ((0, a), (2, b))) == (
+    assert message(ValueError, lc.check_num_layers, 2) == "the layer configs give 3 layers, the model has 2"
+    assert message(ValueError, LayerConfigs, ()) == "LayerConfigs needs at least one layer"
+    assert message(ValueError, LayerConfigs, ((0, a), (2, b))) == (
         "LayerConfigs must give every layer 0..n-1 exactly once, got layers [0, 2]"
     )
     # a layer given twice is refused by the index check (the sort compares indices only: two
     # configs are not ordered)
-    assert _message(ValueError, LayerConfigs, ((0, a), (0, b))) == (
+    assert message(ValueError, LayerConfigs, ((0, a), (0, b))) == (
         "LayerConfigs must give every layer 0..n-1 exactly once, got layers [0, 0]"
     )
-    assert _message(ValueError, LayerConfigs, ((1, a), (0, DENSE), (1, DENSE))) == (
+    assert message(ValueError, LayerConfigs, ((1, a), (0, DENSE), (1, DENSE))) == (
         "LayerConfigs must give every layer 0..n-1 exactly once, got layers [0, 1, 1]"
     )
-    assert _message(TypeError, LayerConfigs, ((0, a), (1, "sparse"))) == (
+    assert message(TypeError, LayerConfigs, ((0, a), (1, "sparse"))) == (
         "layer 1: expected a MagicPIGConfig or 'dense', got 'sparse'"
     )
-    with _without_jaxtyping():
-        assert _message(TypeError, LayerConfigs, ((0, 5),)) == "layer 0: expected a MagicPIGConfig or 'dense', got 5"
+    with without_jaxtyping():
+        assert message(TypeError, LayerConfigs, ((0, 5),)) == "layer 0: expected a MagicPIGConfig or 'dense', got 5"
     c = MagicPIGConfig(K=4, L=10, num_local=8)
-    assert _message(ValueError, LayerConfigs, ((0, a), (1, c), (2, b))) == (
+    assert message(ValueError, LayerConfigs, ((0, a), (1, c), (2, b))) == (
         "every sparse layer must share num_sink, num_local and seed, got [(4, 8, 0), (4, 64, 0)]"
     )
     # two sparse layers that share the static set are accepted, with or without dense layers
