@@ -46,3 +46,18 @@ def random_rows(rng: np.random.Generator, qtype: str, rows: int, n_in: int, scal
         f16 = rng.choice(SPECIAL_F16, (rows, nb)) if special else (rng.standard_normal((rows, nb)) * scale)
         blocks[:, :, at:at + 2] = f16.astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
     return blocks.reshape(rows, nb * bb)
+
+
+def add_kv(writer: gguf.GGUFWriter, key: str, value) -> None:
+    """Write one metadata value with the GGUF type its Python type maps to: bool, uint32 (int),
+    float32, string, or an array (a list)."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:
+        writer.add_array(key, value)

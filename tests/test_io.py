@@ -18,6 +18,7 @@ from magicpig_jax.generation import forward_logits, prefill
 from magicpig_jax.io import embedded
 from magicpig_jax.io.loader import load_model
 from magicpig_jax.io.tokenizer import Tokenizer
+from tests._gguf_rows import add_kv
 from tests._tiny import TINY, tiny_model
 
 _LAYER = {
@@ -88,14 +89,7 @@ def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None, skip=(), 
     w.add_token_types([1] * (len(tokens) - 1) + [3])
     w.add_eos_token_id(len(tokens) - 1)
     for key, value in (extra or {}).items():
-        if isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, value)
+        add_kv(w, key, value)
     for name, value in weights.items():
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)

@@ -33,6 +33,7 @@ from magicpig_jax.io.gguf_model import (
 )
 from magicpig_jax.io.loader import build_llama, convert_model, load_model, read_model_config
 from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
+from tests._gguf_rows import add_kv
 
 H, HQ, HKV, D, F, NL = 32, 4, 2, 8, 64, 2
 TOKENS = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "<|im_end|>"]
@@ -125,16 +126,7 @@ def _write(path, arch="llama", weights=None, types=None, kv=None, skip=(), drop=
     for key, value in ({**_base_kv(arch), **(kv or {})}).items():
         if value is None or key in skip:
             continue
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+        add_kv(w, key, value)
     permute = arch == "llama" if permute is None else permute
     if tensors_first:
         _add_tensors(w, tensors)
