@@ -241,6 +241,10 @@ def test_index_bytes_and_properties():
     assert index_nbytes(idx) == ids + offsets + open_codes + bounds
     assert index_nbytes(idx, include_mean=True) == ids + offsets + open_codes + bounds + 2 * 3 * 8 * 4 + 8 * 8 * 4
     assert idx.capacity == 10 and idx.open_capacity == 6
+    assert type(idx.capacity) is int and type(idx.open_capacity) is int and type(index_nbytes(idx)) is int
+    idx = dataclasses.replace(idx, bounds=jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32))
+    np.testing.assert_array_equal(idx.start, [0, 3])
+    np.testing.assert_array_equal(idx.end, [1, 4])
     idx.bounds = jnp.asarray([[1, 4, 3], [2, 9, 5]], jnp.int32)
     np.testing.assert_array_equal(np.asarray(idx.start), [1, 2])
     np.testing.assert_array_equal(np.asarray(idx.end), [4, 9])

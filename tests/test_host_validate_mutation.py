@@ -20,7 +20,7 @@ import pytest
 
 from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.host import _ext
-from magicpig_jax.host.index import HostIndex, chunk_geometry, index_nbytes
+from magicpig_jax.host.index import HostIndex, chunk_geometry
 from magicpig_jax.host.validate import check_config, check_index, check_int, check_kv_dtypes, check_lengths_strict
 from magicpig_jax.io import embedded
 
@@ -136,21 +136,6 @@ def test_check_index_names_each_buffer():
         assert str(e.value).startswith(f"index.{name} must be ")
     # the last table dimension of ids (CH) and of open_codes (OPEN) are the index's own
     assert check_index(_index(CH=7, OPEN=1), cfg, 2, 3, 8) is None
-
-
-def test_host_index_properties_and_bytes():
-    idx = _index(B=2, Hkv=3, NC=2, CH=5, K=3, L=4, OPEN=6, D=8)
-    np.testing.assert_array_equal(idx.start, [0, 3])
-    np.testing.assert_array_equal(idx.end, [1, 4])
-    assert idx.capacity == 10 and type(idx.capacity) is int
-    assert idx.open_capacity == 6 and type(idx.open_capacity) is int
-    ids = 2 * 3 * 2 * 4 * 5 * 2
-    offsets = 2 * 3 * 2 * 4 * 9 * 2
-    open_codes = 2 * 3 * 4 * 6 * 2
-    bounds = 2 * 3 * 4
-    assert index_nbytes(idx) == ids + offsets + open_codes + bounds
-    assert index_nbytes(idx, include_mean=True) == ids + offsets + open_codes + bounds + 2 * 3 * 8 * 4 + 8 * 12 * 4
-    assert type(index_nbytes(idx)) is int
 
 
 def test_chunk_geometry_by_hand():
