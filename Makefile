@@ -68,7 +68,7 @@ mutate: install-test
 	cd build/mutmut && $(abspath $(BIN))/mutmut run --max-children $$(nproc) $(MUTANTS); \
 	  $(abspath $(BIN))/mutmut results
 
-# Debian's jargon-text: the prose haystack of `magicpig-jax eval` (the test suite does not need it)
+# Debian's jargon-text: an optional prose haystack of `magicpig-jax eval --haystack jargon` (the suite does not need it)
 JARGON := /usr/share/doc/jargon-text/jargon.txt.gz
 eval-data:
 	@if [ ! -f $(JARGON) ]; then \

@@ -28,8 +28,8 @@ from magicpig_jax.models.decoding import (
 )
 from magicpig_jax.streaming import StopStrings, TextStream, check_stop_strings
 
-__all__ = ["PrefillState", "Generation", "Sampling", "prefill", "decode", "decode_spec", "generate", "encode_prompt",
-           "forward_logits", "CHUNK"]
+__all__ = ["PrefillState", "Generation", "Sampling", "prefill", "prefill_with_prefixes", "decode", "decode_spec",
+           "generate", "encode_prompt", "forward_logits", "CHUNK"]
 
 CHUNK = 256  # prefill chunk (tokens); the cache capacity is a multiple of it
 
@@ -153,6 +153,41 @@ def _prompt_batch(prompt) -> tuple[list[Prompt], bool]:
                     f"or a list of those (a batch); got {prompt!r}")
 
 
+def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], prefix_lengths: Sequence[int],
+                          max_new_tokens: int, cache_dtype=jnp.float32) -> tuple[PrefillState, PrefillState]:
+    """One dense prefill serving each prompt and its first ``prefix_lengths[b]`` tokens.
+
+    Causal attention makes a prefix's keys, values and next-token logits independent of the
+    tokens after it, so the prefix state is the prompt's cache with the row lengths cut to the
+    prefixes (the two states share the cache buffers; a decode copies them unless it consumes
+    the state) and the logits at each prefix's last position. ``magicpig-jax eval`` uses it for
+    RULER's two setups of one sample (the question inside the prefill, or decoded after the
+    document). A decode from the prefix state overwrites the cached positions past the prefix
+    as it appends; nothing reads them before (every attention masks by the row lengths).
+
+    Args:
+      model, prompts, max_new_tokens, cache_dtype: as :func:`prefill` (capacity for the prompts).
+      prefix_lengths: ``[B]`` ints, ``1 <= prefix_lengths[b] <= len(prompts[b])``.
+
+    Returns:
+      ``(state of the prompts, state of the prefixes)``; both report the one prefill's seconds.
+
+    Raises:
+      ValueError: as :func:`prefill`, or a prefix length outside ``[1, len(prompt)]``.
+    """
+    if len(prefix_lengths) != len(prompts):
+        raise ValueError(f"prefix_lengths has {len(prefix_lengths)} entries for {len(prompts)} prompts")
+    for b, (n, p) in enumerate(zip(prefix_lengths, prompts, strict=True)):
+        if not 1 <= int(n) <= len(p):
+            raise ValueError(f"prefix_lengths[{b}] must be in [1, {len(p)}], got {n}")
+    full, hidden = _prefill(model, prompts, max_new_tokens, False, cache_dtype, [int(n) for n in prefix_lengths])
+    graphdef, params = nnx.split(model.module)
+    prefix = np.asarray(prefix_lengths, np.int32)
+    logits = hidden_to_logits(graphdef, params, jnp.asarray(hidden))
+    cache = dataclasses.replace(full.cache, lengths=jnp.asarray(prefix))
+    return full, PrefillState(cache, logits, prefix, full.seconds, full.allow_beyond_context)
+
+
 def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             allow_beyond_context: bool = False, cache_dtype=jnp.float32) -> PrefillState:
     """Dense, chunked prefill of a batch of token-id prompts (right-padded).
@@ -173,6 +208,12 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
       ValueError: an empty prompt, or a prompt longer than the model's context
         (``max_position_embeddings``) unless ``allow_beyond_context``.
     """
+    return _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, None)[0]
+
+
+def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, also_at):
+    """:func:`prefill`; with ``also_at`` (a length per row) also the hidden states after those
+    lengths (float32 ``[B, H]``), else None."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     if max_new_tokens < 0:
@@ -199,16 +240,18 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
         prefill_chunk, graphdef, state, jax.eval_shape(lambda: KVCache.zeros(model.config, B, capacity, cache_dtype)),
         jax.ShapeDtypeStruct((B, CHUNK), jnp.int32), jnp.int32(0), lengths_j)
     cache = KVCache.zeros(model.config, B, capacity, cache_dtype)
-    last_hidden = np.zeros((B, model.config.hidden_size), np.float32)
+    ends = [lengths] if also_at is None else [lengths, np.asarray(also_at, np.int32)]
+    gathered = [np.zeros((B, model.config.hidden_size), np.float32) for _ in ends]
     for s in range(0, padded.shape[1], CHUNK):
         hidden, cache = chunk(state, cache, jnp.asarray(padded[:, s:s + CHUNK]), jnp.int32(s), lengths_j)
-        rows = np.nonzero((lengths - 1 >= s) & (lengths - 1 < s + CHUNK))[0]
-        if rows.size:
-            h = np.asarray(hidden)
-            last_hidden[rows] = h[rows, lengths[rows] - 1 - s]
-    last_logits = hidden_to_logits(graphdef, state, jnp.asarray(last_hidden))
+        for end, out in zip(ends, gathered, strict=True):
+            rows = np.nonzero((end - 1 >= s) & (end - 1 < s + CHUNK))[0]
+            if rows.size:
+                out[rows] = np.asarray(hidden)[rows, end[rows] - 1 - s]
+    last_logits = hidden_to_logits(graphdef, state, jnp.asarray(gathered[0]))
     last_logits.block_until_ready()
-    return PrefillState(cache, last_logits, lengths, time.perf_counter() - start, allow_beyond_context)
+    done = PrefillState(cache, last_logits, lengths, time.perf_counter() - start, allow_beyond_context)
+    return done, (gathered[1] if also_at is not None else None)
 
 
 def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPIGConfig | LayerConfigs | None = None,

@@ -113,3 +113,39 @@ def test_consuming_the_prefill_decodes_the_same_tokens_without_a_copy(small_cont
     assert copied[0].outputs == copied[1].outputs == consumed.outputs
     with pytest.raises(ValueError, match="cache was consumed by an earlier decode"):
         start_decode(model, state, spec, 6, sampling)
+
+
+def test_prefix_state_of_one_prefill_equals_prefilling_the_prefix():
+    # prefill_with_prefixes (eval's setups A and B of one sample): the prefixes' cache, logits and
+    # decoded tokens equal those of a prefill of the prefixes alone; the prompts' state equals prefill's.
+    from magicpig_jax.generation import prefill_with_prefixes
+
+    model = tiny_model(3)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 97, 300).tolist(), rng.integers(1, 97, 41).tolist()]
+    cuts = [290, 12]  # the first crosses a 256-token chunk's end, the second stays in one chunk
+    full, pre = prefill_with_prefixes(model, prompts, cuts, 8)
+    alone = prefill(model, [p[:c] for p, c in zip(prompts, cuts, strict=True)], 8)
+    whole = prefill(model, prompts, 8)
+    np.testing.assert_array_equal(pre.prompt_lengths, cuts)
+    np.testing.assert_array_equal(np.asarray(pre.cache.lengths), cuts)
+    np.testing.assert_array_equal(np.asarray(full.cache.lengths), [300, 41])
+    np.testing.assert_allclose(np.asarray(pre.last_logits), np.asarray(alone.last_logits), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(full.last_logits), np.asarray(whole.last_logits))
+    for layer in range(TINY.num_layers):
+        for b, c in enumerate(cuts):
+            for got, want in ((pre.cache.k, alone.cache.k), (pre.cache.v, alone.cache.v)):
+                np.testing.assert_allclose(np.asarray(got[layer])[b, :, :c], np.asarray(want[layer])[b, :, :c],
+                                           atol=1e-5, rtol=0)
+    for attention in ("dense", "magicpig"):
+        got, _ = decode(model, pre, attention=attention, max_new_tokens=6, stop_on_eos=False)
+        want, _ = decode(model, alone, attention=attention, max_new_tokens=6, stop_on_eos=False)
+        assert got == want, attention
+    # both states stay usable: decoding one copies the shared buffers
+    again, _ = decode(model, full, attention="dense", max_new_tokens=6, stop_on_eos=False)
+    ref, _ = decode(model, whole, attention="dense", max_new_tokens=6, stop_on_eos=False)
+    assert again == ref
+    with pytest.raises(ValueError, match=r"prefix_lengths\[1\] must be in \[1, 41\]"):
+        prefill_with_prefixes(model, prompts, [290, 42], 8)
+    with pytest.raises(ValueError, match="prefix_lengths has 1 entries"):
+        prefill_with_prefixes(model, prompts, [3], 8)

@@ -246,6 +246,8 @@ def test_compiled_step_equals_decode_step_and_is_cached(model, backend):
 def test_greedy_sampling_skips_the_sort_but_sampling_still_samples():
     from magicpig_jax.models.decoding import sample_token
 
+    # jitted once, as the decode step calls it (eagerly, each call traces and compiles its cond again)
+    sample_token = jax.jit(sample_token)
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((3, 50)), jnp.float32)
     greedy = sample_token(logits, jax.random.key(0), jnp.float32(0), jnp.float32(1))
     np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))

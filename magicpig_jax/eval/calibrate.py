@@ -3,9 +3,9 @@
 The paper hand-picks one (K, L) for every layer and keeps two layers dense (arXiv 2410.16179,
 Section 5). Layers differ: some heads are flat, some concentrated, and the cost of a layer's
 attention depends on its tables. This command calibrates a :class:`~magicpig_jax.attention.LayerConfigs`
-on a text that is *not* an evaluation text (default: the bundled LGPL-2.1, which the ``jargon``
-haystack does not contain; ``magicpig-jax eval`` refuses a file whose calibration text overlaps
-its haystack):
+on a text that is *not* an evaluation text (default: the bundled LGPL-2.1, which the
+``licenses-heldout`` and ``jargon`` haystacks do not contain; ``magicpig-jax eval`` refuses a
+file whose calibration text overlaps its haystack):
 
 1. **Dense reference.** The text's first ``--length`` tokens are prefilled densely; the last
    ``--forced-tokens`` of them are teacher-forced with dense attention, giving the reference
@@ -46,10 +46,12 @@ from pathlib import Path
 
 import numpy as np
 
+from magicpig_jax.eval.corpus import CALIBRATION_TEXT
+
 __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
            "paragraph_hashes", "check_config_for_eval", "DEFAULT_TEXT", "DEFAULT_CANDIDATES"]
 
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "data" / "lgpl-2.1.txt"
+DEFAULT_TEXT = CALIBRATION_TEXT  # held out of the default evaluation haystack
 DEFAULT_CANDIDATES = "8x75,9x120,10x150,11x300,12x600"
 DENSE = "dense"
 

@@ -12,6 +12,12 @@ Nothing is downloaded at run time:
     with ``make eval-data`` or ``apt-get install -y jargon-text`` (as root).
   - ``licenses``: the license texts in ``/usr/share/common-licenses`` (present on every
     Debian-family machine, about 70K tokens); the small in-suite configuration uses it.
+  - ``licenses-heldout`` (the default of ``magicpig-jax eval``): ``licenses`` without
+    the LGPL-2 and LGPL-2.1 files and without any paragraph of the bundled LGPL-2.1,
+    the default calibration text of ``magicpig-jax calibrate``, so a calibrated file can
+    be evaluated on it. SmolLM2-135M finds a needle in it at 4K and 8K tokens, which it
+    does not do in the Jargon File (whose entries and ``{cross-references}`` it copies
+    instead); see docs/evaluation.md.
   - any other value is a path to a UTF-8 text file (``.gz`` allowed).
 
 Prose is cut into paragraphs (blank-line separated, whitespace collapsed); paragraphs of
@@ -34,6 +40,8 @@ __all__ = [
     "LICENSES_DIR",
     "MIN_PARAGRAPH_WORDS",
     "HAYSTACKS",
+    "DEFAULT_HAYSTACK",
+    "CALIBRATION_TEXT",
     "word_lists",
     "load_prose",
     "load_sentences",
@@ -43,7 +51,10 @@ __all__ = [
 JARGON_PATH = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
 LICENSES_DIR = Path("/usr/share/common-licenses")
 MIN_PARAGRAPH_WORDS = 12
-HAYSTACKS = ("jargon", "licenses")
+HAYSTACKS = ("jargon", "licenses", "licenses-heldout")
+DEFAULT_HAYSTACK = "licenses-heldout"
+# the bundled default calibration text of `magicpig-jax calibrate` (held out of licenses-heldout)
+CALIBRATION_TEXT = Path(__file__).resolve().parent.parent / "data" / "lgpl-2.1.txt"
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'“‘(\[]?[A-Z0-9])")
 
@@ -81,12 +92,23 @@ def _read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
+def _paragraphs(texts: list[str]) -> list[str]:
+    """Blank-line separated blocks, whitespace collapsed, of >= MIN_PARAGRAPH_WORDS words."""
+    paragraphs = []
+    for text in texts:
+        for block in re.split(r"\n\s*\n", text):
+            para = " ".join(block.split())
+            if len(para.split(" ")) >= MIN_PARAGRAPH_WORDS:
+                paragraphs.append(para)
+    return paragraphs
+
+
 @functools.cache
-def load_prose(haystack: str = "jargon") -> tuple[str, ...]:
+def load_prose(haystack: str = DEFAULT_HAYSTACK) -> tuple[str, ...]:
     """The paragraphs of a haystack (see the module docstring), whitespace collapsed.
 
     Args:
-      haystack: ``"jargon"``, ``"licenses"`` or a path to a text file.
+      haystack: ``"jargon"``, ``"licenses"``, ``"licenses-heldout"`` or a path to a text file.
 
     Raises:
       FileNotFoundError: the source is missing; for ``jargon`` the message says how to install it.
@@ -99,33 +121,37 @@ def load_prose(haystack: str = "jargon") -> tuple[str, ...]:
                 "`make eval-data` or `apt-get install -y jargon-text` (as root), or pass --haystack licenses"
             )
         texts = [_read_text(JARGON_PATH)]
-    elif haystack == "licenses":
+    elif haystack in ("licenses", "licenses-heldout"):
         if not LICENSES_DIR.is_dir():
-            raise FileNotFoundError(f"{LICENSES_DIR} not found (the 'licenses' haystack); pass --haystack FILE")
+            raise FileNotFoundError(f"{LICENSES_DIR} not found (the {haystack!r} haystack); pass --haystack FILE")
+        held_out = haystack == "licenses-heldout"
         seen, texts = set(), []
         for p in sorted(LICENSES_DIR.iterdir()):
             real = p.resolve()
+            if held_out and real.name.startswith("LGPL-2"):
+                continue
             if real.is_file() and real not in seen:  # GPL -> GPL-3 etc. are symlinks
                 seen.add(real)
                 texts.append(_read_text(real))
+        if held_out:
+            calibration = set(_paragraphs([_read_text(CALIBRATION_TEXT)]))
+            paragraphs = tuple(p for p in _paragraphs(texts) if p not in calibration)
+            if not paragraphs:
+                raise ValueError(f"haystack {haystack!r} has no paragraph of >= {MIN_PARAGRAPH_WORDS} words")
+            return paragraphs
     else:
         path = Path(haystack)
         if not path.is_file():
             raise FileNotFoundError(f"haystack {haystack!r} is neither one of {HAYSTACKS} nor an existing file")
         texts = [_read_text(path)]
-    paragraphs = []
-    for text in texts:
-        for block in re.split(r"\n\s*\n", text):
-            para = " ".join(block.split())
-            if len(para.split(" ")) >= MIN_PARAGRAPH_WORDS:
-                paragraphs.append(para)
+    paragraphs = _paragraphs(texts)
     if not paragraphs:
         raise ValueError(f"haystack {haystack!r} has no paragraph of >= {MIN_PARAGRAPH_WORDS} words")
     return tuple(paragraphs)
 
 
 @functools.cache
-def load_sentences(haystack: str = "jargon") -> tuple[str, ...]:
+def load_sentences(haystack: str = DEFAULT_HAYSTACK) -> tuple[str, ...]:
     """The haystack's paragraphs split into sentences (a regex split after ``.``, ``!``, ``?``)."""
     out = []
     for para in load_prose(haystack):

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from magicpig_jax.eval.corpus import load_prose
+from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK, load_prose
 from magicpig_jax.eval.tasks import sample_seed
 
 __all__ = ["LikelihoodSample", "make_likelihood_sample", "log_softmax", "LogitsRecorder", "compare_to_dense"]
@@ -60,7 +60,7 @@ class LikelihoodSample:
 
 
 def make_likelihood_sample(encode: Callable[[str], list[int]], length: int, index: int, *, seed: int = 0,
-                           haystack: str = "jargon", forced: int = 256) -> LikelihoodSample:
+                           haystack: str = DEFAULT_HAYSTACK, forced: int = 256) -> LikelihoodSample:
     """Real prose of exactly ``length`` tokens, starting at a seeded paragraph.
 
     Paragraphs (see :func:`magicpig_jax.eval.corpus.load_prose`) are joined with blank lines,

@@ -234,6 +234,8 @@ class _Loop:
 
     def __post_init__(self) -> None:
         self.ref_label = parse_method(self.settings.budget_from).label
+        # setup B's prefill of a sample, taken from its setup-A prefill (prefill_with_prefixes)
+        self.prefix_states: dict[tuple, tuple] = {}
 
     def todo(self, key: dict) -> list[Method]:
         return [m for m in self.settings.methods if _key(key, m.label) not in self.store]
@@ -298,7 +300,7 @@ class _Loop:
         decodes the rest of the prompt (the question, teacher-forced) before the answer.
         """
         from magicpig_jax.eval.tasks import make_sample, score
-        from magicpig_jax.generation import prefill
+        from magicpig_jax.generation import prefill, prefill_with_prefixes
 
         model, s = self.model, self.settings
         key = {"kind": "task", "task": task, "length": length, "index": index, "setup": setup}
@@ -312,7 +314,19 @@ class _Loop:
         split = len(ids) if setup == "A" else question_split(model.tokenizer.decode, ids, sample.question)
         prefix, forced = ids[:split], ids[split:]
         # capacity = round_up(length): every sample of a length shares the jit compilations
-        state = prefill(model, [prefix], max(length - len(prefix) - 1, len(forced) + new))
+        capacity = max(length - len(prefix) - 1, len(forced) + new)
+        sample_key = (task, length, index)
+        b_key = {**key, "setup": "B"}
+        if setup == "A" and "B" in s.setups and self.todo(b_key):
+            # one prefill for both setups: setup B's document is this prompt's prefix
+            b_split = question_split(model.tokenizer.decode, ids, sample.question)
+            # (the same capacity as a prefill of either setup alone: round_up(length))
+            state, b_state = prefill_with_prefixes(model, [ids], [b_split], capacity)
+            self.prefix_states = {sample_key: (b_split, b_state)}
+        elif setup == "B" and self.prefix_states.get(sample_key, (None,))[0] == split:
+            state = self.prefix_states.pop(sample_key)[1]
+        else:
+            state = prefill(model, [prefix], capacity)
         for m in todo:
             desc = f"{length} {task}#{index}{setup} {m.label}"
             if forced:

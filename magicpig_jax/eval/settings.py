@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK
 from magicpig_jax.eval.methods import DEFAULT_METHODS, Method, parse_lengths, parse_methods
 
 __all__ = ["EvalSettings", "SETUPS", "make_parser", "settings_from_args"]
@@ -19,7 +20,7 @@ class EvalSettings:
     lengths: list[int]
     samples: int
     methods: list[Method]
-    haystack: str = "jargon"
+    haystack: str = DEFAULT_HAYSTACK
     seed: int = 0
     likelihood_tokens: int = 256
     likelihood_samples: int | None = None
@@ -68,8 +69,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default: {DEFAULT_METHODS})")
     p.add_argument("--out", type=Path, required=True, help="output folder (results.jsonl, summary.md, PNGs)")
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
-    p.add_argument("--haystack", default="jargon",
-                   help="prose: jargon (Debian jargon-text), licenses (/usr/share/common-licenses) or a text file")
+    p.add_argument("--haystack", default=DEFAULT_HAYSTACK,
+                   help="prose: licenses-heldout (the default: /usr/share/common-licenses without calibrate's "
+                        "LGPL-2.1), licenses (all of them), jargon (Debian jargon-text) or a text file")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples, LSH projections and oracle sampling")
     p.add_argument("--likelihood-tokens", type=int, default=256,
                    help="teacher-forced prose tokens per likelihood sample (0 = no likelihood)")

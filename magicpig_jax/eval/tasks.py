@@ -47,7 +47,7 @@ import string
 import zlib
 from collections.abc import Callable, Sequence
 
-from magicpig_jax.eval.corpus import load_prose, load_sentences, word_lists
+from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK, load_prose, load_sentences, word_lists
 
 __all__ = [
     "TASKS",
@@ -382,7 +382,7 @@ def _check(task: str, prompt: str, outputs: tuple[str, ...]) -> None:
 
 
 def make_sample(task: str, length: int, index: int, count_tokens: Callable[[str, str], int], *,
-                seed: int = 0, haystack: str = "jargon", max_new_tokens: int | None = None) -> Sample:
+                seed: int = 0, haystack: str = DEFAULT_HAYSTACK, max_new_tokens: int | None = None) -> Sample:
     """Generate one sample whose prompt fills ``length - max_new_tokens`` tokens (RULER's sizing).
 
     The haystack size is the largest that fits: an exponential then a binary search on the
