@@ -33,10 +33,15 @@ lint: install-test
 	$(BIN)/ruff check magicpig_jax tests proofs
 
 # Two pytest workers (pytest-xdist), a test file per worker at a time: much of the suite is XLA
-# compiling, which runs on one core.
+# compiling, which runs on one core. XLA's persistent compilation cache (tests/conftest.py) lives in
+# build/xla-cache, emptied at the start of `make test`, so that `make asan` (CI runs it next) reads
+# the reference programs the suite compiled instead of compiling them again under the sanitizer
+# (XLA's compilation is most of an ASan run's time).
+XLA_CACHE := $(abspath build/xla-cache)
 test: install-test
 	$(BIN)/ruff check magicpig_jax tests proofs
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	rm -rf $(XLA_CACHE)
+	JAX_COMPILATION_CACHE_DIR=$(XLA_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The host op built with AddressSanitizer + UndefinedBehaviorSanitizer, and its fuzz/edge tests run under it
 # (CI runs it after the suite). The tests that compile a whole decoder around the op (embedded model,
@@ -49,7 +54,7 @@ asan: install-test
 	  -DPython_EXECUTABLE=$(abspath $(BIN)/python)
 	cmake --build build/asan --parallel
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  MAGICPIG_HYPOTHESIS_PROFILE=magicpig-sanitizer \
+	  MAGICPIG_HYPOTHESIS_PROFILE=magicpig-sanitizer JAX_COMPILATION_CACHE_DIR=$(XLA_CACHE) \
 	  LD_PRELOAD="$(ASAN_LIBS)" MAGICPIG_HOST_OPS_LIB=$$(ls $(abspath build/asan/host_ops)/_host_ops*.so) \
 	  $(BIN)/python -m pytest tests/test_host_ops.py tests/test_host_matvec.py tests/test_host_exact.py \
 	    tests/test_host_topk.py tests/test_host_quest.py tests/test_host_build.py tests/test_host_attention.py \

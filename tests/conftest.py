@@ -16,8 +16,10 @@
   than half of ``vm.max_map_count`` memory mappings
   (:func:`magicpig_jax.memory.release_compiled_programs`); the suite compiles enough XLA
   executables to exhaust the limit, and the compiler then crashes the process.
-* XLA's persistent compilation cache in a temporary directory for the session, inherited by
-  the CLI subprocesses (a test that asserts "nothing compiles" counts cache reads too).
+* XLA's persistent compilation cache in a temporary directory for the session (or the
+  ``JAX_COMPILATION_CACHE_DIR`` given: ``make test`` and ``make asan`` share build/xla-cache),
+  inherited by the CLI subprocesses, for every program however short its compilation (a test
+  that asserts "nothing compiles" counts cache reads too).
 * Hypothesis: a deterministic, database-less profile (``derandomize=True``,
   no deadline) so CI runs the same examples every time; ``make asan`` selects
   ``MAGICPIG_HYPOTHESIS_PROFILE=magicpig-sanitizer`` (20 examples per property).
@@ -56,6 +58,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _xla_cache = tempfile.mkdtemp(prefix="magicpig-jax-tests-xla-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
     atexit.register(shutil.rmtree, _xla_cache, True)
+# Every program, not only those that took a second to compile: the suite compiles the same small
+# reference programs in many tests and processes, and `make asan` reads them from `make test`'s
+# cache (Makefile) rather than compiling them again under the sanitizer's allocator, where XLA's
+# compilation dominates the run.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jaxtyping  # noqa: E402
 
