@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -137,10 +138,21 @@ def test_prefix_state_of_one_prefill_equals_prefilling_the_prefix():
             for got, want in ((pre.cache.k, alone.cache.k), (pre.cache.v, alone.cache.v)):
                 np.testing.assert_allclose(np.asarray(got[layer])[b, :, :c], np.asarray(want[layer])[b, :, :c],
                                            atol=1e-5, rtol=0)
-    for attention in ("dense", "magicpig"):
-        got, _ = decode(model, pre, attention=attention, max_new_tokens=6, stop_on_eos=False)
-        want, _ = decode(model, alone, attention=attention, max_new_tokens=6, stop_on_eos=False)
-        assert got == want, attention
+    # nothing reads the cached positions past a row's length: the prompts' tail there, or large
+    # garbage, decodes the same tokens as the zeros of a prefill of the prefix alone
+    import dataclasses as dc
+
+    junk = np.random.default_rng(0).normal(0, 1e3, np.asarray(pre.cache.k[0]).shape).astype(np.float32)
+    past = np.arange(junk.shape[2])[None, None, :, None] >= np.asarray(cuts)[:, None, None, None]
+    poison = lambda a: jnp.where(past, junk, a)  # noqa: E731
+    poisoned = dc.replace(pre, cache=dc.replace(pre.cache, k=tuple(map(poison, pre.cache.k)),
+                                                 v=tuple(map(poison, pre.cache.v))))
+    for attention, budget in (("dense", None), ("magicpig", None), ("topk", 24), ("quest", 24), ("oracle", 24)):
+        kw = dict(attention=attention, budget=budget, max_new_tokens=6, stop_on_eos=False, page_size=8)
+        want, _ = decode(model, alone, **kw)
+        for state in (pre, poisoned):
+            got, _ = decode(model, state, **kw)
+            assert got == want, attention
     # both states stay usable: decoding one copies the shared buffers
     again, _ = decode(model, full, attention="dense", max_new_tokens=6, stop_on_eos=False)
     ref, _ = decode(model, whole, attention="dense", max_new_tokens=6, stop_on_eos=False)
