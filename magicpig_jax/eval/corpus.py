@@ -114,6 +114,7 @@ def load_prose(haystack: str = DEFAULT_HAYSTACK) -> tuple[str, ...]:
       FileNotFoundError: the source is missing; for ``jargon`` the message says how to install it.
       ValueError: the source has no paragraph of at least :data:`MIN_PARAGRAPH_WORDS` words.
     """
+    held: set[str] = set()  # paragraphs left out (licenses-heldout: the calibration text's)
     if haystack == "jargon":
         if not JARGON_PATH.is_file():
             raise FileNotFoundError(
@@ -134,17 +135,13 @@ def load_prose(haystack: str = DEFAULT_HAYSTACK) -> tuple[str, ...]:
                 seen.add(real)
                 texts.append(_read_text(real))
         if held_out:
-            calibration = set(_paragraphs([_read_text(CALIBRATION_TEXT)]))
-            paragraphs = tuple(p for p in _paragraphs(texts) if p not in calibration)
-            if not paragraphs:
-                raise ValueError(f"haystack {haystack!r} has no paragraph of >= {MIN_PARAGRAPH_WORDS} words")
-            return paragraphs
+            held = set(_paragraphs([_read_text(CALIBRATION_TEXT)]))
     else:
         path = Path(haystack)
         if not path.is_file():
             raise FileNotFoundError(f"haystack {haystack!r} is neither one of {HAYSTACKS} nor an existing file")
         texts = [_read_text(path)]
-    paragraphs = _paragraphs(texts)
+    paragraphs = [p for p in _paragraphs(texts) if p not in held]
     if not paragraphs:
         raise ValueError(f"haystack {haystack!r} has no paragraph of >= {MIN_PARAGRAPH_WORDS} words")
     return tuple(paragraphs)
