@@ -68,7 +68,7 @@ def test_summarize_and_format():
     assert "#### Tasks, setup A (4 samples per task)" in text and "#### Tasks, setup B" in text
     assert "| dense | 75 [30, 95] |" in text  # Wilson (3/4): [0.301, 0.954]
     assert "#### Likelihood (3 documents, 8 teacher-forced tokens each)" in text
-    assert "| topk:16 | 5.00 | 16 | 21.0 [18.5, 23.5] | 2.00 (1.00 / 1.00 / 0.00 / 0.00) | 0.5000 [" in text
+    assert "| topk:16 | 5.00 | 16 | 21.0 [18.5, 23.5] | - | 2.00 (1.00 / 1.00 / 0.00 / 0.00) | 0.5000 [" in text
 
 
 def test_pareto_front():
@@ -100,3 +100,58 @@ def test_run_re_exports_the_split_names():
     assert run.summarize is report.summarize and run.finish is report.finish
     assert run.ResultStore is store.ResultStore and run.parse_methods is methods.parse_methods
     assert all(hasattr(run, name) for name in run.__all__)
+
+
+def test_equal_ms_comparison_pairs_documents_and_ignores_pure_jax_times():
+    from magicpig_jax.eval.report import equal_ms_comparison, topk_reference
+
+    methods = parse_methods("dense,magicpig:10x150,magicpig:9x150,hybrid:10x150x8,topk:64,topk,topk:288")
+    settings = EvalSettings(tasks=["niah_single"], lengths=[1024], samples=1, methods=methods,
+                            likelihood_samples=3, likelihood_tokens=8)
+    assert topk_reference(settings) == "topk"  # the measured budget, though topk:64 comes first
+    table = {  # method: (ms per document, KL per document, where its attention ran)
+        "dense": ([40, 40, 40], [0, 0, 0], "dense (host exact op)"),
+        "magicpig:10x150": ([25, 28, 28], [0.04, 0.05, 0.06], "magicpig (host op)"),
+        "magicpig:9x150": ([29, 30, 34], [0.006, 0.009, 0.011], "magicpig (host op)"),
+        "hybrid:10x150x8": ([1, 1, 1], [0.0, 0.0, 0.0], "hybrid (pure JAX)"),  # fast and exact: must not count
+        "topk:64": ([20, 20, 20], [0.02, 0.02, 0.03], "topk (host op)"),
+        "topk": ([30, 32, 34], [0.010, 0.012, 0.014], "topk (host op)"),
+        "topk:288": ([31, 33, 35], [0.001, 0.002, 0.003], "topk (host op)"),
+    }
+    lik = {"ppl": 3.0, "nll": 1.0, "top1": 1.0}
+    records = [_rec("likelihood", m, i, **{**lik, "ms_per_step": ms[i], "kl": kl[i], "attention_runs_on": on})
+               for m, (ms, kl, on) in table.items() for i in range(3)]
+    records.append(_rec("likelihood", "magicpig:9x150", 3, **{**lik, "ms_per_step": 1.0, "kl": 0.0,
+                                                              "attention_runs_on": "magicpig (host op)"}))
+    records.append(_rec("task", "dense", 0, score=1.0))
+    rows = {r["topk"]: r for r in equal_ms_comparison(records, settings)[1024]}
+
+    def paired(a, b):
+        d = [x - y for x, y in zip(a, b, strict=True)]
+        m = sum(d) / len(d)
+        if len(set(d)) == 1:
+            return [m, m, m]
+        return [m, *sst.t.interval(0.95, len(d) - 1, loc=m, scale=sst.tstd(d) / math.sqrt(len(d)))]
+
+    ms, kl = (lambda m: table[m][0]), (lambda m: table[m][1])
+    # TopK at the measured budget: both MagicPIG variants are no slower; the lower KL one is chosen
+    r = rows["topk"]
+    assert r["method"] == "magicpig:9x150" and r["no_slower"] and r["documents"] == 3
+    assert r["ms_diff"] == pytest.approx(paired(ms("magicpig:9x150"), ms("topk")))
+    assert r["kl_diff"] == pytest.approx(paired(kl("magicpig:9x150"), kl("topk")))
+    assert r["kl"] == pytest.approx(sum(kl("magicpig:9x150")) / 3) and r["verdict"] == "lower KL"
+    assert r["topk_ms"] == pytest.approx(32.0) and r["topk_kl"] == pytest.approx(0.012)
+    r = rows["topk:288"]
+    assert r["method"] == "magicpig:9x150" and r["verdict"] == "higher KL"
+    # nothing is as fast as topk:64: the fastest variant is named, flagged as slower
+    r = rows["topk:64"]
+    assert r["method"] == "magicpig:10x150" and not r["no_slower"] and r["ms_diff"][0] == pytest.approx(7.0)
+    s = summarize(records, settings)[1024]
+    assert s["magicpig:9x150"]["ms_minus_topk"] == pytest.approx(paired(ms("magicpig:9x150"), ms("topk")))
+    assert s["topk"]["ms_minus_topk"] == [None, None, None]
+    assert s["topk:64"]["kl_minus_topk"] == pytest.approx(paired(kl("topk:64"), kl("topk")))
+    text = format_summary({1024: s}, settings, equal_ms={1024: list(rows.values())})
+    assert "| ms − TopK |" in text and "#### At equal measured time" in text
+    assert "| topk:64 | 20.0 | 0.0233 | magicpig:10x150 (none no slower; fastest) | +7.0 [" in text
+    task_table = text.split("#### Tasks, setup A")[1].split("####")[0]
+    assert "| dense |" in task_table and "| topk" not in task_table  # no task records: no row

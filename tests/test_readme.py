@@ -109,7 +109,7 @@ def _check_study(out: str, cwd: Path) -> None:
 
 def _check_eval(out: str, cwd: Path) -> None:
     summary = _json(cwd / "runs" / "eval" / "summary.json")
-    assert set(summary) == {"setups", "1024"} and summary["setups"] == ["A"]
+    assert set(summary) == {"setups", "equal_ms", "1024"} and summary["setups"] == ["A"]
     assert {"dense", "magicpig:10x150", "topk"} <= set(summary["1024"])
     assert (cwd / "runs" / "eval" / "summary.md").is_file()
 

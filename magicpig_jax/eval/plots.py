@@ -61,8 +61,9 @@ def write_plots(summary: dict, settings: EvalSettings, out: Path) -> list[Path]:
     ``accuracy_vs_cost.png`` (one panel per task plus the mean; setup A filled, B hollow) and
     ``accuracy_vs_ms.png`` (needle accuracy against ms per step, a panel per length and setup,
     the Pareto front and dense's interval as a band) when there are tasks; ``kl_vs_cost.png``
-    and ``kl_vs_ms.png`` (KL against ms per step, a panel per length, the Pareto front, dense's
-    ms as a line) when there are likelihood records.
+    and ``kl_vs_ms.png`` (KL against ms per step, a panel per length, the Pareto fronts of the
+    MagicPIG/hybrid variants and of the TopK budgets, dense's ms as a line) when there are
+    likelihood records.
 
     Args:
       summary: :func:`summarize`'s result.
@@ -79,7 +80,8 @@ def write_plots(summary: dict, settings: EvalSettings, out: Path) -> list[Path]:
 
     out = Path(out)
     labels = [m.label for m in settings.methods]
-    colors = {lab: plt.get_cmap("tab10")(i % 10) for i, lab in enumerate(labels)}
+    cmap, n = (plt.get_cmap("tab10"), 10) if len(labels) <= 10 else (plt.get_cmap("tab20"), 20)
+    colors = {lab: cmap(i % n) for i, lab in enumerate(labels)}
     marker = {length: _MARKERS[i % len(_MARKERS)] for i, length in enumerate(summary)}
     written = []
     if settings.tasks:
@@ -190,6 +192,7 @@ def _kl_plot(plt, summary: dict, settings: EvalSettings, colors: dict, marker: d
 
 def _kl_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, path: Path) -> Path:
     lengths = list(summary)
+    family = {m.label: "lsh" if m.backend in ("magicpig", "hybrid") else m.backend for m in settings.methods}
     fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 3.9), squeeze=False)
     for c, length in enumerate(lengths):
         ax = axes[0][c]
@@ -202,19 +205,24 @@ def _kl_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, path: 
                 ax.axvline(ms, color=colors[lab], lw=1, ls=":")
                 continue
             y = max(v["kl"], 1e-6)
+            host = "host" in (v.get("attention_runs_on") or "host")
             ax.errorbar([ms], [y], xerr=_err(ms, v["likelihood_ms_per_step_ci"]), yerr=_err(v["kl"], v["kl_ci"]),
-                        color=colors[lab], marker="o", ms=6, capsize=2, lw=0.8)
+                        color=colors[lab], marker="o", ms=6, capsize=2, lw=0.8, mfc=colors[lab] if host else "none")
             pts.append((ms, y, lab))
-        front = pareto_front(pts)
-        if len(front) > 1:
-            ax.plot([p[0] for p in front], [p[1] for p in front], color="black", lw=0.8, ls="--", zorder=0)
+        # A front per family: where the LSH variants' line runs below TopK's at the same ms, they win.
+        for fam, ls in (("lsh", "-"), ("topk", "--")):
+            front = pareto_front([p for p in pts if family.get(p[2]) == fam
+                                  and "host" in (summary[length][p[2]].get("attention_runs_on") or "host")])
+            if len(front) > 1:
+                ax.plot([p[0] for p in front], [p[1] for p in front], color="black", lw=0.8, ls=ls, zorder=0)
         ax.set_yscale("log")
         ax.set_title(f"{length} tokens")
         ax.set_xlabel("ms per decode step (measured)")
         ax.set_ylabel("mean KL(dense || method) (nats)")
         ax.grid(alpha=0.3, which="both")
     _legend(fig, colors, {}, [])
-    fig.suptitle("KL from dense versus measured time (95% intervals; dashed: Pareto front; dotted: dense)")
+    fig.suptitle("KL from dense versus measured time (95% intervals; Pareto fronts: solid MagicPIG and hybrid, "
+                 "dashed TopK; dotted: dense; hollow: pure JAX, not a host time)", fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.8, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)

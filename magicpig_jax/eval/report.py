@@ -29,7 +29,7 @@ from magicpig_jax.eval.store import ResultStore, machine_info, read_runs
 if TYPE_CHECKING:
     from magicpig_jax.eval.settings import EvalSettings
 
-__all__ = ["summarize", "format_summary", "finish"]
+__all__ = ["summarize", "format_summary", "finish", "equal_ms_comparison", "topk_reference"]
 
 _SHORT = {"niah_single": "NIAH-1", "niah_multikey": "NIAH-MK", "niah_multivalue": "NIAH-MV",
           "niah_multiquery": "NIAH-MQ", "vt": "VT", "cwe": "CWE", "fwe": "FWE"}
@@ -90,6 +90,83 @@ def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str],
     }
 
 
+def topk_reference(settings: EvalSettings) -> str | None:
+    """The TopK method the ``KL − TopK`` and ``ms − TopK`` differences are taken against.
+
+    ``topk`` (its budget measured from the MagicPIG reference method on each sample) when it was
+    asked for, else the first TopK method, else None.
+    """
+    tops = [m.label for m in settings.methods if m.backend == "topk"]
+    return "topk" if "topk" in tops else (tops[0] if tops else None)
+
+
+def _paired(pairs: list[tuple[float, float]]) -> list[float | None]:
+    if not pairs:
+        return [None, None, None]
+    return [sum(a - b for a, b in pairs) / len(pairs), *paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])]
+
+
+def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict:
+    """Per length and TopK method: the LSH variant with the least KL among those no slower than it.
+
+    The question of issue 15: at equal measured time per decode step, does the best MagicPIG
+    variant reach TopK's KL? Both are measured on the same likelihood documents, back to back
+    after the same prefill, so their ms and KL are compared *paired* over the documents: a
+    variant is *no slower* than a TopK method when its mean paired ms difference is ``<= 0``.
+    Candidates: the MagicPIG and hybrid methods (``magicpig:KxL``, ``magicpig@FILE``,
+    ``hybrid:...``) whose attention ran on the host op (the pure-JAX ones are not at their best
+    implementation, so their time does not count).
+
+    Args:
+      records: the result records.
+      settings: the run's settings (methods, lengths, likelihood documents).
+
+    Returns:
+      ``{length: [row, ...]}``, a row per TopK method with ``topk``, ``topk_ms``, ``topk_kl``,
+      ``method`` (the chosen variant, or None when there is no candidate), ``no_slower``
+      (False: no candidate is no slower, and ``method`` is the fastest one), ``ms_diff`` and
+      ``kl_diff`` (``[mean, low, high]`` of variant − TopK, paired t intervals), ``kl`` (the
+      variant's mean over the paired documents), ``documents`` and ``verdict`` (``"lower KL"``
+      when the KL interval lies below 0, ``"higher KL"`` above, else ``"tie"``).
+    """
+    n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+    by_label = {m.label: m for m in settings.methods}
+    out: dict = {}
+    for length in settings.lengths:
+        lik: dict[str, dict[int, dict]] = {}
+        for r in records:
+            if r["kind"] == "likelihood" and r["length"] == length and r["index"] < n_lik and r["method"] in by_label:
+                lik.setdefault(r["method"], {})[r["index"]] = r
+        cands = [lab for lab, m in by_label.items() if m.backend in ("magicpig", "hybrid") and lab in lik
+                 and all("host" in (r.get("attention_runs_on") or "") for r in lik[lab].values())]
+        rows = []
+        for top in (lab for lab, m in by_label.items() if m.backend == "topk" and lab in lik):
+            t = lik[top]
+            options = []
+            for lab in cands:
+                docs = sorted(set(t) & set(lik[lab]))
+                if not docs:
+                    continue
+                ms = _paired([(lik[lab][i]["ms_per_step"], t[i]["ms_per_step"]) for i in docs])
+                kl = _paired([(lik[lab][i]["kl"], t[i]["kl"]) for i in docs])
+                options.append({"method": lab, "ms_diff": ms, "kl_diff": kl, "documents": len(docs),
+                                "kl": _mean([lik[lab][i]["kl"] for i in docs])})
+            row = {"topk": top, "topk_ms": _mean([r["ms_per_step"] for r in t.values()]),
+                   "topk_kl": _mean([r["kl"] for r in t.values()]), "method": None, "no_slower": False,
+                   "ms_diff": [None] * 3, "kl_diff": [None] * 3, "kl": None, "documents": 0, "verdict": None}
+            fast = [o for o in options if o["ms_diff"][0] <= 0]
+            pick = (min(fast, key=lambda o: o["kl"]) if fast
+                    else min(options, key=lambda o: o["ms_diff"][0]) if options else None)
+            if pick is not None:
+                lo, hi = pick["kl_diff"][1:]
+                verdict = ("tie" if lo is None or hi is None or lo <= 0 <= hi else
+                           "lower KL" if hi < 0 else "higher KL")
+                row.update(pick, no_slower=bool(fast), verdict=verdict)
+            rows.append(row)
+        out[length] = rows
+    return out
+
+
 def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
     """Aggregate records: ``{length: {method: {...}}}`` with means and 95% intervals.
 
@@ -98,8 +175,9 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
     ``samples``, ``diff_vs_dense`` ``[mean, low, high]`` of the paired score difference,
     ``mean_accuracy`` (+ ``_ci``), ``needle_accuracy`` (+ ``_ci``, the NIAH tasks), ``cost``,
     ``ms_per_step`` (+ ``_ci``), ``bytes_per_step`` (+ ``_parts``)); from the likelihood
-    documents ``kl``, ``ppl``, ``nll``, ``top1`` (each + ``_ci``), ``kl_minus_topk``
-    ``[mean, low, high]`` (paired, against the first TopK method), ``likelihood_cost``,
+    documents ``kl``, ``ppl``, ``nll``, ``top1`` (each + ``_ci``), ``kl_minus_topk`` and
+    ``ms_minus_topk`` ``[mean, low, high]`` (paired over the documents, against
+    :func:`topk_reference`), ``attention_runs_on``, ``likelihood_cost``,
     ``likelihood_ms_per_step`` (+ ``_ci``), ``likelihood_bytes_per_step`` (+ ``_parts``);
     over everything ``cost``, ``budget``, ``decode_tokens_per_s``; and the setup-A task figures
     at the top level (``accuracy``, ``mean_accuracy``, ...) as before setups existed.
@@ -110,7 +188,7 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
       settings: what was asked for (:class:`magicpig_jax.eval.run.EvalSettings`).
     """
     labels = [m.label for m in settings.methods]
-    topk = next((m.label for m in settings.methods if m.backend == "topk"), None)
+    topk = topk_reference(settings)
     n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
     setups = _setups(settings)
     out: dict = {}
@@ -126,6 +204,7 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
             return [r for r in recs_of.get(lab, []) if r["kind"] == "likelihood" and r["index"] < n_lik]
 
         topk_kl = {r["index"]: r["kl"] for r in lik_recs(topk)} if topk else {}
+        topk_ms = {r["index"]: r.get("ms_per_step") for r in lik_recs(topk)} if topk else {}
         for lab in labels:
             lik = lik_recs(lab)
             tasks = {setup: _task_entry(task_recs(lab, setup), task_recs("dense", setup), settings.tasks,
@@ -134,6 +213,11 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
             kl_topk = ([sum(a - b for a, b in pairs) / len(pairs),
                         *paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])]
                        if pairs and lab != topk else [None, None, None])
+            ms_pairs = [(r.get("ms_per_step"), topk_ms[r["index"]]) for r in lik if r["index"] in topk_ms]
+            ms_pairs = [(a, b) for a, b in ms_pairs if a is not None and b is not None]
+            ms_topk = ([sum(a - b for a, b in ms_pairs) / len(ms_pairs),
+                        *paired_t_interval([a for a, _ in ms_pairs], [b for _, b in ms_pairs])]
+                       if ms_pairs and lab != topk else [None, None, None])
             everything = [r for s in setups for r in task_recs(lab, s)] + lik
             b_total, b_parts = _bytes(lik)
             first = tasks[setups[0]]
@@ -150,7 +234,9 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
                 "likelihood_ms_per_step_ci": _ci([r.get("ms_per_step") for r in lik]),
                 "likelihood_bytes_per_step": b_total, "likelihood_bytes_per_step_parts": b_parts,
                 "kl": _mean([r["kl"] for r in lik]), "kl_ci": _ci([r["kl"] for r in lik]),
-                "kl_minus_topk": kl_topk,
+                "kl_minus_topk": kl_topk, "ms_minus_topk": ms_topk,
+                "attention_runs_on": next((r.get("attention_runs_on") for r in lik if r.get("attention_runs_on")),
+                                          None),
                 "ppl": _mean([r["ppl"] for r in lik]), "ppl_ci": _ci([r["ppl"] for r in lik]),
                 "nll": _mean([r["nll"] for r in lik]), "nll_ci": _ci([r["nll"] for r in lik]),
                 "top1": _mean([r["top1"] for r in lik]), "top1_ci": _ci([r["top1"] for r in lik]),
@@ -194,13 +280,15 @@ def _mb(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e6:.2f}"
 
 
-def format_summary(summary: dict, settings: EvalSettings, header: str = "") -> str:
-    """The markdown summary: per context length, a task table per setup and a likelihood table, then a legend.
+def format_summary(summary: dict, settings: EvalSettings, header: str = "", equal_ms: dict | None = None) -> str:
+    """The markdown summary: per context length, a task table per setup, a likelihood table and the
+    equal-ms comparison, then a legend. A method without records in a table has no row there.
 
     Args:
       summary: :func:`summarize`'s result.
       settings: the run's settings (task columns, setups, budget reference, likelihood tokens).
       header: markdown put before the tables.
+      equal_ms: :func:`equal_ms_comparison`'s result (None: no such table).
     """
     from magicpig_jax.eval.settings import SETUPS
 
@@ -219,6 +307,8 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "") -> s
             lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
             for lab, v in per.items():
                 t = v["tasks"][setup]
+                if not any(t["samples"].values()):
+                    continue
                 diffs = [d for d in t["diff_vs_dense"].values() if d and d[0] is not None]
                 dcell = "; ".join(_diff(d, ".0f", 100) for d in t["diff_vs_dense"].values()) if diffs else "-"
                 row = [lab, *[_with_ci(t["accuracy"][x], t["accuracy_ci"][x], ".0f", 100) for x in settings.tasks],
@@ -230,19 +320,36 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "") -> s
         if n_lik:
             lines.append(f"\n#### Likelihood ({n_lik} documents, {settings.likelihood_tokens} teacher-forced tokens "
                          "each)\n")
-            head = ["method", "keys %", "budget", "ms/step", "MB/step (K / V / index / pages)", "KL",
+            head = ["method", "keys %", "budget", "ms/step", "ms − TopK", "MB/step (K / V / index / pages)", "KL",
                     "KL − TopK", "PPL", "top-1 %"]
             lines.append("| " + " | ".join(head) + " |")
             lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
             for lab, v in per.items():
+                if not v["likelihood_samples"]:
+                    continue
                 parts = v["likelihood_bytes_per_step_parts"]
                 mb = (f"{_mb(v['likelihood_bytes_per_step'])} ("
                       + " / ".join(_mb(parts.get(p)) for p in BYTE_PARTS) + ")")
                 row = [lab, _pct(v["likelihood_cost"], 2), _num(v["budget"], ".0f"),
-                       _with_ci(v["likelihood_ms_per_step"], v["likelihood_ms_per_step_ci"], ".1f"), mb,
+                       _with_ci(v["likelihood_ms_per_step"], v["likelihood_ms_per_step_ci"], ".1f"),
+                       _diff(v["ms_minus_topk"], ".1f"), mb,
                        _with_ci(v["kl"], v["kl_ci"], ".4f"), _diff(v["kl_minus_topk"], ".4f"),
                        _with_ci(v["ppl"], v["ppl_ci"], ".2f"), _with_ci(v["top1"], v["top1_ci"], ".1f", 100)]
                 lines.append("| " + " | ".join(row) + " |")
+        rows = (equal_ms or {}).get(length) or []
+        if rows:
+            lines.append("\n#### At equal measured time (likelihood documents, paired)\n")
+            head = ["TopK", "TopK ms/step", "TopK KL", "LSH variant", "ms − TopK", "its KL", "KL − TopK", "verdict"]
+            lines.append("| " + " | ".join(head) + " |")
+            lines.append("|" + "|".join(["---"] * 4 + ["---:"] * 3 + ["---"]) + "|")
+            for r in rows:
+                name = "-" if r["method"] is None else r["method"]
+                if r["method"] is not None and not r["no_slower"]:
+                    name += " (none no slower; fastest)"
+                cells = [r["topk"], _num(r["topk_ms"], ".1f"), _num(r["topk_kl"], ".4f"), name,
+                         _diff(r["ms_diff"], ".1f"), _num(r["kl"], ".4f"), _diff(r["kl_diff"], ".4f"),
+                         r["verdict"] or "-"]
+                lines.append("| " + " | ".join(cells) + " |")
     lines.append(
         "\nEvery cell is a mean with its 95% interval in brackets. Accuracy: RULER's string_match_all (percent "
         "of expected strings in the answer) over the samples; interval: Wilson's when every score is 0 or 1, "
@@ -255,52 +362,41 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "") -> s
         "method's best host implementation (magicpig_jax.eval.cost). Budget: mean keys per query head given "
         f"to TopK/Quest/oracle (the measured MagicPIG {settings.budget_from} count, rounded to "
         f"{settings.page_size}-token pages). KL: mean KL(dense || method) of the next-token distribution "
-        f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; KL − TopK: "
-        "paired difference to the first TopK method; PPL on those tokens; top-1: argmax agreement with dense.")
+        f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; ms − TopK and "
+        "KL − TopK: paired differences over the documents to TopK at the measured budget (else the first TopK "
+        "method); PPL on those tokens; top-1: argmax agreement with dense. At equal measured time: for each TopK "
+        "method, the MagicPIG or hybrid variant run on the host op with the least KL among those whose mean paired "
+        "ms difference is <= 0 (no slower on the same documents); verdict: lower or higher KL when the paired "
+        "interval excludes 0, else a tie.")
     return "\n".join(lines)
-
-
-# --- plots ------------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def finish(store: ResultStore, settings: EvalSettings, out: Path, model_source: str, plot: bool = True) -> str:
     """Write ``summary.md``, ``summary.json`` and (if ``plot``) the plots into ``out``; return the markdown.
 
-    The header names the machine of the last invocation in ``runs.jsonl`` and the wall time of all of them.
+    The header names the machine of the last invocation in ``runs.jsonl``, the wall time of the
+    invocations logged there (an invocation is logged when it ends: one that was stopped is not),
+    and the span of the records' own time stamps, which covers every invocation.
     """
     out = Path(out)
     records = list(store.records.values())
     summary = summarize(records, settings)
+    equal_ms = equal_ms_comparison(records, settings)
     runs = read_runs(out)
     wall = sum(r["wall_seconds"] for r in runs)
     machine = runs[-1]["machine"] if runs else machine_info()
+    stamps = sorted(r["time"] for r in records if r.get("time"))
+    span = f" Records written from {stamps[0]} to {stamps[-1]}." if stamps else ""
     header = (f"## magicpig-jax eval: {model_source}\n\n"
               f"Machine: {machine.get('cpu', machine.get('platform'))}, {machine.get('cpus')} CPUs, "
-              f"devices {machine.get('devices')}, jax {machine.get('jax')}. Wall time over {len(runs)} "
-              f"invocation(s): {wall / 3600:.2f} h. Records: {len(records)}. Haystack: {settings.haystack}; "
-              f"static set {settings.num_sink} sink + {settings.num_local} local; seed {settings.seed}.")
-    text = format_summary(summary, settings, header)
+              f"devices {machine.get('devices')}, jax {machine.get('jax')}. Wall time of the {len(runs)} "
+              f"invocation(s) logged as finished: {wall / 3600:.2f} h.{span} Records: {len(records)}. "
+              f"Haystack: {settings.haystack}; static set {settings.num_sink} sink + {settings.num_local} local; "
+              f"seed {settings.seed}.")
+    text = format_summary(summary, settings, header, equal_ms)
     (out / "summary.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps({"setups": _setups(settings),
+                                                  "equal_ms": {str(k): v for k, v in equal_ms.items()},
                                                   **{str(k): v for k, v in summary.items()}}, indent=2) + "\n")
     if plot:
         from magicpig_jax.eval.plots import write_plots
