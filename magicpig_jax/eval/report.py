@@ -209,15 +209,10 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
             lik = lik_recs(lab)
             tasks = {setup: _task_entry(task_recs(lab, setup), task_recs("dense", setup), settings.tasks,
                                         settings.seed) for setup in setups}
-            pairs = [(r["kl"], topk_kl[r["index"]]) for r in lik if r["index"] in topk_kl]
-            kl_topk = ([sum(a - b for a, b in pairs) / len(pairs),
-                        *paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])]
-                       if pairs and lab != topk else [None, None, None])
             ms_pairs = [(r.get("ms_per_step"), topk_ms[r["index"]]) for r in lik if r["index"] in topk_ms]
-            ms_pairs = [(a, b) for a, b in ms_pairs if a is not None and b is not None]
-            ms_topk = ([sum(a - b for a, b in ms_pairs) / len(ms_pairs),
-                        *paired_t_interval([a for a, _ in ms_pairs], [b for _, b in ms_pairs])]
-                       if ms_pairs and lab != topk else [None, None, None])
+            kl_topk = _paired([] if lab == topk else [(r["kl"], topk_kl[r["index"]]) for r in lik
+                                                      if r["index"] in topk_kl])
+            ms_topk = _paired([] if lab == topk else [(a, b) for a, b in ms_pairs if a is not None and b is not None])
             everything = [r for s in setups for r in task_recs(lab, s)] + lik
             b_total, b_parts = _bytes(lik)
             first = tasks[setups[0]]
