@@ -147,13 +147,15 @@ def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict
                 docs = sorted(set(t) & set(lik[lab]))
                 if not docs:
                     continue
-                ms = _paired([(lik[lab][i]["ms_per_step"], t[i]["ms_per_step"]) for i in docs])
+                ms = _paired([(a, b) for a, b in ((lik[lab][i].get("ms_per_step"), t[i].get("ms_per_step"))
+                                                  for i in docs) if a is not None and b is not None])
                 kl = _paired([(lik[lab][i]["kl"], t[i]["kl"]) for i in docs])
                 options.append({"method": lab, "ms_diff": ms, "kl_diff": kl, "documents": len(docs),
                                 "kl": _mean([lik[lab][i]["kl"] for i in docs])})
             row = {"topk": top, "topk_ms": _mean([r["ms_per_step"] for r in t.values()]),
                    "topk_kl": _mean([r["kl"] for r in t.values()]), "method": None, "no_slower": False,
                    "ms_diff": [None] * 3, "kl_diff": [None] * 3, "kl": None, "documents": 0, "verdict": None}
+            options = [o for o in options if o["ms_diff"][0] is not None]  # no timed step: no time to compare
             fast = [o for o in options if o["ms_diff"][0] <= 0]
             pick = (min(fast, key=lambda o: o["kl"]) if fast
                     else min(options, key=lambda o: o["ms_diff"][0]) if options else None)
