@@ -24,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <utility>
@@ -40,6 +41,8 @@ using magicpig::AxpyScalar;
 using magicpig::CpuHasAvx2;
 using magicpig::InvalidArg;
 using magicpig::Load;
+using magicpig::PrefetchL1;
+using magicpig::PrefetchL2;
 using magicpig::ReadyFuture;
 using magicpig::RunParallel;
 using magicpig::Shape;
@@ -51,6 +54,8 @@ using magicpig::Load8;
 using magicpig::kMaxChunk;
 using magicpig::kMaxK;
 using magicpig::kMaxL;
+// Buckets longer than this are cut to a piece's positions by binary search (CollectSampled).
+constexpr int64_t kSearchBucket = 64;
 constexpr float kLogUFloor = -69.07755278982137f;  // LOG_U_FLOOR of attention/magicpig.py
 
 // ---------------------------------------------------------------------------------------------
@@ -603,6 +608,43 @@ struct AttendArgs {
   uint8_t* mask = nullptr;           // [B, Hq, Nmax], or null
 };
 
+// One bucket's ids [first, last) counted into the bitsets of the chunk at `base` (`once` at a
+// token's first hit, `twice` at its second); the positions reaching their second hit whose
+// chunk offset lies in [lo_ok, hi_ok) are written to out. Returns how many. Ids at or past
+// `filled` (a corrupt index) are skipped. Branch-free: a token reaching its second hit is kept
+// by a select, not a branch (a bucket's hits are unpredictable). A function of its own so
+// that its few values stay in registers.
+inline int64_t WalkBucket(const uint16_t* first, const uint16_t* last, int64_t filled, int64_t lo_ok,
+                          int64_t hi_ok, int64_t base, uint64_t* __restrict once, uint64_t* __restrict twice,
+                          int32_t* __restrict out) {
+  int64_t m = 0;
+  for (const uint16_t* p = first; p < last; ++p) {
+    const int64_t id = *p;
+    if (id >= filled) continue;
+    const int64_t w = id >> 6;
+    const uint64_t bit = uint64_t{1} << (id & 63);
+    const uint64_t o1 = once[w], o2 = twice[w];
+    const bool reach = (o1 & ~o2 & bit) != 0;  // the second hit
+    twice[w] = o2 | (o1 & bit);
+    once[w] = o1 | bit;
+    out[m] = static_cast<int32_t>(base + id);
+    m += reach & (id >= lo_ok) & (id < hi_ok);
+  }
+  return m;
+}
+
+// Request the K and V rows of the n positions pos into L2 (prefetcht1).
+inline void PrefetchRows(const int32_t* pos, int64_t n, int64_t row_bytes, const char* kbytes,
+                         const char* vbytes) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t off = static_cast<int64_t>(pos[i]) * row_bytes;
+    for (int64_t x = 0; x < row_bytes; x += 64) {
+      PrefetchL2(kbytes + off + x);
+      PrefetchL2(vbytes + off + x);
+    }
+  }
+}
+
 // The sampled keys of (b, h) among the positions [plo, phi) appended to s.cand: tokens of
 // [start, min(sealed, len)) that collide with the query codes qc in >= 2 tables of the sorted
 // chunks, then those of the open chunk [sealed, min(end, len)). A token's hits are counted over
@@ -629,21 +671,23 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
     const uint16_t* offc = a.offsets + (bh * g.NC + c) * g.L * g.NB;
     const uint16_t* idc = a.ids + (bh * g.NC + c) * g.L * g.CH;
     // The L bucket ranges sit at random places in memory: request them all first, then read
-    // and check them, requesting the first lines of each bucket for the walk.
-    for (int64_t l = 0; l < g.L; ++l) __builtin_prefetch(offc + l * g.NB + qc[l]);
+    // and check them, requesting the first lines of each bucket for the walk. A table's range
+    // needs only its two offsets (its token count, the row's last entry, is another cache
+    // line); a range past the chunk is a corrupt index.
+    for (int64_t l = 0; l < g.L; ++l) PrefetchL1(offc + l * g.NB + qc[l]);
     int32_t* rng = s.range.data();
     for (int64_t l = 0; l < g.L; ++l) {
       const uint16_t* off = offc + l * g.NB;
-      const int64_t lo = off[qc[l]], hi = off[qc[l] + 1], total = off[nb];
-      if (!(lo <= hi && hi <= total && total <= g.CH)) {
+      const int64_t lo = off[qc[l]], hi = off[qc[l] + 1];
+      if (!(lo <= hi && hi <= g.CH)) {
         return InvalidArg("corrupt index offsets (row " + std::to_string(b) + ", KV head " +
                           std::to_string(h) + ", chunk " + std::to_string(c) + ")");
       }
       rng[2 * l] = static_cast<int32_t>(lo);
       rng[2 * l + 1] = static_cast<int32_t>(hi);
       const uint16_t* first = idc + l * g.CH + lo;
-      __builtin_prefetch(first);
-      if (hi - lo > 32) __builtin_prefetch(first + 32);
+      PrefetchL1(first);
+      if (hi - lo > 32) PrefetchL1(first + 32);
     }
     const int64_t base = c * g.CH;
     // The chunk's ids are positions below the sealed end: ids at or past it would be a corrupt
@@ -656,45 +700,35 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
     // A piece that owns only part of the chunk walks only its ids: a bucket lists its ids in
     // ascending order (build sorts positions stably, append adds larger positions at the end).
     const bool part = plo > base || phi < base + g.CH;
+    // Room for every id of the L buckets, made once per chunk (growing the list per table
+    // value-initializes it again each time); the list is cut to the candidates at the end.
+    const size_t n0 = s.cand.size();
+    int64_t room = 0;
+    for (int64_t l = 0; l < g.L; ++l) room += std::max<int64_t>(rng[2 * l + 1] - rng[2 * l], 0);
+    s.cand.resize(n0 + static_cast<size_t>(room));
+    int32_t* const list = s.cand.data() + n0;
+    int64_t m_all = 0;
     for (int64_t l = 0; l < g.L; ++l) {
       const uint16_t* lst = idc + l * g.CH;
       int64_t j0 = rng[2 * l], j1 = rng[2 * l + 1];
-      if (part && j1 > j0) {
+      // A long bucket is cut to the piece's ids by binary search; a short one is walked whole
+      // (WalkBucket counts the ids outside the piece but keeps none of them), which costs
+      // less than the two searches.
+      if (part && j1 - j0 > kSearchBucket) {
         auto below = [](uint16_t id, int64_t bound) { return int64_t{id} < bound; };
         j0 = std::lower_bound(lst + j0, lst + j1, lo_ok, below) - lst;
         j1 = std::lower_bound(lst + j0, lst + j1, hi_ok, below) - lst;
       }
-      // Branch-free: a token reaching its second hit is appended by a select, not a branch (a
-      // bucket's hits are unpredictable).
-      const size_t n0 = s.cand.size();
-      s.cand.resize(n0 + static_cast<size_t>(std::max<int64_t>(j1 - j0, 0)));
-      int32_t* out = s.cand.data() + n0;
-      int64_t m = 0;
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t id = lst[j];
-        if (id >= filled) continue;
-        const int64_t w = id >> 6;
-        const uint64_t bit = uint64_t{1} << (id & 63);
-        const uint64_t o1 = once[w], o2 = twice[w];
-        const bool reach = (o1 & ~o2 & bit) != 0;  // the second hit
-        twice[w] = o2 | (o1 & bit);
-        once[w] = o1 | bit;
-        out[m] = static_cast<int32_t>(base + id);
-        m += reach & (id >= lo_ok) & (id < hi_ok);
-      }
-      s.cand.resize(n0 + m);
+      int32_t* out = list + m_all;
+      const int64_t m = WalkBucket(lst + j0, lst + j1, filled, lo_ok, hi_ok, base, once, twice, out);
+      m_all += m;
       // Request this bucket's new candidates' K and V rows into L2 now (prefetcht1), so that
       // their reads from memory overlap the rest of the walk, which needs only the bitsets (L1)
       // and the bucket lists; the attention then finds them in cache (a head at 128K samples
       // about 2K rows, 1 MiB of K and V in bfloat16, within the L2). A/B in docs/host_op.md.
-      for (int64_t i = 0; i < m; ++i) {
-        const int64_t off = static_cast<int64_t>(out[i]) * row_bytes;
-        for (int64_t x = 0; x < row_bytes; x += 64) {
-          __builtin_prefetch(kbytes + off + x, 0, 2);
-          __builtin_prefetch(vbytes + off + x, 0, 2);
-        }
-      }
+      PrefetchRows(out, m, row_bytes, kbytes, vbytes);
     }
+    s.cand.resize(n0 + static_cast<size_t>(m_all));
   }
   // Open chunk: linear scan of the codes of its positions [o0, o1) in the piece.
   const int64_t o0 = std::max(sealed, plo);
@@ -753,8 +787,8 @@ void AttendCandidates(const AttendArgs& a, const float* q, const float* mean, co
   auto prefetch_rows = [&](int64_t i) {
     const int64_t row = static_cast<int64_t>(s.cand[i]) * D;
     for (int64_t off = 0; off < row_bytes; off += 64) {
-      __builtin_prefetch(reinterpret_cast<const char*>(kb + row) + off, 0, 2);
-      __builtin_prefetch(reinterpret_cast<const char*>(vb + row) + off, 0, 2);
+      PrefetchL2(reinterpret_cast<const char*>(kb + row) + off);
+      PrefetchL2(reinterpret_cast<const char*>(vb + row) + off);
     }
   };
   for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch_rows(i);
@@ -889,15 +923,24 @@ ffi::Error AttendPiece(const AttendArgs& a, int64_t b, int64_t hq, int64_t plo, 
   return ffi::Error::Success();
 }
 
-// Pieces per query head: 1 (the whole head per work item) unless the heads alone would leave
-// threads idle or unevenly loaded (B*Hq not a multiple of the threads and fewer than 8 per
-// thread); then enough pieces for 8 work items per thread, each of at least kMinPiece positions.
+// How the B*Hq heads become work items: one item per head when there are at least as many
+// heads as threads (dynamic scheduling leaves at most one head of imbalance); else every head
+// in P pieces of its positions (P >= 2, each at least kMinPiece positions), so that the pieces
+// spread over all the threads. A piece walks its head's L buckets again (each table's offsets,
+// and every id of a short bucket), so splitting heads that could run whole costs more than it
+// balances (docs/benchmarks.md, "Splitting heads").
 constexpr int64_t kMinPiece = 1024;
 
-int64_t PiecesPerHead(int64_t heads, int64_t threads, int64_t max_len) {
-  if (threads <= 1 || heads <= 0 || heads % threads == 0 || heads >= 8 * threads) return 1;
-  const int64_t want = (8 * threads + heads - 1) / heads;
-  return std::max<int64_t>(1, std::min(want, max_len / kMinPiece));
+struct HeadSplit {
+  int64_t whole = 0;  // heads [0, whole) are single items
+  int64_t P = 1;      // pieces of each head in [whole, heads)
+};
+
+HeadSplit SplitHeads(int64_t heads, int64_t threads, int64_t max_len) {
+  if (threads <= 1 || heads <= 0 || heads >= threads) return {heads, 1};
+  const int64_t P = std::min(threads / std::gcd(heads, threads), max_len / kMinPiece);
+  if (P < 2) return {heads, 1};
+  return {0, P};
 }
 
 // The LSE merge of a head's P pieces: out = sum_p exp(lse_p - lse) o_p, lse = log sum_p exp(lse_p);
@@ -1029,39 +1072,38 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   for (int64_t b = 0; b < g.B; ++b) {
     max_len = std::max<int64_t>(max_len, std::clamp<int64_t>(a.lengths[b], 0, Nmax));
   }
-  const int64_t P = PiecesPerHead(heads, threads, max_len);
-  if (P == 1) {
-    return RunParallel(pool, heads, max_threads, [a, bf16](int64_t item) -> ffi::Error {
-      const int64_t b = item / a.Hq, hq = item % a.Hq;
-      float* o = a.out + item * a.D;
-      return bf16 ? AttendPiece<uint16_t>(a, b, hq, 0, a.Nmax, o, a.lse + item, a.nsamp + item)
-                  : AttendPiece<float>(a, b, hq, 0, a.Nmax, o, a.lse + item, a.nsamp + item);
-    });
-  }
-  // Split each head's positions into P pieces ([0, len) evenly, the last piece up to Nmax); the
-  // worker that finishes a head's last piece merges its partial results.
+  const HeadSplit split = SplitHeads(heads, threads, max_len);
+  const int64_t whole = split.whole, P = split.P, rest = heads - whole;
+  // The pieces' partial results; the worker that finishes a head's last piece merges them.
   struct Pieces {
     std::vector<float> o, lse;
     std::vector<int32_t> ns;
     std::unique_ptr<std::atomic<int64_t>[]> done;
   };
   auto pc = std::make_shared<Pieces>();
-  pc->o.assign(heads * P * D, 0.0f);
-  pc->lse.assign(heads * P, -INFINITY);
-  pc->ns.assign(heads * P, 0);
-  pc->done.reset(new std::atomic<int64_t>[heads]);
-  for (int64_t i = 0; i < heads; ++i) pc->done[i].store(0, std::memory_order_relaxed);
-  return RunParallel(pool, heads * P, max_threads, [a, bf16, pc, P](int64_t w) -> ffi::Error {
-    const int64_t item = w / P, p = w % P;
+  pc->o.assign(rest * P * D, 0.0f);
+  pc->lse.assign(rest * P, -INFINITY);
+  pc->ns.assign(rest * P, 0);
+  pc->done.reset(new std::atomic<int64_t>[std::max<int64_t>(rest, 1)]);
+  for (int64_t i = 0; i < rest; ++i) pc->done[i].store(0, std::memory_order_relaxed);
+  return RunParallel(pool, whole + rest * P, max_threads, [a, bf16, pc, whole, P](int64_t w) -> ffi::Error {
+    if (w < whole) {  // a whole head
+      const int64_t b = w / a.Hq, hq = w % a.Hq;
+      float* o = a.out + w * a.D;
+      return bf16 ? AttendPiece<uint16_t>(a, b, hq, 0, a.Nmax, o, a.lse + w, a.nsamp + w)
+                  : AttendPiece<float>(a, b, hq, 0, a.Nmax, o, a.lse + w, a.nsamp + w);
+    }
+    // Piece p of head `item`: [0, len) split evenly, the last piece up to Nmax.
+    const int64_t k = w - whole, r = k / P, p = k % P, item = whole + r;
     const int64_t b = item / a.Hq, hq = item % a.Hq;
     const int64_t len = std::clamp<int64_t>(a.lengths[b], 0, a.Nmax);
     const int64_t plo = len * p / P, phi = p + 1 == P ? a.Nmax : len * (p + 1) / P;
-    float* o = pc->o.data() + w * a.D;
-    ffi::Error e = bf16 ? AttendPiece<uint16_t>(a, b, hq, plo, phi, o, &pc->lse[w], &pc->ns[w])
-                        : AttendPiece<float>(a, b, hq, plo, phi, o, &pc->lse[w], &pc->ns[w]);
+    float* o = pc->o.data() + k * a.D;
+    ffi::Error e = bf16 ? AttendPiece<uint16_t>(a, b, hq, plo, phi, o, &pc->lse[k], &pc->ns[k])
+                        : AttendPiece<float>(a, b, hq, plo, phi, o, &pc->lse[k], &pc->ns[k]);
     if (!e.success()) return e;
-    if (pc->done[item].fetch_add(1, std::memory_order_acq_rel) == P - 1) {
-      MergePieces(P, a.D, pc->o.data() + item * P * a.D, pc->lse.data() + item * P, pc->ns.data() + item * P,
+    if (pc->done[r].fetch_add(1, std::memory_order_acq_rel) == P - 1) {
+      MergePieces(P, a.D, pc->o.data() + r * P * a.D, pc->lse.data() + r * P, pc->ns.data() + r * P,
                   a.out + item * a.D, a.lse + item, a.nsamp + item);
     }
     return ffi::Error::Success();

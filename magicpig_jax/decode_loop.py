@@ -9,6 +9,7 @@ for EOS and statistics, and evaluation feeds tokens and reads logits through
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -174,7 +175,11 @@ def _decode_cache(state, spec: DecodeSpec, max_new_tokens: int, consume: bool) -
     return cache
 
 
-_FLAT_STEPS: dict = {}  # (step, index tree) -> the step jitted over the index's leaves
+# (step, index tree) -> the step jitted over the index's leaves; least recently used evicted
+# first, as large as the step cache (models/decoding.py), so that an evaluation cycling its
+# methods per document finds each one's program again (memory.compile_then_trim keys by it).
+_FLAT_STEPS: collections.OrderedDict = collections.OrderedDict()
+_FLAT_STEPS_SIZE = 64
 
 
 def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling):
@@ -193,15 +198,17 @@ def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling)
     shapes = jax.eval_shape(index_leaves, cache)
     tree = box["tree"]
     flat = _FLAT_STEPS.get((step.jitted, tree))
-    if flat is None:
+    if flat is not None:
+        _FLAT_STEPS.move_to_end((step.jitted, tree))
+    else:
         inner = step.jitted
 
         def flat_step(leaves, cache, index_leaves, *args):
             return inner(leaves, cache, jax.tree.unflatten(tree, index_leaves), *args)
 
         flat = jax.jit(flat_step, donate_argnums=(1, 2))
-        if len(_FLAT_STEPS) >= 8:  # bounded, like the step cache
-            _FLAT_STEPS.pop(next(iter(_FLAT_STEPS)))
+        if len(_FLAT_STEPS) >= _FLAT_STEPS_SIZE:
+            _FLAT_STEPS.popitem(last=False)
         _FLAT_STEPS[(step.jitted, tree)] = flat
     compiled = compile_then_trim(flat, leaves, cache, shapes, jax.ShapeDtypeStruct((B,), jnp.int32),
                                  jax.random.key(sampling.seed), np.int32(1), jnp.float32(sampling.temperature),

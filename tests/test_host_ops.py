@@ -421,15 +421,16 @@ def test_advise_huge_pages_keeps_values_and_results():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("Hq,Hkv", [(1, 1), (3, 1)])
-def test_one_row_split_over_threads_matches_reference(impl, Hq, Hkv):
-    # B * Hq smaller than (or not a multiple of) the pool's threads: the op splits each head's
-    # positions into pieces (>= 1024 positions each) and merges their (out, lse). Several chunks,
-    # appended keys (merged into the sealed chunks and left in the open chunk) and an exact tail
-    # put piece boundaries inside buckets, chunks and the open chunk. The sampled set is exactly
-    # the reference's with one thread or with the whole pool.
+@pytest.mark.parametrize("K", [4, 8])
+def test_one_row_split_over_threads_matches_reference(impl, K):
+    # B * Hq = 1 head, fewer than the pool's threads: the op splits the head's positions into
+    # pieces (>= 1024 positions each) and merges their (out, lse). Several chunks, appended keys
+    # (merged into the sealed chunks and left in the open chunk) and an exact tail put piece
+    # boundaries inside buckets, chunks and the open chunk. K = 4 gives long buckets (cut to a
+    # piece by binary search), K = 8 short ones (walked whole, the ids outside the piece not
+    # kept). The sampled set is exactly the reference's with one thread or with the whole pool.
     N = 6000
-    cfg, q, k, v, proj, lens = make_case(1, Hq, Hkv, N, 16, 4, 8, [5000], cone=0.3)
+    cfg, q, k, v, proj, lens = make_case(1, 1, 1, N, 16, K, 8, [5000], cone=0.3)
     hidx = _build(k, proj, cfg, jnp.asarray([4000], jnp.int32), chunk_size=1500, open_capacity=300,
                   capacity=N)
     new_keys, counts = [], []

@@ -134,3 +134,21 @@ def test_compile_then_trim_compiles_once_per_signature_from_shapes():
         c(jnp.zeros((3, 3)), y)  # the program checks its arguments' shapes
     drop_compiled_programs()  # empties the cache: the next call compiles again
     assert memory.compile_then_trim(f, spec, y, scale=2.0) is not c and len(traces) == 5
+
+
+def test_compile_then_trim_evicts_the_least_recently_used_program(monkeypatch):
+    # An evaluation cycles its methods per document: the program used last must survive a new
+    # one (oldest-first eviction would drop it and compile it again at every document).
+    from magicpig_jax import memory
+
+    drop_compiled_programs()
+    monkeypatch.setattr(memory, "_COMPILED_SIZE", 2)
+    fns = [jax.jit(lambda x, i=i: x + i) for i in range(3)]
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+    c0 = memory.compile_then_trim(fns[0], spec)
+    memory.compile_then_trim(fns[1], spec)
+    assert memory.compile_then_trim(fns[0], spec) is c0  # a hit makes fns[0] the most recent
+    memory.compile_then_trim(fns[2], spec)  # evicts fns[1], the least recently used
+    assert memory.compile_then_trim(fns[0], spec) is c0
+    assert len(memory._COMPILED) == 2
+    drop_compiled_programs()
