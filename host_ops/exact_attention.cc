@@ -195,13 +195,14 @@ __attribute__((target("avx2,fma"))) void ExpShiftAvx2(float* x, int64_t n, float
 }
 #endif  // MAGICPIG_HAVE_AVX2_PATH
 
-// Requests the cache lines of [p, p + bytes) that lie before `end` (sequential K/V streams: the
-// hardware prefetcher alone leaves the 2-core machine at about 7 GB/s).
+// Requests the cache lines of [p, p + bytes) that lie before `end` (sequential K/V streams).
+// magicpig::PrefetchL1 (inline asm): GCC 12 emitted no instruction for the __builtin_prefetch
+// this helper used before, so these streams had only the hardware prefetcher.
 template <typename T>
 inline void Prefetch(const T* p, const T* end, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   const char* e = std::min(c + bytes, reinterpret_cast<const char*>(end));
-  for (; c < e; c += 64) __builtin_prefetch(c);
+  for (; c < e; c += 64) magicpig::PrefetchL1(c);
 }
 
 // Partial softmax of the G query heads q [G, D] over n consecutive key rows k, v [n, D]:

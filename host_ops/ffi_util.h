@@ -36,21 +36,21 @@ inline ffi::Error InvalidArg(const std::string& msg) {
 // (prefetcht1). Inline asm: GCC 12 dropped __builtin_prefetch calls that sit in lambdas and
 // inlined helpers of the sampled attention (none of them was in the built module's
 // disassembly), so those lines were never requested. A prefetch never faults.
-inline void PrefetchL1(const void* p) {
+template <bool kIntoL1>
+inline void Prefetch(const void* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  if constexpr (kIntoL1) {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  }
 #else
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, kIntoL1 ? 3 : 2);
 #endif
 }
 
-inline void PrefetchL2(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
+inline void PrefetchL1(const void* p) { Prefetch<true>(p); }
+inline void PrefetchL2(const void* p) { Prefetch<false>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // Parallel driver: split `n` work items over XLA's intra-op pool; never blocks on the tasks it

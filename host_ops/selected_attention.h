@@ -89,6 +89,65 @@ inline void SelectTop(std::vector<uint64_t>& keys, int64_t keep) {
   std::nth_element(keys.begin(), keys.begin() + keep, keys.end());
 }
 
+// The positions of the `keep` highest of scores[0, n) (NaN ranks last; ties: the smaller
+// position), appended to `out` in no particular order: the set SelectTop keeps over RankKey.
+// A radix select over the rank bits of RankKey (11, 11, then 10 bits): each level counts the
+// candidates' digits, keeps outright those in the buckets above the boundary bucket, and goes on
+// with the boundary bucket's candidates only; the last candidates have equal scores and are taken
+// by position (they stay in ascending position order). Two passes over n plus the shrinking
+// boundary sets, against std::nth_element's swaps of 64-bit keys over all n.
+inline void SelectTopPositions(const float* scores, int64_t n, int64_t keep, std::vector<uint32_t>& out) {
+  if (keep <= 0 || n <= 0) return;
+  const size_t out0 = out.size();
+  if (keep >= n) {
+    for (int64_t j = 0; j < n; ++j) out.push_back(static_cast<uint32_t>(j));
+    return;
+  }
+  constexpr int kShift[3] = {21, 10, 0};
+  constexpr uint32_t kMask[3] = {0x7ffu, 0x7ffu, 0x3ffu};
+  thread_local std::vector<uint32_t> rank, cand, next;
+  uint32_t hist[2048] = {};
+  rank.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    rank[j] = static_cast<uint32_t>(RankKey(scores[j], 0) >> 32);
+    hist[rank[j] >> kShift[0]]++;
+  }
+  // Room for every position; each level appends by a select, not a branch (the digits are
+  // unpredictable), and the list is cut to the kept ones at the end.
+  out.resize(out0 + n);
+  uint32_t* kept = out.data() + out0;
+  int64_t nk = 0;
+  int64_t need = keep;
+  for (int level = 0; level < 3; ++level) {
+    const int sh = kShift[level];
+    const uint32_t mask = kMask[level];
+    if (level > 0) {
+      std::fill(hist, hist + mask + 1, 0u);
+      for (uint32_t j : cand) hist[(rank[j] >> sh) & mask]++;
+    }
+    uint32_t edge = 0;
+    int64_t above = 0;  // candidates in the buckets before the boundary one (higher scores)
+    while (above + hist[edge] < need) above += hist[edge++];
+    const int64_t m = level == 0 ? n : static_cast<int64_t>(cand.size());
+    next.resize(m);
+    int64_t nn = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t j = level == 0 ? static_cast<uint32_t>(i) : cand[i];
+      const uint32_t d = (rank[j] >> sh) & mask;
+      kept[nk] = j;
+      nk += d < edge;
+      next[nn] = j;
+      nn += d == edge;
+    }
+    next.resize(nn);
+    need -= above;
+    cand.swap(next);
+    if (need == nn) break;
+  }
+  for (int64_t i = 0; i < need; ++i) kept[nk++] = cand[i];
+  out.resize(out0 + nk);
+}
+
 // Appends the exact keys [0, s) and [e, ctx) (a decoder's static set: sinks and the unhashed tail) to a
 // list of logits and value rows (query q, k and v rows of D elements).
 template <typename T>

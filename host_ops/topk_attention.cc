@@ -3,9 +3,10 @@
 //
 // TopK must score every key of the range to know its top set, so its cost is the bytes of K of
 // the whole range plus the V rows it keeps. Per (row, KV head) this op reads each K row once for
-// the G query heads that share it, then, per query head, keeps the `keep` highest logits with a
-// partial selection (std::nth_element on 64-bit keys: descending logit, ties by the smaller
-// position; linear on average, not a sort) and attends exactly over them (softmax, V rows
+// the G query heads that share it (in spans of keys over the threads when there are few KV heads,
+// as the exact op does), then, per query head, keeps the `keep` highest logits with a
+// partial selection (a radix select on the logits' rank bits, ties by the smaller position;
+// linear, not a sort: selected_attention.h) and attends exactly over them (softmax, V rows
 // gathered). It computes the function of magicpig_jax.attention.topk_attention on the range:
 // the same kept set (up to the float32 summation order of the logits, which can only matter
 // for logits equal to the last bit) and the same output to float32 rounding.
@@ -20,9 +21,12 @@
 // validated; bad input returns an ffi::Error (never a crash or a stray read).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ffi_util.h"
@@ -42,37 +46,61 @@ namespace sel = magicpig::selected;
 
 constexpr int64_t kMaxG = 64;  // query heads per KV head
 
-// One (row, KV head): the G query heads q [G, D] over keys [s, s + n) of k, v [N, D].
+// Logits of the G query heads q [G, D] over the keys [s + j0, s + j1) of k [N, D]:
+// logit[g * stride + j] for j in [j0, j1). Each K row is read once for the G heads.
+template <typename T>
+void ScoreKeys(const float* q, const T* k, int64_t s, int64_t j0, int64_t j1, int64_t G, int64_t D, bool avx2,
+               float* logit, int64_t stride) {
+  const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(D)));
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* kr = k + (s + j) * D;
+    for (int64_t g = 0; g < G; ++g) logit[g * stride + j] = sel::Dot(q + g * D, kr, D, avx2) / sqrt_d;
+  }
+}
+
+// One query head q [D] with the logits lg [n] of the keys [s, s + n): keeps the `keep` highest
+// (partial selection), adds the static keys [0, s) and [s + n, ctx) when ctx > 0, and attends
+// exactly over them into out [D] and *lse.
+template <typename T>
+void SelectAndAttend(const float* q, const float* lg, const T* k, const T* v, int64_t s, int64_t n, int64_t keep,
+                     int64_t ctx, int64_t D, bool avx2, float* out, float* lse) {
+  thread_local std::vector<uint32_t> kept;
+  thread_local std::vector<float> kept_logit;
+  thread_local std::vector<const T*> kept_rows;
+  const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(D)));
+  kept.clear();
+  sel::SelectTopPositions(lg, n, keep, kept);
+  kept_logit.resize(kept.size());
+  kept_rows.resize(kept.size());
+  for (size_t i = 0; i < kept.size(); ++i) {
+    kept_logit[i] = lg[kept[i]];
+    kept_rows[i] = v + (s + kept[i]) * D;
+  }
+  if (ctx > 0) sel::AppendStatic(q, k, v, s, s + n, ctx, D, avx2, sqrt_d, kept_logit, kept_rows);
+  sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), static_cast<int64_t>(kept_logit.size()), D, avx2, out,
+                       lse);
+}
+
+// One (row, KV head) as one work item: the G query heads q [G, D] over keys [s, s + n) of k, v [N, D].
 template <typename T>
 void TopkKvHead(const float* q, const T* k, const T* v, int64_t s, int64_t n, int64_t keep, int64_t ctx, int64_t G,
                 int64_t D, bool avx2, float* out, float* lse) {
   thread_local std::vector<float> logit;
-  thread_local std::vector<uint64_t> keys;
-  thread_local std::vector<float> kept_logit;
-  thread_local std::vector<const T*> kept_rows;
-  const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(D)));
   logit.resize(G * n);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kr = k + (s + j) * D;
-    for (int64_t g = 0; g < G; ++g) logit[g * n + j] = sel::Dot(q + g * D, kr, D, avx2) / sqrt_d;
-  }
+  ScoreKeys(q, k, s, 0, n, G, D, avx2, logit.data(), n);
   for (int64_t g = 0; g < G; ++g) {
-    const float* lg = logit.data() + g * n;
-    keys.resize(n);
-    for (int64_t j = 0; j < n; ++j) keys[j] = sel::RankKey(lg[j], static_cast<uint32_t>(j));
-    sel::SelectTop(keys, keep);
-    kept_logit.resize(keep);
-    kept_rows.resize(keep);
-    for (int64_t i = 0; i < keep; ++i) {
-      const uint32_t j = sel::RankPos(keys[i]);
-      kept_logit[i] = lg[j];
-      kept_rows[i] = v + (s + j) * D;
-    }
-    if (ctx > 0) sel::AppendStatic(q + g * D, k, v, s, s + n, ctx, D, avx2, sqrt_d, kept_logit, kept_rows);
-    sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), static_cast<int64_t>(kept_logit.size()), D, avx2,
-                         out + g * D, lse + g);
+    SelectAndAttend(q + g * D, logit.data() + g * n, k, v, s, n, keep, ctx, D, avx2, out + g * D, lse + g);
   }
 }
+
+// Scoring spans: with fewer than 8 (row, KV head) items per thread (one row on two cores: 3 KV
+// heads of SmolLM2), whole KV heads as work items would leave threads idle while one scores its
+// keys; the keys are then scored in spans of kSpan (at least kMinSpan, for 8 spans per thread)
+// into one shared buffer, and the selection runs per query head afterwards. Only when that
+// buffer (B*Hq*N float32) stays under kMaxSharedLogits.
+constexpr int64_t kSpan = 2048;
+constexpr int64_t kMinSpan = 256;
+constexpr int64_t kMaxSharedLogits = int64_t{1} << 25;  // floats (128 MiB)
 
 ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> keep,
@@ -124,23 +152,83 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t* cp = context.typed_data();
   float* op = out->typed_data();
   float* lp = lse->typed_data();
-  return RunParallel(pool, B * Hkv, max_threads, [=](int64_t bh) -> ffi::Error {
-    const int64_t b = bh / Hkv;
+  const int64_t heads = B * Hkv;
+  int64_t threads = pool.num_threads();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  int64_t max_n = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = std::clamp<int64_t>(sp[b], 0, N);
+    max_n = std::max<int64_t>(max_n, std::clamp<int64_t>(ep[b], s, N) - s);
+  }
+  if (threads <= 1 || heads >= 8 * threads || heads * G * max_n > kMaxSharedLogits) {
+    return RunParallel(pool, heads, max_threads, [=](int64_t bh) -> ffi::Error {
+      const int64_t b = bh / Hkv;
+      const int64_t s = std::clamp<int64_t>(sp[b], 0, N);
+      const int64_t e = std::clamp<int64_t>(ep[b], s, N);
+      const int64_t n = e - s;
+      const int64_t kept = std::clamp<int64_t>(np_[b], 0, n);
+      const int64_t ctx = with_static ? std::clamp<int64_t>(cp[b], e, N) : 0;
+      const int64_t base = bh * N * D;  // KV head (b, h) of [B, Hkv, N, D]
+      const float* qh = qp + bh * G * D;
+      float* oh = op + bh * G * D;
+      float* lh = lp + bh * G;
+      if (bf16) {
+        TopkKvHead(qh, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base, s, n, kept,
+                   ctx, G, D, avx2, oh, lh);
+      } else {
+        TopkKvHead(qh, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, s, n, kept, ctx,
+                   G, D, avx2, oh, lh);
+      }
+      return ffi::Error::Success();
+    });
+  }
+  // Work items in the order the pool takes them: heads * S scoring items (KV head, span of its
+  // keys), then B * Hq selection items (row, query head). A selection item is taken only after
+  // every scoring item was taken, so it waits only for scoring items that are running; it
+  // yields until its KV head's S spans are done.
+  const int64_t per_head = (8 * threads + heads - 1) / heads;
+  const int64_t span = std::clamp<int64_t>((max_n + per_head - 1) / per_head, kMinSpan, kSpan);
+  const int64_t S = std::max<int64_t>(1, (max_n + span - 1) / span);
+  struct Shared {
+    std::vector<float> logit;  // [heads, G, max_n]
+    std::unique_ptr<std::atomic<int64_t>[]> done;
+  };
+  auto sh = std::make_shared<Shared>();
+  sh->logit.resize(heads * G * max_n);
+  sh->done.reset(new std::atomic<int64_t>[heads]);
+  for (int64_t i = 0; i < heads; ++i) sh->done[i].store(0, std::memory_order_relaxed);
+  const int64_t scoring = heads * S;
+  return RunParallel(pool, scoring + B * Hq, max_threads, [=](int64_t item) -> ffi::Error {
+    if (item < scoring) {
+      const int64_t bh = item / S, span_i = item % S, b = bh / Hkv;
+      const int64_t s = std::clamp<int64_t>(sp[b], 0, N);
+      const int64_t n = std::clamp<int64_t>(ep[b], s, N) - s;
+      const int64_t j0 = std::min(n, span_i * span), j1 = std::min(n, j0 + span);
+      const int64_t base = bh * N * D;
+      float* lg = sh->logit.data() + bh * G * max_n;
+      if (bf16) {
+        ScoreKeys(qp + bh * G * D, static_cast<const uint16_t*>(kp) + base, s, j0, j1, G, D, avx2, lg, max_n);
+      } else {
+        ScoreKeys(qp + bh * G * D, static_cast<const float*>(kp) + base, s, j0, j1, G, D, avx2, lg, max_n);
+      }
+      sh->done[bh].fetch_add(1, std::memory_order_release);
+      return ffi::Error::Success();
+    }
+    const int64_t row = item - scoring, b = row / Hq, hq = row % Hq, bh = b * Hkv + hq / G, g = hq % G;
+    while (sh->done[bh].load(std::memory_order_acquire) < S) std::this_thread::yield();
     const int64_t s = std::clamp<int64_t>(sp[b], 0, N);
     const int64_t e = std::clamp<int64_t>(ep[b], s, N);
     const int64_t n = e - s;
     const int64_t kept = std::clamp<int64_t>(np_[b], 0, n);
     const int64_t ctx = with_static ? std::clamp<int64_t>(cp[b], e, N) : 0;
-    const int64_t base = bh * N * D;  // KV head (b, h) of [B, Hkv, N, D]
-    const float* qh = qp + bh * G * D;
-    float* oh = op + bh * G * D;
-    float* lh = lp + bh * G;
+    const int64_t base = bh * N * D;
+    const float* lg = sh->logit.data() + (bh * G + g) * max_n;
     if (bf16) {
-      TopkKvHead(qh, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base, s, n, kept,
-                 ctx, G, D, avx2, oh, lh);
+      SelectAndAttend(qp + row * D, lg, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base,
+                      s, n, kept, ctx, D, avx2, op + row * D, lp + row);
     } else {
-      TopkKvHead(qh, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, s, n, kept, ctx, G,
-                 D, avx2, oh, lh);
+      SelectAndAttend(qp + row * D, lg, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, s,
+                      n, kept, ctx, D, avx2, op + row * D, lp + row);
     }
     return ffi::Error::Success();
   });

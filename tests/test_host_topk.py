@@ -92,12 +92,14 @@ JAX_CASES = [
 ]
 
 
+@pytest.mark.parametrize("max_threads", [0, 1])  # 0: scored in spans over the pool; 1: one KV head per item
 @pytest.mark.parametrize("case", JAX_CASES)
-def test_equals_pure_jax(case):
+def test_equals_pure_jax(case, max_threads):
     B, Hq, Hkv, N, D, dtype, ties, s0, ends, budget = case
     q, k, v = _data(B, Hq, Hkv, N, D, dtype, ties, seed=len(ends))
     e = np.asarray(ends)
-    out, lse = _topk(q, k, v, budget, jnp.asarray(e, jnp.int32), start=jnp.full((B,), s0, jnp.int32))
+    out, lse = _topk(q, k, v, budget, jnp.asarray(e, jnp.int32), start=jnp.full((B,), s0, jnp.int32),
+                     max_threads=max_threads)
     j_out, j_lse = topk_attention(q, k[:, :, s0:], v[:, :, s0:], budget, jnp.asarray(e - s0, jnp.int32))
     fin = np.isfinite(np.asarray(j_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
