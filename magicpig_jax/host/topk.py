@@ -4,9 +4,11 @@ TopK (arXiv 2410.16179, Section 3.1) must score every key of the range to find i
 so it reads all of K of the range once per step, plus the V rows it keeps. The C++ handler
 ``magicpig_topk_attention`` (``host_ops/topk_attention.cc``) reads each K row once for the
 ``G = Hq / Hkv`` query heads of its KV head, keeps each head's ``keep`` highest logits with a
-partial selection (``std::nth_element``: descending logit, ties by the smaller position; not a
-sort) and attends exactly over them, gathering their V rows. Work items are (row, KV head) on
-XLA's intra-op pool; the dot products and the V accumulation have an AVX2/FMA variant.
+partial selection (a radix select on the logits' rank bits: descending logit, ties by the smaller
+position; linear, not a sort) and attends exactly over them, gathering their V rows. Work items
+on XLA's intra-op pool are (row, KV head), or, with fewer than 8 KV heads per thread (one row
+on two cores), spans of a KV head's keys scored over all threads and then one selection per
+query head; the dot products and the V accumulation have an AVX2/FMA variant.
 
 :func:`host_topk_attention` has the semantics of :func:`magicpig_jax.attention.topk_attention`
 over a range ``[start, end)`` of the cache (the decoder's hashed range), so the

@@ -1,0 +1,81 @@
+"""Time MagicPIG's host op over every layer of a real model's captured decode step.
+
+  python -m magicpig_jax.eval.capture runs/cap8k.npz --text FILE --max-tokens 8192
+  python tools/time_captured_op.py runs/cap8k.npz --configs 10x150 10x300 --reps 40 --json runs/op.json
+
+For each (K, L) the host index of every layer is built from the captured keys (bfloat16, as
+the decoder stores them), the query codes are computed once, and one timed repetition calls
+the op (``host_sampled_attention``, sinks and tail inside the op, no JAX static part) for every
+layer in turn: the layers' K, V and index together are far larger than the last-level cache,
+so each call finds its layer's data in memory, as a decode step does. Reports the median,
+min and max over ``--reps`` repetitions of the summed per-step time, and the mean sampled
+fraction.
+
+To compare two builds of the op in one run (this machine's speed drifts between runs), copy
+each build's ``_host_ops`` module aside and alternate them, one process per build and round;
+docs/benchmarks.md ("Splitting heads") gives the figures and the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("capture", type=Path, help="npz of magicpig_jax.eval.capture (q, k, v of every layer)")
+    p.add_argument("--configs", nargs="+", default=["10x150", "10x300"], help="K x L pairs")
+    p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+    if a.reps < 3:
+        p.error("--reps must be at least 3 (a figure is a median of repeats)")
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from magicpig_jax import lsh
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.host import host_build_index, host_sampled_attention
+    from magicpig_jax.models.backends import layer_projections
+
+    d = np.load(a.capture)
+    q_all, k_all, v_all = d["q"], d["k"], d["v"]
+    layers, _, N, D = k_all.shape
+    n = jnp.asarray([N], jnp.int32)
+    op = jax.jit(lambda q, qc, k, v, idx: host_sampled_attention(q, qc, k, v, idx, n, window=0, sinks=True))
+    results = []
+    for text in a.configs:
+        K, L = (int(x) for x in text.split("x"))
+        cfg = MagicPIGConfig(K=K, L=L)
+        items = []
+        for layer in range(layers):
+            q = jnp.asarray(q_all[layer][None], jnp.float32)
+            k = jnp.asarray(k_all[layer][None], jnp.bfloat16)
+            v = jnp.asarray(v_all[layer][None], jnp.bfloat16)
+            idx = host_build_index(k, layer_projections(cfg, layer, D), cfg, n, capacity=N)
+            items.append((q, lsh.simhash_codes(q, idx.projections, K, L), k, v, idx))
+        fraction = float(np.mean([np.asarray(op(*it)[2]).mean() for it in items])) / N
+        ts = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            for it in items:
+                jax.block_until_ready(op(*it))
+            ts.append(1000.0 * (time.perf_counter() - t0))
+        row = {"config": text, "layers": layers, "context": int(N), "sampled_fraction": fraction,
+               "ms_per_step": {"median": float(np.median(ts)), "min": min(ts), "max": max(ts)}, "reps": a.reps}
+        results.append(row)
+        print(f"{text}: {row['ms_per_step']['median']:.2f} ms per step (min {min(ts):.2f}, max {max(ts):.2f}) "
+              f"over {layers} layers at N={N}, sampled {fraction:.2%}")
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"capture": str(a.capture), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
