@@ -656,7 +656,6 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
   const int64_t bh = b * g.Hkv + h;
   const int32_t* bnd = a.bounds + 3 * b;
   const int64_t start = std::max<int64_t>(bnd[0], plo), end = bnd[1], sealed = bnd[2];
-  const int64_t nb = g.NB - 1;
   uint64_t* once = s.once.data();
   uint64_t* twice = s.twice.data();
   // The K and V rows of this (row, KV head), requested as their tokens are sampled (below).
