@@ -190,11 +190,13 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t span = std::clamp<int64_t>((max_n + per_head - 1) / per_head, kMinSpan, kSpan);
   const int64_t S = std::max<int64_t>(1, (max_n + span - 1) / span);
   struct Shared {
-    std::vector<float> logit;  // [heads, G, max_n]
+    // [heads, G, max_n], not zero-filled: a row's scoring items write every logit [0, n) that its
+    // selection items read.
+    std::unique_ptr<float[]> logit;
     std::unique_ptr<std::atomic<int64_t>[]> done;
   };
   auto sh = std::make_shared<Shared>();
-  sh->logit.resize(heads * G * max_n);
+  sh->logit.reset(new float[heads * G * max_n]);
   sh->done.reset(new std::atomic<int64_t>[heads]);
   for (int64_t i = 0; i < heads; ++i) sh->done[i].store(0, std::memory_order_relaxed);
   const int64_t scoring = heads * S;
@@ -205,7 +207,7 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       const int64_t n = std::clamp<int64_t>(ep[b], s, N) - s;
       const int64_t j0 = std::min(n, span_i * span), j1 = std::min(n, j0 + span);
       const int64_t base = bh * N * D;
-      float* lg = sh->logit.data() + bh * G * max_n;
+      float* lg = sh->logit.get() + bh * G * max_n;
       if (bf16) {
         ScoreKeys(qp + bh * G * D, static_cast<const uint16_t*>(kp) + base, s, j0, j1, G, D, avx2, lg, max_n);
       } else {
@@ -222,7 +224,7 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     const int64_t kept = std::clamp<int64_t>(np_[b], 0, n);
     const int64_t ctx = with_static ? std::clamp<int64_t>(cp[b], e, N) : 0;
     const int64_t base = bh * N * D;
-    const float* lg = sh->logit.data() + (bh * G + g) * max_n;
+    const float* lg = sh->logit.get() + (bh * G + g) * max_n;
     if (bf16) {
       SelectAndAttend(qp + row * D, lg, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base,
                       s, n, kept, ctx, D, avx2, op + row * D, lp + row);
