@@ -31,6 +31,7 @@ namespace {
 
 using magicpig::AxpyScalar;
 using magicpig::CpuHasAvx2;
+using magicpig::PrefetchStream;
 using magicpig::InvalidArg;
 using magicpig::Load;
 using magicpig::ReadyFuture;
@@ -63,6 +64,7 @@ inline float ScaleMaxScalar(float* x, int64_t n, float scale) {
 
 #ifdef MAGICPIG_HAVE_AVX2_PATH
 using magicpig::Hsum;
+using magicpig::Dot8Avx2;
 using magicpig::Load8;
 
 __attribute__((target("avx2,fma"))) float ScaleMaxAvx2(float* x, int64_t n, float scale) {
@@ -95,32 +97,6 @@ __attribute__((target("avx2,fma"))) float DotAvx2(const float* q, const T* k, in
   for (; d < D; ++d) s += q[d] * Load(k, d);
   _mm256_zeroupper();
   return s;
-}
-
-// Logits of one query against 8 consecutive key rows: out[j] = q . k[j] (D % 8 == 0).
-template <typename T>
-__attribute__((target("avx2,fma"))) void Dot8Avx2(const float* q, const T* k, int64_t D, float* out) {
-  // Eight named accumulators (an array of them is kept in memory by GCC, four times slower).
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    const T* kd = k + d;
-    a0 = _mm256_fmadd_ps(qv, Load8(kd), a0);
-    a1 = _mm256_fmadd_ps(qv, Load8(kd + D), a1);
-    a2 = _mm256_fmadd_ps(qv, Load8(kd + 2 * D), a2);
-    a3 = _mm256_fmadd_ps(qv, Load8(kd + 3 * D), a3);
-    a4 = _mm256_fmadd_ps(qv, Load8(kd + 4 * D), a4);
-    a5 = _mm256_fmadd_ps(qv, Load8(kd + 5 * D), a5);
-    a6 = _mm256_fmadd_ps(qv, Load8(kd + 6 * D), a6);
-    a7 = _mm256_fmadd_ps(qv, Load8(kd + 7 * D), a7);
-  }
-  // Transpose-reduce: lane j of the result is the sum of aj.
-  const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
-  const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-  _mm256_storeu_ps(out, r);
-  _mm256_zeroupper();
 }
 
 // acc[0:D] += sum_j e[j] * v[j, 0:D] over n rows, 32 columns at a time in registers.
@@ -195,16 +171,6 @@ __attribute__((target("avx2,fma"))) void ExpShiftAvx2(float* x, int64_t n, float
 }
 #endif  // MAGICPIG_HAVE_AVX2_PATH
 
-// Requests the cache lines of [p, p + bytes) that lie before `end` (sequential K/V streams).
-// magicpig::PrefetchL1 (inline asm): GCC 12 emitted no instruction for the __builtin_prefetch
-// this helper used before, so these streams had only the hardware prefetcher.
-template <typename T>
-inline void Prefetch(const T* p, const T* end, int64_t bytes) {
-  const char* c = reinterpret_cast<const char*>(p);
-  const char* e = std::min(c + bytes, reinterpret_cast<const char*>(end));
-  for (; c < e; c += 64) magicpig::PrefetchL1(c);
-}
-
 // Partial softmax of the G query heads q [G, D] over n consecutive key rows k, v [n, D]:
 // m[g] the max logit, sum[g] = sum_j exp(logit_j - m[g]), acc[g] = sum_j exp(logit_j - m[g]) v_j
 // (acc zeroed and m = -inf on entry). Online softmax over blocks of kBlock keys.
@@ -220,7 +186,7 @@ void PartialKvHead(const float* q, const T* k, const T* v, int64_t n, int64_t G,
 #ifdef MAGICPIG_HAVE_AVX2_PATH
     if (avx2 && D % 8 == 0) {
       for (; j + 8 <= nb; j += 8) {
-        Prefetch(k + (j0 + j) * D + kAheadRows * D, k + n * D, 8 * D * sizeof(T));
+        PrefetchStream(k + (j0 + j) * D + kAheadRows * D, k + n * D, 8 * D * sizeof(T));
         for (int64_t g = 0; g < G; ++g) Dot8Avx2(q + g * D, k + (j0 + j) * D, D, &logit[g * kBlock + j]);
       }
     }
@@ -263,7 +229,7 @@ void PartialKvHead(const float* q, const T* k, const T* v, int64_t n, int64_t G,
 #endif
       for (int64_t j = 0; j < nb; ++j) logit[g * kBlock + j] = std::exp(logit[g * kBlock + j] - nm);
     }
-    for (int64_t j = 0; j < nb; j += 8) Prefetch(v + (j0 + j) * D + kAheadRows * D, v + n * D, 8 * D * sizeof(T));
+    for (int64_t j = 0; j < nb; j += 8) PrefetchStream(v + (j0 + j) * D + kAheadRows * D, v + n * D, 8 * D * sizeof(T));
     for (int64_t g = 0; g < G; ++g) {
       if (!std::isfinite(m[g])) continue;
       const float* e = &logit[g * kBlock];

@@ -52,6 +52,15 @@ inline void Prefetch(const void* p) {
 inline void PrefetchL1(const void* p) { Prefetch<true>(p); }
 inline void PrefetchL2(const void* p) { Prefetch<false>(p); }
 
+// Requests the cache lines of [p, p + bytes) that lie before `end` into L1: a sequential K or V
+// stream read a few rows ahead of use (the exact and TopK ops).
+template <typename T>
+inline void PrefetchStream(const T* p, const T* end, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const char* e = std::min(c + bytes, reinterpret_cast<const char*>(end));
+  for (; c < e; c += 64) PrefetchL1(c);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Parallel driver: split `n` work items over XLA's intra-op pool; never blocks on the tasks it
 // schedules (returns a future that completes when the last worker is done).
@@ -156,6 +165,34 @@ __attribute__((target("avx2,fma"))) inline __m256 Load8(const float* p) { return
 __attribute__((target("avx2,fma"))) inline __m256 Load8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Logits of one query q [D] against 8 consecutive key rows k [8, D]: out[j] = q . k[j]
+// (D % 8 == 0). Each row is summed in its own 8-lane accumulator, then the eight are
+// transpose-reduced (one horizontal sum per 8 rows instead of one per row).
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void Dot8Avx2(const float* q, const T* k, int64_t D, float* out) {
+  // Eight named accumulators (an array of them is kept in memory by GCC, four times slower).
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    const T* kd = k + d;
+    a0 = _mm256_fmadd_ps(qv, Load8(kd), a0);
+    a1 = _mm256_fmadd_ps(qv, Load8(kd + D), a1);
+    a2 = _mm256_fmadd_ps(qv, Load8(kd + 2 * D), a2);
+    a3 = _mm256_fmadd_ps(qv, Load8(kd + 3 * D), a3);
+    a4 = _mm256_fmadd_ps(qv, Load8(kd + 4 * D), a4);
+    a5 = _mm256_fmadd_ps(qv, Load8(kd + 5 * D), a5);
+    a6 = _mm256_fmadd_ps(qv, Load8(kd + 6 * D), a6);
+    a7 = _mm256_fmadd_ps(qv, Load8(kd + 7 * D), a7);
+  }
+  // Transpose-reduce: lane j of the result is the sum of aj.
+  const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+  const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  _mm256_storeu_ps(out, r);
+  _mm256_zeroupper();
 }
 #endif
 
