@@ -13,9 +13,13 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 __all__ = ["main", "DEMO_DOCUMENT", "DEMO_QUESTION"]
@@ -346,18 +350,93 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Sigint:
+    """Ctrl-C raises KeyboardInterrupt, is remembered, and is delivered again until the command ends.
+
+    Python drops an exception raised inside a garbage-collector callback (it only prints
+    "Exception ignored in ..."), so an interrupt that lands there is lost, and one that lands
+    inside JAX's C++ tracing can come back as another exception (a ValueError holding the
+    KeyboardInterrupt's traceback): both were seen under load. So after a Ctrl-C the signal is
+    sent again every half second while the command runs, and any error is reported as the
+    interruption it is (exit 130), never as bad input (exit 2).
+    """
+
+    seen = False
+    active = False
+    resend: threading.Thread | None = None
+
+    @classmethod
+    def handler(cls, signum, frame):
+        if not cls.active:  # the command has ended: a late re-delivery is ignored
+            return
+        cls.seen = True
+        if cls.resend is None:
+            main_id = threading.main_thread().ident
+            cls.resend = threading.Thread(target=cls._resend, args=(main_id,), daemon=True)
+            cls.resend.start()
+        if cls._dropped_in(frame):  # raised here it would only be printed: the next re-delivery raises
+            return
+        raise KeyboardInterrupt
+
+    @staticmethod
+    def _dropped_in(frame) -> bool:
+        """Whether Python drops an exception raised in ``frame``: a garbage-collector callback
+        (JAX registers one) or a ``__del__``."""
+        if frame is None:
+            return False
+        code = frame.f_code
+        return code.co_name == "__del__" or any(getattr(cb, "__code__", None) is code for cb in gc.callbacks)
+
+    @classmethod
+    def _resend(cls, main_id: int) -> None:
+        while True:
+            time.sleep(0.5)
+            if not cls.active:
+                return
+            signal.pthread_kill(main_id, signal.SIGINT)
+
+
+def _interrupted() -> int:
+    print("\nmagicpig-jax: interrupted", file=sys.stderr)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``magicpig-jax``; returns the exit status (2 on bad input, with the reason)."""
+    """Entry point of ``magicpig-jax``; returns the exit status (2 on bad input, with the reason;
+    130 after Ctrl-C)."""
     parser = make_parser()
     args = parser.parse_args(argv)
+    # Only where Python's own handler is installed (not when SIGINT is ignored, as for a
+    # background job), and only from the main thread (signal.signal's rule).
+    ours = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    _Sigint.seen, _Sigint.resend = False, None
+    if ours:
+        _Sigint.active = True
+        signal.signal(signal.SIGINT, _Sigint.handler)
     try:
-        return args.func(args)
+        try:
+            status = args.func(args)
+        finally:
+            _Sigint.active = False  # from here on a re-delivered Ctrl-C raises nothing
+        return _interrupted() if _Sigint.seen else status
+    except KeyboardInterrupt:
+        return _interrupted()
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
+        if _Sigint.seen:
+            return _interrupted()
         print(f"magicpig-jax: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\nmagicpig-jax: interrupted", file=sys.stderr)
-        return 130
+    except Exception:
+        if _Sigint.seen:
+            return _interrupted()
+        raise
+    finally:
+        if ours:
+            if _Sigint.resend is not None:
+                _Sigint.resend.join()
+                time.sleep(0.05)  # a re-delivery still in flight meets the inactive handler
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":

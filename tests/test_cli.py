@@ -152,6 +152,62 @@ def test_ctrl_c_exits_130_with_one_line_and_the_partial_answer():
     assert (first + out).strip()  # the partial answer was printed as it was produced
 
 
+def test_an_error_raised_after_ctrl_c_is_reported_as_the_interrupt(monkeypatch, capsys):
+    # Under load, a Ctrl-C that landed inside JAX's C++ tracing came back as a ValueError holding
+    # the KeyboardInterrupt's traceback, and the CLI reported it as bad input (exit 2).
+    from magicpig_jax import cli
+
+    def interrupt_then_value_error(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises KeyboardInterrupt here
+        except KeyboardInterrupt:
+            raise ValueError('File "flattree.py", line 258, in __eq__\nKeyboardInterrupt: ') from None
+        raise AssertionError("SIGINT was not delivered")
+
+    def bad_input(args):
+        raise ValueError("--max-new-tokens must be >= 1")
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        monkeypatch.setattr(cli, "_cmd_generate", interrupt_then_value_error)
+        assert cli.main(["generate"]) == 130
+        assert capsys.readouterr().err.strip().splitlines()[-1] == "magicpig-jax: interrupted"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+        monkeypatch.setattr(cli, "_cmd_generate", bad_input)  # without Ctrl-C an error is still bad input
+        assert cli.main(["generate"]) == 2
+        assert capsys.readouterr().err.strip() == "magicpig-jax: error: --max-new-tokens must be >= 1"
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_is_not_raised_where_python_would_drop_it():
+    # An exception raised in a gc callback or a __del__ is only printed ("Exception ignored in"):
+    # there the handler leaves the interrupt to its next re-delivery.
+    import gc
+
+    from magicpig_jax import cli
+
+    seen = []
+
+    def callback(phase, info):
+        seen.append(cli._Sigint._dropped_in(sys._getframe()))
+
+    gc.callbacks.append(callback)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(callback)
+
+    class Finalized:
+        def __del__(self):
+            seen.append(cli._Sigint._dropped_in(sys._getframe()))
+
+    Finalized()
+    assert len(seen) >= 3 and all(seen)
+    assert not cli._Sigint._dropped_in(sys._getframe()) and not cli._Sigint._dropped_in(None)
+
+
 def test_ctrl_c_during_prefill_exits_130_promptly():
     # the default document (about 6K tokens) takes seconds to prefill on any CPU
     proc = subprocess.Popen([*CLI, "generate", "--attention", "dense", "--max-new-tokens", "4"],
