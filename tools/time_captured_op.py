@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             for it in items:
                 jax.block_until_ready(call(*it))
             ts.append(1000.0 * (time.perf_counter() - t0))
-        row = {"config": text, "layers": layers, "context": int(N), "sampled_fraction": fraction,
+        row = {"config": text, "layers": layers, "context": int(N), "keys_fraction": fraction,
                "ms_per_step": {"median": float(np.median(ts)), "min": min(ts), "max": max(ts)}, "reps": a.reps}
         results.append(row)
         print(f"{text}: {row['ms_per_step']['median']:.2f} ms per step (min {min(ts):.2f}, max {max(ts):.2f}) "
