@@ -2,9 +2,11 @@
 
 :func:`run_decode` takes a built :class:`DecodeSpec`; users call
 :func:`magicpig_jax.generation.decode` or :func:`magicpig_jax.generation.generate`. The loop
-stays in Python (not a ``while_loop`` inside jit) because it syncs with the host every token
-for EOS and statistics, and evaluation feeds tokens and reads logits through
-:class:`DecodeHooks` (:func:`magicpig_jax.eval.forcing.forced_decode`).
+stays in Python because it checks EOS and stop strings and gathers statistics on the host,
+and evaluation feeds tokens and reads logits through :class:`DecodeHooks`
+(:func:`magicpig_jax.eval.forcing.forced_decode`). Each program call runs a chunk of steps
+(a ``lax.fori_loop`` of up to ``CHUNK_MAX``), and the next chunk is enqueued before the
+current one is read back: see :class:`DecodeRun`.
 """
 
 from __future__ import annotations
@@ -127,8 +129,11 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     if ahead:
         t0 = time.perf_counter()
         build = functools.partial(build_indices, spec=spec, num_layers=n_layers)
-        step = _step_compiled_ahead(step, leaves, cache, build, B, sampling)
+        dims = (len(spec.sparse_layers(n_layers)), model.config.num_heads, model.config.vocab_size)
+        step = _step_compiled_ahead(step, leaves, cache, build, B, sampling, dims)
         compile_seconds = time.perf_counter() - t0
+    else:
+        step = _single_step_chunk(step)
     t0 = time.perf_counter()
     indices = build_indices(cache, spec, n_layers)
     jax.block_until_ready(indices)
@@ -182,12 +187,24 @@ _FLAT_STEPS: collections.OrderedDict = collections.OrderedDict()
 _FLAT_STEPS_SIZE = 64
 
 
-def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling):
-    """``step`` (from :func:`compiled_decode_step`) compiled now, before ``build(cache)`` runs.
+# Steps one program call may run (the chunk's output buffers are this long), and the wall time
+# a chunk aims at once the step time is known. A call costs the host about as much as a small
+# step's work (argument handling for every parameter, cache and index buffer), so short steps
+# are run several to a call; longer ones gain nothing from it, and a chunk's tokens reach the
+# caller (streaming, stop checks) only when it ends.
+CHUNK_MAX = 8
+CHUNK_SECONDS = 0.1
 
-    The index exists only as shapes (``jax.eval_shape``); the step is compiled over its
-    leaves, so no index object is ever made of shapes (a type-checked index such as
-    ``LSHIndex`` accepts arrays only). Called like ``step``.
+
+def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling, dims: tuple[int, int, int]):
+    """A chunk step (see :class:`DecodeRun`) over ``step`` (from :func:`compiled_decode_step`),
+    compiled now, before ``build(cache)`` runs.
+
+    The chunk runs ``count <= CHUNK_MAX`` steps in one program (``lax.fori_loop``; ``count`` is
+    an argument, so one program serves every chunk length). The index exists only as shapes
+    (``jax.eval_shape``); the program is compiled over its leaves, so no index object is ever
+    made of shapes (a type-checked index such as ``LSHIndex`` accepts arrays only).
+    ``dims = (S, Hq, V)``: sparse layers, query heads and vocabulary of the step's outputs.
     """
     box = {}
 
@@ -197,28 +214,59 @@ def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling)
 
     shapes = jax.eval_shape(index_leaves, cache)
     tree = box["tree"]
-    flat = _FLAT_STEPS.get((step.jitted, tree))
+    flat = _FLAT_STEPS.get((step.jitted, tree, dims))
     if flat is not None:
-        _FLAT_STEPS.move_to_end((step.jitted, tree))
+        _FLAT_STEPS.move_to_end((step.jitted, tree, dims))
     else:
         inner = step.jitted
+        S, Hq, V = dims
 
-        def flat_step(leaves, cache, index_leaves, *args):
-            return inner(leaves, cache, jax.tree.unflatten(tree, index_leaves), *args)
+        def flat_chunk(leaves, cache, index_leaves, tokens, base_key, t, count, temperature, top_p):
+            Bt = tokens.shape[0]
 
-        flat = jax.jit(flat_step, donate_argnums=(1, 2))
+            def body(i, carry):
+                cache, indices, tok, toks, nss, _ = carry
+                tok, logits, ns, cache, indices = inner(leaves, cache, indices, tok, base_key, t + i, temperature,
+                                                        top_p)
+                return cache, indices, tok, toks.at[i].set(tok), nss.at[i].set(ns), logits
+
+            init = (cache, jax.tree.unflatten(tree, index_leaves), tokens, jnp.zeros((CHUNK_MAX, Bt), jnp.int32),
+                    jnp.zeros((CHUNK_MAX, S, Bt, Hq), jnp.int32), jnp.zeros((Bt, V), jnp.float32))
+            cache, indices, tok, toks, nss, logits = jax.lax.fori_loop(0, count, body, init)
+            return tok, toks, logits, nss, cache, jax.tree.leaves(indices)
+
+        flat = jax.jit(flat_chunk, donate_argnums=(1, 2))
         if len(_FLAT_STEPS) >= _FLAT_STEPS_SIZE:
             _FLAT_STEPS.popitem(last=False)
-        _FLAT_STEPS[(step.jitted, tree)] = flat
+        _FLAT_STEPS[(step.jitted, tree, dims)] = flat
     compiled = compile_then_trim(flat, leaves, cache, shapes, jax.ShapeDtypeStruct((B,), jnp.int32),
-                                 jax.random.key(sampling.seed), np.int32(1), jnp.float32(sampling.temperature),
-                                 jnp.float32(sampling.top_p))
+                                 jax.random.key(sampling.seed), np.int32(1), np.int32(1),
+                                 jnp.float32(sampling.temperature), jnp.float32(sampling.top_p))
 
-    def fn(leaves, cache, indices, *args):
-        check_capacity(cache)  # a full row: ValueError before anything is written (see decode_step)
-        return compiled(leaves, cache, jax.tree.leaves(indices), *args)
+    def chunk(leaves, cache, indices, tokens, base_key, t, count, temperature, top_p, host_lengths):
+        # every row needs `count` free positions: ValueError before anything is written
+        check_capacity(cache, np.asarray(host_lengths) + (count - 1))
+        tok, toks, logits, nss, cache, flat_indices = compiled(leaves, cache, jax.tree.leaves(indices), tokens,
+                                                               base_key, np.int32(t), np.int32(count), temperature,
+                                                               top_p)
+        return tok, toks, logits, nss, cache, jax.tree.unflatten(tree, flat_indices)
 
-    return fn
+    chunk.max_count = CHUNK_MAX
+    return chunk
+
+
+def _single_step_chunk(step):
+    """A chunk step of one decode step (a backend with its own step, a sharded cache)."""
+
+    def chunk(leaves, cache, indices, tokens, base_key, t, count, temperature, top_p, host_lengths):
+        if count != 1:
+            raise ValueError(f"this decode step runs one step per call, got count={count}")
+        tok, logits, ns, cache, indices = step(leaves, cache, indices, tokens, base_key, np.int32(t), temperature,
+                                               top_p, host_lengths=host_lengths)
+        return tok, tok[None], logits, ns[None], cache, indices
+
+    chunk.max_count = 1
+    return chunk
 
 
 # Jitted once: sampling the first token eagerly would retrace lax.cond's branches every call.
@@ -248,6 +296,14 @@ class DecodeRun:
     The Python loop over the jitted step keeps EOS, stop criteria, hooks and statistics on
     the host. ``outputs``, ``stop_reasons`` and :meth:`stats` are valid at any point (also
     after an interruption).
+
+    Steps run in chunks: one program call runs ``count`` steps (1 until a step has been
+    timed, then as many as fit in ``CHUNK_SECONDS``, at most ``CHUNK_MAX``; always 1 with
+    evaluation hooks or a backend with its own step), because on a CPU a call costs the host
+    about as much as a small model's step. The next chunk is enqueued before the current one
+    is read back, so the host's work overlaps the steps. After a run that stopped early (EOS,
+    a stop string) the cache and the index also hold the positions of the steps it ran past
+    the stop; their tokens are not in ``outputs``.
     """
 
     def __init__(self, model, spec: DecodeSpec, sampling: Sampling, hooks: DecodeHooks, state, cache, indices,
@@ -260,7 +316,7 @@ class DecodeRun:
         if step is None:  # (parameter leaves, step, seconds already spent compiling it)
             graphdef, params = nnx.split(model.module)
             leaves, treedef = jax.tree.flatten(params)
-            step = (leaves, compiled_decode_step(graphdef, treedef, spec), 0.0)
+            step = (leaves, _single_step_chunk(compiled_decode_step(graphdef, treedef, spec)), 0.0)
         self.leaves, self.step, self._compiled_seconds = step
         self.base_key = jax.random.key(sampling.seed)
         self.eos = set(model.tokenizer.eos_token_ids) | set(model.config.eos_token_ids)
@@ -308,38 +364,96 @@ class DecodeRun:
             elif len(ids) >= self.limits[b]:
                 done[b] = True
 
+    def _count(self, t: int) -> int:
+        """Steps of the next chunk, which predicts tokens ``t + 1 ..``: one until a step is timed."""
+        if self.step.max_count == 1 or self.hooks.forced_tokens is not None or self.hooks.on_logits is not None:
+            return 1  # the hooks feed or read every step on the host
+        n = 1
+        if self.steps >= 2 and self.seconds > 0:
+            n = int(CHUNK_SECONDS / (self.seconds / (self.steps - 1)))
+        return max(1, min(n, self.step.max_count, self._last - t))
+
+    def _dispatch(self, t: int, tokens):
+        """Enqueue the chunk of steps that predicts tokens ``t + 1 ..`` from token ``t`` (``tokens``, on the device).
+
+        Reads nothing a running step produces: the capacity check and the context lengths use
+        the lengths tracked on the host, so the call returns while the previous chunk still runs.
+        Returns ``(t, count, outputs, context lengths before the chunk)``.
+        """
+        count = self._count(t)
+        before = self._lengths
+        tok, toks, logits, nss, self.cache, self.indices = self.step(
+            self.leaves, self.cache, self.indices, tokens, self.base_key, t + 1, count, self._temp, self._top_p,
+            before)
+        self._lengths = np.minimum(before + count, self.cache.capacity)  # the step's own rule (decode_step)
+        return t, count, (tok, toks, logits, nss), before
+
+    def _book(self, t: int, logits, ns, ctx, live: np.ndarray, now: float) -> None:
+        """Book the step that predicted token ``t`` (read): hooks, timing, sampled fractions.
+
+        ``ns``: int ``[S, B, Hq]`` keys it sampled; ``ctx``: int ``[B]``, the keys each row had;
+        ``live``: the rows still decoding when it ran.
+        """
+        if self.hooks.on_logits is not None:
+            self.hooks.on_logits(t, np.asarray(logits))
+        self.steps += 1
+        if self.steps == 1:  # the first step compiles (unless compiled ahead); time the rest
+            self.compile_seconds = self._compiled_seconds + now - self._t0
+            self._t0 = now
+        if len(self.frac_sum):
+            self.frac_sum += (ns / ctx[None, :, None]).mean(axis=2)[:, live].mean(axis=1)
+            self.frac_steps += 1
+        if self.progress is not None:
+            self.progress(1)
+        self.seconds = now - self._t0
+
     def __iter__(self):
         hooks = self.hooks
         if hooks.on_logits is not None:
             hooks.on_logits(0, np.asarray(self.state.last_logits))
-        temp, tp = jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p)
+        self._temp, self._top_p = jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p)
         done = np.zeros(self.B, bool)
+        self._lengths = np.asarray(self.cache.lengths).copy()
+        self._last = int(self.limits.max()) - 1  # the last token index any row may reach
         tokens = self._first(self.state.last_logits)
-        t0 = time.perf_counter()
-        for t in range(int(self.limits.max())):
-            self._take(np.asarray(tokens), done)
-            yield self.outputs
-            if done.all():
-                break
-            ctx = np.asarray(self.cache.lengths) + 1
-            tokens, logits, num_sampled, self.cache, self.indices = self.step(
-                self.leaves, self.cache, self.indices, tokens, self.base_key, np.int32(t + 1), temp, tp)
-            if hooks.forced_tokens is not None:
-                tokens = self._forced(t + 1, tokens)
-            if hooks.on_logits is not None:
-                hooks.on_logits(t + 1, np.asarray(logits))
-            self.steps += 1
-            if self.steps == 1:  # the first step compiles (unless compiled ahead); time the rest
-                jax.block_until_ready(tokens)
-                self.compile_seconds = self._compiled_seconds + time.perf_counter() - t0
-                t0 = time.perf_counter()
-            if len(self.frac_sum):
-                ns = np.asarray(num_sampled, np.float64)  # [S, B, Hq]
-                self.frac_sum += (ns / ctx[None, :, None]).mean(axis=2)[:, ~done].mean(axis=1)
-                self.frac_steps += 1
-            if self.progress is not None:
-                self.progress(1)
-            self.seconds = time.perf_counter() - t0
+        # The next chunk is enqueued before the current one is read back (JAX runs it
+        # asynchronously), so the host's bookkeeping and the next call overlap the running
+        # steps instead of following them. A run that then stops (EOS, a stop string) has run
+        # steps it did not need: their tokens are never read, and the cache and the index hold
+        # those positions too. Forced prefixes followed by sampling (``then_sample``) need each
+        # sampled token on the host first: one step at a time, no overlap.
+        ahead = not (hooks.forced_tokens is not None and hooks.then_sample)
+        self._t0 = time.perf_counter()
+        tok = np.asarray(tokens)  # token 0, from the prefill's logits
+        self._take(tok, done)
+        yield self.outputs
+        if done.all() or self._last < 1:
+            return
+        cur = self._dispatch(0, tokens)
+        while True:
+            t, count, (last_tok, toks, logits, nss), before = cur
+            nxt = None
+            if ahead and t + count < self._last:
+                nxt = self._dispatch(t + count, self._next_input(t + count, last_tok))
+            toks = np.asarray(toks)[:count]  # waits for the chunk
+            now = time.perf_counter()
+            ns = np.asarray(nss, np.float64)[:count] if len(self.frac_sum) else None
+            for i in range(count):
+                self._book(t + 1 + i, logits, None if ns is None else ns[i], before + 1 + i, ~done, now)
+                tk = toks[i] if hooks.forced_tokens is None else np.asarray(self._forced(t + 1 + i, toks[i]))
+                self._take(tk, done)
+                yield self.outputs
+                if done.all():
+                    return
+            if nxt is None:
+                if t + count >= self._last:
+                    return
+                nxt = self._dispatch(t + count, self._next_input(t + count, last_tok))
+            cur = nxt
+
+    def _next_input(self, t: int, sampled):
+        """Token ``t`` as the next chunk's input: the forced id where there is one, else ``sampled``."""
+        return self._forced(t, sampled) if self.hooks.forced_tokens is not None else sampled
 
     def stats(self) -> dict:
         """What was asked and what was measured (see :class:`~magicpig_jax.generation.Generation`)."""

@@ -161,3 +161,72 @@ def test_prefix_state_of_one_prefill_equals_prefilling_the_prefix():
         prefill_with_prefixes(model, prompts, [290, 42], 8)
     with pytest.raises(ValueError, match="prefix_lengths has 1 entries"):
         prefill_with_prefixes(model, prompts, [3], 8)
+
+
+def _run_counting(model, state, spec, n, sampling, stop=None):
+    """Decode ``n`` tokens per row with ``start_decode``: (outputs, stats, the step count of each program call)."""
+    from magicpig_jax.decode_loop import start_decode
+
+    run = start_decode(model, state, spec, n, sampling, stop_on_eos=False, stop=stop)
+    counts, inner = [], run.step
+
+    def step(*args):
+        counts.append(args[6])  # (leaves, cache, indices, tokens, key, t, count, ...)
+        return inner(*args)
+
+    step.max_count = inner.max_count
+    run.step = step
+    for _ in run:
+        pass
+    return run.outputs, run.stats(), counts, run
+
+
+@pytest.mark.parametrize("attention", ["dense", "magicpig"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_chunks_of_steps_decode_the_tokens_of_single_steps(monkeypatch, attention, temperature):
+    # One program call running up to CHUNK_MAX steps (fori_loop) must give the tokens and sampled
+    # fractions of one step per call: same keys (fold_in(base_key, t)), same cache and index
+    # updates, including the index appends of generated tokens (every 8 steps here).
+    from magicpig_jax import decode_loop
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.models.backends import DecodeSpec
+
+    model = tiny_model(2)
+    rng = np.random.default_rng(0)
+    state = prefill(model, [rng.integers(1, 97, 40).tolist(), rng.integers(1, 97, 23).tolist()], 30)
+    cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
+    spec = DecodeSpec(backend=attention, magicpig=cfg, dense_layers=(0,), generation_buffer=8)
+    sampling = Sampling(temperature=temperature, top_p=0.9, seed=3)
+    results = {}
+    for name, seconds in (("single", 0.0), ("chunked", 1e9)):
+        monkeypatch.setattr(decode_loop, "CHUNK_SECONDS", seconds)
+        results[name] = _run_counting(model, state, spec, 30, sampling)
+    single, chunked = results["single"], results["chunked"]
+    assert set(single[2]) == {1}
+    assert max(chunked[2]) == decode_loop.CHUNK_MAX and sum(chunked[2]) == 29  # 29 steps after token 0
+    assert chunked[0] == single[0] and all(len(o) == 30 for o in chunked[0])
+    assert chunked[1]["decode_steps"] == single[1]["decode_steps"] == 29
+    for layer, frac in single[1]["sampled_fraction_per_layer"].items():
+        assert chunked[1]["sampled_fraction_per_layer"][layer] == pytest.approx(frac, rel=1e-12)
+    np.testing.assert_array_equal(np.asarray(chunked[3].cache.lengths), np.asarray(single[3].cache.lengths))
+
+
+def test_a_row_stopped_inside_a_chunk_keeps_only_its_tokens(monkeypatch):
+    # A stop inside a chunk: the row's outputs end at the stop, as with single steps; the steps
+    # run past it are not in the outputs (the cache holds their positions: DecodeRun's docstring).
+    from magicpig_jax import decode_loop
+    from magicpig_jax.generation import decode_spec
+
+    model = tiny_model(2)
+    state = prefill(model, [list(range(1, 21)), list(range(5, 17))], 30)
+    spec = decode_spec(model, "dense")
+    stop = lambda row, ids: len(ids) == (13 if row == 0 else 21)  # noqa: E731
+    results = {}
+    for name, seconds in (("single", 0.0), ("chunked", 1e9)):
+        monkeypatch.setattr(decode_loop, "CHUNK_SECONDS", seconds)
+        results[name] = _run_counting(model, state, spec, 30, Sampling(), stop=stop)
+    single, chunked = results["single"], results["chunked"]
+    assert [len(o) for o in chunked[0]] == [13, 21]
+    assert chunked[0] == single[0] and chunked[1]["stop_reasons"] == ["stop", "stop"]
+    assert max(chunked[2]) > 1
+    assert (np.asarray(chunked[3].cache.lengths) >= np.asarray([20 + 20, 12 + 20])).all()

@@ -241,16 +241,22 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     return next_tokens, logits, num_sampled, KVCache(k=new_k, v=new_v, lengths=lengths), tuple(indices)
 
 
-def check_capacity(cache: KVCache) -> None:
+def check_capacity(cache: KVCache, host_lengths: np.ndarray | None = None) -> None:
     """Refuse a decode step that would write past the cache: every row needs a free position.
+
+    Args:
+      cache: the :class:`KVCache` the step would write.
+      host_lengths: int ``[B]``, the rows' lengths as the caller tracks them on the host (the
+        decode loop: the prompt lengths plus the steps dispatched). Given, the check does not
+        read ``cache.lengths``, so it does not wait for a step still running to produce them.
 
     Raises:
       ValueError: a row's length is already the capacity (read when ``cache.lengths`` is
         concrete; inside a trace the step itself leaves full rows unchanged).
     """
-    if isinstance(cache.lengths, jax.core.Tracer):
+    if host_lengths is None and isinstance(cache.lengths, jax.core.Tracer):
         return
-    lengths = np.asarray(cache.lengths)
+    lengths = np.asarray(cache.lengths if host_lengths is None else host_lengths)
     full = np.nonzero(lengths >= cache.capacity)[0]
     if full.size:
         raise ValueError(f"decode step past the cache: row(s) {full.tolist()} hold {lengths[full].tolist()} tokens, "
@@ -296,7 +302,9 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
     closes over both and is cached per (graphdef, treedef, spec), so a decode loop pays
     that once. Call it as ``step(leaves, cache, indices, tokens, base_key, t, temperature,
     top_p)`` with ``leaves = jax.tree.leaves(state)``; the sampling key is
-    ``jax.random.fold_in(base_key, t)`` (int32 ``t``), computed inside the step.
+    ``jax.random.fold_in(base_key, t)`` (int32 ``t``), computed inside the step. The keyword
+    ``host_lengths`` (int ``[B]``) lets a caller that tracks the rows' lengths on the host
+    skip reading them from the cache (:func:`check_capacity`).
 
     Returns:
       The step (cache and indices donated; the jitted function is its ``jitted`` attribute);
@@ -319,8 +327,8 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
     else:
         jitted = jax.jit(step, donate_argnames=("cache", "indices"))
 
-    def fn(leaves, cache, indices, *args):
-        check_capacity(cache)  # a full row: ValueError before anything is written (see decode_step)
+    def fn(leaves, cache, indices, *args, host_lengths=None):
+        check_capacity(cache, host_lengths)  # a full row: ValueError before anything is written (see decode_step)
         return jitted(leaves, cache, indices, *args)
 
     fn.jitted = jitted
