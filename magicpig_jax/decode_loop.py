@@ -130,7 +130,9 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         t0 = time.perf_counter()
         build = functools.partial(build_indices, spec=spec, num_layers=n_layers)
         dims = (len(spec.sparse_layers(n_layers)), model.config.num_heads, model.config.vocab_size)
-        step = _step_compiled_ahead(step, leaves, cache, build, B, sampling, dims)
+        # Evaluation hooks feed or read every step on the host: one step per call.
+        chunks = hooks.forced_tokens is None and hooks.on_logits is None and max_new_tokens >= CHUNK_MIN_TOKENS
+        step = _step_compiled_ahead(step, leaves, cache, build, B, sampling, dims, CHUNK_MAX if chunks else 1)
         compile_seconds = time.perf_counter() - t0
     else:
         step = _single_step_chunk(step)
@@ -194,14 +196,19 @@ _FLAT_STEPS_SIZE = 64
 # caller (streaming, stop checks) only when it ends.
 CHUNK_MAX = 8
 CHUNK_SECONDS = 0.1
+# Shorter runs compile the one-step program: chunks start only once a step has been timed (the
+# fourth call), and the loop's program takes more memory to compile.
+CHUNK_MIN_TOKENS = 32
 
 
-def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling, dims: tuple[int, int, int]):
+def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling, dims: tuple[int, int, int],
+                         max_count: int):
     """A chunk step (see :class:`DecodeRun`) over ``step`` (from :func:`compiled_decode_step`),
     compiled now, before ``build(cache)`` runs.
 
-    The chunk runs ``count <= CHUNK_MAX`` steps in one program (``lax.fori_loop``; ``count`` is
-    an argument, so one program serves every chunk length). The index exists only as shapes
+    With ``max_count > 1`` the chunk runs ``count <= max_count`` steps in one program
+    (``lax.fori_loop``; ``count`` is an argument, so one program serves every chunk length);
+    with 1, the program is the step itself. The index exists only as shapes
     (``jax.eval_shape``); the program is compiled over its leaves, so no index object is ever
     made of shapes (a type-checked index such as ``LSHIndex`` accepts arrays only).
     ``dims = (S, Hq, V)``: sparse layers, query heads and vocabulary of the step's outputs.
@@ -214,15 +221,20 @@ def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling,
 
     shapes = jax.eval_shape(index_leaves, cache)
     tree = box["tree"]
-    flat = _FLAT_STEPS.get((step.jitted, tree, dims))
+    key = (step.jitted, tree, dims, max_count)
+    flat = _FLAT_STEPS.get(key)
     if flat is not None:
-        _FLAT_STEPS.move_to_end((step.jitted, tree, dims))
+        _FLAT_STEPS.move_to_end(key)
     else:
         inner = step.jitted
         S, Hq, V = dims
 
         def flat_chunk(leaves, cache, index_leaves, tokens, base_key, t, count, temperature, top_p):
             Bt = tokens.shape[0]
+            if max_count == 1:
+                tok, logits, ns, cache, indices = inner(leaves, cache, jax.tree.unflatten(tree, index_leaves), tokens,
+                                                        base_key, t, temperature, top_p)
+                return tok, tok[None], logits, ns[None], cache, jax.tree.leaves(indices)
 
             def body(i, carry):
                 cache, indices, tok, toks, nss, _ = carry
@@ -230,15 +242,15 @@ def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling,
                                                         top_p)
                 return cache, indices, tok, toks.at[i].set(tok), nss.at[i].set(ns), logits
 
-            init = (cache, jax.tree.unflatten(tree, index_leaves), tokens, jnp.zeros((CHUNK_MAX, Bt), jnp.int32),
-                    jnp.zeros((CHUNK_MAX, S, Bt, Hq), jnp.int32), jnp.zeros((Bt, V), jnp.float32))
+            init = (cache, jax.tree.unflatten(tree, index_leaves), tokens, jnp.zeros((max_count, Bt), jnp.int32),
+                    jnp.zeros((max_count, S, Bt, Hq), jnp.int32), jnp.zeros((Bt, V), jnp.float32))
             cache, indices, tok, toks, nss, logits = jax.lax.fori_loop(0, count, body, init)
             return tok, toks, logits, nss, cache, jax.tree.leaves(indices)
 
         flat = jax.jit(flat_chunk, donate_argnums=(1, 2))
         if len(_FLAT_STEPS) >= _FLAT_STEPS_SIZE:
             _FLAT_STEPS.popitem(last=False)
-        _FLAT_STEPS[(step.jitted, tree, dims)] = flat
+        _FLAT_STEPS[key] = flat
     compiled = compile_then_trim(flat, leaves, cache, shapes, jax.ShapeDtypeStruct((B,), jnp.int32),
                                  jax.random.key(sampling.seed), np.int32(1), np.int32(1),
                                  jnp.float32(sampling.temperature), jnp.float32(sampling.top_p))
@@ -251,7 +263,7 @@ def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling,
                                                                top_p)
         return tok, toks, logits, nss, cache, jax.tree.unflatten(tree, flat_indices)
 
-    chunk.max_count = CHUNK_MAX
+    chunk.max_count = max_count
     return chunk
 
 

@@ -193,19 +193,19 @@ def test_chunks_of_steps_decode_the_tokens_of_single_steps(monkeypatch, attentio
 
     model = tiny_model(2)
     rng = np.random.default_rng(0)
-    state = prefill(model, [rng.integers(1, 97, 40).tolist(), rng.integers(1, 97, 23).tolist()], 30)
+    state = prefill(model, [rng.integers(1, 97, 40).tolist(), rng.integers(1, 97, 23).tolist()], 40)
     cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
     spec = DecodeSpec(backend=attention, magicpig=cfg, dense_layers=(0,), generation_buffer=8)
     sampling = Sampling(temperature=temperature, top_p=0.9, seed=3)
     results = {}
     for name, seconds in (("single", 0.0), ("chunked", 1e9)):
         monkeypatch.setattr(decode_loop, "CHUNK_SECONDS", seconds)
-        results[name] = _run_counting(model, state, spec, 30, sampling)
+        results[name] = _run_counting(model, state, spec, 40, sampling)
     single, chunked = results["single"], results["chunked"]
     assert set(single[2]) == {1}
-    assert max(chunked[2]) == decode_loop.CHUNK_MAX and sum(chunked[2]) == 29  # 29 steps after token 0
-    assert chunked[0] == single[0] and all(len(o) == 30 for o in chunked[0])
-    assert chunked[1]["decode_steps"] == single[1]["decode_steps"] == 29
+    assert max(chunked[2]) == decode_loop.CHUNK_MAX and sum(chunked[2]) == 39  # 39 steps after token 0
+    assert chunked[0] == single[0] and all(len(o) == 40 for o in chunked[0])
+    assert chunked[1]["decode_steps"] == single[1]["decode_steps"] == 39
     for layer, frac in single[1]["sampled_fraction_per_layer"].items():
         assert chunked[1]["sampled_fraction_per_layer"][layer] == pytest.approx(frac, rel=1e-12)
     np.testing.assert_array_equal(np.asarray(chunked[3].cache.lengths), np.asarray(single[3].cache.lengths))
@@ -218,15 +218,31 @@ def test_a_row_stopped_inside_a_chunk_keeps_only_its_tokens(monkeypatch):
     from magicpig_jax.generation import decode_spec
 
     model = tiny_model(2)
-    state = prefill(model, [list(range(1, 21)), list(range(5, 17))], 30)
+    state = prefill(model, [list(range(1, 21)), list(range(5, 17))], 40)
     spec = decode_spec(model, "dense")
-    stop = lambda row, ids: len(ids) == (13 if row == 0 else 21)  # noqa: E731
+    stop = lambda row, ids: len(ids) == (13 if row == 0 else 27)  # noqa: E731
     results = {}
     for name, seconds in (("single", 0.0), ("chunked", 1e9)):
         monkeypatch.setattr(decode_loop, "CHUNK_SECONDS", seconds)
-        results[name] = _run_counting(model, state, spec, 30, Sampling(), stop=stop)
+        results[name] = _run_counting(model, state, spec, 40, Sampling(), stop=stop)
     single, chunked = results["single"], results["chunked"]
-    assert [len(o) for o in chunked[0]] == [13, 21]
+    assert [len(o) for o in chunked[0]] == [13, 27]
     assert chunked[0] == single[0] and chunked[1]["stop_reasons"] == ["stop", "stop"]
     assert max(chunked[2]) > 1
-    assert (np.asarray(chunked[3].cache.lengths) >= np.asarray([20 + 20, 12 + 20])).all()
+    assert (np.asarray(chunked[3].cache.lengths) >= np.asarray([20 + 26, 12 + 26])).all()
+
+
+def test_short_runs_and_hooks_compile_the_one_step_program():
+    # Below CHUNK_MIN_TOKENS, or with evaluation hooks, every call runs one step.
+    from magicpig_jax import decode_loop
+    from magicpig_jax.decode_loop import DecodeHooks, start_decode
+    from magicpig_jax.generation import decode_spec
+
+    model = tiny_model(2)
+    state = prefill(model, [list(range(1, 21))], 40)
+    spec = decode_spec(model, "dense")
+    n = decode_loop.CHUNK_MIN_TOKENS
+    assert start_decode(model, state, spec, n - 1, Sampling()).step.max_count == 1
+    assert start_decode(model, state, spec, n, Sampling()).step.max_count == decode_loop.CHUNK_MAX
+    hooks = DecodeHooks(on_logits=lambda t, logits: None)
+    assert start_decode(model, state, spec, n, Sampling(), hooks=hooks).step.max_count == 1
