@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.eval.forcing import forced_decode
@@ -255,6 +257,27 @@ def test_greedy_sampling_skips_the_sort_but_sampling_still_samples():
     assert len(draws) > 1  # temperature 1 over 50 similar logits: not always the argmax
     top = sample_token(logits, jax.random.key(1), jnp.float32(1.0), jnp.float32(1e-6))
     np.testing.assert_array_equal(np.asarray(top), np.argmax(np.asarray(logits), -1))  # top-p -> argmax only
+
+
+_greedy_jit = None
+
+
+@given(st.lists(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]),
+                         min_size=1, max_size=40), min_size=1, max_size=4).filter(
+    lambda rows: len({len(r) for r in rows}) == 1))
+@settings(max_examples=60, deadline=None)
+def test_greedy_token_equals_numpy_argmax(rows):
+    # greedy_token replaces jnp.argmax in the decode step: the first maximum, ties, +-inf, and the
+    # first NaN when there is one, as NumPy's argmax (the independent reference).
+    global _greedy_jit
+    from magicpig_jax.models.decoding import greedy_token
+
+    if _greedy_jit is None:
+        _greedy_jit = jax.jit(greedy_token)
+    x = np.asarray(rows, np.float32)
+    got = np.asarray(_greedy_jit(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
