@@ -22,6 +22,8 @@ import threading
 import time
 from pathlib import Path
 
+from magicpig_jax.argparsing import Parser
+
 __all__ = ["main", "DEMO_DOCUMENT", "DEMO_QUESTION"]
 
 DEMO_DOCUMENT = Path(__file__).parent / "data" / "lgpl-2.1.txt"
@@ -52,15 +54,20 @@ def _attention_list(text: str) -> list[str]:
     from magicpig_jax.models.backends import BACKENDS
 
     names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in BACKENDS]
+    # The hybrid estimator needs a HybridConfig per layer: the Python API and `eval` take it.
+    allowed = tuple(b for b in BACKENDS if b != "hybrid")
+    if "hybrid" in names:
+        raise argparse.ArgumentTypeError("--attention hybrid needs per-layer HybridConfig settings, which generate "
+                                         "does not take: use the Python API or `magicpig-jax eval --methods`; "
+                                         f"generate takes a comma-separated subset of {allowed}")
+    bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"--attention takes a comma-separated subset of {BACKENDS}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--attention takes a comma-separated subset of {allowed}, got {text!r}")
     return names
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="answer a question over a long document (MagicPIG next to dense)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("generate", help="answer a question over a long document (MagicPIG next to dense)")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--document", type=Path, default=None,
                    help=f"text file to read (default: the bundled {DEMO_DOCUMENT.name}, ~5.9K tokens)")
@@ -80,7 +87,8 @@ def _add_generate(sub) -> None:
                    help="layers kept dense under MagicPIG (default: 0 and num_layers // 2)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string, matched as typed (repeat for several; a newline is $'\\n' in bash)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--parse-special", action="store_true",
                    help="special-token strings in the prompt become control tokens (raw prompts)")
@@ -292,8 +300,7 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="write a model as an orbax checkpoint (quantized matrices as their GGUF rows)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser("convert", help="write a model as an orbax checkpoint (quantized matrices as their GGUF rows)")
     p.add_argument("model", help="GGUF file or Hugging Face directory ('embedded' = the bundled SmolLM2)")
     p.add_argument("out", type=Path, help="checkpoint directory to create")
     p.set_defaults(func=_cmd_convert)
@@ -331,8 +338,7 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magicpig-jax``."""
-    parser = argparse.ArgumentParser(prog="magicpig-jax", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="magicpig-jax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)

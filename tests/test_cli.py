@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -46,6 +47,34 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
     # a model path that does not exist: loading it would be a different error
     one_line_error(run("generate", "--model", "/nonexistent.gguf", *args), expected)
     assert time.perf_counter() - start < 30  # interpreter start-up, no load or prefill
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["generate", "--attention", "foo"], "generate: argument --attention: --attention takes a comma-separated"),
+    (["generate", "--attention", "dense,hybrid"], "--attention hybrid needs per-layer HybridConfig settings"),
+    (["generate", "--max-new-tokens", "x"], "invalid int value: 'x'"),
+    (["bench", "decode", "--steps", "x"], "bench decode: argument --steps: invalid int value"),
+    (["study", "attention", "--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["eval", "--out", "runs/never", "--no-such-option"], "eval: unrecognized arguments: --no-such-option"),
+    (["eval"], "eval: the following arguments are required: --out"),
+    (["nope"], "invalid choice: 'nope'"),
+])
+def test_argument_errors_are_one_line_without_the_usage(args, expected):
+    one_line_error(run(*args), expected)
+
+
+@pytest.mark.parametrize("args,shown", [
+    (["generate"], ["tokens to generate at most (default: 48)", "and sampling (default: 0)",
+                    "(default: the embedded SmolLM2-135M-Instruct)"]),
+    (["bench", "decode"], ["--steps STEPS decode steps per run (the first is not timed) (default:"]),
+])
+def test_help_shows_each_default_once(args, shown):
+    out = " ".join(run(*args, "--help").stdout.split())
+    assert "(default: None)" not in out and "(default: False)" not in out
+    # a default the help text already names is not appended a second time
+    assert not re.search(r"\(default: [^()]*(\([^()]*\)[^()]*)*\) \(default:", out), out
+    for text in shown:
+        assert text in out, text
 
 
 @pytest.mark.parametrize("model", [None, FAMILY])

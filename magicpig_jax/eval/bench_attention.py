@@ -17,7 +17,6 @@ Usage: ``python -m magicpig_jax.eval.bench_attention --n 8192 32768 --out runs/b
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from magicpig_jax.argparsing import Parser
 from magicpig_jax.eval.rss import OtherLoad
 
 SHAPES = {"llama3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -272,7 +272,7 @@ def _plot(results, path):
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    p = argparse.ArgumentParser(prog="magicpig-jax bench attention", description=__doc__.splitlines()[0])
+    p = Parser(prog="magicpig-jax bench attention", description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, nargs="+", default=[8192, 32768, 131072], help="context lengths")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--K", type=int, default=10)

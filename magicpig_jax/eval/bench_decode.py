@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from magicpig_jax.argparsing import Parser
 from magicpig_jax.eval.peer import PEERS, llama_cpp_available
 from magicpig_jax.eval.rss import OtherLoad, PeakRSS
 
@@ -175,7 +176,7 @@ def ratios(results: list[dict]) -> list[dict]:
 
 def make_parser() -> argparse.ArgumentParser:
     """The options of ``magicpig-jax bench decode``."""
-    p = argparse.ArgumentParser(prog="magicpig-jax bench decode", description=__doc__.splitlines()[0])
+    p = Parser(prog="magicpig-jax bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes B (rows decoded together)")

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from magicpig_jax.argparsing import Parser
 from magicpig_jax.eval.corpus import CALIBRATION_TEXT
 
 __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
@@ -356,8 +357,7 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
 
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magicpig-jax calibrate`` (the module docstring is its help)."""
-    p = argparse.ArgumentParser(prog="magicpig-jax calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="magicpig-jax calibrate", description=__doc__)
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face or checkpoint directory (default: "
                                                   "the embedded SmolLM2)")
     p.add_argument("--kl-budget", type=float, required=True, help="mean KL(dense || method) per token to meet")

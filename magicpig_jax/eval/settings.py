@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from magicpig_jax.argparsing import Parser
 from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK
 from magicpig_jax.eval.methods import DEFAULT_METHODS, Method, parse_lengths, parse_methods
 
@@ -54,8 +55,7 @@ def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magicpig-jax eval``."""
     from magicpig_jax.eval.tasks import TASKS
 
-    p = argparse.ArgumentParser(prog="magicpig-jax eval", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="magicpig-jax eval", description=__doc__)
     p.add_argument("--tasks", default="niah_single,niah_multikey",
                    help=f"comma-separated tasks ({', '.join(TASKS)}; 'all', 'niah', or 'none' for likelihood only)")
     p.add_argument("--lengths", default="2K,4K,8K", help="context lengths in tokens (prompt + new tokens)")

@@ -41,6 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from magicpig_jax import lsh
+from magicpig_jax.argparsing import Parser
 from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.attention.cost_model import expected_sampled_fraction, tables_for_fraction
 from magicpig_jax.eval.study_measure import (
@@ -89,8 +90,7 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magicpig-jax study attention`` (the module docstring is its help)."""
-    p = argparse.ArgumentParser(prog="magicpig-jax study attention", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="magicpig-jax study attention", description=__doc__)
     p.add_argument("--out", type=Path, default=Path("runs/study"), help="output directory")
     p.add_argument("--capture", type=Path, default=None,
                    help=".npz with q [layers, Hq, D], k and v [layers, Hkv, N, D]")
