@@ -480,82 +480,13 @@ AVX2_FN float DotQ4KAvx2(const uint8_t* row, const float* xp, const float* xsum,
   return y;
 }
 
-// Token-blocked kernels: one row against T <= kTokenBlock tokens. A block's weights are
-// unpacked and converted to float once and meet every token's activations, instead of once
-// per token (a batched decode step multiplies each weight by B token rows). Per token the
-// operations and their order are those of the one-token kernels above (DotQ4_1Avx2 /
-// DotQ4KAvx2Rows), so each token's result is bit-identical to computing it alone (this file
-// is compiled without FP contraction): a batch row does not depend on the other rows.
+// Token-blocked kernels (token_kernels.inc): one row against T <= kTokenBlock tokens. A
+// block's weights are unpacked and converted to float once and meet every token's activations,
+// instead of once per token (a batched decode step multiplies each weight by B token rows). Per
+// token the operations and their order are those of the one-token kernels (DotQ4_1Avx2,
+// DotQ4KAvx2Rows, DotQ8_0Avx2, DotQ6KAvx2Perm), so each token's result is bit-identical to computing it
+// alone (this file is compiled without FP contraction): a batch row does not depend on the others.
 constexpr int kTokenBlock = 8;
-
-// xp, xsum: token t's permuted activations at xp + t * In and its block sums at xsum + t * nb.
-AVX2_FN void DotQ4_1Avx2Tokens(const uint8_t* row, const float* xp, const float* xsum, int64_t In, int T,
-                               float* out) {
-  const int64_t nb = In / kQK;
-  const Q4Masks mk = MakeQ4Masks();
-  __m256 acc[kTokenBlock];
-  float macc[kTokenBlock];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), macc[t] = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 20;
-    const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-    const __m256 f0 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[0]));
-    const __m256 f1 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[1]));
-    const __m256 f2 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[2]));
-    const __m256 f3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q, 4), mk.m[3]));
-    const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk));
-    const float m = HalfToFloatF16c(blk + 2);
-    for (int t = 0; t < T; ++t) {
-      const float* xb = xp + t * In + b * kQK;
-      __m256 s = _mm256_mul_ps(f0, _mm256_loadu_ps(xb));
-      s = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xb + 8), s);
-      s = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xb + 16), s);
-      s = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xb + 24), s);
-      acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
-      macc[t] += m * xsum[t * nb + b];
-    }
-  }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]) + macc[t];
-  _mm256_zeroupper();
-}
-
-// Q4_K; xsum: token t's sub-block sums at xsum + t * (In / 32).
-AVX2_FN void DotQ4KAvx2Tokens(const uint8_t* row, const float* xp, const float* xsum, int64_t In, int T,
-                              float* out) {
-  const Q4Masks mk = MakeQ4Masks();
-  const int64_t nb = In / kQKK, ng = In / kQK;
-  __m256 acc[kTokenBlock], macc[kTokenBlock];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps(), macc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 144;
-    __m256 dsc, dm;
-    ScalesMinsK4Avx2(blk, &dsc, &dm);
-    for (int t = 0; t < T; ++t) macc[t] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xsum + t * ng + b * 8), macc[t]);
-    for (int g = 0; g < 4; ++g) {
-      const __m256i pick = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
-      const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i q = _mm256_broadcastsi128_si256(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 + 32 * g + 16 * h)));
-        const __m256 f0 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[0]));
-        const __m256 f1 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[1]));
-        const __m256 f2 = _mm256_cvtepi32_ps(_mm256_and_si256(q, mk.m[2]));
-        const __m256 f3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q, 4), mk.m[3]));
-        const int64_t off = b * kQKK + 64 * g + 32 * h;
-        for (int t = 0; t < T; ++t) {
-          const float* xg = xp + t * In + off;
-          __m256 s = _mm256_mul_ps(f0, _mm256_loadu_ps(xg));
-          s = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xg + 8), s);
-          s = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xg + 16), s);
-          s = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xg + 24), s);
-          acc[t] = _mm256_fmadd_ps(scale, s, acc[t]);
-        }
-      }
-    }
-  }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]) - Hsum(macc[t]);
-  _mm256_zeroupper();
-}
 
 AVX2_FN float DotQ8_0Avx2(const uint8_t* row, const float* x, const float*, int64_t In) {
   const int64_t nb = In / kQK;
@@ -912,81 +843,47 @@ AVX2_FN bool DequantRowAvx2(int64_t qtype, const uint8_t* row, int64_t In, float
       return false;
   }
 }
+
+#define MAGICPIG_UNROLL_TOKENS _Pragma("GCC unroll 8")
+namespace tokens_avx2 {
+#define MAGICPIG_TOKENS_FN __attribute__((target("avx2,fma,f16c")))
+#include "token_kernels.inc"
+#undef MAGICPIG_TOKENS_FN
+}  // namespace tokens_avx2
+namespace tokens_wide {
+#define MAGICPIG_TOKENS_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
+#include "token_kernels.inc"
+#undef MAGICPIG_TOKENS_FN
+}  // namespace tokens_wide
+#undef MAGICPIG_UNROLL_TOKENS
+
+// AVX-512F + VL: the wide build of the token-blocked kernels (32 registers) runs.
+inline bool CpuHasAvx512Vl() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+// Kernel::Run<T>(args...) for a run-time T in [1, kTokenBlock], from the wide build or the AVX2 one.
+template <class Wide, class Avx2, class... A>
+void RunTokens(bool wide, int T, A... a) {
+  static_assert(kTokenBlock == 8, "RunTokens dispatches T = 1..8");
+  switch (T) {
+    case 1: return wide ? Wide::template Run<1>(a...) : Avx2::template Run<1>(a...);
+    case 2: return wide ? Wide::template Run<2>(a...) : Avx2::template Run<2>(a...);
+    case 3: return wide ? Wide::template Run<3>(a...) : Avx2::template Run<3>(a...);
+    case 4: return wide ? Wide::template Run<4>(a...) : Avx2::template Run<4>(a...);
+    case 5: return wide ? Wide::template Run<5>(a...) : Avx2::template Run<5>(a...);
+    case 6: return wide ? Wide::template Run<6>(a...) : Avx2::template Run<6>(a...);
+    case 7: return wide ? Wide::template Run<7>(a...) : Avx2::template Run<7>(a...);
+    default: return wide ? Wide::template Run<8>(a...) : Avx2::template Run<8>(a...);
+  }
+}
 #endif  // MAGICPIG_HAVE_AVX2_PATH
 
 // Bytes of weights kept requested ahead of the kernels (software prefetch). Measured on the
 // 2-core machine, decoding SmolLM2 at 256 tokens of context: 18.0 ms/token without, 16.1 with
 // 4096 (2048 and 8192 within noise of it, 16384 worse).
 constexpr int64_t kPrefetchAhead = 4096;
-
-// Q8_0 against T tokens (x not permuted): as DotQ8_0Avx2 per token.
-AVX2_FN void DotQ8_0Avx2Tokens(const uint8_t* row, const float* x, int64_t In, int T, float* out) {
-  const int64_t nb = In / kQK;
-  __m256 acc[kTokenBlock];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 34;
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
-    const __m256 f0 = I8ToF32(q0), f1 = I8ToF32(_mm_srli_si128(q0, 8));
-    const __m256 f2 = I8ToF32(q1), f3 = I8ToF32(_mm_srli_si128(q1, 8));
-    const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk));
-    for (int t = 0; t < T; ++t) {
-      const float* xb = x + t * In + b * kQK;
-      __m256 s = _mm256_mul_ps(f0, _mm256_loadu_ps(xb));
-      s = _mm256_fmadd_ps(f1, _mm256_loadu_ps(xb + 8), s);
-      s = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xb + 16), s);
-      s = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xb + 24), s);
-      acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
-    }
-  }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(acc[t]);
-  _mm256_zeroupper();
-}
-
-// Q6_K against T tokens (x permuted by PermuteQ6K): as DotQ6KAvx2Perm per token.
-AVX2_FN void DotQ6KAvx2Tokens(const uint8_t* row, const float* xp, int64_t In, int T, float* out) {
-  const int64_t nb = In / kQKK;
-  __m256i pick[4], mask[4], off[4];
-  for (int i = 0; i < 4; ++i) {
-    pick[i] = _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
-    mask[i] = _mm256_set1_epi32(0x3f << (8 * i));
-    off[i] = _mm256_set1_epi32(32 << (8 * i));
-  }
-  __m256 acc0[kTokenBlock], acc1[kTokenBlock];
-  for (int t = 0; t < T; ++t) acc0[t] = _mm256_setzero_ps(), acc1[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 210;
-    const __m256 d = _mm256_set1_ps(HalfToFloatF16c(blk + 208));
-    const __m128i sc16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-    for (int h = 0; h < 2; ++h) {
-      __m256i v[4];
-      const __m256 dsc = Q6KHalf(blk, h, d, sc16, v);
-      for (int g = 0; g < 4; ++g) {
-        const __m256 scale = _mm256_permutevar8x32_ps(dsc, pick[g]);
-        const __m256 f0 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[0]), off[0]));
-        const __m256 f1 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[1]), off[1]));
-        const __m256 f2 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[2]), off[2]));
-        const __m256 f3 = Cvt(_mm256_sub_epi32(_mm256_and_si256(v[g], mask[3]), off[3]));
-        for (int t = 0; t < T; ++t) {
-          const float* xg = xp + t * In + b * kQKK + 128 * h + 32 * g;
-          __m256 t0 = _mm256_mul_ps(f0, _mm256_loadu_ps(xg));
-          __m256 t1 = _mm256_mul_ps(f1, _mm256_loadu_ps(xg + 8));
-          t0 = _mm256_fmadd_ps(f2, _mm256_loadu_ps(xg + 16), t0);
-          t1 = _mm256_fmadd_ps(f3, _mm256_loadu_ps(xg + 24), t1);
-          const __m256 tt = _mm256_add_ps(t0, t1);
-          if (g & 1) {
-            acc1[t] = _mm256_fmadd_ps(scale, tt, acc1[t]);
-          } else {
-            acc0[t] = _mm256_fmadd_ps(scale, tt, acc0[t]);
-          }
-        }
-      }
-    }
-  }
-  for (int t = 0; t < T; ++t) out[t] = Hsum(_mm256_add_ps(acc0[t], acc1[t]));
-  _mm256_zeroupper();
-}
 
 DotFn PickKernel(int64_t qtype, bool avx2) {
 #ifdef MAGICPIG_HAVE_AVX2_PATH
@@ -1063,6 +960,9 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   if (M == 0 || Out == 0) return ReadyFuture(ffi::Error::Success());
   const bool avx2 = impl != 1 && CpuHasAvx2();
+  // auto: the token-blocked kernels' 32-register build where the CPU has AVX-512VL; avx2: the
+  // 16-register one (the same bits).
+  const bool wide = impl == 0 && avx2 && CpuHasAvx512Vl();
   const DotFn dot = PickKernel(qtype, avx2);
   const bool permuted = avx2 && (qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K);  // x permuted for these
   const float* xp = x.typed_data();
@@ -1073,7 +973,7 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   // sums of x per 32 weights (the "+ m" terms) and, for the AVX2 Q4_1 kernels, x permuted
   // and scaled (PermuteQ4_1).
   struct Prepared {
-    std::vector<float> xsum, xperm;
+    std::vector<float> xsum, xperm, xsum_t;  // xsum_t: per kTokenBlock tokens, [ng, kTokenBlock]
   };
   auto prep = std::make_shared<Prepared>();
   const int64_t ng = info.has_min ? In / kQK : 0;
@@ -1083,6 +983,17 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       float s = 0.0f;
       for (int64_t j = 0; j < kQK; ++j) s += xp[t * In + g * kQK + j];
       prep->xsum[t * ng + g] = s;
+    }
+  }
+  // More than one token row: Q4_1, Q4_K, Q6_K and Q8_0 run the token-blocked kernels.
+  const bool token_blocked =
+      avx2 && M > 1 && (qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0);
+  if (token_blocked && qtype == kQ4_1) {  // the Q4_1 token kernels read the sums token-minor
+    prep->xsum_t.assign((M + kTokenBlock - 1) / kTokenBlock * ng * kTokenBlock, 0.0f);
+    for (int64_t t = 0; t < M; ++t) {
+      for (int64_t g = 0; g < ng; ++g) {
+        prep->xsum_t[((t / kTokenBlock) * ng + g) * kTokenBlock + t % kTokenBlock] = prep->xsum[t * ng + g];
+      }
     }
   }
 #ifdef MAGICPIG_HAVE_AVX2_PATH
@@ -1099,9 +1010,6 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     }
   }
 #endif
-  // More than one token row: Q4_1, Q4_K, Q6_K and Q8_0 run the token-blocked kernels.
-  const bool token_blocked =
-      avx2 && M > 1 && (qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0);
   // Work items of about 64 KiB of weights, so small matrices run on the calling thread.
   const int64_t row_bytes = wd[1];
   const int64_t rows_per_item = std::max<int64_t>(8, (int64_t{64} << 10) / row_bytes / 4 * 4);
@@ -1132,13 +1040,15 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
         for (int64_t t0 = 0; t0 < M; t0 += kTokenBlock) {
           const int T = static_cast<int>(std::min<int64_t>(kTokenBlock, M - t0));
           if (qtype == kQ4_1) {
-            DotQ4_1Avx2Tokens(row, xk + t0 * In, xsum + t0 * ng, In, T, yt);
+            RunTokens<tokens_wide::Q4_1Tokens, tokens_avx2::Q4_1Tokens>(
+                wide, T, row, xk + t0 * In, prep->xsum_t.data() + t0 * ng, In, yt);
           } else if (qtype == kQ4_K) {
-            DotQ4KAvx2Tokens(row, xk + t0 * In, xsum + t0 * ng, In, T, yt);
+            RunTokens<tokens_wide::Q4KTokens, tokens_avx2::Q4KTokens>(wide, T, row, xk + t0 * In, xsum + t0 * ng,
+                                                                      In, yt);
           } else if (qtype == kQ6_K) {
-            DotQ6KAvx2Tokens(row, xk + t0 * In, In, T, yt);
+            RunTokens<tokens_wide::Q6KTokens, tokens_avx2::Q6KTokens>(wide, T, row, xk + t0 * In, In, yt);
           } else {
-            DotQ8_0Avx2Tokens(row, xk + t0 * In, In, T, yt);
+            RunTokens<tokens_wide::Q8_0Tokens, tokens_avx2::Q8_0Tokens>(wide, T, row, xk + t0 * In, In, yt);
           }
           for (int k = 0; k < T; ++k) yp[(t0 + k) * Out + r] = yt[k];
         }

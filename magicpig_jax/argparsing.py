@@ -8,18 +8,35 @@ line, no usage block) and ``--help`` shows each option's default exactly once.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
-__all__ = ["DefaultsFormatter", "Parser"]
+__all__ = ["DefaultsFormatter", "Parser", "plain_text"]
+
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`<]*?)(?:\s*<([^>]*)>)?`")
+
+
+def plain_text(doc: str) -> str:
+    """A module docstring as a terminal reads it: Sphinx roles (``:func:`~a.b.f```, ``:mod:`m```)
+    become their names (``f``, ``m``) and double backquotes are dropped."""
+
+    def name(m: re.Match) -> str:
+        tilde, target, link = m.groups()
+        text = target.strip() or (link or "").strip()
+        return text.rsplit(".", 1)[-1] if tilde else text
+
+    return _ROLE.sub(name, doc).replace("``", "")
 
 
 class DefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions as written; ``(default: X)`` appended unless the help already names the
-    default or there is none to show (``None``, ``False``, suppressed)."""
+    default, there is none to show (``None``, ``False``, suppressed) or the option is a flag
+    (``--no-x`` stores False when given: "default: True" would read as the flag being on)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text.lower() or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+        flag = isinstance(action, argparse._StoreConstAction)  # store_true / store_false / store_const
+        if flag or "default" in text.lower() or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
             return text
         return super()._get_help_string(action)
 
@@ -30,6 +47,8 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
+        if kwargs.get("description"):
+            kwargs["description"] = plain_text(kwargs["description"])
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):

@@ -45,6 +45,8 @@ class PrefillState:
       seconds: prefill wall time (including compilation of the chunk function).
       allow_beyond_context: whether positions past the model's context are allowed (timing
         experiments); decoding then stops only at the cache capacity.
+      compile_seconds: the part of ``seconds`` spent compiling the chunk function (a short
+        prompt's prefill is mostly that).
     """
 
     cache: KVCache
@@ -52,6 +54,7 @@ class PrefillState:
     prompt_lengths: np.ndarray
     seconds: float
     allow_beyond_context: bool = False
+    compile_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -185,7 +188,7 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
     prefix = np.asarray(prefix_lengths, np.int32)
     logits = hidden_to_logits(graphdef, params, jnp.asarray(hidden))
     cache = dataclasses.replace(full.cache, lengths=jnp.asarray(prefix))
-    return full, PrefillState(cache, logits, prefix, full.seconds, full.allow_beyond_context)
+    return full, PrefillState(cache, logits, prefix, full.seconds, full.allow_beyond_context, full.compile_seconds)
 
 
 def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -239,6 +242,7 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
     chunk = compile_then_trim(
         prefill_chunk, graphdef, state, jax.eval_shape(lambda: KVCache.zeros(model.config, B, capacity, cache_dtype)),
         jax.ShapeDtypeStruct((B, CHUNK), jnp.int32), jnp.int32(0), lengths_j)
+    compile_seconds = time.perf_counter() - start
     cache = KVCache.zeros(model.config, B, capacity, cache_dtype)
     ends = [lengths] if also_at is None else [lengths, np.asarray(also_at, np.int32)]
     gathered = [np.zeros((B, model.config.hidden_size), np.float32) for _ in ends]
@@ -250,7 +254,8 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
                 out[rows] = np.asarray(hidden)[rows, end[rows] - 1 - s]
     last_logits = hidden_to_logits(graphdef, state, jnp.asarray(gathered[0]))
     last_logits.block_until_ready()
-    done = PrefillState(cache, last_logits, lengths, time.perf_counter() - start, allow_beyond_context)
+    done = PrefillState(cache, last_logits, lengths, time.perf_counter() - start, allow_beyond_context,
+                        compile_seconds)
     return done, (gathered[1] if also_at is not None else None)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from magicpig_jax.argparsing import plain_text
+
 FAMILY = Path(__file__).parent / "fixtures" / "families" / "qwen2"
 CLI = [sys.executable, "-m", "magicpig_jax.cli"]
 
@@ -67,14 +69,37 @@ def test_argument_errors_are_one_line_without_the_usage(args, expected):
     (["generate"], ["tokens to generate at most (default: 48)", "and sampling (default: 0)",
                     "(default: the embedded SmolLM2-135M-Instruct)"]),
     (["bench", "decode"], ["--steps STEPS decode steps per run (the first is not timed) (default:"]),
+    (["bench", "attention"], ["--no-huge-pages leave the buffers on 4 KiB pages (to measure what huge pages give)"]),
 ])
 def test_help_shows_each_default_once(args, shown):
     out = " ".join(run(*args, "--help").stdout.split())
-    assert "(default: None)" not in out and "(default: False)" not in out
+    # (default: True) would read as a --no-x flag being on
+    assert "(default: None)" not in out and "(default: False)" not in out and "(default: True)" not in out
     # a default the help text already names is not appended a second time
     assert not re.search(r"\(default: [^()]*(\([^()]*\)[^()]*)*\) \(default:", out), out
     for text in shown:
         assert text in out, text
+
+
+@pytest.mark.parametrize("args", [["study", "attention"], ["calibrate"]])
+def test_help_reads_as_plain_text(args):
+    """Descriptions taken from module docstrings show names, not Sphinx roles or double backquotes."""
+    out = run(*args, "--help").stdout
+    assert ":mod:`" not in out and ":func:`" not in out and ":class:`" not in out and "``" not in out, out
+    assert "LayerConfigs" in out or "dense_attention" in out
+
+
+def test_generate_help_lists_the_backends():
+    from magicpig_jax.cli import GENERATE_BACKENDS
+    from magicpig_jax.models.backends import BACKENDS
+
+    assert GENERATE_BACKENDS.split(", ") == [b for b in BACKENDS if b != "hybrid"]
+    assert GENERATE_BACKENDS in " ".join(run("generate", "--help").stdout.split())
+
+
+def test_plain_text_keeps_the_names():
+    assert plain_text(":func:`~magicpig_jax.eval.cost.step_bytes` and :mod:`m.n` and ``--cost``") == (
+        "step_bytes and m.n and --cost")
 
 
 @pytest.mark.parametrize("model", [None, FAMILY])

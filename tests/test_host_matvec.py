@@ -25,6 +25,8 @@ from magicpig_jax.models.linear import MATVEC_MAX_TOKENS, Linear
 from tests._gguf_rows import F16_AT, SPECIAL_F16, gguf_type, random_rows, reference
 
 IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
+# "auto" also runs the AVX-512VL build of the token-blocked kernels where the CPU has it.
+BATCH_IMPLS = [*IMPLS, "auto"] if host.has_avx2() else IMPLS
 TYPES = sorted(QUANT_TYPES)
 _matvec = jax.jit(quant_matvec, static_argnames=("qtype", "impl", "max_threads"))
 _dequant = jax.jit(dequantize_rows, static_argnames=("qtype", "impl", "max_threads"))
@@ -57,7 +59,7 @@ def test_matches_the_dequantized_gguf_tensor(gguf_tensors, name, impl):
     rows=st.integers(1, 13),  # the AVX2 Q4_1 kernel takes 4 rows at a time: remainders too
     blocks=st.integers(1, 5),
     m=st.integers(1, 20),  # token rows: one, a few, past a token block (8) and past MATVEC_MAX_TOKENS
-    impl=st.sampled_from(IMPLS),
+    impl=st.sampled_from(BATCH_IMPLS),
     special=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -76,7 +78,7 @@ def test_random_rows_property(qtype, rows, blocks, m, impl, special, seed):
 
 @settings(max_examples=min(40, settings.default.max_examples), deadline=None)
 @given(qtype=st.sampled_from(TYPES), m=st.sampled_from([2, 3, 8, 9, 16, 17]), rows=st.integers(1, 6),
-       impl=st.sampled_from(IMPLS), seed=st.integers(0, 2**31 - 1))
+       impl=st.sampled_from(BATCH_IMPLS), seed=st.integers(0, 2**31 - 1))
 def test_a_batch_row_is_bit_equal_to_the_token_alone(qtype, m, rows, impl, seed):
     """A batch of token rows (the token-blocked kernels past one token) gives each row exactly
     the bits of that token multiplied alone: a batched decode row does not depend on the others."""

@@ -1,6 +1,7 @@
 """Timings of the products with GGUF rows (outside the test suite; run on a quiet machine).
 
-  python tools/bench_weights.py matvec  [--mb 128] [--reps 20]     per-type decode matvec GB/s vs a copy
+  python tools/bench_weights.py matvec  [--mb 128] [--reps 20] [--tokens 1]  per-type decode matvec GB/s vs a
+                                      copy (and GFLOP/s: with --tokens 16, a batched step's product)
   python tools/bench_weights.py gemm    [--tokens 256] [--reps 3] [--tile-mb 8 32]  prefill product of
                                       8B-shaped matrices: tiled vs whole-matrix dequantization vs float32
   python tools/bench_weights.py prefill [--model M] [--tokens 2048] prefill of a model, tiled vs layer vs float32
@@ -67,8 +68,8 @@ def bench_matvec(args) -> dict:
         rb = packed_row_bytes(qtype, n_in)
         rows = max(8, (args.mb << 20) // rb)
         w = jnp.asarray(random_rows(rng, qtype, rows, n_in))
-        x = jnp.asarray(rng.standard_normal((1, n_in)).astype(np.float32))
-        res = {"rows": rows, "in": n_in, "bytes": rows * rb}
+        x = jnp.asarray(rng.standard_normal((args.tokens, n_in)).astype(np.float32))
+        res = {"rows": rows, "in": n_in, "bytes": rows * rb, "tokens": args.tokens}
         for impl in impls:
             f = jax.jit(lambda x, w, impl=impl, qtype=qtype: quant_matvec(x, w, qtype, impl=impl))
             with OtherLoad() as load:
@@ -78,12 +79,13 @@ def bench_matvec(args) -> dict:
             res[f"{impl}_ms_min_max"] = [1e3 * min(ts), 1e3 * max(ts)]
             res[f"{impl}_gbps"] = rows * rb / t / 1e9
             res[f"{impl}_gbps_min_max"] = [rows * rb / max(ts) / 1e9, rows * rb / min(ts) / 1e9]
+            res[f"{impl}_gflops"] = 2 * args.tokens * rows * n_in / t / 1e9
             res[f"{impl}_other_processes_cpu_fraction"] = load.fraction
         out["types"][qtype] = res
         print(qtype, {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}, flush=True)
     out["copy_end"] = _copy_gbps(args.mb << 20, args.reps)
-    out["note"] = ("medians over --reps calls (min/max: the spread); x one float32 token; the pool's threads; "
-                   "copy: NumPy one thread / XLA elementwise, before and after the types")
+    out["note"] = ("medians over --reps calls (min/max: the spread); x --tokens float32 token rows; the pool's "
+                   "threads; copy: NumPy one thread / XLA elementwise, before and after the types")
     print("copy", out["copy"], "end", out["copy_end"])
     return out
 
@@ -163,6 +165,7 @@ def main(argv=None) -> int:
     m = sub.add_parser("matvec")
     m.add_argument("--mb", type=int, default=128, help="MB of rows per type (more than the caches)")
     m.add_argument("--reps", type=int, default=20)
+    m.add_argument("--tokens", type=int, default=1, help="token rows of x (a batched decode step: the batch)")
     g = sub.add_parser("gemm")
     g.add_argument("--tokens", type=int, default=256, help="token rows (the prefill chunk)")
     g.add_argument("--reps", type=int, default=3)

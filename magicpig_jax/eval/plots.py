@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +17,15 @@ __all__ = ["write_plots", "pareto_front"]
 
 
 _MARKERS = "os^Dv<>P*X"
+
+
+def _suptitle(fig, text: str, fontsize: float = 12) -> float:
+    """The figure's title wrapped to its width (a long title was cut off at the edges); returns
+    the top of the area left to the axes, for ``tight_layout(rect=...)``."""
+    width = max(30, int(fig.get_figwidth() * 72 * 0.9 / (0.55 * fontsize)))
+    lines = textwrap.wrap(text, width)
+    fig.suptitle("\n".join(lines), fontsize=fontsize)
+    return 1.0 - (len(lines) * 1.35 + 1.2) * fontsize / 72 / fig.get_figheight()
 
 
 def _plain_log_ticks(axis) -> None:
@@ -124,8 +134,8 @@ def _accuracy_plot(plt, summary: dict, settings: EvalSettings, colors: dict, mar
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     _legend(fig, colors, marker, setups)
-    fig.suptitle("Task accuracy versus keys used (95% intervals; same prefill, same static set)")
-    fig.tight_layout(rect=(0, 0, 0.83, 0.95))
+    top = _suptitle(fig, "Task accuracy versus keys used (95% intervals; same prefill, same static set)")
+    fig.tight_layout(rect=(0, 0, 0.83, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -161,8 +171,9 @@ def _accuracy_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, 
             ax.set_ylim(-5, 105)
             ax.grid(alpha=0.3)
     _legend(fig, colors, {}, [])
-    fig.suptitle("Needle accuracy versus measured time (95% intervals; dashed: Pareto front; band: dense's interval)")
-    fig.tight_layout(rect=(0, 0, 0.83, 0.94))
+    top = _suptitle(fig, "Needle accuracy versus measured time (95% intervals; dashed: Pareto front; band: "
+                         "dense's interval)")
+    fig.tight_layout(rect=(0, 0, 0.83, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -182,10 +193,11 @@ def _kl_plot(plt, summary: dict, settings: EvalSettings, colors: dict, marker: d
     _plain_log_ticks(ax.xaxis)
     ax.set_xlabel("keys used per step (%)")
     ax.set_ylabel("mean KL(dense || method) (nats)")
-    ax.set_title(f"Next-token KL from dense over {settings.likelihood_tokens} teacher-forced tokens (95% intervals)")
     ax.grid(alpha=0.3, which="both")
     _legend(fig, {k: c for k, c in colors.items() if k != "dense"}, marker, [])
-    fig.tight_layout(rect=(0, 0, 0.75, 1))
+    top = _suptitle(fig, f"Next-token KL from dense over {settings.likelihood_tokens} teacher-forced tokens "
+                         "(95% intervals)")
+    fig.tight_layout(rect=(0, 0, 0.75, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -222,9 +234,9 @@ def _kl_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, path: 
         ax.set_ylabel("mean KL(dense || method) (nats)")
         ax.grid(alpha=0.3, which="both")
     _legend(fig, colors, {}, [])
-    fig.suptitle("KL from dense versus measured time (95% intervals; Pareto fronts: solid MagicPIG and hybrid, "
-                 "dashed TopK; dotted: dense; methods run in pure JAX left out: no host time)", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.8, 0.93))
+    top = _suptitle(fig, "KL from dense versus measured time (95% intervals; Pareto fronts: solid MagicPIG and "
+                         "hybrid, dashed TopK; dotted: dense; methods run in pure JAX left out: no host time)", 9)
+    fig.tight_layout(rect=(0, 0, 0.8, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -44,9 +44,13 @@ def _mean(xs: Sequence) -> float | None:
     return sum(v) / len(v) if v else None
 
 
-def _ci(xs: Sequence) -> list[float | None]:
+def _ci(xs: Sequence, bounds: tuple[float, float] = (0.0, math.inf)) -> list[float | None]:
+    """t interval of the mean, clipped to ``bounds``: every quantity it serves (ms, KL,
+    perplexity, NLL, agreement) cannot leave them, and a t interval over few samples would."""
     lo, hi = t_interval(_vals(xs))
-    return [lo, hi]
+    if lo is None or hi is None:
+        return [lo, hi]
+    return [max(lo, bounds[0]), min(hi, bounds[1])]
 
 
 def _setups(settings) -> list[str]:
@@ -236,7 +240,7 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
                                           None),
                 "ppl": _mean([r["ppl"] for r in lik]), "ppl_ci": _ci([r["ppl"] for r in lik]),
                 "nll": _mean([r["nll"] for r in lik]), "nll_ci": _ci([r["nll"] for r in lik]),
-                "top1": _mean([r["top1"] for r in lik]), "top1_ci": _ci([r["top1"] for r in lik]),
+                "top1": _mean([r["top1"] for r in lik]), "top1_ci": _ci([r["top1"] for r in lik], (0.0, 1.0)),
                 "likelihood_samples": len(lik),
                 "budget": _mean([r.get("budget") for r in everything if isinstance(r.get("budget"), int)]),
                 "decode_tokens_per_s": _mean([r["decode_tokens_per_s"] for r in everything]),
@@ -361,7 +365,8 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         f"{settings.page_size}-token pages). KL: mean KL(dense || method) of the next-token distribution "
         f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; ms − TopK and "
         "KL − TopK: paired differences over the documents to TopK at the measured budget (else the first TopK "
-        "method); PPL on those tokens; top-1: argmax agreement with dense. At equal measured time: for each TopK "
+        "method); PPL on those tokens; top-1: argmax agreement with dense. The t intervals of quantities that "
+        "cannot be negative (ms, KL, PPL) are clipped at 0, and top-1's at 100%. At equal measured time: for each TopK "
         "method, the MagicPIG or hybrid variant run on the host op with the least KL among those whose mean paired "
         "ms difference is <= 0 (no slower on the same documents); verdict: lower or higher KL when the paired "
         "interval excludes 0, else a tie.")

@@ -71,7 +71,9 @@ def quant_matvec(
       packed: uint8 ``[Out, In / block_weights * block_bytes]``, the tensor's raw GGUF rows
         (``GGUFReader``'s ``tensor.data`` viewed as bytes), one row per output feature.
       qtype: one of :data:`QUANT_TYPES` (``"Q4_K"``, ``"Q6_K"``, ``"Q8_0"``, ``"F16"``, ...).
-      impl: ``"auto"`` (AVX2 where the CPU has it), ``"scalar"`` or ``"avx2"``.
+      impl: ``"auto"`` (AVX2 where the CPU has it; for several token rows, the token-blocked
+        kernels built with AVX-512VL's 32 vector registers where the CPU has those, the same
+        instructions and results), ``"scalar"`` or ``"avx2"`` (AVX2's 16 registers only).
       max_threads: cap on pool threads (0: all of XLA's intra-op pool).
 
     Returns:
