@@ -960,9 +960,11 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   if (M == 0 || Out == 0) return ReadyFuture(ffi::Error::Success());
   const bool avx2 = impl != 1 && CpuHasAvx2();
+#ifdef MAGICPIG_HAVE_AVX2_PATH
   // auto: the token-blocked kernels' 32-register build where the CPU has AVX-512VL; avx2: the
   // 16-register one (the same bits).
   const bool wide = impl == 0 && avx2 && CpuHasAvx512Vl();
+#endif
   const DotFn dot = PickKernel(qtype, avx2);
   const bool permuted = avx2 && (qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K);  // x permuted for these
   const float* xp = x.typed_data();
@@ -988,6 +990,7 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   // More than one token row: Q4_1, Q4_K, Q6_K and Q8_0 run the token-blocked kernels.
   const bool token_blocked =
       avx2 && M > 1 && (qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ6_K || qtype == kQ8_0);
+#ifdef MAGICPIG_HAVE_AVX2_PATH
   if (token_blocked && qtype == kQ4_1) {  // the Q4_1 token kernels read the sums token-minor
     prep->xsum_t.assign((M + kTokenBlock - 1) / kTokenBlock * ng * kTokenBlock, 0.0f);
     for (int64_t t = 0; t < M; ++t) {
@@ -996,7 +999,6 @@ ffi::Future QuantMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       }
     }
   }
-#ifdef MAGICPIG_HAVE_AVX2_PATH
   if (permuted) {
     prep->xperm.resize(M * In);
     for (int64_t t = 0; t < M; ++t) {
