@@ -18,14 +18,14 @@ _ROLE = re.compile(r":[a-z]+:`(~?)([^`<]*?)(?:\s*<([^>]*)>)?`")
 
 def plain_text(doc: str) -> str:
     """A module docstring as a terminal reads it: Sphinx roles (``:func:`~a.b.f```, ``:mod:`m```)
-    become their names (``f``, ``m``) and double backquotes are dropped."""
+    become their names (``f``, ``m``); double backquotes and bold markers (``**``) are dropped."""
 
     def name(m: re.Match) -> str:
         tilde, target, link = m.groups()
         text = target.strip() or (link or "").strip()
         return text.rsplit(".", 1)[-1] if tilde else text
 
-    return _ROLE.sub(name, doc).replace("``", "")
+    return _ROLE.sub(name, doc).replace("``", "").replace("**", "")
 
 
 class DefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -67,7 +67,10 @@ def _attention_list(text: str) -> list[str]:
                                          f"generate takes a comma-separated subset of {allowed}")
     bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"--attention takes a comma-separated subset of {allowed}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"takes a comma-separated subset of {allowed}, got {text!r}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # one answer per backend: a repeat would be decoded once, silently
+        raise argparse.ArgumentTypeError(f"lists {', '.join(twice)} more than once, got {text!r}")
     return names
 
 
@@ -292,7 +295,7 @@ def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops, con
 
 
 def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
-    lines = ["=== summary ===", f"prompt tokens: {prompt_tokens}    prefill: {prefill_seconds:.2f} s",
+    lines = ["", "=== summary ===", f"prompt tokens: {prompt_tokens}    prefill: {prefill_seconds:.2f} s",
              f"{'attention':<10} {'decode tok/s':>12} {'steps':>6} {'compile s':>9} {'sampled fraction':>17}"]
     for name, r in results.items():
         frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"

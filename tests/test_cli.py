@@ -52,7 +52,8 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["generate", "--attention", "foo"], "generate: argument --attention: --attention takes a comma-separated"),
+    (["generate", "--attention", "foo"], "generate: argument --attention: takes a comma-separated"),
+    (["generate", "--attention", "dense,magicpig,dense"], "argument --attention: lists dense more than once"),
     (["generate", "--attention", "dense,hybrid"], "--attention hybrid needs per-layer HybridConfig settings"),
     (["generate", "--max-new-tokens", "x"], "invalid int value: 'x'"),
     (["bench", "decode", "--steps", "x"], "bench decode: argument --steps: invalid int value"),
@@ -86,6 +87,7 @@ def test_help_reads_as_plain_text(args):
     """Descriptions taken from module docstrings show names, not Sphinx roles or double backquotes."""
     out = run(*args, "--help").stdout
     assert ":mod:`" not in out and ":func:`" not in out and ":class:`" not in out and "``" not in out, out
+    assert "**" not in out, out
     assert "LayerConfigs" in out or "dense_attention" in out
 
 
@@ -98,8 +100,8 @@ def test_generate_help_lists_the_backends():
 
 
 def test_plain_text_keeps_the_names():
-    assert plain_text(":func:`~magicpig_jax.eval.cost.step_bytes` and :mod:`m.n` and ``--cost``") == (
-        "step_bytes and m.n and --cost")
+    assert plain_text(":func:`~magicpig_jax.eval.cost.step_bytes` and :mod:`m.n` and ``--cost``, **bold**") == (
+        "step_bytes and m.n and --cost, bold")
 
 
 @pytest.mark.parametrize("model", [None, FAMILY])
