@@ -231,7 +231,7 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert "L must be >= 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["generate", "--attention", "fast"])
-    assert "--attention takes" in capsys.readouterr().err
+    assert "--attention: takes" in capsys.readouterr().err
 
 
 def test_orbax_checkpoint_roundtrip(tmp_path, tiny, capsys):
