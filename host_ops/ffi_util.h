@@ -126,7 +126,7 @@ inline bool CpuHasAvx2() {
   return has;
 }
 
-__attribute__((target("avx2,fma"))) inline float Hsum(__m256 v) {
+__attribute__((target("avx2,fma"), always_inline)) inline float Hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);

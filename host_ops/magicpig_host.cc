@@ -94,7 +94,7 @@ void OpenHitsScalar(const uint16_t* open, int64_t L, int64_t stride, int64_t n, 
 
 
 template <typename T>
-__attribute__((target("avx2,fma"))) void RowAvx2(const float* q, const float* mean, const T* k,
+__attribute__((target("avx2,fma"), always_inline)) inline void RowAvx2(const float* q, const float* mean, const T* k,
                                                  int64_t D, float* dot, float* cdot, float* kc2) {
   __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), c = _mm256_setzero_ps();
   int64_t d = 0;
@@ -117,7 +117,6 @@ __attribute__((target("avx2,fma"))) void RowAvx2(const float* q, const float* me
   *dot = sa;
   *cdot = sb;
   *kc2 = sc;
-  _mm256_zeroupper();  // no AVX-SSE transition penalty in the scalar code that follows
 }
 
 template <typename T>
@@ -128,7 +127,6 @@ __attribute__((target("avx2,fma"))) void AxpyAvx2(float w, const T* v, float* ac
     _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, Load8(v + d), _mm256_loadu_ps(acc + d)));
   }
   for (; d < D; ++d) acc[d] += w * Load(v, d);
-  _mm256_zeroupper();
 }
 
 __attribute__((target("avx2,fma"))) void OpenHitsAvx2(const uint16_t* open, int64_t L,
@@ -236,8 +234,13 @@ __attribute__((target("avx2,fma"))) void LogUBatchAvx2(const float* cs, int64_t 
     idx = _mm256_max_epi32(_mm256_setzero_si256(), _mm256_min_epi32(idx, _mm256_set1_epi32(static_cast<int>(T - 1))));
     const __m256 fr = _mm256_sub_ps(x, _mm256_cvtepi32_ps(idx));
     const __m128i lo_i = _mm256_castsi256_si128(idx), hi_i = _mm256_extracti128_si256(idx, 1);
-    const __m256d t0l = _mm256_i32gather_pd(table, lo_i, 8), t1l = _mm256_i32gather_pd(table + 1, lo_i, 8);
-    const __m256d t0h = _mm256_i32gather_pd(table, hi_i, 8), t1h = _mm256_i32gather_pd(table + 1, hi_i, 8);
+    // Masked gathers with every lane on (the unmasked form leaves its source undefined, which
+    // GCC's headers report as maybe-uninitialized once the function is inlined).
+    const __m256d z = _mm256_setzero_pd(), on = _mm256_castsi256_pd(_mm256_set1_epi64x(-1));
+    const __m256d t0l = _mm256_mask_i32gather_pd(z, table, lo_i, on, 8);
+    const __m256d t1l = _mm256_mask_i32gather_pd(z, table + 1, lo_i, on, 8);
+    const __m256d t0h = _mm256_mask_i32gather_pd(z, table, hi_i, on, 8);
+    const __m256d t1h = _mm256_mask_i32gather_pd(z, table + 1, hi_i, on, 8);
     const __m256d fl = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(fr)), _mm256_sub_pd(t1l, t0l), t0l);
     const __m256d fh = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(fr, 1)), _mm256_sub_pd(t1h, t0h), t0h);
     const __m256 f = _mm256_set_m128(_mm256_cvtpd_ps(fh), _mm256_cvtpd_ps(fl));
@@ -247,7 +250,6 @@ __attribute__((target("avx2,fma"))) void LogUBatchAvx2(const float* cs, int64_t 
     lu = _mm256_blendv_ps(floor, lu, pos);
     _mm256_storeu_ps(out + i, lu);
   }
-  _mm256_zeroupper();
   for (; i < n; ++i) out[i] = LogU(cs[i], K, table, T);
 }
 #endif
@@ -633,9 +635,11 @@ inline int64_t WalkBucket(const uint16_t* first, const uint16_t* last, int64_t f
   return m;
 }
 
-// Request the K and V rows of the n positions pos into L2 (prefetcht1).
-inline void PrefetchRows(const int32_t* pos, int64_t n, int64_t row_bytes, const char* kbytes,
-                         const char* vbytes) {
+// Request the K and V rows of the n positions pos into L2 (prefetcht1). Always inlined: the AVX2
+// build of AttendCandidates calls it per row (a call from a function of another target is not
+// inlined otherwise).
+__attribute__((always_inline)) inline void PrefetchRows(const int32_t* pos, int64_t n, int64_t row_bytes,
+                                                        const char* kbytes, const char* vbytes) {
   for (int64_t i = 0; i < n; ++i) {
     const int64_t off = static_cast<int64_t>(pos[i]) * row_bytes;
     for (int64_t x = 0; x < row_bytes; x += 64) {
@@ -758,111 +762,27 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
 // and log u, then its V rows, requested with the K rows and still in L1/L2, are summed with the
 // running maximum. Two passes over all the candidates read every V row twice from memory once
 // they outgrow the L2 (a head at 128K samples about 2K rows: 1 MiB of K and V in bfloat16).
+//
+// AttendCandidates is in attend_candidates.inc, built twice: plain (the scalar kernels) and with
+// AVX2 and FMA enabled, so that the AVX2 kernels inline into its loop over the candidates.
 constexpr int64_t kBlock = 32;  // a multiple of 8: the AVX2 log u takes the same 8-lane groups
 
-template <typename T>
-void AttendCandidates(const AttendArgs& a, const float* q, const float* mean, const T* kb, const T* vb,
-                      int64_t n_sampled, Scratch& s, float* o, float* lse) {
-  const int64_t D = a.D;
-  const int64_t n = static_cast<int64_t>(s.cand.size());
-  float qn2 = 0.f;
-  for (int64_t d = 0; d < D; ++d) qn2 += q[d] * q[d];
-  const float qn = std::sqrt(qn2);
-  const float scale = std::sqrt(static_cast<float>(D));
-  s.logit.resize(kBlock);
-  s.cosine.resize(kBlock);
-  s.logu.resize(kBlock);
-  if (static_cast<int64_t>(s.acc.size()) < D) s.acc.resize(D);
-  float* acc = s.acc.data();
-  std::fill(acc, acc + D, 0.0f);
-  const int K = a.g.K;
-  // Prefetch the K and V rows kAhead candidates ahead (across block boundaries), into L2
-  // (prefetcht1): into L1 the requests of 12 rows ahead already filled its miss buffers, and
-  // further ahead they would evict the rows in use (measured in docs/benchmarks.md).
-  constexpr int64_t kAhead = 32;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  // The first kAhead rows are requested before the loop (a head at a short context samples
-  // fewer keys than that: without this none of its rows would be prefetched).
-  auto prefetch_rows = [&](int64_t i) {
-    const int64_t row = static_cast<int64_t>(s.cand[i]) * D;
-    for (int64_t off = 0; off < row_bytes; off += 64) {
-      PrefetchL2(reinterpret_cast<const char*>(kb + row) + off);
-      PrefetchL2(reinterpret_cast<const char*>(vb + row) + off);
-    }
-  };
-  for (int64_t i = 0; i < std::min(n, kAhead); ++i) prefetch_rows(i);
-  float m = -INFINITY;   // running maximum logit
-  float m_safe = 0.f;    // the shift of the exponentials so far (m when finite, else 0)
-  double sum = 0.0;
-  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
-    const int64_t nb = std::min(kBlock, n - i0);
-    for (int64_t j = 0; j < nb; ++j) {
-      const int64_t i = i0 + j;
-      if (i + kAhead < n) prefetch_rows(i + kAhead);
-      const T* kr = kb + static_cast<int64_t>(s.cand[i]) * D;
-      float dot, cdot, kc2;
+namespace candidates_scalar {
+#define MAGICPIG_CANDIDATES_FN
+#define MAGICPIG_CANDIDATES_AVX2 0
+#include "attend_candidates.inc"
+#undef MAGICPIG_CANDIDATES_AVX2
+#undef MAGICPIG_CANDIDATES_FN
+}  // namespace candidates_scalar
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-      if (a.avx2) {
-        RowAvx2(q, mean, kr, D, &dot, &cdot, &kc2);
-      } else
+namespace candidates_avx2 {
+#define MAGICPIG_CANDIDATES_FN __attribute__((target("avx2,fma")))
+#define MAGICPIG_CANDIDATES_AVX2 1
+#include "attend_candidates.inc"
+#undef MAGICPIG_CANDIDATES_AVX2
+#undef MAGICPIG_CANDIDATES_FN
+}  // namespace candidates_avx2
 #endif
-      {
-        RowScalar(q, mean, kr, D, &dot, &cdot, &kc2);
-      }
-      const float norms = qn * std::sqrt(kc2);
-      s.logit[j] = dot / scale;
-      s.cosine[j] = norms > 0.f ? cdot / norms : 0.f;
-    }
-    // log u of the block's sampled candidates (vectorized on AVX2).
-    const int64_t ns = std::clamp<int64_t>(n_sampled - i0, 0, nb);
-#ifdef MAGICPIG_HAVE_AVX2_PATH
-    if (a.avx2) {
-      LogUBatchAvx2(s.cosine.data(), ns, K, a.table, a.T, s.logu.data());
-    } else
-#endif
-    {
-      for (int64_t j = 0; j < ns; ++j) s.logu[j] = LogU(s.cosine[j], K, a.table, a.T);
-    }
-    float bm = m;
-    for (int64_t j = 0; j < nb; ++j) {
-      const float lg = j < ns ? s.logit[j] - s.logu[j] : s.logit[j];
-      s.logit[j] = lg;
-      bm = std::max(bm, lg);
-    }
-    // A larger maximum: rescale what is summed so far to the new shift.
-    const float shift = std::isfinite(bm) ? bm : 0.f;
-    if (shift != m_safe) {
-      if (sum != 0.0) {
-        const float f = std::exp(m_safe - shift);
-        for (int64_t d = 0; d < D; ++d) acc[d] *= f;
-        sum *= f;
-      }
-      m_safe = shift;
-    }
-    m = bm;
-    for (int64_t j = 0; j < nb; ++j) {
-      const float e = std::exp(s.logit[j] - m_safe);
-      sum += e;
-      const T* vr = vb + static_cast<int64_t>(s.cand[i0 + j]) * D;
-#ifdef MAGICPIG_HAVE_AVX2_PATH
-      if (a.avx2) {
-        AxpyAvx2(e, vr, acc, D);
-      } else
-#endif
-      {
-        AxpyScalar(e, vr, acc, D);
-      }
-    }
-  }
-  if (sum > 0.0 && std::isfinite(sum)) {
-    const float inv = static_cast<float>(1.0 / sum);
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
-    *lse = m_safe + static_cast<float>(std::log(sum));
-  } else {
-    std::fill(o, o + D, 0.0f);
-    *lse = -INFINITY;
-  }
-}
 
 // Work item (row b, query head hq, positions [plo, phi)): the sampled keys, the unhashed keys the
 // caller's window does not cover (exact), then attention over them, into o [D], *lse and *nsamp.
@@ -918,7 +838,14 @@ ffi::Error AttendPiece(const AttendArgs& a, int64_t b, int64_t hq, int64_t plo, 
   }
   const T* kb = static_cast<const T*>(a.k) + bh * a.Nmax * a.D;
   const T* vb = static_cast<const T*>(a.v) + bh * a.Nmax * a.D;
-  AttendCandidates<T>(a, a.q + item * a.D, a.mean + bh * a.D, kb, vb, n_sampled, s, o, lse);
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+  if (a.avx2) {
+    candidates_avx2::AttendCandidates<T>(a, a.q + item * a.D, a.mean + bh * a.D, kb, vb, n_sampled, s, o, lse);
+  } else
+#endif
+  {
+    candidates_scalar::AttendCandidates<T>(a, a.q + item * a.D, a.mean + bh * a.D, kb, vb, n_sampled, s, o, lse);
+  }
   return ffi::Error::Success();
 }
 

@@ -34,10 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", default=["10x150", "10x300"],
                    help="KxL (MagicPIG), dense, or topk:BUDGET")
     p.add_argument("--reps", type=int, default=40)
+    p.add_argument("--batch", type=int, default=1,
+                   help="B rows, each a copy of the captured step (a batch decoding one prompt, as bench decode)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
     if a.reps < 3:
         p.error("--reps must be at least 3 (a figure is a median of repeats)")
+    if a.batch < 1:
+        p.error(f"--batch must be at least 1, got {a.batch}")
     for text in a.configs:
         if _parse(text) is None:
             p.error(f"--configs: {text!r} is not KxL (e.g. 10x150), dense, or topk:BUDGET (e.g. topk:288)")
@@ -55,14 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     d = np.load(a.capture)
     q_all, k_all, v_all = d["q"], d["k"], d["v"]
     layers, _, N, D = k_all.shape
-    n = jnp.asarray([N], jnp.int32)
+    B = a.batch
+    n = jnp.full((B,), N, jnp.int32)
     op = jax.jit(lambda q, qc, k, v, idx: host_sampled_attention(q, qc, k, v, idx, n, window=0, sinks=True))
     exact = jax.jit(lambda q, k, v: host_exact_attention(q, k, v, n))
     topk = jax.jit(lambda q, k, v, budget: host_topk_attention(q, k, v, budget, n), static_argnames="budget")
 
     def layer_kv(layer):
-        return (jnp.asarray(q_all[layer][None], jnp.float32), jnp.asarray(k_all[layer][None], jnp.bfloat16),
-                jnp.asarray(v_all[layer][None], jnp.bfloat16))
+        return tuple(jnp.asarray(np.tile(x[layer][None], [B] + [1] * x[layer].ndim), dtype)
+                     for x, dtype in ((q_all, jnp.float32), (k_all, jnp.bfloat16), (v_all, jnp.bfloat16)))
 
     results = []
     for text in a.configs:
@@ -90,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             for it in items:
                 jax.block_until_ready(call(*it))
             ts.append(1000.0 * (time.perf_counter() - t0))
-        row = {"config": text, "layers": layers, "context": int(N), "keys_fraction": fraction,
+        row = {"config": text, "batch": B, "layers": layers, "context": int(N), "keys_fraction": fraction,
                "ms_per_step": {"median": float(np.median(ts)), "min": min(ts), "max": max(ts)}, "reps": a.reps}
         results.append(row)
         print(f"{text}: {row['ms_per_step']['median']:.2f} ms per step (min {min(ts):.2f}, max {max(ts):.2f}) "
-              f"over {layers} layers at N={N}, keys {fraction:.2%}")
+              f"over {layers} layers at B={B}, N={N}, keys {fraction:.2%}")
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"capture": str(a.capture), "results": results}, indent=2))
