@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 
 __all__ = ["DefaultsFormatter", "Parser", "plain_text"]
 
@@ -31,14 +32,26 @@ def plain_text(doc: str) -> str:
 class DefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions as written; ``(default: X)`` appended unless the help already names the
     default, there is none to show (``None``, ``False``, suppressed) or the option is a flag
-    (``--no-x`` stores False when given: "default: True" would read as the flag being on)."""
+    (``--no-x`` stores False when given: "default: True" would read as the flag being on). A
+    list default of a multi-value option is shown as typed, space-separated."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         flag = isinstance(action, argparse._StoreConstAction)  # store_true / store_false / store_const
-        if flag or "default" in text.lower() or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+        empty = isinstance(action.default, (list, tuple)) and not action.default  # e.g. an append option
+        nothing = any(action.default is x for x in (None, False, argparse.SUPPRESS))
+        if flag or empty or nothing or "default" in text.lower():
             return text
+        if isinstance(action.default, (list, tuple)) and action.nargs in ("+", "*"):
+            # As typed: "--lengths 1024 4096", not the Python list [1024, 4096].
+            shown = " ".join(map(str, action.default))
+            return f"{text} (default: {shown.replace('%', '%%')})"
         return super()._get_help_string(action)
+
+    def _split_lines(self, text, width):
+        # Lines break between words only: a long default ("dense,magicpig:10x150,...") stays whole.
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_long_words=False,
+                             break_on_hyphens=False)
 
 
 class Parser(argparse.ArgumentParser):

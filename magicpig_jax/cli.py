@@ -75,7 +75,7 @@ def _attention_list(text: str) -> list[str]:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="answer a question over a long document (MagicPIG next to dense)")
+    p = sub.add_parser("generate", description="Answer a question over a long document (MagicPIG next to dense).")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--document", type=Path, default=None,
                    help=f"text file to read (default: the bundled {DEMO_DOCUMENT.name}, ~5.9K tokens)")
@@ -165,12 +165,16 @@ def _generate_prompt(args) -> str:
 def _cmd_generate(args) -> int:
     from magicpig_jax.attention import MagicPIGConfig
     from magicpig_jax.generation import Sampling, decode_spec, encode_prompt, kv_cache_dtype, prefill
+    from magicpig_jax.host.index import HOST_MAX_K
     from magicpig_jax.io.loader import load_model
     from magicpig_jax.memory import drop_compiled_programs
     from magicpig_jax.models.backends import DecodeSpec
     from magicpig_jax.streaming import check_stop_strings
 
     # Every argument is checked before the model is loaded (the layer range against its metadata).
+    if "magicpig" in args.attention and isinstance(args.K, int) and args.K > HOST_MAX_K:
+        raise ValueError(f"--K must be in [1, {HOST_MAX_K}] with attention 'magicpig' (the host index: 2^K + 1 "
+                         f"bucket offsets per chunk and table), got {args.K}; 'magicpig-ref' (pure JAX) takes up to 32")
     config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
                             seed=args.seed)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -186,7 +190,7 @@ def _cmd_generate(args) -> int:
     _check_json_path(args.json)
     layered = _layer_configs(args)
     prompt = _generate_prompt(args)
-    _check_dense_layers(args)
+    _check_model(args)
     print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
     specs = {name: decode_spec(model, name, config, args.dense_layers, args.budget) if layered is None
@@ -221,14 +225,13 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _check_dense_layers(args) -> None:
-    """``--dense-layers`` against the model's layer count, read from its metadata (no weights)."""
-    if not args.dense_layers:
-        return
+def _check_model(args) -> None:
+    """``--model``'s metadata (no weights): a path that is no model fails here, before the command
+    prints anything; ``--dense-layers`` against its layer count."""
     from magicpig_jax.io.loader import read_model_config
 
     n = read_model_config(args.model).num_layers
-    bad = [i for i in args.dense_layers if i >= n]
+    bad = [i for i in args.dense_layers or () if i >= n]
     if bad:
         raise ValueError(f"--dense-layers {bad} out of range: the model has {n} layers (indices 0..{n - 1})")
 
@@ -295,12 +298,13 @@ def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops, con
 
 
 def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
+    w = max(len("attention"), *map(len, results))  # the first column fits the longest backend name
     lines = ["", "=== summary ===", f"prompt tokens: {prompt_tokens}    prefill: {prefill_seconds:.2f} s",
-             f"{'attention':<10} {'decode tok/s':>12} {'steps':>6} {'compile s':>9} {'sampled fraction':>17}"]
+             f"{'attention':<{w}} {'decode tok/s':>12} {'steps':>6} {'compile s':>9} {'sampled fraction':>17}"]
     for name, r in results.items():
         frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"
         rate = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.2f}"
-        lines.append(f"{name:<10} {rate:>12} {r['decode_steps']:>6} "
+        lines.append(f"{name:<{w}} {rate:>12} {r['decode_steps']:>6} "
                      f"{r['compile_seconds']:>9.1f} {frac:>17}")
     for name, r in results.items():
         per = r["sampled_fraction_per_layer"]
@@ -312,7 +316,8 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="write a model as an orbax checkpoint (quantized matrices as their GGUF rows)")
+    p = sub.add_parser("convert",
+                       description="Write a model as an orbax checkpoint (quantized matrices as their GGUF rows).")
     p.add_argument("model", help="GGUF file or Hugging Face directory ('embedded' = the bundled SmolLM2)")
     p.add_argument("out", type=Path, help="checkpoint directory to create")
     p.set_defaults(func=_cmd_convert)
@@ -335,10 +340,10 @@ def _cmd_convert(args) -> int:
 
 
 def _add_delegate(sub, name: str, help_text: str, targets: dict[str, str]) -> None:
-    p = sub.add_parser(name, help=help_text, description=help_text,
+    p = sub.add_parser(name, description=help_text,
                        epilog=f"`magicpig-jax {name} WHAT --help` shows the options of WHAT.")
     p.add_argument("what", choices=sorted(targets), help="what to run")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="its options")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # WHAT's options
     p.set_defaults(func=lambda a: _delegate(targets[a.what], a.rest))
 
 
@@ -351,18 +356,18 @@ def _delegate(module: str, argv: list[str]) -> int:
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magicpig-jax``."""
     parser = Parser(prog="magicpig-jax", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # The description lists the subcommands (with bench's and study's WHAT): no second list.
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of the subcommands above; `magicpig-jax COMMAND --help` shows its options")
     _add_generate(sub)
     _add_convert(sub)
     _add_delegate(sub, "bench", "benchmarks (JSON + PNG)", {"attention": "magicpig_jax.eval.bench_attention",
                                                           "decode": "magicpig_jax.eval.bench_decode"})
     _add_delegate(sub, "study", "estimator studies (JSON + PNG)", {"attention": "magicpig_jax.eval.study"})
-    ev = sub.add_parser("eval", help="task accuracy and likelihood versus cost (JSONL + markdown + PNG)",
-                        add_help=False, prefix_chars="\0")  # every argument goes to magicpig_jax.eval.run
+    ev = sub.add_parser("eval", add_help=False, prefix_chars="\0")  # every argument goes to magicpig_jax.eval.run
     ev.add_argument("rest", nargs=argparse.REMAINDER)
     ev.set_defaults(func=lambda a: _delegate("magicpig_jax.eval.run", a.rest))
-    cal = sub.add_parser("calibrate", help="per-layer (K, L) or dense meeting a KL budget at the least measured "
-                         "cost (JSON)", add_help=False, prefix_chars="\0")  # arguments: magicpig_jax.eval.calibrate
+    cal = sub.add_parser("calibrate", add_help=False, prefix_chars="\0")  # arguments: magicpig_jax.eval.calibrate
     cal.add_argument("rest", nargs=argparse.REMAINDER)
     cal.set_defaults(func=lambda a: _delegate("magicpig_jax.eval.calibrate", a.rest))
     return parser

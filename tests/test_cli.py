@@ -160,6 +160,28 @@ def test_convert_names_its_missing_argument(tmp_path):
 def test_group_help_prints_help(what):
     proc = run(what, "--help")
     assert proc.returncode == 0 and f"usage: magicpig-jax {what}" in proc.stdout and "--help" in proc.stdout
+    assert "rest" not in proc.stdout  # the options passed on to WHAT are not a positional of the group
+
+
+def test_top_level_help_lists_each_subcommand_once():
+    out = run("--help").stdout
+    for name in ("generate", "convert", "bench decode", "study attention", "eval", "calibrate"):
+        assert len(re.findall(rf"^  {name} ", out, re.M)) == 1, (name, out)
+
+
+@pytest.mark.parametrize("args,shown", [
+    (["bench", "decode"], ["prompt tokens (default: 1024 4096 8192)", "(default: dense magicpig)",
+                           "--K K SimHash bits per table", "--text TEXT prose whose tokens"]),
+    (["bench", "attention"], ["context lengths (default: 8192 32768 131072)", "--seed SEED seed of the synthetic"]),
+    (["study", "attention"], ["(default: 8x60,9x100,10x150,10x170,11x300)", "(default: 0.005,0.01,0.02,0.05,0.1,0.2)",
+                              "--num-sink NUM_SINK sink tokens kept exactly"]),
+    (["eval"], ["(default: dense,magicpig:10x150,magicpig:11x300,hybrid:10x150x8,topk,quest,oracle)"]),
+])
+def test_help_shows_defaults_as_typed_and_every_option_explained(args, shown):
+    out = " ".join(run(*args, "--help").stdout.split())
+    assert "(default: [" not in out and "(default: ((" not in out and "(default: (0" not in out, out
+    for text in shown:
+        assert text in out, text
 
 
 def test_generate_help_shows_defaults_and_checkpoints():

@@ -225,8 +225,18 @@ def test_rope_scaling_llama3_from_either_key():
 def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert cli_main(["generate", "--model", str(tmp_path / "missing.gguf"), "--prompt", "hi"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # with the host backend, its own range (K = 20 would fail there too); with magicpig-ref, 1..32
     assert cli_main(["generate", "--K", "40", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--K must be in [1, 16] with attention 'magicpig'" in err and "got 40" in err
+    assert cli_main(["generate", "--K", "40", "--attention", "magicpig-ref", "--prompt", "hi"]) == 2
     assert "K must be in [1, 32]" in capsys.readouterr().err
+    # a file that is no model fails before the command prints anything
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a model")
+    assert cli_main(["generate", "--model", str(bad), "--prompt", "hi"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "not a readable GGUF file" in out.err
     assert cli_main(["generate", "--L", "1", "--prompt", "hi"]) == 2
     assert "L must be >= 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):

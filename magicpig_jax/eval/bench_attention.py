@@ -274,16 +274,17 @@ def main(argv: list[str] | None = None) -> int:
 
     p = Parser(prog="magicpig-jax bench attention", description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, nargs="+", default=[8192, 32768, 131072], help="context lengths")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--K", type=int, default=10)
-    p.add_argument("--L", type=int, default=150)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                   help="head shapes (Hq, Hkv, D) of these models")
+    p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..16, the host index)")
+    p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions (median, min, max; 5 or more for a result)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                    help="leave the buffers on 4 KiB pages (to measure what huge pages give)")
     p.add_argument("--ref-max-n", type=int, default=32768,
                    help="skip the pure-JAX reference above this N (its codes and hit counts are O(N*L))")
     p.add_argument("--out", default="runs/bench_attention", help="output prefix (.json and .png)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic keys, queries and projections")
     args = p.parse_args(argv)
     if any(n < 128 for n in args.n):
         p.error("--n values must be >= 128")

@@ -177,7 +177,8 @@ def ratios(results: list[dict]) -> list[dict]:
 def make_parser() -> argparse.ArgumentParser:
     """The options of ``magicpig-jax bench decode``."""
     p = Parser(prog="magicpig-jax bench decode", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="the model, as generate's --model (default: the embedded "
+                   "SmolLM2-135M-Instruct; --peer needs a GGUF)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes B (rows decoded together)")
     p.add_argument("--methods", nargs="+", default=["dense", "magicpig"],
@@ -185,9 +186,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32, help="decode steps per run (the first is not timed)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median, min, max)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before the repeats")
-    p.add_argument("--K", type=int, default=10)
-    p.add_argument("--L", type=int, default=150)
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..16, the host index)")
+    p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
+    p.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+                   help="prose whose tokens, repeated as needed, make the prompts")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage of our KV cache (llama.cpp keeps its own at its default, float16)")
     p.add_argument("--allow-beyond-context", action="store_true",

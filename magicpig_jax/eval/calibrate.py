@@ -367,15 +367,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=4096, help="tokens of the text used (prefill + forced)")
     p.add_argument("--forced-tokens", type=int, default=128, help="teacher-forced tokens over which KL is measured")
     p.add_argument("--candidates", default=DEFAULT_CANDIDATES, help="(K, L) pairs a layer may take, KxL,...")
-    p.add_argument("--num-sink", type=int, default=4)
-    p.add_argument("--num-local", type=int, default=64)
+    p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
+    p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
     p.add_argument("--seed", type=int, default=0, help="seed of the SimHash projections")
     p.add_argument("--probes", type=int, default=8, help="decode positions measuring each layer's error")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per layer and candidate (the least counts)")
     p.add_argument("--max-evals", type=int, default=6, help="teacher-forced decodes measuring the KL")
     p.add_argument("--cost", choices=["ms", "bytes"], default="ms",
                    help="what to minimize: measured ms of each layer's attention, or the bytes it reads")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
     return p
 
 

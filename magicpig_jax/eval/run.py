@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out / 'summary.md'}" + ("" if args.no_plot else " and the PNG plots"))
         return 0
     except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"magicpig-jax eval: error: {err}", file=sys.stderr)
+        print(f"magicpig-jax: error: eval: {err}", file=sys.stderr)  # as the parser's errors
         return 2
 
 

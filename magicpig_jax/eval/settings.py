@@ -55,7 +55,8 @@ def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magicpig-jax eval``."""
     from magicpig_jax.eval.tasks import TASKS
 
-    p = Parser(prog="magicpig-jax eval", description=__doc__)
+    p = Parser(prog="magicpig-jax eval", description="Long-context task accuracy and likelihood versus cost, per "
+               "attention method: every method decodes from the same dense prefill of each sample.")
     p.add_argument("--tasks", default="niah_single,niah_multikey",
                    help=f"comma-separated tasks ({', '.join(TASKS)}; 'all', 'niah', or 'none' for likelihood only)")
     p.add_argument("--lengths", default="2K,4K,8K", help="context lengths in tokens (prompt + new tokens)")
@@ -77,8 +78,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="teacher-forced prose tokens per likelihood sample (0 = no likelihood)")
     p.add_argument("--likelihood-samples", type=int, default=16, help="prose documents per length")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens for every task (default: per task)")
-    p.add_argument("--num-sink", type=int, default=4)
-    p.add_argument("--num-local", type=int, default=64)
+    p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
+    p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
     p.add_argument("--dense-layers", default=None, help="layers kept dense (default: 0 and num_layers // 2)")
     p.add_argument("--budget-from", default="magicpig:10x150",
                    help="MagicPIG method whose measured sampled count is the TopK/Quest/oracle budget")

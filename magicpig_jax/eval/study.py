@@ -104,16 +104,17 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=64, help="synthetic head dimension")
     p.add_argument("--heads", type=int, default=4, help="synthetic heads per case")
     p.add_argument("--layers", default=None, help="comma-separated capture layers (default: all)")
-    p.add_argument("--fractions", type=_fractions, default=DEFAULT_FRACTIONS,
+    p.add_argument("--fractions", type=_fractions, default=",".join(map(str, DEFAULT_FRACTIONS)),
                    help="budgets of TopK / Quest / oracle sampling as fractions of the context")
-    p.add_argument("--lsh", type=_pairs, default=DEFAULT_LSH, help="MagicPIG (K, L) pairs, e.g. 10x150,11x300")
+    p.add_argument("--lsh", type=_pairs, default=",".join(f"{k}x{l}" for k, l in DEFAULT_LSH),
+                   help="MagicPIG (K, L) pairs, e.g. 10x150,11x300")
     p.add_argument("--heavy", default=",".join(map(str, DEFAULT_HEAVY)),
                    help="hybrid heavy thresholds (collisions, >= 3; empty: no hybrid)")
-    p.add_argument("--num-sink", type=int, default=4)
-    p.add_argument("--num-local", type=int, default=64)
+    p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
+    p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
     p.add_argument("--page-size", type=int, default=16, help="Quest page size")
     p.add_argument("--repeats", type=int, default=4, help="seeds per random estimator")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic cases and the estimators")
     p.add_argument("--no-plot", action="store_true", help="write the JSON only")
     return p
 
