@@ -342,8 +342,8 @@ def _cmd_convert(args) -> int:
 def _add_delegate(sub, name: str, help_text: str, targets: dict[str, str]) -> None:
     p = sub.add_parser(name, description=help_text,
                        epilog=f"`magicpig-jax {name} WHAT --help` shows the options of WHAT.")
-    p.add_argument("what", choices=sorted(targets), help="what to run")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # WHAT's options
+    p.add_argument("what", metavar="WHAT", choices=sorted(targets), help=f"what to run: {', '.join(sorted(targets))}")
+    p.add_argument("rest", metavar="OPTIONS", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # WHAT's options
     p.set_defaults(func=lambda a: _delegate(targets[a.what], a.rest))
 
 

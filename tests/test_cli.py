@@ -61,6 +61,13 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
     (["eval", "--out", "runs/never", "--no-such-option"], "eval: unrecognized arguments: --no-such-option"),
     (["eval"], "eval: the following arguments are required: --out"),
     (["nope"], "invalid choice: 'nope'"),
+    # a directory where a file is expected: one line, not a traceback
+    (["bench", "decode", "--text", "/tmp"], "bench decode: --text /tmp is not a file"),
+    (["study", "attention", "--capture", "/tmp"], "--capture /tmp is not a file"),
+    (["calibrate", "--out", "runs/never.json", "--kl-budget", "0.1", "--text", "/tmp"], "--text /tmp is not a file"),
+    # refused before the model loads (the help lists the three)
+    (["bench", "decode", "--methods", "topk"], "argument --methods: invalid choice: 'topk'"),
+    (["bench"], "bench: the following arguments are required: WHAT"),
 ])
 def test_argument_errors_are_one_line_without_the_usage(args, expected):
     one_line_error(run(*args), expected)
@@ -303,3 +310,10 @@ def test_ctrl_c_during_prefill_exits_130_promptly():
     assert proc.returncode == 130 and "=== answer" not in out, (proc.returncode, err[-2000:])
     assert err.strip().splitlines()[-1] == "magicpig-jax: interrupted" and "Traceback" not in err
     assert time.perf_counter() - sent < 10  # one prefill chunk at most, not the whole prompt
+
+
+def test_eval_bad_haystack_fails_before_writing_out(tmp_path):
+    out = tmp_path / "ev"
+    one_line_error(run("eval", "--out", str(out), "--haystack", str(tmp_path), "--tasks", "niah_single"),
+                   "is neither one of")
+    assert not out.exists()  # a corrected rerun into the same --out is not blocked by a config.json

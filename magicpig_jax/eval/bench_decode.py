@@ -181,8 +181,8 @@ def make_parser() -> argparse.ArgumentParser:
                    "SmolLM2-135M-Instruct; --peer needs a GGUF)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes B (rows decoded together)")
-    p.add_argument("--methods", nargs="+", default=["dense", "magicpig"],
-                   help="decode backends (dense, magicpig, magicpig-ref)")
+    p.add_argument("--methods", nargs="+", default=["dense", "magicpig"], choices=["dense", "magicpig", "magicpig-ref"],
+                   help="decode backends")
     p.add_argument("--steps", type=int, default=32, help="decode steps per run (the first is not timed)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median, min, max)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before the repeats")
@@ -191,7 +191,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT,
                    help="prose whose tokens, repeated as needed, make the prompts")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="storage of our KV cache (llama.cpp keeps its own at its default, float16)")
+                   help="storage of our KV cache (llama.cpp keeps its own in float16; generate's is bfloat16)")
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="permit prompts longer than the trained context (timing only)")
     p.add_argument("--peer", choices=PEERS, action="append", default=[],
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats must be >= 3 (every figure is a median with its spread)")
     if args.warmup < 0 or min(args.batch) < 1 or min(args.lengths) < 1:
         p.error("--warmup must be >= 0, --batch and --lengths >= 1")
+    if not args.text.is_file():
+        p.error(f"--text {args.text} is not a file")
     if "llama.cpp" in args.peer and not llama_cpp_available():
         p.error("--peer llama.cpp needs llama-cpp-python: pip install -e '.[peer]' (compiles llama.cpp)")
     model = load_model(args.model)

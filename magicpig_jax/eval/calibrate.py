@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     candidates = _pairs(args.candidates)
     if not args.text.is_file():
-        raise FileNotFoundError(f"--text {args.text} does not exist")
+        raise FileNotFoundError(f"--text {args.text} is not a file")
     for name in ("length", "forced_tokens", "probes", "repeats", "max_evals"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

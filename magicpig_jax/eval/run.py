@@ -440,7 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = settings_from_args(args)
+        from magicpig_jax.eval.corpus import load_prose
         from magicpig_jax.io.loader import load_model
+
+        load_prose(settings.haystack)  # a bad --haystack fails here, before the model loads and --out is written
 
         model = load_model(args.model)
         print(f"model: {model.source} ({model.config.num_layers} layers); methods: "

@@ -177,7 +177,7 @@ def _cases(args, profiles: list[str]) -> list[tuple]:
         from magicpig_jax.io.loader import load_model
 
         if not args.capture_text.is_file():
-            raise FileNotFoundError(f"--capture-text {args.capture_text} does not exist")
+            raise FileNotFoundError(f"--capture-text {args.capture_text} is not a file")
         data = capture_qkv(load_model(), args.capture_text.read_text(encoding="utf-8"))
         args.out.mkdir(parents=True, exist_ok=True)
         args.capture = args.out / "capture.npz"
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
       FileNotFoundError: ``--capture`` does not exist.
     """
     args = make_parser().parse_args(argv)
+    if args.capture is not None and not args.capture.is_file():
+        raise FileNotFoundError(f"--capture {args.capture} is not a file (an .npz of magicpig_jax.eval.capture)")
     settings, profiles = _settings(args)
     cases = _cases(args, profiles)
     per_case = 3 * len(settings.fractions) + sum(2 + sum(3 <= m <= L + 1 for m in settings.heavy)
