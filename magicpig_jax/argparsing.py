@@ -8,11 +8,13 @@ line, no usage block) and ``--help`` shows each option's default exactly once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import textwrap
+from collections.abc import Iterator
 
-__all__ = ["DefaultsFormatter", "Parser", "plain_text"]
+__all__ = ["DefaultsFormatter", "Parser", "in_flag_terms", "plain_text"]
 
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`<]*?)(?:\s*<([^>]*)>)?`")
 
@@ -49,9 +51,17 @@ class DefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentD
         return super()._get_help_string(action)
 
     def _split_lines(self, text, width):
-        # Lines break between words only: a long default ("dense,magicpig:10x150,...") stays whole.
-        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_long_words=False,
-                             break_on_hyphens=False)
+        # Lines break between words, never inside a name; a comma-separated list longer than the
+        # line ("dense,magicpig:10x150,...") breaks after a comma.
+        lines = []
+        for line in textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_long_words=False,
+                                  break_on_hyphens=False):
+            while len(line) > width and "," in line[:width]:
+                cut = line.rindex(",", 0, width) + 1
+                lines.append(line[:cut])
+                line = line[cut:]
+            lines.append(line)
+        return lines
 
 
 class Parser(argparse.ArgumentParser):
@@ -61,7 +71,10 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         if kwargs.get("description"):
-            kwargs["description"] = plain_text(kwargs["description"])
+            text = plain_text(kwargs["description"])
+            # A one-paragraph description is wrapped to a terminal's width; a longer one is shown
+            # as written (its lists and tables are laid out by hand).
+            kwargs["description"] = textwrap.fill(text, 79) if "\n" not in text else text
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
@@ -71,3 +84,25 @@ class Parser(argparse.ArgumentParser):
         where = f"{' '.join(command)}: " if command else ""
         print(f"{root}: error: {where}{message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+@contextlib.contextmanager
+def in_flag_terms(**flags: str) -> Iterator[None]:
+    """Re-raise a library error about one of the fields ``flags`` names in the command line's terms.
+
+    The library's checks name their field (``"top_p must be in (0, 1], got top_p=1.5"``); a user
+    typed ``--top-p 1.5`` and reads ``"--top-p must be in (0, 1], got 1.5"``. Give each field with
+    its flag: ``with in_flag_terms(top_p="--top-p"): Sampling(top_p=args.top_p)``. Errors about
+    other fields, and other exceptions, pass unchanged.
+
+    Raises:
+      ValueError, TypeError: the library's, reworded when it names one of ``flags``.
+    """
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        msg = str(err)
+        for field, flag in flags.items():
+            if msg.startswith(field + " must "):
+                raise type(err)(flag + msg[len(field):].replace(f"got {field}=", "got ")) from None
+        raise

@@ -1,13 +1,13 @@
 """The ``magicpig-jax`` command line.
 
 Subcommands:
-  generate          answer a question over a long document with MagicPIG and dense attention
-  convert           write a model as an orbax checkpoint (loads faster than GGUF)
-  bench attention   one-layer decode attention benchmark (host op vs XLA dense vs reference)
-  bench decode      end-to-end decode tokens/s, dense vs MagicPIG, per prompt length
-  study attention   estimator error versus cost (TopK, Quest, oracle sampling, MagicPIG)
-  eval              RULER-style task accuracy and long-text likelihood versus cost, per method
-  calibrate         per-layer (K, L) or dense meeting a KL budget at the least measured cost (JSON)
+  generate          answer a question over a long document, MagicPIG and dense
+  convert           write a model as an orbax checkpoint (loads faster)
+  bench attention   one layer's decode attention: host op, XLA dense, reference
+  bench decode      end-to-end decode tokens/s per prompt length and batch
+  study attention   estimator error versus cost (TopK, Quest, oracle, MagicPIG)
+  eval              RULER-style accuracy and long-text likelihood versus cost
+  calibrate         per-layer (K, L) or dense meeting a KL budget at least cost
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from magicpig_jax.argparsing import Parser
+from magicpig_jax.argparsing import Parser, in_flag_terms
 
 __all__ = ["main", "DEMO_DOCUMENT", "DEMO_QUESTION"]
 
@@ -64,10 +64,10 @@ def _attention_list(text: str) -> list[str]:
     if "hybrid" in names:
         raise argparse.ArgumentTypeError("--attention hybrid needs per-layer HybridConfig settings, which generate "
                                          "does not take: use the Python API or `magicpig-jax eval --methods`; "
-                                         f"generate takes a comma-separated subset of {allowed}")
+                                         f"generate takes a comma-separated subset of {', '.join(allowed)}")
     bad = [n for n in names if n not in allowed]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"takes a comma-separated subset of {allowed}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"takes a comma-separated subset of {', '.join(allowed)}, got {text!r}")
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # one answer per backend: a repeat would be decoded once, silently
         raise argparse.ArgumentTypeError(f"lists {', '.join(twice)} more than once, got {text!r}")
@@ -175,9 +175,11 @@ def _cmd_generate(args) -> int:
     if "magicpig" in args.attention and isinstance(args.K, int) and args.K > HOST_MAX_K:
         raise ValueError(f"--K must be in [1, {HOST_MAX_K}] with attention 'magicpig' (the host index: 2^K + 1 "
                          f"bucket offsets per chunk and table), got {args.K}; 'magicpig-ref' (pure JAX) takes up to 32")
-    config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
-                            seed=args.seed)
-    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    with in_flag_terms(K="--K", L="--L", num_sink="--num-sink", num_local="--num-local", seed="--seed",
+                       temperature="--temperature", top_p="--top-p"):
+        config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
+                                seed=args.seed)
+        sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     stops = check_stop_strings(args.stop)
     needs_budget = [a for a in args.attention if a in ("topk", "quest", "oracle")]
     if needs_budget and args.budget is None:
@@ -186,7 +188,7 @@ def _cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(i < 0 for i in args.dense_layers or ()):
-        raise ValueError(f"--dense-layers must be layer indices >= 0, got {args.dense_layers}")
+        raise ValueError(f"--dense-layers must be layer indices >= 0, got {','.join(map(str, args.dense_layers))}")
     _check_json_path(args.json)
     layered = _layer_configs(args)
     prompt = _generate_prompt(args)
@@ -233,7 +235,8 @@ def _check_model(args) -> None:
     n = read_model_config(args.model).num_layers
     bad = [i for i in args.dense_layers or () if i >= n]
     if bad:
-        raise ValueError(f"--dense-layers {bad} out of range: the model has {n} layers (indices 0..{n - 1})")
+        raise ValueError(f"--dense-layers {','.join(map(str, bad))} out of range: the model has {n} layers "
+                         f"(indices 0..{n - 1})")
 
 
 def _layer_configs(args):
@@ -298,20 +301,22 @@ def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops, con
 
 
 def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
+    import textwrap
+
     w = max(len("attention"), *map(len, results))  # the first column fits the longest backend name
     lines = ["", "=== summary ===", f"prompt tokens: {prompt_tokens}    prefill: {prefill_seconds:.2f} s",
-             f"{'attention':<{w}} {'decode tok/s':>12} {'steps':>6} {'compile s':>9} {'sampled fraction':>17}"]
+             f"{'attention':<{w}}  {'decode tok/s':>12}  {'steps':>5}  {'compile s':>9}  {'sampled fraction':>16}"]
     for name, r in results.items():
         frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"
         rate = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.2f}"
-        lines.append(f"{name:<{w}} {rate:>12} {r['decode_steps']:>6} "
-                     f"{r['compile_seconds']:>9.1f} {frac:>17}")
+        lines.append(f"{name:<{w}}  {rate:>12}  {r['decode_steps']:>5}  {r['compile_seconds']:>9.1f}  {frac:>16}")
     for name, r in results.items():
         per = r["sampled_fraction_per_layer"]
         if per:
+            dense = ",".join(map(str, r["dense_layers"])) or "none"
+            lines.append(f"{name}: % of the context's keys sampled per decode step, layer:% (dense layers {dense})")
             cells = " ".join(f"{layer}:{100 * f:.1f}" for layer, f in per.items())
-            lines.append(f"{name} sampled % of context keys per decode step, by layer "
-                         f"(dense layers {r['dense_layers']}): {cells}")
+            lines.extend(textwrap.wrap(cells, 96, initial_indent="  ", subsequent_indent="  "))
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from magicpig_jax.argparsing import plain_text
+from magicpig_jax.argparsing import in_flag_terms, plain_text
 
 FAMILY = Path(__file__).parent / "fixtures" / "families" / "qwen2"
 CLI = [sys.executable, "-m", "magicpig_jax.cli"]
@@ -31,8 +31,12 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    # the library's checks in the command line's terms: the flag and the value as typed
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    (["--L", "1"], "--L must be >= 2 (sampling needs >= 2 colliding tables), got 1"),
+    (["--num-sink", "-1"], "--num-sink must be >= 0, got -1"),
+    (["--seed", "-2"], "--seed must be >= 0, got -2"),
     (["--attention", "topk", "--budget", "0"], "budget as a token count must be >= 1"),
     (["--attention", "topk", "--budget", "2.5"], "budget as a fraction of the context must be in (0, 1]"),
     (["--attention", "topk"], "needs a budget"),
@@ -52,7 +56,9 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
 
 
 @pytest.mark.parametrize("args,expected", [
-    (["generate", "--attention", "foo"], "generate: argument --attention: takes a comma-separated"),
+    (["generate", "--attention", "foo"], "generate: argument --attention: takes a comma-separated subset of dense, "
+                                         "magicpig, magicpig-ref,"),
+    (["study", "attention", "--profiles", "nope"], "--profiles: unknown nope; choose from gauss1, gauss2,"),
     (["generate", "--attention", "dense,magicpig,dense"], "argument --attention: lists dense more than once"),
     (["generate", "--attention", "dense,hybrid"], "--attention hybrid needs per-layer HybridConfig settings"),
     (["generate", "--max-new-tokens", "x"], "invalid int value: 'x'"),
@@ -67,6 +73,8 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
     (["calibrate", "--out", "runs/never.json", "--kl-budget", "0.1", "--text", "/tmp"], "--text /tmp is not a file"),
     # refused before the model loads (the help lists the three)
     (["bench", "decode", "--methods", "topk"], "argument --methods: invalid choice: 'topk'"),
+    (["bench", "decode", "--K", "20"], "bench decode: --K must be in [1, 16] (the host index), got 20"),
+    (["bench", "attention", "--L", "1"], "bench attention: --L must be >= 2, got 1"),
     (["bench"], "bench: the following arguments are required: WHAT"),
 ])
 def test_argument_errors_are_one_line_without_the_usage(args, expected):
@@ -89,13 +97,17 @@ def test_help_shows_each_default_once(args, shown):
         assert text in out, text
 
 
-@pytest.mark.parametrize("args", [["study", "attention"], ["calibrate"]])
-def test_help_reads_as_plain_text(args):
-    """Descriptions taken from module docstrings show names, not Sphinx roles or double backquotes."""
-    out = run(*args, "--help").stdout
+@pytest.mark.parametrize("args", [[], ["generate"], ["convert"], ["bench", "attention"], ["bench", "decode"],
+                                  ["study", "attention"], ["calibrate"], ["eval"]])
+def test_help_reads_as_plain_text_in_80_columns(args):
+    """Descriptions show names, not Sphinx roles or double backquotes, and every line fits a
+    terminal of 80 columns (argparse wraps the options to $COLUMNS; the descriptions are ours)."""
+    env = {**os.environ, "COLUMNS": "80"}
+    out = subprocess.run([*CLI, *args, "--help"], capture_output=True, text=True, timeout=120, env=env).stdout
+    assert out.startswith("usage: magicpig-jax"), out
     assert ":mod:`" not in out and ":func:`" not in out and ":class:`" not in out and "``" not in out, out
     assert "**" not in out, out
-    assert "LayerConfigs" in out or "dense_attention" in out
+    assert [ln for ln in out.splitlines() if len(ln) > 80] == []
 
 
 def test_generate_help_lists_the_backends():
@@ -111,13 +123,32 @@ def test_plain_text_keeps_the_names():
         "step_bytes and m.n and --cost, bold")
 
 
+def test_in_flag_terms_rewords_only_the_named_fields():
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.decode_loop import Sampling
+
+    with pytest.raises(ValueError, match=r"^--top-p must be in \(0, 1\], got 0$"):
+        with in_flag_terms(top_p="--top-p"):
+            Sampling(top_p=0)
+    with pytest.raises(TypeError, match=r"^--K must be an int, got float 2.5$"):
+        with in_flag_terms(K="--K"):
+            raise TypeError("K must be an int, got float 2.5")  # lsh.validate_k_l's words
+    # a field it was not given keeps the library's words; other exceptions pass through
+    with pytest.raises(ValueError, match=r"^num_local must be >= 0, got num_local=-1$"):
+        with in_flag_terms(K="--K"):
+            MagicPIGConfig(num_local=-1)
+    with pytest.raises(KeyError):
+        with in_flag_terms(K="--K"):
+            raise KeyError("K must be")
+
+
 @pytest.mark.parametrize("model", [None, FAMILY])
 def test_dense_layers_past_the_model_fail_before_it_loads(model):
     """The layer count comes from the metadata (GGUF header, config.json): no load, no prefill."""
     n = 30 if model is None else 2
     start = time.perf_counter()
     proc = run("generate", *(() if model is None else ("--model", str(model))), "--dense-layers", f"0,{n}")
-    one_line_error(proc, f"--dense-layers [{n}] out of range: the model has {n} layers (indices 0..{n - 1})")
+    one_line_error(proc, f"--dense-layers {n} out of range: the model has {n} layers (indices 0..{n - 1})")
     assert "model:" not in proc.stdout and "prefill" not in proc.stdout
     assert time.perf_counter() - start < 30
 
@@ -185,7 +216,8 @@ def test_top_level_help_lists_each_subcommand_once():
     (["eval"], ["(default: dense,magicpig:10x150,magicpig:11x300,hybrid:10x150x8,topk,quest,oracle)"]),
 ])
 def test_help_shows_defaults_as_typed_and_every_option_explained(args, shown):
-    out = " ".join(run(*args, "--help").stdout.split())
+    # a list longer than the line breaks after a comma: joined again without the break, as typed
+    out = re.sub(r", (?=\S)", ",", " ".join(run(*args, "--help").stdout.split()))
     assert "(default: [" not in out and "(default: ((" not in out and "(default: (0" not in out, out
     for text in shown:
         assert text in out, text

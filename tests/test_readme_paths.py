@@ -110,6 +110,13 @@ def test_cli_bench_attention_reports_what_its_shapes_imply(tmp_path):
     assert r["sampled_fraction"] == pytest.approx(r["mean_sampled_per_head"] / hashed)
     assert 0 < r["sampled_fraction"] < 0.2
     assert r["speedup_vs_dense"] == pytest.approx(r["dense_ms"] / r["host_attention_ms"])
+    # the paired fraction: each cold call against the copy timed just before it, so it lies between
+    # the ratios of the extremes of the op's times and the copies' bandwidths
+    op, cp = r["host_op_only_spread_ms"], r["copy_GBps_paired"]
+    lo = r["bytes_touched"] / (1e-3 * op["max"]) / (1e9 * cp["max"])
+    hi = r["bytes_touched"] / (1e-3 * op["min"]) / (1e9 * cp["min"])
+    assert 0 < cp["min"] <= cp["median"] <= cp["max"]
+    assert lo * (1 - 1e-9) <= r["fraction_of_copy_bw_paired"] <= hi * (1 + 1e-9)
 
 
 def test_cli_bench_decode_tiny_model_decodes_greedy_tokens(tmp_path):

@@ -8,8 +8,9 @@ Reported per (shape, N): time of ``host_magicpig_attention`` (sampled part on th
 + static part in JAX + merge), of the FFI op alone, of jitted ``dense_attention`` and of
 the jitted pure-JAX ``magicpig_attention`` (skipped above ``--ref-max-n``, noted in the
 JSON); the sampled fraction; bytes touched by the op (sampled K and V rows + the bucket
-lists walked) / op time against a memcpy bandwidth measured in the same run; index bytes
-per token per KV head against KV bytes per token per KV head.
+lists walked) / op time against a memcpy bandwidth measured in the same run (once at its
+start, and paired: each cold call against the copy that evicts the cache just before it);
+index bytes per token per KV head against KV bytes per token per KV head.
 
 Usage: ``python -m magicpig_jax.eval.bench_attention --n 8192 32768 --out runs/bench``
 (or ``magicpig-jax bench attention ...``).
@@ -43,16 +44,25 @@ def _timeit(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
-class _Evict:
-    """Writes a buffer of 4x the last-level cache (64 MiB at least) between timed calls, so each call
+class _CopyEvict:
+    """Copies a buffer of 256 MiB (at least 4x the last-level cache) between timed calls, so each call
     starts as a decode step does: the layer's K/V rows and buckets in DRAM, not left in L3 by the
-    previous call with the same query."""
+    previous call with the same query. Each copy is timed (``last_bytes_per_s``): the op's bandwidth
+    is then compared with a copy measured moments before it, under the same load, rather than with
+    one copy at the start of the run (this machine's copy bandwidth drifts by tens of percent between
+    minutes)."""
 
     def __init__(self):
-        self.buf = np.zeros(max(64 << 20, 4 * _llc_bytes()) // 8, np.float64)
+        n = max(256 << 20, 4 * _llc_bytes()) // 8
+        self.src = np.ones(n, np.float64)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)  # fault the pages in
+        self.last_bytes_per_s = float("nan")
 
     def __call__(self) -> None:
-        self.buf += 1.0
+        t = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        self.last_bytes_per_s = self.src.nbytes / (time.perf_counter() - t)
 
 
 def _llc_bytes() -> int:
@@ -69,10 +79,12 @@ def _llc_bytes() -> int:
 
 def _timed_pair(fns: dict, reps: int, evict) -> dict:
     """Times each of ``fns`` ``reps`` times, interleaved (so drift of the machine hits all alike),
-    each call after ``evict()`` if given. Returns ``{name: [seconds, ...]}``."""
+    each call after ``evict()`` if given. Returns ``{name: [seconds, ...]}``, with the process's CPU
+    seconds under ``name + "_cpu"`` and, when ``evict`` is a :class:`_CopyEvict`, the bandwidth of the
+    copy just before each call under ``name + "_copy"`` (bytes/s)."""
     for fn in fns.values():
         jax.block_until_ready(fn())  # compile
-    ts = {name: [] for name in fns} | {name + "_cpu": [] for name in fns}
+    ts = {name: [] for name in fns} | {name + "_cpu": [] for name in fns} | {name + "_copy": [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             if evict is not None:
@@ -81,12 +93,18 @@ def _timed_pair(fns: dict, reps: int, evict) -> dict:
             jax.block_until_ready(fn())
             ts[name].append(time.perf_counter() - t)
             ts[name + "_cpu"].append(time.process_time() - c)  # every thread of the process
+            if isinstance(evict, _CopyEvict):
+                ts[name + "_copy"].append(evict.last_bytes_per_s)
     return ts
 
 
+def _spread(xs) -> dict:
+    xs = np.asarray(xs, np.float64)
+    return {"median": float(np.median(xs)), "min": float(xs.min()), "max": float(xs.max())}
+
+
 def _spread_ms(xs) -> dict:
-    ms = 1e3 * np.asarray(xs)
-    return {"median": float(np.median(ms)), "min": float(ms.min()), "max": float(ms.max())}
+    return _spread(1e3 * np.asarray(xs))
 
 
 def huge_page_coverage(*trees) -> tuple[int, int]:
@@ -182,7 +200,7 @@ def run_one(shape_name, N, args, rng, copy_bw):
     op = jax.jit(lambda q, qc, k, v, i, n: host.host_sampled_attention(q, qc, k, v, i, n, window=window))
     fns = {"op": lambda: op(q, q_codes, k, v, hidx, lengths), "host": lambda: attn(q, k, v, hidx, lengths)}
     with OtherLoad() as load:
-        cold = _timed_pair(fns, args.reps, _Evict())  # each call from DRAM, as in a decode step
+        cold = _timed_pair(fns, args.reps, _CopyEvict())  # each call from DRAM, as in a decode step
         warm = _timed_pair(fns, args.reps, None)  # the same query again: its rows partly still in L3
     t_op, t_host = float(np.median(cold["op"])), float(np.median(cold["host"]))
     _, _, ns = attn(q, k, v, hidx, lengths)
@@ -231,6 +249,10 @@ def run_one(shape_name, N, args, rng, copy_bw):
         "touched_GBps": touched / t_op / 1e9,
         "copy_GBps": copy_bw / 1e9,
         "fraction_of_copy_bw": touched / t_op / copy_bw,
+        # Each cold call against the copy timed just before it (the same minute's machine), median.
+        "fraction_of_copy_bw_paired": float(np.median([touched / t / bw for t, bw in
+                                                       zip(cold["op"], cold["op_copy"], strict=True)])),
+        "copy_GBps_paired": {k: v / 1e9 for k, v in _spread(cold["op_copy"]).items()},
         "fraction_of_copy_bw_warm": touched / (1e-3 * _spread_ms(warm["op"])["median"]) / copy_bw,
         "index_bytes_per_token_per_kv_head": idx_bytes / (N * Hkv),
         "kv_bytes_per_token_per_kv_head": row_bytes,
@@ -274,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = Parser(prog="magicpig-jax bench attention", description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, nargs="+", default=[8192, 32768, 131072], help="context lengths")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
-                   help="head shapes (Hq, Hkv, D) of these models")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE",
+                   help=f"head shapes (Hq, Hkv, D) of these models: {', '.join(SHAPES)}")
     p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..16, the host index)")
     p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions (median, min, max; 5 or more for a result)")
@@ -290,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--n values must be >= 128")
     if args.reps < 1:
         p.error("--reps must be >= 1 (figures are medians: use 5 or more for a result)")
+    from magicpig_jax.host.index import HOST_MAX_K
+
+    if not 1 <= args.K <= HOST_MAX_K:
+        p.error(f"--K must be in [1, {HOST_MAX_K}] (the host index), got {args.K}")
+    if args.L < 2:
+        p.error(f"--L must be >= 2, got {args.L}")
     rng = np.random.default_rng(args.seed)
     copy_bw = _copy_bandwidth()
     results = []
@@ -299,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_end = _copy_bandwidth()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     meta = {"reps": args.reps, "huge_pages": args.huge_pages, "llc_bytes": _llc_bytes(),
-            "timing": "op alone and op + static + merge interleaved, each call after writing 4x the LLC "
-                      "(cold, as in a decode step); *_warm: the same calls back to back (the query's rows partly "
-                      "in L3); fraction_of_copy_bw uses the cold median"}
+            "timing": "op alone and op + static + merge interleaved, each call after a timed copy of 256 MiB "
+                      "(>= 4x the LLC: cold, as in a decode step); *_warm: the same calls back to back (the query's "
+                      "rows partly in L3); fraction_of_copy_bw: the cold median against the copy at the run's "
+                      "start; fraction_of_copy_bw_paired: median over the cold calls of each against the copy "
+                      "just before it"}
     with open(args.out + ".json", "w") as f:
         json.dump({"copy_GBps": copy_bw / 1e9, "copy_GBps_end": copy_end / 1e9, "meta": meta, "results": results},
                   f, indent=2)
@@ -320,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'[' + format(sp['min'], '.2f') + ',' + format(sp['max'], '.2f') + ']':>14s} "
               f"{r['host_op_only_warm_ms']['median']:6.2f} {r['dense_ms']:9.1f} {ref:>8s} {r['speedup_vs_dense']:7.1f} "
               f"{r['sampled_fraction']:8.4f} {r['touched_GBps']:6.2f} {100 * r['fraction_of_copy_bw']:6.1f} "
+              f"{100 * r['fraction_of_copy_bw_paired']:6.1f} "
               f"{100 * r['fraction_of_copy_bw_warm']:6.1f} {100 * huge:4.0f}% {r['index_to_kv_ratio']:6.3f}")
         if (r["other_processes_cpu_fraction"] or 0) > 0.05:
             print(f"  warning: other processes used {100 * r['other_processes_cpu_fraction']:.0f}% of the CPU time "

@@ -182,7 +182,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt tokens")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes B (rows decoded together)")
     p.add_argument("--methods", nargs="+", default=["dense", "magicpig"], choices=["dense", "magicpig", "magicpig-ref"],
-                   help="decode backends")
+                   metavar="METHOD", help="decode backends: dense, magicpig, magicpig-ref")
     p.add_argument("--steps", type=int, default=32, help="decode steps per run (the first is not timed)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median, min, max)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before the repeats")
@@ -219,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--warmup must be >= 0, --batch and --lengths >= 1")
     if not args.text.is_file():
         p.error(f"--text {args.text} is not a file")
+    from magicpig_jax.host.index import HOST_MAX_K
+
+    if not 1 <= args.K <= HOST_MAX_K:
+        p.error(f"--K must be in [1, {HOST_MAX_K}] (the host index), got {args.K}")
+    if args.L < 2:
+        p.error(f"--L must be >= 2, got {args.L}")
     if "llama.cpp" in args.peer and not llama_cpp_available():
         p.error("--peer llama.cpp needs llama-cpp-python: pip install -e '.[peer]' (compiles llama.cpp)")
     model = load_model(args.model)

@@ -356,8 +356,11 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
 # --- command line -----------------------------------------------------------------------------
 
 def make_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``magicpig-jax calibrate`` (the module docstring is its help)."""
-    p = Parser(prog="magicpig-jax calibrate", description=__doc__)
+    """The argument parser of ``magicpig-jax calibrate`` (its epilog points at the module docstring)."""
+    p = Parser(prog="magicpig-jax calibrate",
+               description="Per layer MagicPIG's (K, L) or dense, meeting a KL budget at the least measured cost, "
+                           "on a text that is not an evaluation text; a JSON file for --magicpig-config.",
+               epilog="Details (method, outputs, sources): python -m pydoc magicpig_jax.eval.calibrate")
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face or checkpoint directory (default: "
                                                   "the embedded SmolLM2)")
     p.add_argument("--kl-budget", type=float, required=True, help="mean KL(dense || method) per token to meet")

@@ -67,7 +67,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--magicpig-config", type=Path, default=None, action="append",
                    help="a per-layer configurations file of `magicpig-jax calibrate` (adds method magicpig@FILE; "
                         "repeatable)")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated methods (default: {DEFAULT_METHODS})")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated methods: dense; magicpig[:KxL] (10x150 alone); magicpig-ref[:KxL] (pure "
+                        "JAX); hybrid:KxLxM; topk, quest, oracle (budget: the keys --budget-from sampled) or "
+                        "topk:N, topk:FRACTION (likewise quest, oracle); topk-ref, quest-ref; magicpig@FILE (see "
+                        f"--magicpig-config) (default: {DEFAULT_METHODS})")
     p.add_argument("--out", type=Path, required=True, help="output folder (results.jsonl, summary.md, PNGs)")
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
     p.add_argument("--haystack", default=DEFAULT_HAYSTACK,

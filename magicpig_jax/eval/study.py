@@ -89,8 +89,9 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``magicpig-jax study attention`` (the module docstring is its help)."""
-    p = Parser(prog="magicpig-jax study attention", description=__doc__)
+    """The argument parser of ``magicpig-jax study attention`` (its epilog points at the module docstring)."""
+    p = Parser(prog="magicpig-jax study attention", description=__doc__.splitlines()[0],
+               epilog="Details (method, outputs, sources): python -m pydoc magicpig_jax.eval.study")
     p.add_argument("--out", type=Path, default=Path("runs/study"), help="output directory")
     p.add_argument("--capture", type=Path, default=None,
                    help=".npz with q [layers, Hq, D], k and v [layers, Hkv, N, D]")
@@ -145,7 +146,7 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
     bad = [p for p in profiles if p not in PROFILES]
     if bad:
-        raise ValueError(f"--profiles: unknown {bad}; choose from {PROFILES}")
+        raise ValueError(f"--profiles: unknown {', '.join(bad)}; choose from {', '.join(PROFILES)}")
     for K, L in args.lsh:
         lsh.validate_k_l(K, L)
     try:
