@@ -19,6 +19,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigBuild);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigAppend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigAttention);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigLogU);
+// simhash.cc: SimHash codes of rows (a decode step's queries) against one layer's hyperplanes.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigSimhashCodes);
 // quant_matvec.cc: the decode matvec on GGUF rows (F16, BF16, Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K)
 // and their dequantization.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MagicpigQuantMatvec);

@@ -57,6 +57,7 @@ NB_MODULE(_host_ops, m) {
     d["magicpig_host_append"] = Capsule(MagicpigAppend);
     d["magicpig_host_attention"] = Capsule(MagicpigAttention);
     d["magicpig_host_log_u"] = Capsule(MagicpigLogU);
+    d["magicpig_simhash_codes"] = Capsule(MagicpigSimhashCodes);
     d["magicpig_quant_matvec"] = Capsule(MagicpigQuantMatvec);
     d["magicpig_dequantize"] = Capsule(MagicpigDequantize);
     d["magicpig_exact_attention"] = Capsule(MagicpigExactAttention);

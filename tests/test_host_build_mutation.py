@@ -157,7 +157,7 @@ def test_host_build_index_defaults_bounds_and_messages():
         host.host_build_index(kj, pj, {"K": 3, "L": 4})
 
 
-def test_host_build_index_x64_blocked_and_vmap(monkeypatch):
+def test_host_build_index_x64_and_vmap():
     k, proj = _keys()
     lengths = np.array([30, 19])
     mean = _np_mean(k, [2, 2], [26, 15])
@@ -170,13 +170,6 @@ def test_host_build_index_x64_blocked_and_vmap(monkeypatch):
         assert hidx.mean.dtype == jnp.float32 and hidx.projections.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(hidx.mean), mean, rtol=0, atol=1e-5)
         _check_layout(hidx, codes, bounds, 3, CH, OPEN)
-    # the blocked computation of the codes (above CODES_BLOCK_BYTES) gives the same index
-    monkeypatch.setattr(host_build, "CODES_BLOCK_BYTES", B * HKV * 5 * 3 * 4 * 4)  # blocks of 5 positions
-    hidx = host.host_build_index(jnp.asarray(k), jnp.asarray(proj), CFG, jnp.asarray(lengths, jnp.int32), capacity=N,
-                                 open_capacity=OPEN, chunk_size=CH)
-    np.testing.assert_allclose(np.asarray(hidx.mean), mean, rtol=0, atol=1e-5)
-    _check_layout(hidx, codes, bounds, 3, CH, OPEN)
-    monkeypatch.undo()
     # vmap over a stack of two caches (the op runs once per cache)
     k2 = np.stack([k, k[:, :, ::-1]])
     got = jax.vmap(lambda kk: host.host_build_index(kk, jnp.asarray(proj), CFG, capacity=N, open_capacity=OPEN,

@@ -28,8 +28,7 @@ from magicpig_jax import host
 from magicpig_jax.attention.config import MagicPIGConfig
 from magicpig_jax.attention.magicpig import LOG_U_FLOOR, build_lsh_index
 from magicpig_jax.host import _ext, validate
-from magicpig_jax.host import build as host_build
-from magicpig_jax.host.build import build_lsh_index_blocked
+from magicpig_jax.host.build import hashed_mean
 from magicpig_jax.host.index import DEFAULT_OPEN_CAPACITY, MAX_CHUNK, HostIndex, chunk_geometry, index_nbytes
 from magicpig_jax.host.log_u import LOG_U_TABLE_SIZE, host_log_u, log_u_exact, log_u_table, table_size
 from magicpig_jax.host.quest import (
@@ -315,18 +314,8 @@ def test_host_log_u_defaults_dtypes_vmap_and_message():
         host_log_u(jnp.zeros(3), 17, 7)
 
 
-def test_blocked_build_validates_its_arguments_as_build_lsh_index(monkeypatch):
-    monkeypatch.setattr(host_build, "CODES_BLOCK_BYTES", 1 << 10)
-    cfg = MagicPIGConfig(K=2, L=3, num_sink=1, num_local=1)
-    k = jnp.zeros((1, 1, 6, 4), jnp.float32)
-    proj = jnp.zeros((4, 6), jnp.float32)
-    with pytest.raises(TypeError):
-        build_lsh_index_blocked(k, proj, cfg, jnp.asarray([6.0]))
-
-
 @pytest.mark.parametrize("x64", [False, True])
-def test_blocked_build_mean_of_one_key_and_float32_under_x64(x64, monkeypatch):
-    monkeypatch.setattr(host_build, "CODES_BLOCK_BYTES", 2 * 2 * 6 * 4 * 4)  # blocks of 4 positions (3 blocks)
+def test_hashed_mean_of_one_key_and_float32_under_x64(x64):
     # row 0 hashes one key ([1, 2)), row 1 seven ([1, 8)); the mean is the float64 mean of the range
     cfg = MagicPIGConfig(K=2, L=3, num_sink=1, num_local=1)
     rng = np.random.default_rng(5)
@@ -334,14 +323,18 @@ def test_blocked_build_mean_of_one_key_and_float32_under_x64(x64, monkeypatch):
     proj = rng.normal(size=(4, 6)).astype(np.float32)
     lengths = np.array([3, 9], np.int32)
     with jax.enable_x64(x64):
-        got = build_lsh_index_blocked(jnp.asarray(k), jnp.asarray(proj), cfg, jnp.asarray(lengths))
+        start, end, mean = hashed_mean(jnp.asarray(k), cfg, jnp.asarray(lengths))
         ref = build_lsh_index(jnp.asarray(k), jnp.asarray(proj), cfg, jnp.asarray(lengths))
-        assert got.mean.dtype == jnp.float32 and got.codes.dtype == jnp.uint32
+        assert mean.dtype == jnp.float32
         expect = np.stack([k[0, :, 1:2].astype(np.float64).mean(1), k[1, :, 1:8].astype(np.float64).mean(1)])
-        np.testing.assert_allclose(np.asarray(got.mean), expect, rtol=0, atol=1e-6)
-        np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(ref.codes))
-        np.testing.assert_array_equal(np.asarray(got.start), [1, 1])
-        np.testing.assert_array_equal(np.asarray(got.end), [2, 8])
+        np.testing.assert_allclose(np.asarray(mean), expect, rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(mean), np.asarray(ref.mean))
+        np.testing.assert_array_equal(np.asarray(start), [1, 1])
+        np.testing.assert_array_equal(np.asarray(end), [2, 8])
+        # the host build hashes k - mean with the reference's codes
+        hidx = host.host_build_index(jnp.asarray(k), jnp.asarray(proj), cfg, jnp.asarray(lengths))
+        np.testing.assert_array_equal(np.asarray(hidx.mean), np.asarray(ref.mean))
+        np.testing.assert_array_equal(np.asarray(host.host_key_codes(hidx, jnp.asarray(k))), np.asarray(ref.codes))
 
 
 # -- quest / topk (pure JAX) ---------------------------------------------------------------------

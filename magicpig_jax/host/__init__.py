@@ -16,6 +16,7 @@ Rooms:
 * :mod:`~magicpig_jax.host.index`: the :class:`HostIndex` pytree, its layout and bytes;
 * :mod:`~magicpig_jax.host.validate`: the argument checks the wrappers share;
 * :mod:`~magicpig_jax.host.log_u`: the float64 ``log u`` table of the kernel;
+* :mod:`~magicpig_jax.host.simhash`: :func:`host_simhash_codes` (keys at build and append, queries at each step);
 * :mod:`~magicpig_jax.host.build`: :func:`host_build_index`, :func:`host_append`;
 * :mod:`~magicpig_jax.host.attention`: :func:`host_sampled_attention`, :func:`host_magicpig_attention`;
 * :mod:`~magicpig_jax.host.exact`: :func:`host_exact_attention` (the dense layers);
@@ -41,6 +42,7 @@ from magicpig_jax.host.index import (
 from magicpig_jax.host.log_u import host_log_u, log_u_table
 from magicpig_jax.host.matvec import BLOCK_SIZE, QUANT_TYPES, block_bytes, packed_row_bytes, quant_matvec
 from magicpig_jax.host.quest import QuestPages, host_quest_attention, quest_append_pages, quest_build_pages
+from magicpig_jax.host.simhash import host_simhash_codes
 from magicpig_jax.host.topk import host_topk_attention
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "host_build_index",
     "host_append",
     "host_key_codes",
+    "host_simhash_codes",
     "host_sampled_attention",
     "host_magicpig_attention",
     "host_exact_attention",

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
-from magicpig_jax import lsh
 from magicpig_jax.attention._common import check_qkv
 from magicpig_jax.attention.config import MagicPIGConfig
 from magicpig_jax.attention.merge import merge_attention
@@ -30,6 +29,7 @@ from magicpig_jax.attention.static import static_attention
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.index import HostIndex
 from magicpig_jax.host.log_u import table_operand
+from magicpig_jax.host.simhash import host_simhash_codes
 from magicpig_jax.host.validate import check_config, check_index, check_int, check_kv_dtypes, check_lengths_strict
 
 __all__ = ["host_sampled_attention", "host_magicpig_attention"]
@@ -161,7 +161,7 @@ def host_magicpig_attention(
         static_window = config.static_window()
     static_window = check_int("static_window", static_window, 0, 2**31 - 1)
     lengths = check_lengths_strict(lengths, B, N)
-    q_codes = lsh.simhash_codes(q, host_index.projections, config.K, config.L)
+    q_codes = host_simhash_codes(q, host_index.projections, config.K, config.L, max_threads=max_threads)
     if static_window == 0:
         # Nothing is left to JAX: the op attends the sinks and the whole unhashed tail itself (one
         # softmax, no static part and no merge in the step: fewer XLA ops per layer).

@@ -1,9 +1,12 @@
 """Building the host index after prefill and appending keys to it (XLA FFI, CPU).
 
-The mean and the SimHash codes of the centered keys are computed in JAX exactly as
-:func:`magicpig_jax.attention.build_lsh_index` does (arXiv 2410.16179, Section 4.2); the C++
-handlers ``magicpig_host_build`` and ``magicpig_host_append`` (``host_ops/magicpig_host.cc``)
-sort them into the chunked tables of :class:`~magicpig_jax.host.index.HostIndex`.
+The mean of the hashed keys is computed in JAX exactly as
+:func:`magicpig_jax.attention.build_lsh_index` does (arXiv 2410.16179, Section 4.2); the SimHash
+codes of the centered keys come from the host kernel (:func:`~magicpig_jax.host.simhash.host_simhash_codes`,
+which centers each row in a small buffer, so no float32 copy of the keys and no ``[.., K*L]``
+projection temporary is made); the C++ handlers ``magicpig_host_build`` and
+``magicpig_host_append`` (``host_ops/magicpig_host.cc``) sort them into the chunked tables of
+:class:`~magicpig_jax.host.index.HostIndex`.
 """
 
 from __future__ import annotations
@@ -15,19 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
-from magicpig_jax import lsh
 from magicpig_jax.attention.config import MagicPIGConfig
-from magicpig_jax.attention.magicpig import LSHIndex, build_lsh_index
 from magicpig_jax.host._ext import ops
 from magicpig_jax.host.index import DEFAULT_OPEN_CAPACITY, MAX_CHUNK, HostIndex, chunk_geometry
+from magicpig_jax.host.simhash import host_simhash_codes
 from magicpig_jax.host.validate import check_config, check_int, check_lengths_strict
 
-__all__ = ["host_build_index", "host_append", "host_key_codes", "first_mean", "build_lsh_index_blocked",
-           "CODES_BLOCK_BYTES"]
-
-# Above this many bytes of float32 projections ``[B, Hkv, N, K*L]`` the codes are computed in
-# blocks of positions (:func:`build_lsh_index_blocked`), so the temporary stays bounded.
-CODES_BLOCK_BYTES = 32 << 20
+__all__ = ["host_build_index", "host_append", "host_key_codes", "first_mean", "hashed_mean"]
 
 
 def host_build_index(
@@ -42,9 +39,10 @@ def host_build_index(
 ) -> HostIndex:
     """Build the host index of one layer after prefill (mirrors :func:`build_lsh_index`).
 
-    The mean and the SimHash codes of the centered keys of the hashed range
-    (:meth:`MagicPIGConfig.hashed_range`) are computed in JAX exactly as
-    :func:`build_lsh_index` does (it is called); the FFI op sorts them into the chunked tables.
+    The mean of the hashed range (:meth:`MagicPIGConfig.hashed_range`) is
+    :func:`build_lsh_index`'s (:func:`hashed_mean`); the SimHash codes of the centered keys
+    come from :func:`~magicpig_jax.host.simhash.host_simhash_codes`; the FFI op sorts them into
+    the chunked tables.
 
     Args:
       k: float ``[B, Hkv, N, D]`` keys.
@@ -80,10 +78,12 @@ def host_build_index(
     if chunk_size is not None:
         chunk_size = check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
     lengths = check_lengths_strict(lengths, B, N)
-    if B * Hkv * N * config.K * config.L * 4 <= CODES_BLOCK_BYTES:
-        ref = build_lsh_index(k, projections, config, lengths)
-    else:
-        ref = build_lsh_index_blocked(k, projections, config, lengths)
+    if tuple(projections.shape) != (D, config.K * config.L):
+        raise ValueError(f"projections must be [D, K*L] = [{D}, {config.K * config.L}] for K={config.K}, "
+                         f"L={config.L}, got {tuple(projections.shape)}")
+    start, end, mean = hashed_mean(k, config, lengths)
+    projections = jnp.asarray(projections, jnp.float32)
+    codes = host_simhash_codes(k, projections, config.K, config.L, center=mean, max_threads=max_threads)
     ops()
     nc, ch = chunk_geometry(capacity, chunk_size)
     nbk = (1 << config.K) + 1
@@ -95,51 +95,28 @@ def host_build_index(
     )
     ids, offsets, open_codes, bounds = jax.ffi.ffi_call(
         "magicpig_host_build", out_types, vmap_method="sequential"
-    )(ref.codes, ref.start.astype(jnp.int32), ref.end.astype(jnp.int32),
+    )(codes, start.astype(jnp.int32), end.astype(jnp.int32),
       K=np.int64(config.K), max_threads=np.int64(max_threads))
-    return HostIndex(ids=ids, offsets=offsets, open_codes=open_codes, bounds=bounds, mean=ref.mean,
-                     projections=ref.projections.astype(jnp.float32), K=config.K, L=config.L)
+    return HostIndex(ids=ids, offsets=offsets, open_codes=open_codes, bounds=bounds, mean=mean,
+                     projections=projections, K=config.K, L=config.L)
 
 
-def build_lsh_index_blocked(
-    k: Float[Array, "B Hkv N D"],
-    projections: Float[Array, "D KL"],
-    config: MagicPIGConfig,
-    lengths: Int[Array, " B"],
-) -> LSHIndex:
-    """:func:`build_lsh_index` with the codes computed over blocks of positions.
+def hashed_mean(
+    k: Float[Array, "B Hkv N D"], config: MagicPIGConfig, lengths: Int[Array, " B"]
+) -> tuple[Int[Array, " B"], Int[Array, " B"], Float[Array, "B Hkv D"]]:
+    """``(start, end, mean)``: the hashed range and the float32 mean of its keys per row and KV head.
 
-    Same mean and the same per-key formula; the float32 ``[.., N, K*L]`` projection
-    temporary is bounded by :data:`CODES_BLOCK_BYTES` instead of growing with N.
-
-    Args:
-      k: float ``[B, Hkv, N, D]``; projections: float32 ``[D, K*L]``; lengths: int ``[B]``.
-
-    Returns:
-      The :class:`LSHIndex` that :func:`build_lsh_index` returns (codes uint32 ``[B, Hkv, N, L]``).
+    The formula of :func:`magicpig_jax.attention.build_lsh_index` (arXiv 2410.16179, Section 4.2,
+    "centering"): the keys in ``[start, end)`` summed in float32 and divided by
+    ``max(end - start, 1)``; an empty range gives 0.
     """
-    B, Hkv, N, D = k.shape
-    small = build_lsh_index(k[:, :, :0], projections, config, jnp.zeros_like(lengths))
-    del small  # validates the arguments the same way
+    N = k.shape[2]
     start, end = config.hashed_range(lengths)
     pos = jnp.arange(N, dtype=jnp.int32)
     in_range = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
     count = jnp.maximum(end - start, 1).astype(jnp.float32)
     mean = jnp.sum(jnp.where(in_range[:, None, :, None], k.astype(jnp.float32), 0.0), axis=2)
-    mean = mean / count[:, None, None]
-    blk = min(N, max(1, CODES_BLOCK_BYTES // (B * Hkv * config.K * config.L * 4)))
-    nblk = -(-N // blk)
-
-    def codes_of_block(i, codes):
-        # Blocks written in place into the codes; the last one is shifted back to end at N
-        # (its overlap is written twice, with the same codes), so nothing is padded or copied.
-        s = jnp.minimum(i * blk, N - blk)
-        kc = jax.lax.dynamic_slice_in_dim(k, s, blk, axis=2).astype(jnp.float32) - mean[:, :, None, :]
-        return jax.lax.dynamic_update_slice_in_dim(codes, lsh.simhash_codes(kc, projections, config.K, config.L),
-                                                   s, axis=2)
-
-    codes = jax.lax.fori_loop(0, nblk, codes_of_block, jnp.zeros((B, Hkv, N, config.L), jnp.uint32))
-    return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections)
+    return start, end, mean / count[:, None, None]
 
 
 def first_mean(index: HostIndex, k_new: Float[Array, "B Hkv T D"], counts: Int[Array, " B"]) -> HostIndex:
@@ -160,9 +137,17 @@ def first_mean(index: HostIndex, k_new: Float[Array, "B Hkv T D"], counts: Int[A
 
 
 def host_key_codes(index: HostIndex, k_new: Float[Array, "B Hkv T D"]) -> UInt32[Array, "B Hkv T L"]:
-    """SimHash codes of new keys, centered by the index's mean (what :func:`host_append` inserts)."""
-    kf = jnp.asarray(k_new).astype(jnp.float32) - index.mean[:, :, None, :]
-    return lsh.simhash_codes(kf, index.projections, index.K, index.L)
+    """SimHash codes of new keys, centered by the index's mean (what :func:`host_append` inserts).
+
+    Args:
+      index: the layer's :class:`HostIndex`.
+      k_new: float ``[B, Hkv, T, D]`` keys.
+
+    Returns:
+      uint32 ``[B, Hkv, T, L]``: :func:`magicpig_jax.lsh.simhash_codes` of
+      ``k_new - index.mean``, by the host kernel (:func:`~magicpig_jax.host.simhash.host_simhash_codes`).
+    """
+    return host_simhash_codes(k_new, index.projections, index.K, index.L, center=index.mean)
 
 
 def _check_counts(counts, B: int, T: int) -> jax.Array:
