@@ -26,9 +26,8 @@ from scipy import stats
 
 from magicpig_jax import host
 from magicpig_jax.attention.config import MagicPIGConfig
-from magicpig_jax.attention.magicpig import LOG_U_FLOOR, build_lsh_index
+from magicpig_jax.attention.magicpig import LOG_U_FLOOR, build_lsh_index, hashed_mean
 from magicpig_jax.host import _ext, validate
-from magicpig_jax.host.build import hashed_mean
 from magicpig_jax.host.index import DEFAULT_OPEN_CAPACITY, MAX_CHUNK, HostIndex, chunk_geometry, index_nbytes
 from magicpig_jax.host.log_u import LOG_U_TABLE_SIZE, host_log_u, log_u_exact, log_u_table, table_size
 from magicpig_jax.host.quest import (

@@ -25,7 +25,7 @@ from magicpig_jax.attention._common import (
 )
 from magicpig_jax.attention.config import MagicPIGConfig
 
-__all__ = ["LSHIndex", "build_lsh_index", "magicpig_attention", "LOG_U_FLOOR"]
+__all__ = ["LSHIndex", "build_lsh_index", "hashed_mean", "magicpig_attention", "LOG_U_FLOOR"]
 
 # Convention for the importance weight: the exact log u (no additive offset as
 # in the reference's log(u + 1e-4)), floored at log(1e-30) so that a key whose
@@ -101,16 +101,38 @@ def build_lsh_index(
             f"L={config.L}, got {tuple(projections.shape)}"
         )
     lengths = check_lengths(lengths, B, N)
-    start, end = config.hashed_range(lengths)
-    pos = jnp.arange(N, dtype=jnp.int32)
-    in_range = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])  # [B, N]
+    start, end, mean = hashed_mean(k, config, lengths)
     kf = k.astype(jnp.float32)
-    count = jnp.maximum(end - start, 1).astype(jnp.float32)
-    mean = jnp.sum(jnp.where(in_range[:, None, :, None], kf, 0.0), axis=2) / count[:, None, None]
     if not center:
         mean = jnp.zeros_like(mean)
     codes = lsh.simhash_codes(kf - mean[:, :, None, :], projections, config.K, config.L)
     return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections)
+
+
+def hashed_mean(
+    k: Float[Array, "B Hkv N D"], config: MagicPIGConfig, lengths: Int[Array, " B"]
+) -> tuple[Int[Array, " B"], Int[Array, " B"], Float[Array, "B Hkv D"]]:
+    """``(start, end, mean)``: the hashed range and the float32 mean of its keys per row and KV head.
+
+    The centering of :func:`build_lsh_index` (arXiv 2410.16179, Section 4.2), shared with the host
+    build: ``[start, end) = config.hashed_range(lengths)``; the keys in it summed in float32 and
+    divided by ``max(end - start, 1)``; an empty range gives 0.
+
+    Args:
+      k: float ``[B, Hkv, N, D]`` keys (any float dtype).
+      config: the :class:`MagicPIGConfig`.
+      lengths: int ``[B]``, valid keys per row.
+
+    Returns:
+      ``(start, end)`` int32 ``[B]`` and the mean float32 ``[B, Hkv, D]``.
+    """
+    N = k.shape[2]
+    start, end = config.hashed_range(lengths)
+    pos = jnp.arange(N, dtype=jnp.int32)
+    in_range = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
+    count = jnp.maximum(end - start, 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(in_range[:, None, :, None], k.astype(jnp.float32), 0.0), axis=2)
+    return start, end, mean / count[:, None, None]
 
 
 def sampled_mask_and_log_u(

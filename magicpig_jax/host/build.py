@@ -19,12 +19,13 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
 from magicpig_jax.attention.config import MagicPIGConfig
+from magicpig_jax.attention.magicpig import hashed_mean
 from magicpig_jax.host._ext import ops
 from magicpig_jax.host.index import DEFAULT_OPEN_CAPACITY, MAX_CHUNK, HostIndex, chunk_geometry
 from magicpig_jax.host.simhash import host_simhash_codes
 from magicpig_jax.host.validate import check_config, check_int, check_lengths_strict
 
-__all__ = ["host_build_index", "host_append", "host_key_codes", "first_mean", "hashed_mean"]
+__all__ = ["host_build_index", "host_append", "host_key_codes", "first_mean"]
 
 
 def host_build_index(
@@ -99,24 +100,6 @@ def host_build_index(
       K=np.int64(config.K), max_threads=np.int64(max_threads))
     return HostIndex(ids=ids, offsets=offsets, open_codes=open_codes, bounds=bounds, mean=mean,
                      projections=projections, K=config.K, L=config.L)
-
-
-def hashed_mean(
-    k: Float[Array, "B Hkv N D"], config: MagicPIGConfig, lengths: Int[Array, " B"]
-) -> tuple[Int[Array, " B"], Int[Array, " B"], Float[Array, "B Hkv D"]]:
-    """``(start, end, mean)``: the hashed range and the float32 mean of its keys per row and KV head.
-
-    The formula of :func:`magicpig_jax.attention.build_lsh_index` (arXiv 2410.16179, Section 4.2,
-    "centering"): the keys in ``[start, end)`` summed in float32 and divided by
-    ``max(end - start, 1)``; an empty range gives 0.
-    """
-    N = k.shape[2]
-    start, end = config.hashed_range(lengths)
-    pos = jnp.arange(N, dtype=jnp.int32)
-    in_range = (pos[None, :] >= start[:, None]) & (pos[None, :] < end[:, None])
-    count = jnp.maximum(end - start, 1).astype(jnp.float32)
-    mean = jnp.sum(jnp.where(in_range[:, None, :, None], k.astype(jnp.float32), 0.0), axis=2)
-    return start, end, mean / count[:, None, None]
 
 
 def first_mean(index: HostIndex, k_new: Float[Array, "B Hkv T D"], counts: Int[Array, " B"]) -> HostIndex:
