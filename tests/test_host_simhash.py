@@ -118,5 +118,9 @@ def test_bad_arguments_name_the_parameter():
         host_simhash_codes(x, jnp.zeros((8, 33 * 2)), 33, 2)
     with pytest.raises(ValueError, match="L must be >= 2"):
         host_simhash_codes(x, jnp.zeros((8, 3)), 3, 1)
+    with pytest.raises(TypeError, match="x must be a floating dtype"):
+        host_simhash_codes(jnp.zeros((3, 8), jnp.int32), proj, 3, 4)
+    with pytest.raises(TypeError, match="x must be a floating dtype"):
+        host_simhash_codes(jnp.zeros((3, 8), jnp.complex64), proj, 3, 4)
     # no rows: no call, an empty result
     assert host_simhash_codes(jnp.zeros((0, 8)), proj, 3, 4).shape == (0, 4)

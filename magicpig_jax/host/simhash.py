@@ -55,7 +55,7 @@ def host_simhash_codes(
       uint32 ``[..., L]``.
 
     Raises:
-      TypeError / ValueError: bad ``K``, ``L``, ``impl``, ``max_threads``, or shapes of
+      TypeError / ValueError: a non-float ``x``; bad ``K``, ``L``, ``impl``, ``max_threads``, or shapes of
         ``projections`` or ``center``.
       ImportError: the native extension is not built.
 
@@ -81,6 +81,8 @@ def host_simhash_codes(
         center = jnp.asarray(center, jnp.float32).reshape(-1, D)
     ops()
     xa = jnp.asarray(x)
+    if not jnp.issubdtype(xa.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating dtype (float32, bfloat16, ...), got {xa.dtype}")
     if xa.dtype != jnp.bfloat16:
         xa = xa.astype(jnp.float32)
     rows = xa.reshape(-1, D)
