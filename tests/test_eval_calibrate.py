@@ -78,6 +78,12 @@ def test_budget_checks():
         cal.calibrate(char_model(), TEXT, kl_budget=0.0, progress=False)
     with pytest.raises(ValueError, match="fewer than"):
         cal.calibrate(char_model(), "short", kl_budget=0.1, length=600, forced_tokens=12, progress=False)
+    # the forced tokens are decoded after the prefix: a length past the context is refused up front (it once
+    # failed after the dense prefill with "no logits recorded", the decode having stopped at the context)
+    model = char_model()
+    ctx = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"--length {ctx + 1} is past the model's context of {ctx}"):
+        cal.calibrate(model, TEXT * 50, kl_budget=0.1, length=ctx + 1, forced_tokens=12, progress=False)
 
 
 def test_file_and_eval_check(calibrated, tmp_path):
@@ -111,3 +117,25 @@ def test_command_line_is_wired(tmp_path, capsys):
     path = lc.save(tmp_path / "u.json")
     assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(path), "--dense-layers", "0"]) == 2
     assert "--dense-layers cannot be combined" in capsys.readouterr().err
+
+
+def test_timing_rounds_alternate_the_choices_and_keep_the_median(monkeypatch):
+    # each round calls every choice once, in an order rotated by one per round, after a cache flush
+    calls, clock = [], iter(range(1000))
+    monkeypatch.setattr(cal, "FLUSH_BYTES", 1 << 10)
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: float(next(clock)))
+    # a fake call advances the fake clock by a per-choice amount: a: 1, 2, 3 s over its rounds (median 2)
+    extra = {"a": iter([0, 0, 1, 2]), "b": iter([0, 5, 5, 5]), "c": iter([0, 0, 0, 0])}
+
+    def make(label):
+        def fn():
+            calls.append(label)
+            for _ in range(next(extra[label])):
+                next(clock)
+            return None
+        return fn
+
+    ms = cal._time_choices({label: make(label) for label in "abc"}, repeats=3)
+    assert calls[:3] == ["a", "b", "c"]  # compile
+    assert calls[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert ms == {"a": 2000.0, "b": 6000.0, "c": 1000.0}

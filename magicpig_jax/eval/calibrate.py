@@ -14,11 +14,15 @@ file whose calibration text overlaps its haystack):
    (plus dense): the attention error ``e(l, c)``, the mean over ``--probes`` decode positions and
    the heads of ``||o_c - o||^2 / ||o||^2`` (the pure-JAX estimator with the decoder's
    projections for that layer, against dense attention), and the measured cost ``ms(l, c)``: the
-   least wall time over ``--repeats`` calls of that layer's attention in the host op
-   (``host_magicpig_attention``; dense: ``host_exact_attention``; the least, not the median,
-   because on a shared machine other work only adds time), and the bytes its attention reads
-   (:func:`magicpig_jax.eval.cost.step_bytes`). ``--cost`` picks which one is minimized
-   (``ms``, the default, or ``bytes``, which does not drift on a shared machine).
+   median over ``--repeats`` rounds of one call of that layer's attention in the host op
+   (``host_magicpig_attention``; dense: ``host_exact_attention``), and the bytes its attention
+   reads (:func:`magicpig_jax.eval.cost.step_bytes`). Each round times every choice of the layer
+   once, in a rotated order, so that the machine's drift falls on all of them alike; before each
+   call the caches are flushed (:data:`FLUSH_BYTES` written), because in a decode step a layer's
+   cache and index were evicted by the other layers since its last call, and repeated calls on a
+   cache that fits in the last-level cache would time a dense layer at cache speed. ``--cost``
+   picks which one is minimized (``ms``, the default, or ``bytes``, which does not drift on a
+   shared machine).
 3. **Candidates.** For each ``λ`` of a log grid every layer takes ``argmin_c ms(l, c) + λ e(l, c)``
    (``ms`` or bytes; the error is squared, as a KL is to first order quadratic in a small
    perturbation of the logits); the distinct assignments are ordered by their total cost.
@@ -55,6 +59,9 @@ __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", 
 DEFAULT_TEXT = CALIBRATION_TEXT  # held out of the default evaluation haystack
 DEFAULT_CANDIDATES = "8x75,9x120,10x150,11x300,12x600"
 DENSE = "dense"
+# Bytes written before each timed call: more than the last-level cache of the CPUs we run on (32 MiB on
+# the 2-core CI VM), so that a layer's K, V and index are read from memory, as in a decode step.
+FLUSH_BYTES = 128 << 20
 
 
 def paragraph_hashes(source: str) -> list[str]:
@@ -123,16 +130,24 @@ class LayerCosts:
         return self.ms[label] if kind == "ms" else self.bytes[label]
 
 
-def _time(fn, repeats: int) -> float:
+def _time_choices(fns: dict, repeats: int) -> dict[str, float]:
+    """ms of each zero-argument call in ``fns``: the median over ``repeats`` rounds, each round calling every
+    choice once, in an order rotated by one per round, after flushing the caches (:data:`FLUSH_BYTES`)."""
     import jax
 
-    jax.block_until_ready(fn())  # compile
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return 1000.0 * min(ts)  # other processes only add time: the least is the op's own cost
+    for fn in fns.values():
+        jax.block_until_ready(fn())  # compile
+    flush = np.zeros(FLUSH_BYTES // 8, np.float64)
+    labels = list(fns)
+    ts: dict[str, list[float]] = {label: [] for label in labels}
+    for r in range(repeats):
+        for i in range(len(labels)):
+            label = labels[(i + r) % len(labels)]
+            flush += 1.0  # written, so every line of the caches is evicted
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[label]())
+            ts[label].append(time.perf_counter() - t0)
+    return {label: 1000.0 * float(np.median(v)) for label, v in ts.items()}
 
 
 def _probe_queries(model, state, ids: list[int], positions: np.ndarray) -> np.ndarray:
@@ -162,7 +177,7 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
       candidates: ``(K, L)`` pairs.
       base: a :class:`MagicPIGConfig` giving the static set and the projection seed.
       probes: decode positions in ``[prefix_len, len(ids))`` whose queries measure the error.
-      repeats: timed calls per measurement (the least is kept).
+      repeats: timing rounds (each times every choice of the layer once, caches flushed; the median counts).
       progress: a tqdm bar.
 
     Returns:
@@ -205,8 +220,8 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
             refs = [np.asarray(dense(jnp.asarray(q_all[j, layer]), k, v, lens[j])[0], np.float64)
                     for j in range(len(positions))]
             last_q, last_len = jnp.asarray(q_all[-1, layer]), lens[-1]
-            dense_ms = _time(lambda k=k, v=v, q=last_q, n=last_len: host_dense(q, k, v, n), repeats)
-            costs = LayerCosts(ms={DENSE: dense_ms}, error={DENSE: 0.0}, fraction={DENSE: 1.0},
+            calls = {DENSE: lambda k=k, v=v, q=last_q, n=last_len: host_dense(q, k, v, n)}
+            costs = LayerCosts(ms={}, error={DENSE: 0.0}, fraction={DENSE: 1.0},
                                bytes={DENSE: step_bytes("dense", dense_layers=[], fraction_per_layer={},
                                                         num_local=base.num_local, **shape)["total"]})
             for label, cfg in configs.items():
@@ -219,14 +234,15 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
                     errs.append(np.mean(np.sum((o - refs[j]) ** 2, -1) / np.maximum(np.sum(refs[j] ** 2, -1), 1e-30)))
                     fracs.append(float(np.mean(np.asarray(num))) / int(positions[j]))
                 hidx = host_build_index(k, proj, cfg, build_len, capacity=k.shape[2])
-                costs.ms[label] = _time(lambda k=k, v=v, q=last_q, n=last_len, h=hidx, c=cfg:
-                                        host_attend(q, k, v, h, c, n, static_window=0), repeats)
+                calls[label] = (lambda k=k, v=v, q=last_q, n=last_len, h=hidx, c=cfg:
+                                host_attend(q, k, v, h, c, n, static_window=0))
                 costs.error[label] = float(np.mean(errs))
                 costs.fraction[label] = float(np.mean(fracs))
                 costs.bytes[label] = step_bytes("magicpig", dense_layers=[], num_local=base.num_local, K=cfg.K,
                                                 L=cfg.L, fraction_per_layer={0: costs.fraction[label]},
                                                 **shape)["total"]
                 bar.update(1)
+            costs.ms.update(_time_choices(calls, repeats))
             out.append(costs)
     return out
 
@@ -288,7 +304,9 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     """Calibrate per-layer configs on ``text`` (see the module docstring); returns ``(LayerConfigs, report)``.
 
     Raises:
-      ValueError: a budget <= 0, a text shorter than ``length`` tokens, or bad sizes.
+      ValueError: a budget <= 0, a ``length`` past the model's context (``max_position_embeddings``:
+        the teacher-forced tokens are decoded after the prefix, so all ``length`` positions must
+        be in it), a text shorter than ``length`` tokens, or bad sizes.
     """
     from magicpig_jax.attention import MagicPIGConfig
     from magicpig_jax.eval.forcing import forced_decode
@@ -301,6 +319,10 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         raise ValueError(f"--cost must be 'ms' or 'bytes', got {cost!r}")
     if not 1 <= forced_tokens < length:
         raise ValueError(f"need 1 <= --forced-tokens < --length, got {forced_tokens} and {length}")
+    context = model.config.max_position_embeddings
+    if length > context:
+        raise ValueError(f"--length {length} is past the model's context of {context} tokens (the prefix and "
+                         f"the forced tokens must fit in it): use --length <= {context}")
     base = MagicPIGConfig(num_sink=num_sink, num_local=num_local, seed=seed)
     ids = model.tokenizer.encode(text)
     if len(ids) < length:
@@ -374,7 +396,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
     p.add_argument("--seed", type=int, default=0, help="seed of the SimHash projections")
     p.add_argument("--probes", type=int, default=8, help="decode positions measuring each layer's error")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per layer and candidate (the least counts)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timing rounds per layer: each calls every choice once, caches flushed (the median counts)")
     p.add_argument("--max-evals", type=int, default=6, help="teacher-forced decodes measuring the KL")
     p.add_argument("--cost", choices=["ms", "bytes"], default="ms",
                    help="what to minimize: measured ms of each layer's attention, or the bytes it reads")
