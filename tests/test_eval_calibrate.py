@@ -139,3 +139,58 @@ def test_timing_rounds_alternate_the_choices_and_keep_the_median(monkeypatch):
     assert calls[:3] == ["a", "b", "c"]  # compile
     assert calls[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert ms == {"a": 2000.0, "b": 6000.0, "c": 1000.0}
+
+
+def _layers(ms_by_label, bytes_by_label):
+    n = len(next(iter(ms_by_label.values())))
+    return [LayerCosts(ms={k: float(v[i]) for k, v in ms_by_label.items()}, error=dict.fromkeys(ms_by_label, 0.0),
+                       fraction={}, bytes={k: float(v[i]) for k, v in bytes_by_label.items()}) for i in range(n)]
+
+
+def test_pooled_ms_recovers_a_line_and_pools_the_dense_layers():
+    import numpy as np
+
+    x = np.array([1e6, 2e6, 3e6, 4e6, 5e6])
+    dense_ms = np.array([1.0, 1.1, 0.9, 5.0, 1.05])  # one slow layer of identical work
+    layers = _layers({"dense": dense_ms, "10x150": 0.2 + 1e-7 * x, "12x600": 2.0 - 1e-7 * x},
+                     {"dense": np.full(5, 8e6), "10x150": x, "12x600": x})
+    cal.pool_ms(layers)
+    np.testing.assert_allclose([c.ms_fit["10x150"] for c in layers], 0.2 + 1e-7 * x, rtol=1e-12)
+    # a cost never falls with the bytes read: the slope is clipped at 0, the intercept is the median
+    np.testing.assert_allclose([c.ms_fit["12x600"] for c in layers], np.median(2.0 - 1e-7 * x))
+    assert [c.ms_fit["dense"] for c in layers] == [1.05] * 5  # the median over layers, not the slow layer's 5.0
+    assert layers[3].cost("dense") == 1.05 and layers[3].cost("dense", "ms-per-layer") == 5.0
+    assert layers[3].cost("dense", "bytes") == 8e6
+    with pytest.raises(ValueError, match="cost kind must be one of"):
+        layers[0].cost("dense", "seconds")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pooled_ms_equals_a_numpy_fit(seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(1e5, 4e6, 30)
+    y = 0.3 + 2e-7 * x + rng.normal(0, 0.2, 30)
+    layers = _layers({"c": y}, {"c": x})
+    cal.pool_ms(layers)
+    slope = max(np.polyfit(x, y, 1)[0], 0.0)  # the float64 least-squares reference
+    want = np.median(y - slope * x) + slope * x
+    np.testing.assert_allclose([c.ms_fit["c"] for c in layers], want, rtol=1e-9)
+    assert layers[0].cost("c") == layers[0].ms_fit["c"] != layers[0].ms["c"]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_default_sweep_reaches_every_assignment_of_a_fine_grid(seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    labels = ["dense", "9x60", "10x150", "11x300", "12x600"]
+    layers = [LayerCosts(ms=dict(zip(labels, rng.uniform(0.5, 1.5, 5), strict=True)),
+                         error={"dense": 0.0, **dict(zip(labels[1:], rng.uniform(1e-3, 0.3, 4), strict=True))},
+                         fraction={}) for _ in range(12)]
+    fine = assignments(layers, lambdas=list(10.0 ** np.arange(-3, 5, 0.0005)))
+    default = assignments(layers)
+    assert set(fine) <= set(default)
+    costs = [cal.total_cost(layers, a) for a in default]
+    assert costs == sorted(costs) and default[-1] == ("dense",) * 12

@@ -20,11 +20,15 @@ file whose calibration text overlaps its haystack):
    once, in a rotated order, so that the machine's drift falls on all of them alike; before each
    call the caches are flushed (:data:`FLUSH_BYTES` written), because in a decode step a layer's
    cache and index were evicted by the other layers since its last call, and repeated calls on a
-   cache that fits in the last-level cache would time a dense layer at cache speed. ``--cost``
-   picks which one is minimized (``ms``, the default, or ``bytes``, which does not drift on a
+   cache that fits in the last-level cache would time a dense layer at cache speed. The cost a
+   choice is given is a line ``ms = a + b * bytes`` fitted per choice across the layers
+   (:func:`pool_ms`): every layer has the same attention shape, so the layers differ only in the
+   rows and buckets a choice reads, and a layer's own median followed the machine's noise.
+   ``--cost`` picks what is minimized: ``ms`` (the default, that fit), ``ms-per-layer`` (each
+   layer's own median, the rule before 2026-12-04) or ``bytes`` (which does not drift on a
    shared machine).
 3. **Candidates.** For each ``λ`` of a log grid every layer takes ``argmin_c ms(l, c) + λ e(l, c)``
-   (``ms`` or bytes; the error is squared, as a KL is to first order quadratic in a small
+   (``ms`` or bytes, as ``--cost`` says; the error is squared, as a KL is to first order quadratic in a small
    perturbation of the logits); the distinct assignments are ordered by their total cost.
 4. **Measured KL.** A binary search over that order (at most ``--max-evals`` teacher-forced
    decodes with the per-layer configs) finds the cheapest assignment whose mean KL(dense ||
@@ -54,11 +58,13 @@ from magicpig_jax.argparsing import Parser
 from magicpig_jax.eval.corpus import CALIBRATION_TEXT
 
 __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
-           "paragraph_hashes", "check_config_for_eval", "DEFAULT_TEXT", "DEFAULT_CANDIDATES"]
+           "paragraph_hashes", "check_config_for_eval", "pool_ms", "DEFAULT_TEXT", "DEFAULT_CANDIDATES",
+           "COST_KINDS"]
 
 DEFAULT_TEXT = CALIBRATION_TEXT  # held out of the default evaluation haystack
 DEFAULT_CANDIDATES = "8x75,9x120,10x150,11x300,12x600"
 DENSE = "dense"
+COST_KINDS = ("ms", "ms-per-layer", "bytes")
 # Bytes written before each timed call: more than the last-level cache of the CPUs we run on (32 MiB on
 # the 2-core CI VM), so that a layer's K, V and index are read from memory, as in a decode step.
 FLUSH_BYTES = 128 << 20
@@ -124,10 +130,45 @@ class LayerCosts:
     error: dict[str, float]
     fraction: dict[str, float]
     bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    ms_fit: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def cost(self, label: str, kind: str = "ms") -> float:
-        """``ms`` or ``bytes`` of one choice."""
-        return self.ms[label] if kind == "ms" else self.bytes[label]
+        """The cost of one choice: ``"ms"`` (the fit across layers, :func:`pool_ms`, where it was made, else the
+        layer's own median), ``"ms-per-layer"`` (the layer's own median) or ``"bytes"``."""
+        if kind == "ms":
+            return self.ms_fit.get(label, self.ms[label])
+        if kind == "ms-per-layer":
+            return self.ms[label]
+        if kind == "bytes":
+            return self.bytes[label]
+        raise ValueError(f"cost kind must be one of {COST_KINDS}, got {kind!r}")
+
+
+def pool_ms(per_layer: Sequence[LayerCosts]) -> None:
+    """Fill each layer's ``ms_fit``: per choice, a line ``ms = a + b * bytes`` fitted across the layers.
+
+    Every layer of a Llama decoder has the same attention shape (Hq, Hkv, D and the context), so a choice's
+    cost differs between layers only through the data: the rows it samples and the buckets it walks, which
+    its bytes count (:func:`magicpig_jax.eval.cost.step_bytes`). A layer's own median of ``--repeats``
+    calls varies between layers of identical work by more than the choices differ (dense calls of the 30
+    layers ranged 1.0-2.3 ms in one 8K calibration), and a per-layer argmin then follows that noise. The
+    fit keeps what the data explain and averages the rest over all layers. The slope is least squares,
+    clipped at 0 (a cost never falls with the bytes read); the intercept is the median of ``ms - b *
+    bytes``, so that one slow layer moves it little. A choice whose bytes are the same in every layer
+    (dense) gets the median over layers.
+    """
+    if not per_layer:
+        return
+    for label in per_layer[0].ms:
+        x = np.array([c.bytes.get(label, 0.0) for c in per_layer], np.float64)
+        y = np.array([c.ms[label] for c in per_layer], np.float64)
+        slope = 0.0
+        if len(x) >= 3 and np.ptp(x) > 1e-9 * max(np.max(np.abs(x)), 1.0):
+            xc = x - x.mean()
+            slope = max(float(np.dot(xc, y - y.mean()) / np.dot(xc, xc)), 0.0)
+        intercept = float(np.median(y - slope * x))
+        for c, xi in zip(per_layer, x, strict=True):
+            c.ms_fit[label] = intercept + slope * float(xi)
 
 
 def _time_choices(fns: dict, repeats: int) -> dict[str, float]:
@@ -181,7 +222,7 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
       progress: a tqdm bar.
 
     Returns:
-      one :class:`LayerCosts` per layer.
+      one :class:`LayerCosts` per layer, with ``ms_fit`` filled by :func:`pool_ms`.
     """
     import jax
     import jax.numpy as jnp
@@ -244,11 +285,12 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
                 bar.update(1)
             costs.ms.update(_time_choices(calls, repeats))
             out.append(costs)
+    pool_ms(out)
     return out
 
 
 def total_cost(per_layer: Sequence[LayerCosts], assignment: Sequence[str], kind: str = "ms") -> float:
-    """The summed ``ms`` or ``bytes`` of an assignment."""
+    """The summed cost (``kind`` of :meth:`LayerCosts.cost`) of an assignment."""
     return sum(c.cost(p, kind) for c, p in zip(per_layer, assignment, strict=True))
 
 
@@ -256,13 +298,26 @@ def assignments(per_layer: Sequence[LayerCosts], lambdas: Sequence[float] | None
                 kind: str = "ms") -> list[tuple[str, ...]]:
     """The distinct per-layer choices of ``argmin_c cost(l, c) + λ error(l, c)`` over ``lambdas``, cheapest first.
 
-    ``kind`` is ``"ms"`` or ``"bytes"``. The all-dense assignment is always included (KL 0). Default
-    ``lambdas``: a log grid relative to the largest cost, wide enough that the smallest gives each
-    layer its cheapest candidate.
+    ``kind`` is one of :data:`COST_KINDS` (:meth:`LayerCosts.cost`). The all-dense assignment is always
+    included (KL 0). Default ``lambdas``: every λ at which some layer's choice can change (where two of
+    its choices tie, ``(cost_b - cost_a) / (error_a - error_b) > 0``), and a λ between each two of them
+    and beyond both ends, so that every assignment the sweep can reach is in the list (a fixed grid
+    skipped some: at 8K one step of a 10^0.2 grid went from 20 sparse layers to 14).
     """
     if lambdas is None:
-        scale = max(max(c.cost(x, kind) for x in c.ms) for c in per_layer)
-        lambdas = [scale * 10.0 ** e for e in np.arange(-4, 8, 0.2)]
+        ties = set()
+        for c in per_layer:
+            for a in c.ms:
+                for b in c.ms:
+                    dc, de = c.cost(b, kind) - c.cost(a, kind), c.error[a] - c.error[b]
+                    if dc > 0 and de > 0:
+                        ties.add(dc / de)
+        points = sorted(ties)
+        if points:
+            mids = (math.sqrt(x * y) for x, y in zip(points[:-1], points[1:], strict=True))
+            lambdas = [points[0] / 2, *points, *mids, points[-1] * 2]
+        else:
+            lambdas = [0.0]
     seen: dict[tuple[str, ...], float] = {}
     for lam in lambdas:
         pick = tuple(min(c.ms, key=lambda label, c=c: c.cost(label, kind) + lam * c.error[label]) for c in per_layer)
@@ -300,7 +355,7 @@ def _kl_of(model, state, layer_configs, targets, logp_dense) -> float:
 def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_tokens: int = 128,
               candidates: Sequence[tuple[int, int]] = ((8, 75), (9, 120), (10, 150), (11, 300), (12, 600)),
               num_sink: int = 4, num_local: int = 64, seed: int = 0, probes: int = 8, repeats: int = 5,
-              max_evals: int = 6, cost: str = "ms", progress: bool = True):
+              max_evals: int = 8, cost: str = "ms", progress: bool = True):
     """Calibrate per-layer configs on ``text`` (see the module docstring); returns ``(LayerConfigs, report)``.
 
     Raises:
@@ -315,8 +370,8 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
 
     if not kl_budget > 0:
         raise ValueError(f"--kl-budget must be > 0, got {kl_budget}")
-    if cost not in ("ms", "bytes"):
-        raise ValueError(f"--cost must be 'ms' or 'bytes', got {cost!r}")
+    if cost not in COST_KINDS:
+        raise ValueError(f"--cost must be one of {COST_KINDS}, got {cost!r}")
     if not 1 <= forced_tokens < length:
         raise ValueError(f"need 1 <= --forced-tokens < --length, got {forced_tokens} and {length}")
     context = model.config.max_position_embeddings
@@ -338,7 +393,7 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     logp_dense = rec.logp
     per_layer = measure_layers(model, ids, prefix_len, candidates, base, probes, repeats, progress)
     order = assignments(per_layer, kind=cost)
-    ms = {a: total_cost(per_layer, a, "ms") for a in order}
+    ms = {a: total_cost(per_layer, a, "ms") for a in order}  # the fit across layers, whatever ``cost`` is
     nbytes = {a: total_cost(per_layer, a, "bytes") for a in order}
     tried: dict[tuple[str, ...], float] = {order[-1]: 0.0}  # all dense
     lo, hi = 0, len(order) - 1  # the answer is in [lo, hi]; order[hi] is known to meet the budget
@@ -365,8 +420,8 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         "calibration": {"length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
                         "candidates": [f"{k}x{l_}" for k, l_ in candidates], "num_sink": num_sink,
                         "num_local": num_local, "seed": seed},
-        "per_layer": [{"layer": i, "choice": best[i], "ms": c.ms, "bytes": c.bytes, "error": c.error,
-                       "fraction": c.fraction} for i, c in enumerate(per_layer)],
+        "per_layer": [{"layer": i, "choice": best[i], "ms": c.ms, "ms_fit": c.ms_fit, "bytes": c.bytes,
+                       "error": c.error, "fraction": c.fraction} for i, c in enumerate(per_layer)],
         "tried": [{"ms": ms[a], "bytes": nbytes[a], "kl": kl, "sparse_layers": sum(x != DENSE for x in a),
                    "assignment": list(a)} for a, kl in sorted(tried.items(), key=lambda x: ms[x[0]])],
         "assignments": len(order),
@@ -398,9 +453,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--probes", type=int, default=8, help="decode positions measuring each layer's error")
     p.add_argument("--repeats", type=int, default=5,
                    help="timing rounds per layer: each calls every choice once, caches flushed (the median counts)")
-    p.add_argument("--max-evals", type=int, default=6, help="teacher-forced decodes measuring the KL")
-    p.add_argument("--cost", choices=["ms", "bytes"], default="ms",
-                   help="what to minimize: measured ms of each layer's attention, or the bytes it reads")
+    p.add_argument("--max-evals", type=int, default=8, help="teacher-forced decodes measuring the KL")
+    p.add_argument("--cost", choices=list(COST_KINDS), default="ms",
+                   help="what to minimize: measured ms of a layer's attention fitted across the layers (ms), each "
+                        "layer's own median (ms-per-layer), or the bytes it reads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
     return p
 
