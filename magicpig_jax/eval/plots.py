@@ -28,6 +28,15 @@ def _suptitle(fig, text: str, fontsize: float = 12) -> float:
     return 1.0 - (len(lines) * 1.35 + 1.2) * fontsize / 72 / fig.get_figheight()
 
 
+def _legend_room(panels_width: float, labels) -> tuple[float, float]:
+    """The figure width (inches) for ``panels_width`` of axes plus a legend of ``labels`` at the right, and
+    the fraction of it left to the axes (for ``tight_layout(rect=...)``): a fixed fraction let long method
+    labels run over a single panel."""
+    legend = 0.5 + max((len(str(x)) for x in labels), default=8) * 8 * 0.55 / 72  # 8-point text
+    width = panels_width + legend
+    return width, 1.0 - legend / width
+
+
 def _plain_log_ticks(axis) -> None:
     """Log-scale ticks written as plain numbers (2, 5, 10, 100) instead of 2x10^0."""
     from matplotlib.ticker import FuncFormatter
@@ -109,7 +118,8 @@ def _accuracy_plot(plt, summary: dict, settings: EvalSettings, colors: dict, mar
     panels = [*settings.tasks, "mean"]
     ncol = min(4, len(panels))
     nrow = math.ceil(len(panels) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.4 * nrow), squeeze=False)
+    width, right = _legend_room(4.2 * ncol, [*colors, "setup A"])
+    fig, axes = plt.subplots(nrow, ncol, figsize=(width, 3.4 * nrow), squeeze=False)
     setups = _setups(settings)
     for ax, task in zip(axes.flat, panels, strict=False):
         for length, per in summary.items():
@@ -135,7 +145,7 @@ def _accuracy_plot(plt, summary: dict, settings: EvalSettings, colors: dict, mar
         ax.axis("off")
     _legend(fig, colors, marker, setups)
     top = _suptitle(fig, "Task accuracy versus keys used (95% intervals; same prefill, same static set)")
-    fig.tight_layout(rect=(0, 0, 0.83, top))
+    fig.tight_layout(rect=(0, 0, right, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -144,8 +154,8 @@ def _accuracy_plot(plt, summary: dict, settings: EvalSettings, colors: dict, mar
 def _accuracy_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, path: Path) -> Path:
     setups = _setups(settings)
     lengths = list(summary)
-    fig, axes = plt.subplots(len(setups), len(lengths), figsize=(4.4 * len(lengths), 3.6 * len(setups)),
-                             squeeze=False)
+    width, right = _legend_room(4.4 * len(lengths), colors)
+    fig, axes = plt.subplots(len(setups), len(lengths), figsize=(width, 3.6 * len(setups)), squeeze=False)
     for r, setup in enumerate(setups):
         for c, length in enumerate(lengths):
             ax = axes[r][c]
@@ -173,14 +183,15 @@ def _accuracy_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, 
     _legend(fig, colors, {}, [])
     top = _suptitle(fig, "Needle accuracy versus measured time (95% intervals; dashed: Pareto front; band: "
                          "dense's interval)")
-    fig.tight_layout(rect=(0, 0, 0.83, top))
+    fig.tight_layout(rect=(0, 0, right, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
 def _kl_plot(plt, summary: dict, settings: EvalSettings, colors: dict, marker: dict, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    width, right = _legend_room(5.2, [*colors, "8192 tokens"])
+    fig, ax = plt.subplots(figsize=(width, 4.5))
     for length, per in summary.items():
         for lab, v in per.items():
             if v["kl"] is None or v["likelihood_cost"] is None or lab == "dense":
@@ -197,7 +208,7 @@ def _kl_plot(plt, summary: dict, settings: EvalSettings, colors: dict, marker: d
     _legend(fig, {k: c for k, c in colors.items() if k != "dense"}, marker, [])
     top = _suptitle(fig, f"Next-token KL from dense over {settings.likelihood_tokens} teacher-forced tokens "
                          "(95% intervals)")
-    fig.tight_layout(rect=(0, 0, 0.75, top))
+    fig.tight_layout(rect=(0, 0, right, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -206,7 +217,8 @@ def _kl_plot(plt, summary: dict, settings: EvalSettings, colors: dict, marker: d
 def _kl_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, path: Path) -> Path:
     lengths = list(summary)
     family = {m.label: "lsh" if m.backend in ("magicpig", "hybrid") else m.backend for m in settings.methods}
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 3.9), squeeze=False)
+    width, right = _legend_room(4.6 * len(lengths), colors)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(width, 3.9), squeeze=False)
     for c, length in enumerate(lengths):
         ax = axes[0][c]
         pts = []
@@ -236,7 +248,7 @@ def _kl_ms_plot(plt, summary: dict, settings: EvalSettings, colors: dict, path: 
     _legend(fig, colors, {}, [])
     top = _suptitle(fig, "KL from dense versus measured time (95% intervals; Pareto fronts: solid MagicPIG and "
                          "hybrid, dashed TopK; dotted: dense; methods run in pure JAX left out: no host time)", 9)
-    fig.tight_layout(rect=(0, 0, 0.8, top))
+    fig.tight_layout(rect=(0, 0, right, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
