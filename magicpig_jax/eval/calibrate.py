@@ -27,9 +27,10 @@ file whose calibration text overlaps its haystack):
    ``--cost`` picks what is minimized: ``ms`` (the default, that fit), ``ms-per-layer`` (each
    layer's own median, the rule before 2026-12-04) or ``bytes`` (which does not drift on a
    shared machine).
-3. **Candidates.** For each ``λ`` of a log grid every layer takes ``argmin_c ms(l, c) + λ e(l, c)``
-   (``ms`` or bytes, as ``--cost`` says; the error is squared, as a KL is to first order quadratic in a small
-   perturbation of the logits); the distinct assignments are ordered by their total cost.
+3. **Candidates.** For each ``λ`` at which some layer's choice changes (and one between each
+   two), every layer takes ``argmin_c cost(l, c) + λ e(l, c)`` (the cost ``--cost`` names; the
+   error is squared, as a KL is to first order quadratic in a small perturbation of the logits);
+   the distinct assignments are ordered by their total cost.
 4. **Measured KL.** A binary search over that order (at most ``--max-evals`` teacher-forced
    decodes with the per-layer configs) finds the cheapest assignment whose mean KL(dense ||
    method) over the forced tokens is ``<= --kl-budget``; all-dense (KL 0) is the fallback.
@@ -150,8 +151,8 @@ def pool_ms(per_layer: Sequence[LayerCosts]) -> None:
     Every layer of a Llama decoder has the same attention shape (Hq, Hkv, D and the context), so a choice's
     cost differs between layers only through the data: the rows it samples and the buckets it walks, which
     its bytes count (:func:`magicpig_jax.eval.cost.step_bytes`). A layer's own median of ``--repeats``
-    calls varies between layers of identical work by more than the choices differ (dense calls of the 30
-    layers ranged 1.0-2.3 ms in one 8K calibration), and a per-layer argmin then follows that noise. The
+    calls varies between layers of identical work by more than the choices differ (docs/evaluation.md,
+    "Costs pooled across layers"), and a per-layer argmin then follows that noise. The
     fit keeps what the data explain and averages the rest over all layers. The slope is least squares,
     clipped at 0 (a cost never falls with the bytes read); the intercept is the median of ``ms - b *
     bytes``, so that one slow layer moves it little. A choice whose bytes are the same in every layer
@@ -301,8 +302,8 @@ def assignments(per_layer: Sequence[LayerCosts], lambdas: Sequence[float] | None
     ``kind`` is one of :data:`COST_KINDS` (:meth:`LayerCosts.cost`). The all-dense assignment is always
     included (KL 0). Default ``lambdas``: every λ at which some layer's choice can change (where two of
     its choices tie, ``(cost_b - cost_a) / (error_a - error_b) > 0``), and a λ between each two of them
-    and beyond both ends, so that every assignment the sweep can reach is in the list (a fixed grid
-    skipped some: at 8K one step of a 10^0.2 grid went from 20 sparse layers to 14).
+    and beyond both ends, so that every assignment the sweep can reach is in the list (a fixed log grid
+    skips those between two of its steps).
     """
     if lambdas is None:
         ties = set()
