@@ -11,7 +11,6 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from magicpig_jax import lsh
@@ -19,15 +18,22 @@ from magicpig_jax.host.simhash import host_simhash_codes
 
 LAYERS, D, ROUNDS, CALLS = 28, 64, 5, 30
 out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__},
-       "layers": LAYERS, "D": D, "rounds": ROUNDS, "calls_per_round": CALLS, "start": time.strftime("%FT%TZ", time.gmtime()),
+       "layers": LAYERS, "D": D, "rounds": ROUNDS, "calls_per_round": CALLS,
+       "start": time.strftime("%FT%TZ", time.gmtime()),
        "results": []}
+
+
+def all_layers(codes, K, L):
+    """One jitted call hashing the query with every layer's hyperplanes."""
+    return jax.jit(lambda q, ps: [codes(q + i, p, K, L) for i, p in enumerate(ps)])
+
+
 for K, L in ((10, 150), (11, 450), (12, 900)):
     projs = [lsh.simhash_projections(jax.random.key(i), D, K, L) for i in range(LAYERS)]
     for M in (9, 144):  # B * Hq at B = 1 and B = 16 (SmolLM2: Hq = 9)
         q = jax.random.normal(jax.random.key(99), (M, D))
-        fx = jax.jit(lambda q, ps: [lsh.simhash_codes(q + i, p, K, L) for i, p in enumerate(ps)])
-        fh = jax.jit(lambda q, ps: [host_simhash_codes(q + i, p, K, L) for i, p in enumerate(ps)])
-        mism = int(sum((np.asarray(a) != np.asarray(b)).sum() for a, b in zip(fx(q, projs), fh(q, projs))))
+        fx, fh = all_layers(lsh.simhash_codes, K, L), all_layers(host_simhash_codes, K, L)
+        mism = int(sum((np.asarray(a) != np.asarray(b)).sum() for a, b in zip(fx(q, projs), fh(q, projs), strict=True)))
         rounds = {"xla": [], "host": []}
         for _ in range(ROUNDS):
             for name, f in (("xla", fx), ("host", fh)):
