@@ -35,6 +35,12 @@ def test_bench_decode_tiny(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loader, "load_model", lambda path=None: tiny_model(0))
     monkeypatch.setattr(bench_decode, "prompt_ids", lambda model, text, n: [(7 * i) % 90 + 1 for i in range(n)])
+    import magicpig_jax.memory as memory
+
+    events = []
+    drop, reset = memory.drop_compiled_programs, bench_decode.PeakRSS.reset
+    monkeypatch.setattr(memory, "drop_compiled_programs", lambda: (events.append("drop"), drop())[1])
+    monkeypatch.setattr(bench_decode.PeakRSS, "reset", lambda self: (events.append("reset"), reset(self))[1])
     out = tmp_path / "bench"
     assert bench_decode.main(["--lengths", "300", "--batch", "1", "3", "--steps", "3", "--repeats", "3",
                               "--warmup", "0", "--text", __file__, "--out", str(out)]) == 0
@@ -58,3 +64,5 @@ def test_bench_decode_tiny(tmp_path, monkeypatch):
     ratio = {(r["prompt_tokens"], r["batch"]): r for r in data["ratios"]}
     assert ratio[(300, 3)]["magicpig_over_dense"] > 0
     assert data["meta"]["repeats"] == 3
+    # every configuration frees the earlier ones' compiled programs before its peak is measured
+    assert events == ["drop", "reset"] * 4

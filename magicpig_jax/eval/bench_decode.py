@@ -10,7 +10,9 @@ untimed runs). A step decodes one token of every row, so the aggregate throughpu
 Every timed figure is reported as the median of the repeats with their min and max; the
 peak RSS of each (length, B, method) is the process's peak during that configuration (the
 kernel's mark is reset before it, :mod:`magicpig_jax.eval.rss`), so it includes the loaded
-model and the one-row prefill.
+model and the one-row prefill; the compiled programs of the configurations and prefills before
+it are freed first (:func:`magicpig_jax.memory.drop_compiled_programs`), so it does not depend
+on what ran earlier in the process.
 
 With ``--peer llama.cpp`` the same GGUF file decodes the same prompt ids in llama.cpp
 (``llama-cpp-python``, the optional ``peer`` extra) the same way: one prefill, its cache copied
@@ -93,6 +95,7 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
 
     from magicpig_jax.decode_loop import Sampling, start_decode
     from magicpig_jax.generation import decode_spec
+    from magicpig_jax.memory import drop_compiled_programs
     from magicpig_jax.models.cache import KVCache
 
     spec = dataclasses.replace(decode_spec(model, method, cfg), **spec_options)
@@ -101,6 +104,10 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
     # values are untouched): no copy of the cache, as in a one-shot run. A batch decodes in
     # its B-row copy (RowBroadcast).
     in_place = batch == 1 and isinstance(state.cache, KVCache) and spec.mesh is None and not spec.offload
+    # The earlier configurations' compiled programs (other lengths, methods and batch sizes, and
+    # the prefills) will not run again: free them and their heap before the mark is reset, so the
+    # peak is this configuration's as a one-shot process would see it, not the history's.
+    drop_compiled_programs()
     rss.reset()
     ms, fracs, builds, compile_s, rows, runs_on = [], [], [], None, None, None
     loads = []
