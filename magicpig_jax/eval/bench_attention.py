@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     plotted = _plot(results, args.out + ".png")
     hdr = (
         f"{'shape':14s} {'N':>7s} {'host ms':>8s} {'op ms':>7s} {'op [min,max]':>14s} {'warm':>6s} {'dense ms':>9s} "
-        f"{'ref ms':>8s} {'x dense':>7s} {'sampled':>8s} {'GB/s':>6s} {'%copy':>6s} {'%warm':>6s} {'huge':>5s} "
+        f"{'ref ms':>8s} {'x dense':>7s} {'sampled':>8s} {'GB/s':>6s} {'%copy':>6s} {'%pair':>6s} {'%warm':>6s} "
+        f"{'huge':>5s} "
         f"{'idx/kv':>6s}"
     )
     print(hdr)
