@@ -318,13 +318,20 @@ AVX2_INLINE __m256 Cvt(__m256i v) { return _mm256_cvtepi32_ps(v); }
 // Vector 3 is shifted right by 4 first, so no lane keeps bit 31 (int32 -> float stays exact).
 constexpr int kQ4Shift[4][2] = {{0, 4}, {8, 12}, {16, 20}, {20, 24}};  // s of lanes 0-3, 4-7
 
+// 2^-s as a float: a product with it is rounded once, like std::ldexp(x, -s), without the call
+// (a libc call per activation showed in the one-token profile).
+constexpr float Pow2Neg(int s) { return s == 0 ? 1.0f : 0.5f * Pow2Neg(s - 1); }
+constexpr float kQ4Scale[4][2] = {{Pow2Neg(0), Pow2Neg(4)}, {Pow2Neg(8), Pow2Neg(12)},
+                                  {Pow2Neg(16), Pow2Neg(20)}, {Pow2Neg(20), Pow2Neg(24)}};  // 2^-kQ4Shift
+static_assert(kQ4Scale[3][1] * 16777216.0f == 1.0f, "kQ4Scale must be 2^-kQ4Shift");
+
 // xp [nb * 32] = the activations of x [nb * 32] in the lane order above, scaled by 2^-s.
 void PermuteQ4_1(const float* x, int64_t nb, float* xp) {
   for (int64_t b = 0; b < nb; ++b) {
     for (int k = 0; k < 4; ++k) {
       for (int i = 0; i < 4; ++i) {
-        xp[b * kQK + 8 * k + i] = std::ldexp(x[b * kQK + 4 * i + k], -kQ4Shift[k][0]);
-        xp[b * kQK + 8 * k + 4 + i] = std::ldexp(x[b * kQK + 4 * i + k + 16], -kQ4Shift[k][1]);
+        xp[b * kQK + 8 * k + i] = x[b * kQK + 4 * i + k] * kQ4Scale[k][0];
+        xp[b * kQK + 8 * k + 4 + i] = x[b * kQK + 4 * i + k + 16] * kQ4Scale[k][1];
       }
     }
   }
@@ -409,8 +416,8 @@ void PermuteQ4K(const float* x, int64_t ngroups, float* xp) {
     for (int h = 0; h < 2; ++h) {
       for (int k = 0; k < 4; ++k) {
         for (int i = 0; i < 4; ++i) {
-          pg[32 * h + 8 * k + i] = std::ldexp(xg[16 * h + 4 * i + k], -kQ4Shift[k][0]);
-          pg[32 * h + 8 * k + 4 + i] = std::ldexp(xg[32 + 16 * h + 4 * i + k], -kQ4Shift[k][1]);
+          pg[32 * h + 8 * k + i] = xg[16 * h + 4 * i + k] * kQ4Scale[k][0];
+          pg[32 * h + 8 * k + 4 + i] = xg[32 + 16 * h + 4 * i + k] * kQ4Scale[k][1];
         }
       }
     }
@@ -632,12 +639,13 @@ AVX2_FN float DotQ45KAvx2(const uint8_t* row, const float* x, const float* xsum,
 // each left at bit 8k of the lane, minus 32 << 8k: exact integers (q - 32) 2^8k. The activations
 // are permuted to that order and scaled by 2^-8k once per call (PermuteQ6K). Lanes 0-3 are l < 16
 // (scale index 2g of the half) and lanes 4-7 l >= 16 (2g + 1): one FMA applies both scales.
+constexpr float kQ6Scale[4] = {Pow2Neg(0), Pow2Neg(8), Pow2Neg(16), Pow2Neg(24)};  // 2^-8k
 void PermuteQ6K(const float* x, int64_t nhalves, float* xp) {
   for (int64_t h = 0; h < nhalves; ++h) {
     for (int g = 0; g < 4; ++g) {
       for (int k = 0; k < 4; ++k) {
         for (int i = 0; i < 8; ++i) {
-          xp[128 * h + 32 * g + 8 * k + i] = std::ldexp(x[128 * h + 32 * g + 4 * i + k], -8 * k);
+          xp[128 * h + 32 * g + 8 * k + i] = x[128 * h + 32 * g + 4 * i + k] * kQ6Scale[k];
         }
       }
     }
