@@ -69,6 +69,10 @@ def test_summarize_and_format():
     assert "| dense | 75 [30, 95] |" in text  # Wilson (3/4): [0.301, 0.954]
     assert "#### Likelihood (3 documents, 8 teacher-forced tokens each)" in text
     assert "| topk:16 | 5.00 | 16 | 21.0 [18.5, 23.5] | - | 2.00 (1.00 / 1.00 / 0.00 / 0.00) | 0.5000 [" in text
+    assert "KL: mean KL(dense || method) of the next-token distribution over 8 teacher-forced" in text
+    # without likelihood records the legend does not describe the likelihood columns
+    tasks_only = format_summary(summarize([r for r in records if r["kind"] != "likelihood"], settings), settings)
+    assert "#### Likelihood" not in tasks_only and "KL:" not in tasks_only and "Δ vs dense" in tasks_only
 
 
 def test_pareto_front():

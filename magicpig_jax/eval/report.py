@@ -297,6 +297,7 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
     setups = _setups(settings)
     if settings.tasks:
         lines.append("\nRULER setups of the task prompts: " + "; ".join(f"**{s}**: {SETUPS[s]}" for s in setups) + ".")
+    any_lik = False
     for length, per in summary.items():
         lines.append(f"\n### Context {length} tokens\n")
         for setup in setups if settings.tasks else []:
@@ -319,6 +320,7 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
                 lines.append("| " + " | ".join(row) + " |")
         n_lik = max((v["likelihood_samples"] for v in per.values()), default=0)
         if n_lik:
+            any_lik = True
             lines.append(f"\n#### Likelihood ({n_lik} documents, {settings.likelihood_tokens} teacher-forced tokens "
                          "each)\n")
             head = ["method", "keys %", "budget", "ms/step", "ms − TopK", "MB/step (K / V / index / pages)", "KL",
@@ -362,14 +364,14 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         "machine it drifts. MB/step: K, V, index and page-metadata bytes one step's attention reads at the "
         "method's best host implementation (magicpig_jax.eval.cost). Budget: mean keys per query head given "
         f"to TopK/Quest/oracle (the measured MagicPIG {settings.budget_from} count, rounded to "
-        f"{settings.page_size}-token pages). KL: mean KL(dense || method) of the next-token distribution "
+        f"{settings.page_size}-token pages)." + (" KL: mean KL(dense || method) of the next-token distribution "
         f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; ms − TopK and "
         "KL − TopK: paired differences over the documents to TopK at the measured budget (else the first TopK "
         "method); PPL on those tokens; top-1: argmax agreement with dense. The t intervals of quantities that "
         "cannot be negative (ms, KL, PPL) are clipped at 0, and top-1's at 100%. At equal measured time: for each TopK "
         "method, the MagicPIG or hybrid variant run on the host op with the least KL among those whose mean paired "
         "ms difference is <= 0 (no slower on the same documents); verdict: lower or higher KL when the paired "
-        "interval excludes 0, else a tie.")
+        "interval excludes 0, else a tie." if any_lik else ""))
     return "\n".join(lines)
 
 
