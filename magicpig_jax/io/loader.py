@@ -40,6 +40,10 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
+# What --model accepts, for the error of a path that does not exist.
+MODEL_KINDS = "a .gguf file, a Hugging Face directory or a checkpoint directory written by magicpig-jax convert"
+
+
 def build_llama(config: LlamaConfig, weights: MutableMapping[str, np.ndarray], freq_factors=None,
                 dtype=jnp.float32, packed_weights: bool = True, consume: bool = False) -> Llama:
     """Instantiate a :class:`Llama` from Hugging Face-named ``(out, in)`` weights.
@@ -231,7 +235,7 @@ def read_model_config(path: str | Path | None = None) -> LlamaConfig:
     source = embedded_model_path() if path is None else Path(path)
     if not source.exists():
         raise FileNotFoundError(
-            f"--model path {source} does not exist (expected a .gguf file or a Hugging Face directory)")
+            f"--model path {source} does not exist (expected {MODEL_KINDS})")
     if source.is_dir() and is_checkpoint(source):
         return read_checkpoint_config(source)
     if source.is_dir():
@@ -251,7 +255,7 @@ def _read_source(path: str | Path | None):
     source = embedded_model_path() if path is None else Path(path)
     if not source.exists():
         raise FileNotFoundError(
-            f"--model path {source} does not exist (expected a .gguf file or a Hugging Face directory)")
+            f"--model path {source} does not exist (expected {MODEL_KINDS})")
     if source.is_dir() and is_checkpoint(source):
         return source, read_checkpoint(source)
     if source.is_dir():
