@@ -339,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     hdr = (
         f"{'shape':14s} {'N':>7s} {'host ms':>8s} {'op ms':>7s} {'op [min,max]':>14s} {'warm':>6s} {'dense ms':>9s} "
         f"{'ref ms':>8s} {'x dense':>7s} {'sampled':>8s} {'GB/s':>6s} {'%copy':>6s} {'%pair':>6s} {'%warm':>6s} "
-        f"{'huge':>5s} "
-        f"{'idx/kv':>6s}"
+        f"{'huge':>5s} {'idx/kv':>6s}"
     )
     print(hdr)
     for r in results:
