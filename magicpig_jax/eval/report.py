@@ -353,6 +353,16 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
                          _diff(r["ms_diff"], ".1f"), _num(r["kl"], ".4f"), _diff(r["kl_diff"], ".4f"),
                          r["verdict"] or "-"]
                 lines.append("| " + " | ".join(cells) + " |")
+    # the likelihood columns' legend, only when a likelihood table was written
+    kl_legend = (
+        " KL: mean KL(dense || method) of the next-token distribution "
+        f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; ms − TopK and "
+        "KL − TopK: paired differences over the documents to TopK at the measured budget (else the first TopK "
+        "method); PPL on those tokens; top-1: argmax agreement with dense. The t intervals of quantities that "
+        "cannot be negative (ms, KL, PPL) are clipped at 0, and top-1's at 100%. At equal measured time: for each TopK "
+        "method, the MagicPIG or hybrid variant run on the host op with the least KL among those whose mean paired "
+        "ms difference is <= 0 (no slower on the same documents); verdict: lower or higher KL when the paired "
+        "interval excludes 0, else a tie.")
     lines.append(
         "\nEvery cell is a mean with its 95% interval in brackets. Accuracy: RULER's string_match_all (percent "
         "of expected strings in the answer) over the samples; interval: Wilson's when every score is 0 or 1, "
@@ -364,14 +374,7 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         "machine it drifts. MB/step: K, V, index and page-metadata bytes one step's attention reads at the "
         "method's best host implementation (magicpig_jax.eval.cost). Budget: mean keys per query head given "
         f"to TopK/Quest/oracle (the measured MagicPIG {settings.budget_from} count, rounded to "
-        f"{settings.page_size}-token pages)." + (" KL: mean KL(dense || method) of the next-token distribution "
-        f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; ms − TopK and "
-        "KL − TopK: paired differences over the documents to TopK at the measured budget (else the first TopK "
-        "method); PPL on those tokens; top-1: argmax agreement with dense. The t intervals of quantities that "
-        "cannot be negative (ms, KL, PPL) are clipped at 0, and top-1's at 100%. At equal measured time: for each TopK "
-        "method, the MagicPIG or hybrid variant run on the host op with the least KL among those whose mean paired "
-        "ms difference is <= 0 (no slower on the same documents); verdict: lower or higher KL when the paired "
-        "interval excludes 0, else a tie." if any_lik else ""))
+        f"{settings.page_size}-token pages)." + (kl_legend if any_lik else ""))
     return "\n".join(lines)
 
 
