@@ -56,6 +56,12 @@ using magicpig::kMaxK;
 using magicpig::kMaxL;
 // Buckets longer than this are cut to a piece's positions by binary search (CollectSampled).
 constexpr int64_t kSearchBucket = 64;
+// How many tables ahead of the bucket walk a table's offsets are requested, and its range read
+// and first id lines requested (CollectSampled). Against requesting every table's lines first,
+// the op's CPU time at 128K on the Llama shape fell by about a tenth (docs/benchmarks.md); at 8K
+// on SmolLM2's shape 16/8, 24/12 and 32/16 were within the runs' spread of each other.
+constexpr int64_t kOffsetsAhead = 24;
+constexpr int64_t kIdsAhead = 12;
 constexpr float kLogUFloor = -69.07755278982137f;  // LOG_U_FLOOR of attention/magicpig.py
 
 // ---------------------------------------------------------------------------------------------
@@ -576,6 +582,7 @@ struct Scratch {
   std::vector<float> cosine;    // centered cosine of q and each candidate key
   std::vector<float> logu;
   std::vector<int32_t> range;   // [L, 2] bucket (start, end) of the chunk being walked
+  std::vector<int32_t> walk;    // a chunk's walk: its kept positions, then room for one bucket
 };
 
 Scratch& ThreadScratch() {
@@ -673,25 +680,6 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
     if (c * g.CH >= sealed_hi || (c + 1) * g.CH <= start) continue;
     const uint16_t* offc = a.offsets + (bh * g.NC + c) * g.L * g.NB;
     const uint16_t* idc = a.ids + (bh * g.NC + c) * g.L * g.CH;
-    // The L bucket ranges sit at random places in memory: request them all first, then read
-    // and check them, requesting the first lines of each bucket for the walk. A table's range
-    // needs only its two offsets (its token count, the row's last entry, is another cache
-    // line); a range past the chunk is a corrupt index.
-    for (int64_t l = 0; l < g.L; ++l) PrefetchL1(offc + l * g.NB + qc[l]);
-    int32_t* rng = s.range.data();
-    for (int64_t l = 0; l < g.L; ++l) {
-      const uint16_t* off = offc + l * g.NB;
-      const int64_t lo = off[qc[l]], hi = off[qc[l] + 1];
-      if (!(lo <= hi && hi <= g.CH)) {
-        return InvalidArg("corrupt index offsets (row " + std::to_string(b) + ", KV head " +
-                          std::to_string(h) + ", chunk " + std::to_string(c) + ")");
-      }
-      rng[2 * l] = static_cast<int32_t>(lo);
-      rng[2 * l + 1] = static_cast<int32_t>(hi);
-      const uint16_t* first = idc + l * g.CH + lo;
-      PrefetchL1(first);
-      if (hi - lo > 32) PrefetchL1(first + 32);
-    }
     const int64_t base = c * g.CH;
     // The chunk's ids are positions below the sealed end: ids at or past it would be a corrupt
     // index, skipped, never a read past the bitsets.
@@ -703,15 +691,36 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
     // A piece that owns only part of the chunk walks only its ids: a bucket lists its ids in
     // ascending order (build sorts positions stably, append adds larger positions at the end).
     const bool part = plo > base || phi < base + g.CH;
-    // Room for every id of the L buckets, made once per chunk (growing the list per table
-    // value-initializes it again each time); the list is cut to the candidates at the end.
-    const size_t n0 = s.cand.size();
-    int64_t room = 0;
-    for (int64_t l = 0; l < g.L; ++l) room += std::max<int64_t>(rng[2 * l + 1] - rng[2 * l], 0);
-    s.cand.resize(n0 + static_cast<size_t>(room));
-    int32_t* const list = s.cand.data() + n0;
-    int64_t m_all = 0;
+    // The walk writes each id of a bucket before it knows whether the id is kept, so the list
+    // has room for the kept ones (at most one per token of the chunk) plus one whole bucket.
+    if (static_cast<int64_t>(s.walk.size()) < filled + g.CH) s.walk.resize(filled + g.CH);
+    int32_t* const list = s.walk.data();
+    int32_t* rng = s.range.data();
+    // The L buckets sit at random places in memory, each behind its two offsets: a chain of two
+    // misses per table. The walk is a pipeline over the tables: table l's offsets are requested
+    // kOffsetsAhead tables before its walk, read (and its first id lines requested)
+    // kIdsAhead tables before it, so that a bounded number of misses is always in flight and
+    // the lines requested are still in L1 when the walk reaches them. (Requesting all L first
+    // stalled on the requests themselves once the miss buffers were full, and at L = 450 the
+    // first buckets' lines could leave L1 before their walk.)
+    int64_t next_off = 0, next_rng = 0, m_all = 0;
     for (int64_t l = 0; l < g.L; ++l) {
+      for (const int64_t to = std::min(g.L, l + kOffsetsAhead); next_off < to; ++next_off) {
+        PrefetchL1(offc + next_off * g.NB + qc[next_off]);
+      }
+      for (const int64_t to = std::min(g.L, l + kIdsAhead + 1); next_rng < to; ++next_rng) {
+        const uint16_t* off = offc + next_rng * g.NB;
+        const int64_t lo = off[qc[next_rng]], hi = off[qc[next_rng] + 1];
+        if (!(lo <= hi && hi <= g.CH)) {  // a range past the chunk is a corrupt index
+          return InvalidArg("corrupt index offsets (row " + std::to_string(b) + ", KV head " +
+                            std::to_string(h) + ", chunk " + std::to_string(c) + ")");
+        }
+        rng[2 * next_rng] = static_cast<int32_t>(lo);
+        rng[2 * next_rng + 1] = static_cast<int32_t>(hi);
+        const uint16_t* first = idc + next_rng * g.CH + lo;
+        PrefetchL1(first);
+        if (hi - lo > 32) PrefetchL1(first + 32);
+      }
       const uint16_t* lst = idc + l * g.CH;
       int64_t j0 = rng[2 * l], j1 = rng[2 * l + 1];
       // A long bucket is cut to the piece's ids by binary search; a short one is walked whole
@@ -731,7 +740,7 @@ ffi::Error CollectSampled(const AttendArgs& a, int64_t b, int64_t h, const uint3
       // about 2K rows, 1 MiB of K and V in bfloat16, within the L2). A/B in docs/host_op.md.
       PrefetchRows(out, m, row_bytes, kbytes, vbytes);
     }
-    s.cand.resize(n0 + static_cast<size_t>(m_all));
+    s.cand.insert(s.cand.end(), list, list + m_all);
   }
   // Open chunk: linear scan of the codes of its positions [o0, o1) in the piece.
   const int64_t o0 = std::max(sealed, plo);
