@@ -274,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                     "tokens_per_s: B tokens per step (aggregate); each as median/min/max over the repeats; "
                     "peak_rss_bytes: the process's peak during the configuration (ours: with the loaded model and "
                     "the one-row prefill; llama.cpp: its own child process); tokens_equal_to_dense: greedy tokens "
-                    "of row 0 equal position by position to our dense decode of the same prompt and B"}
+                    "of row 0 equal position by position to our dense decode of the same prompt and B; "
+                    "ratios: magicpig_over_X is MagicPIG's median tokens/s over X's (above 1: MagicPIG is faster, "
+                    "at every B)"}
     _print(results)
     _warn_if_busy(results)
     with open(args.out + ".json", "w") as f:
@@ -311,9 +313,11 @@ def _print(results: list[dict]) -> None:
               f"{m['median']:>8.1f} [{m['min']:.1f}, {m['max']:.1f}] {t['median']:>8.1f} [{t['min']:.1f}, "
               f"{t['max']:.1f}] {r['peak_rss_bytes'] / 2**30:>7.2f}G {frac:>8} {same:>8}")
     for row in ratios(results):
-        parts = [f"{k}={v:.2f}" for k, v in row.items() if k.startswith("magicpig_over")]
+        parts = [f"{k.removeprefix('magicpig_over_').replace('_', '.')} {v:.2f}x" for k, v in row.items()
+                 if k.startswith("magicpig_over")]
         if parts:
-            print(f"{row['prompt_tokens']:>7} tokens, B={row['batch']:>2}: " + ", ".join(parts))
+            print(f"{row['prompt_tokens']:>7} tokens, B={row['batch']:>2}: MagicPIG's tokens/s over "
+                  + ", ".join(parts))
 
 
 def _plot(results: list[dict], path: str) -> None:
