@@ -58,8 +58,9 @@ using magicpig::kMaxL;
 constexpr int64_t kSearchBucket = 64;
 // How many tables ahead of the bucket walk a table's offsets are requested, and its range read
 // and first id lines requested (CollectSampled). Against requesting every table's lines first,
-// the op's CPU time at 128K on the Llama shape fell by about a tenth (docs/benchmarks.md); at 8K
-// on SmolLM2's shape 16/8, 24/12 and 32/16 were within the runs' spread of each other.
+// the captured 8K SmolLM2 step ran faster, most at B = 16 and with more tables; at 128K on the
+// Llama shape nothing moved beyond the drift (docs/benchmarks.md). At 8K, 16/8, 24/12 and 32/16
+// were within the runs' spread of each other.
 constexpr int64_t kOffsetsAhead = 24;
 constexpr int64_t kIdsAhead = 12;
 constexpr float kLogUFloor = -69.07755278982137f;  // LOG_U_FLOOR of attention/magicpig.py
