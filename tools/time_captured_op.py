@@ -12,7 +12,8 @@ as the decoder stores them) and the query codes are computed once. One timed rep
 the op for every layer in turn: the layers' K, V and index together are far larger than the
 last-level cache, so each call finds its layer's data in memory, as a decode step does. The
 buffers are backed by huge pages where the kernel allows (``advise_huge_pages``), as the decoder's
-are: on 4 KiB pages the op's random reads spend much of their time in TLB misses.
+are, so that both read the same kind of pages (on the 2-core VM the 8K step timed the same either
+way, within the drift).
 Reports the median, min and max over ``--reps`` repetitions of the summed per-step time, and
 the mean fraction of keys sampled (MagicPIG) or kept (TopK).
 
