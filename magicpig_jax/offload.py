@@ -36,7 +36,7 @@ The decoder uses the same split for every sparse layer
 backend): the layer's KV cache and index stay on the host device for the whole decode, the
 accelerator keeps the hyperplanes, the sinks and a ring of the last W positions, and each
 step runs as jitted accelerator segments (from one sparse layer to the next) alternating
-with one host computation per sparse layer. It has not yet run on a GPU.
+with one host computation per sparse layer. Its GPU runs are in docs/benchmarks.md ("On a GPU").
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Every sparse layer's KV cache and LSH index stay on the host device for the whol
 (:func:`place_decode_state`); the accelerator keeps the hyperplanes, the sinks and a ring of
 the last W positions. Each step (:class:`OffloadDecodeStep`) runs as jitted accelerator
 segments, from one sparse layer to the next, alternating with one host computation per sparse
-layer (:mod:`magicpig_jax.offload` has the per-layer split and its transfer pattern). It has not
-yet run on a GPU.
+layer (:mod:`magicpig_jax.offload` has the per-layer split and its transfer pattern). Its GPU
+runs are in docs/benchmarks.md ("On a GPU").
 """
 
 from __future__ import annotations
@@ -127,6 +127,38 @@ def _write_rows(cache, x, pos):
     return cache
 
 
+def _pack(*arrays):
+    """``uint32 [B, n]``: the arrays' float32 or 32-bit bits, row by row, concatenated (one transfer)."""
+    B = arrays[0].shape[0]
+    return jnp.concatenate([jax.lax.bitcast_convert_type(
+        a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, jnp.uint32).reshape(B, -1)
+        for a in arrays], axis=1)
+
+
+def _unpack(packed, layout):
+    """The arrays of :func:`_pack` back from ``packed`` ``uint32 [B, n]``; ``layout``: ``(dtype, shape
+    without B)`` per array (floating ones come back as float32)."""
+    B, at, out = packed.shape[0], 0, []
+    for dtype, shape in layout:
+        n = 1
+        for d in shape:
+            n *= d
+        bits = packed[:, at:at + n].reshape((B, *shape))
+        out.append(jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype)) if jnp.dtype(dtype) != jnp.uint32 else bits)
+        at += n
+    return out
+
+
+def _up_layout(Hq: int, Hkv: int, D: int, L: int):
+    """Layout of what goes to the host per sparse layer: ``q``, its codes, the token's ``k`` and ``v``."""
+    return (("float32", (Hq, D)), ("uint32", (Hq, L)), ("float32", (Hkv, D)), ("float32", (Hkv, D)))
+
+
+def _down_layout(Hq: int, D: int):
+    """Layout of what comes back: the host part's ``out`` and ``lse`` and the index's hashed end."""
+    return (("float32", (Hq, D)), ("float32", (Hq,)), ("int32", ()))
+
+
 def _static_attention(q, k_new, v_new, st: OffloadLayer, pos):
     """Exact attention over the sinks, the ring's positions ``[max(end, pos - W), pos)`` and the new
     token itself (one softmax over ``S + W + 1`` keys)."""
@@ -178,7 +210,8 @@ def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, ne
     if g_embed is not None:
         x = _embed(nnx.merge(g_embed, p_embed), x)
     if g_pending is not None:
-        out_h, lse_h, out_s, lse_s, k_new, v_new, end = pending
+        down, out_s, lse_s, k_new, v_new = pending
+        out_h, lse_h, end = _unpack(down, _down_layout(out_s.shape[1], out_s.shape[2]))
         out, _ = merge_attention(out_h, lse_h, out_s, lse_s)
         x = _finish(nnx.merge(g_pending, p_pending), x, out)
         pending_state = dataclasses.replace(_ring_write(pending_state, k_new, v_new, pos), end=end)
@@ -190,25 +223,28 @@ def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, ne
         q, k_new, v_new = _qkv(nnx.merge(g_next, p_next), inv_freq, x, pos)
         codes = lsh.simhash_codes(q, next_state.projections, K, L)
         out_s, lse_s = _static_attention(q, k_new, v_new, next_state, pos)
-        return x, pending_state, tuple(new_kv), (q.astype(jnp.float32), codes, k_new, v_new, out_s, lse_s)
+        return x, pending_state, tuple(new_kv), (_pack(q, codes, k_new, v_new), k_new, v_new, out_s, lse_s)
     head = nnx.merge(g_head, p_head)
     logits = head.logits(head.norm(x)[:, 0])
     return x, pending_state, tuple(new_kv), logits
 
 
-@functools.partial(jax.jit, static_argnames=("spec",), donate_argnames=("k_cache", "v_cache", "index"))
-def _host_layer(q, codes, k_new, v_new, pos, k_cache, v_cache, index, *, spec):
+@functools.partial(jax.jit, static_argnames=("spec", "num_heads"), donate_argnames=("k_cache", "v_cache", "index"))
+def _host_layer(up, pos, k_cache, v_cache, index, *, spec, num_heads: int):
     """On the host device: the sampled attention over the layer's cache (positions ``< pos``; the
     last W are the accelerator's), then the new token written at ``pos`` and the index's append
-    when a generation buffer is due."""
+    when a generation buffer is due. ``up``: the packed ``(q, codes, k, v)`` (:func:`_up_layout`);
+    returns the packed ``(out, lse, end)`` (:func:`_down_layout`), ``num_sampled`` and the state."""
     from magicpig_jax.models.backends import append_due
 
+    _, Hkv, _, D = k_cache.shape
+    q, codes, k_new, v_new = _unpack(up, _up_layout(num_heads, Hkv, D, spec.magicpig.L))
     out, lse, ns = host.host_sampled_attention(q, codes, k_cache, v_cache, index, pos, window=spec.static_window)
     # The barrier orders the cache writes after the op's reads, so XLA updates the donated cache in place.
     out, lse, ns, k_cache, v_cache = jax.lax.optimization_barrier((out, lse, ns, k_cache, v_cache))
     k_cache, v_cache = _write_rows(k_cache, k_new, pos), _write_rows(v_cache, v_new, pos)
     index = append_due(spec, index, k_cache, pos + 1)
-    return out, lse, ns, index.end, k_cache, v_cache, index
+    return _pack(out, lse, index.end), ns, k_cache, v_cache, index
 
 
 def _shell(model):
@@ -252,7 +288,9 @@ class OffloadDecodeStep:
     (the host op), the token's write into the cache and the index's append when due. Per sparse
     layer and step, ``q`` and its codes and the token's ``k, v`` go to the host
     (``B × (Hq (D + L) + 2 Hkv D) × 4`` bytes) and ``out, lse`` and the index's end come back
-    (``B × (Hq (D + 1) + 1) × 4`` bytes); the keys never move.
+    (``B × (Hq (D + 1) + 1) × 4`` bytes), each direction packed into one ``uint32`` array: JAX moves
+    an array between the accelerator's client and the CPU's by a synchronous copy of its own, so
+    seven arrays per layer had cost several times the host op on a GPU. The keys never move.
     """
 
     def __init__(self, graphdef, state_treedef, spec):
@@ -313,16 +351,16 @@ class OffloadDecodeStep:
             if b is None:
                 logits = res
                 break
-            q, codes, k_new, v_new, out_s, lse_s = res
+            # One array each way per sparse layer: a transfer between the accelerator's client and the
+            # host's is a synchronous copy per array, which cost more than the host op itself on a GPU.
+            up, k_new, v_new, out_s, lse_s = res
             st = states[b]
-            out_h, lse_h, ns, end, k_h, v_h, index = _host_layer(
-                *jax.device_put((q, codes, k_new, v_new), self.host), pos_h, k_layers[b], v_layers[b], st.index,
-                spec=spec)
+            down, ns, k_h, v_h, index = _host_layer(jax.device_put(up, self.host), pos_h, k_layers[b], v_layers[b],
+                                                    st.index, spec=spec, num_heads=self.num_heads)
             k_layers[b], v_layers[b] = k_h, v_h
             states[b] = dataclasses.replace(st, index=index)
             counts.append(ns)
-            out_h, lse_h, end = jax.device_put((out_h, lse_h, end), self.accel)
-            pending = (out_h, lse_h, out_s, lse_s, k_new, v_new, end)
+            pending = (jax.device_put(down, self.accel), out_s, lse_s, k_new, v_new)
         next_tokens = _sample(logits, base_key, t, temperature, top_p, sample_token)
         num_sampled = jnp.stack(counts) if counts else jnp.zeros((0, tokens.shape[0], self.num_heads), jnp.int32)
         new_cache = KVCache(k=tuple(k_layers), v=tuple(v_layers), lengths=pos + 1)

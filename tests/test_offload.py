@@ -321,3 +321,36 @@ def test_accelerator_check_e2e_with_two_devices(tmp_path):
         assert "offload" in r["magicpig"]["runs_on"] and r["dense"]["runs_on"] == "dense"
         assert r["magicpig"]["tokens_per_s"]["median"] > 0 and 1 <= r["tokens_equal_to_dense"] <= 4
     assert "tokens equal to dense" in proc.stdout
+
+
+def test_packed_transfers_return_the_same_bits():
+    """The offload step moves q, codes, k, v (and out, lse, end) as one uint32 array each way:
+    unpacking gives back every value bit for bit (bfloat16 widened to float32 exactly), for values
+    NumPy draws independently, infinities and signed zeros included."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from magicpig_jax.offload_decoder import _down_layout, _pack, _unpack, _up_layout
+
+    rng = np.random.default_rng(3)
+    B, Hq, Hkv, D, L = 3, 6, 2, 8, 5
+    q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+    q[0, 0, :3] = [np.inf, -0.0, 1e-42]  # an infinity, a signed zero, a subnormal
+    codes = rng.integers(0, 2**32, (B, Hq, L), dtype=np.uint64).astype(np.uint32)
+    k = rng.standard_normal((B, Hkv, D)).astype(jnp.bfloat16)
+    v = rng.standard_normal((B, Hkv, D)).astype(np.float32)
+    packed = _pack(jnp.asarray(q), jnp.asarray(codes), jnp.asarray(k), jnp.asarray(v))
+    assert packed.dtype == jnp.uint32 and packed.shape == (B, Hq * (D + L) + 2 * Hkv * D)
+    q2, codes2, k2, v2 = (np.asarray(a) for a in _unpack(packed, _up_layout(Hq, Hkv, D, L)))
+    assert q2.view(np.uint32).tolist() == q.view(np.uint32).tolist()
+    assert codes2.tolist() == codes.tolist()
+    assert k2.dtype == np.float32 and k2.tolist() == np.asarray(k, np.float32).tolist()
+    assert v2.view(np.uint32).tolist() == v.view(np.uint32).tolist()
+
+    out = rng.standard_normal((B, Hq, D)).astype(np.float32)
+    lse = np.array([[-np.inf] * Hq, [0.5] * Hq, [1e30] * Hq], np.float32)
+    end = np.array([0, 7, 2**31 - 1], np.int32)
+    down = _pack(jnp.asarray(out), jnp.asarray(lse), jnp.asarray(end))
+    out2, lse2, end2 = (np.asarray(a) for a in _unpack(down, _down_layout(Hq, D)))
+    assert out2.view(np.uint32).tolist() == out.view(np.uint32).tolist()
+    assert lse2.tolist() == lse.tolist() and end2.dtype == np.int32 and end2.tolist() == end.tolist()

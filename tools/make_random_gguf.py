@@ -5,7 +5,9 @@
 
 Shapes: ``llama3-8b`` (Llama-3.1-8B: 32 layers, hidden 4096, 32/8 heads of 128, FFN 14336,
 vocab 128256, untied output), ``llama3-1b`` (Llama-3.2-1B: 16 layers, hidden 2048, 32/8 heads
-of 64, FFN 8192, tied), ``tiny`` (2 layers, hidden 256, 4/2 heads of 64, FFN 512, vocab 320,
+of 64, FFN 8192, tied), ``smollm2-135m`` (the embedded model's shapes: 30 layers, hidden 576,
+9/3 heads of 64, FFN 1536, vocab 49152, tied, 8K context; for timing where the file cannot
+travel), ``tiny`` (2 layers, hidden 256, 4/2 heads of 64, FFN 512, vocab 320,
 untied; for tests). Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays it out (Q4_K
 everywhere, Q6_K for ``output.weight`` and for ``attn_v``/``ffn_down`` of the layers where
 llama.cpp's ``use_more_bits`` holds: the first and last eighth of the layers and every third
@@ -48,6 +50,7 @@ class Shape:
 SHAPES = {
     "llama3-8b": Shape(32, 4096, 32, 8, 128, 14336, 128256, tied=False),
     "llama3-1b": Shape(16, 2048, 32, 8, 64, 8192, 128256, tied=True),
+    "smollm2-135m": Shape(30, 576, 9, 3, 64, 1536, 49152, tied=True, context=8192, rope_theta=100000.0),
     "tiny": Shape(2, 256, 4, 2, 64, 512, 320, tied=False, context=4096, rope_theta=10000.0),
 }
 

