@@ -56,6 +56,7 @@ def test_gpu_check_script_runs_every_check(tmp_path, tiny_gguf):
         for m in ("dense", "magicpig"):
             assert r[m]["tokens_per_s"]["median"] > 0 and len(r[m]["tokens"]) == 4
         assert 0 <= r["tokens_equal_to_dense"] <= 4
+    assert e2e["results"][0]["tokens_equal_offload_vs_reference"] == 4  # the host op samples the reference's keys
 
 
 @pytest.mark.slow

@@ -321,6 +321,8 @@ def test_accelerator_check_e2e_with_two_devices(tmp_path):
         assert "offload" in r["magicpig"]["runs_on"] and r["dense"]["runs_on"] == "dense"
         assert r["magicpig"]["tokens_per_s"]["median"] > 0 and 1 <= r["tokens_equal_to_dense"] <= 4
     assert "tokens equal to dense" in proc.stdout
+    # The offloaded decode samples the keys the single-computation pure-JAX reference samples.
+    assert data["results"][0]["tokens_equal_offload_vs_reference"] == 4
 
 
 def test_packed_transfers_return_the_same_bits():
