@@ -119,7 +119,7 @@ def e2e(args) -> int:
     same_ref = None
     if first is not None:
         same_ref = sum(a == b for a, b in zip(first["magicpig"]["tokens"], ref["tokens"], strict=False))
-        first["tokens_equal_offload_vs_reference"] = same_ref
+        first["tokens_equal_to_reference"] = same_ref
         print(f"B= 1: MagicPIG tokens equal to the pure-JAX reference's ({ref['runs_on']}) {same_ref}/"
               f"{len(ref['tokens'])}", flush=True)
     total = time.perf_counter() - t_start

@@ -127,17 +127,33 @@ def _write_rows(cache, x, pos):
     return cache
 
 
+_PACKABLE_FLOATS = ("float16", "bfloat16", "float32")  # widened to float32 exactly
+_PACKABLE_WORDS = ("int32", "uint32")
+
+
 def _pack(*arrays):
-    """``uint32 [B, n]``: the arrays' float32 or 32-bit bits, row by row, concatenated (one transfer)."""
-    B = arrays[0].shape[0]
-    return jnp.concatenate([jax.lax.bitcast_convert_type(
-        a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, jnp.uint32).reshape(B, -1)
-        for a in arrays], axis=1)
+    """``uint32 [B, n]``: the arrays' float32 or 32-bit bits, row by row, concatenated (one transfer).
+
+    Raises:
+      TypeError: an array of another dtype (float64 would be narrowed, a 64-bit integer split).
+    """
+    B, words = arrays[0].shape[0], []
+    for a in arrays:
+        name = jnp.dtype(a.dtype).name
+        if name not in _PACKABLE_FLOATS + _PACKABLE_WORDS:
+            raise TypeError(f"_pack takes {_PACKABLE_FLOATS + _PACKABLE_WORDS} arrays, got {name}")
+        a = a.astype(jnp.float32) if name in _PACKABLE_FLOATS else a
+        words.append(jax.lax.bitcast_convert_type(a, jnp.uint32).reshape(B, -1))
+    return jnp.concatenate(words, axis=1)
 
 
 def _unpack(packed, layout):
     """The arrays of :func:`_pack` back from ``packed`` ``uint32 [B, n]``; ``layout``: ``(dtype, shape
-    without B)`` per array (floating ones come back as float32)."""
+    without B)`` per array (floating ones come back as float32).
+
+    Raises:
+      ValueError: the layout does not cover the ``n`` columns exactly.
+    """
     B, at, out = packed.shape[0], 0, []
     for dtype, shape in layout:
         n = 1
@@ -146,6 +162,8 @@ def _unpack(packed, layout):
         bits = packed[:, at:at + n].reshape((B, *shape))
         out.append(jax.lax.bitcast_convert_type(bits, jnp.dtype(dtype)) if jnp.dtype(dtype) != jnp.uint32 else bits)
         at += n
+    if at != packed.shape[1]:
+        raise ValueError(f"the layout covers {at} of the packed array's {packed.shape[1]} columns")
     return out
 
 

@@ -55,8 +55,8 @@ def test_gpu_check_script_runs_every_check(tmp_path, tiny_gguf):
     for r in e2e["results"]:
         for m in ("dense", "magicpig"):
             assert r[m]["tokens_per_s"]["median"] > 0 and len(r[m]["tokens"]) == 4
-        assert 0 <= r["tokens_equal_to_dense"] <= 4
-    assert e2e["results"][0]["tokens_equal_offload_vs_reference"] == 4  # the host op samples the reference's keys
+    # On a CPU MagicPIG runs the host op in the jitted step; it samples the keys the reference does.
+    assert e2e["results"][0]["tokens_equal_to_reference"] == 4
 
 
 @pytest.mark.slow
