@@ -92,6 +92,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
     p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
     p.add_argument("--seed", type=int, default=0, help="seed of projections and sampling")
+    p.add_argument("--layers-per-projection", type=int, default=1,
+                   help="consecutive layers sharing one SimHash projection matrix (1: one per layer; the "
+                        "reference implementation uses 16)")
     p.add_argument("--dense-layers", type=_int_list, default=None,
                    help="layers kept dense under MagicPIG (default: 0 and num_layers // 2)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -108,7 +111,8 @@ def _add_generate(sub) -> None:
                         "KL from a float32 cache)")
     p.add_argument("--magicpig-config", type=Path, default=None,
                    help="per-layer (K, L) or dense from `magicpig-jax calibrate` for magicpig/magicpig-ref "
-                        "(replaces --K, --L, --num-sink, --num-local, --seed and --dense-layers there)")
+                        "(replaces --K, --L, --num-sink, --num-local, --seed, --layers-per-projection and "
+                        "--dense-layers there)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     p.set_defaults(func=_cmd_generate)
 
@@ -176,9 +180,10 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--K must be in [1, {HOST_MAX_K}] with attention 'magicpig' (the host index: 2^K + 1 "
                          f"bucket offsets per chunk and table), got {args.K}; 'magicpig-ref' (pure JAX) takes up to 32")
     with in_flag_terms(K="--K", L="--L", num_sink="--num-sink", num_local="--num-local", seed="--seed",
-                       temperature="--temperature", top_p="--top-p"):
+                       layers_per_projection="--layers-per-projection", temperature="--temperature",
+                       top_p="--top-p"):
         config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
-                                seed=args.seed)
+                                seed=args.seed, layers_per_projection=args.layers_per_projection)
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     stops = check_stop_strings(args.stop)
     needs_budget = [a for a in args.attention if a in ("topk", "quest", "oracle")]

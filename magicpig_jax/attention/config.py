@@ -35,7 +35,14 @@ class MagicPIGConfig:
         query's in at least 2 of the L tables.
       num_sink: sink tokens at the start of the context kept exactly (static set), >= 0.
       num_local: last prompt tokens (local window) kept exactly (static set), >= 0.
-      seed: seed of the Gaussian SimHash projections (layer ``i`` folds ``i`` in), >= 0.
+      seed: seed of the Gaussian SimHash projections, >= 0.
+      layers_per_projection: consecutive layers that share one projection matrix, >= 1:
+        layer ``i`` draws its hyperplanes from ``fold_in(key(seed), i // layers_per_projection)``.
+        1 (the default) gives every layer its own matrix. Each layer's estimator only needs its
+        own hyperplanes to be Gaussian and independent across tables, which sharing keeps; the
+        MagicPIG reference implementation shares one matrix per 16 layers. On the host a shared
+        matrix stays in the CPU caches across a decode step's layers instead of being read from
+        memory once per layer (:func:`magicpig_jax.models.backends.projection_sources`).
 
     Defaults follow the paper: K=10, L=150 touches about 2% of the keys;
     4 sink tokens and a 64-token local window (arXiv 2410.16179, Section 5).
@@ -50,12 +57,18 @@ class MagicPIGConfig:
     num_sink: int = 4
     num_local: int = 64
     seed: int = 0
+    layers_per_projection: int = 1
 
     def __post_init__(self) -> None:
         validate_k_l(self.K, self.L)
         _check_count("num_sink", self.num_sink)
         _check_count("num_local", self.num_local)
         _check_count("seed", self.seed)
+        n = self.layers_per_projection
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"layers_per_projection must be an int, got {type(n).__name__} {n!r}")
+        if n < 1:
+            raise ValueError(f"layers_per_projection must be >= 1, got {self.layers_per_projection}")
 
     def hashed_range(self, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The hashed range ``[start, end)`` of each row: the keys that are neither sinks nor local.

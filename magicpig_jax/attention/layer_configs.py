@@ -41,7 +41,7 @@ class LayerConfigs:
     Raises:
       TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``.
       ValueError: layers not exactly ``0 .. n-1``, no layer at all, or sparse layers that
-        disagree on ``num_sink``, ``num_local`` or ``seed``.
+        disagree on ``num_sink``, ``num_local``, ``seed`` or ``layers_per_projection``.
     """
 
     layers: tuple[tuple[int, MagicPIGConfig | str], ...]
@@ -59,9 +59,10 @@ class LayerConfigs:
             if c != DENSE and not isinstance(c, MagicPIGConfig):
                 raise TypeError(f"layer {i}: expected a MagicPIGConfig or 'dense', got {c!r}")
         sparse = [c for _, c in entries if c != DENSE]
-        shared = {(c.num_sink, c.num_local, c.seed) for c in sparse}
+        shared = {(c.num_sink, c.num_local, c.seed, c.layers_per_projection) for c in sparse}
         if len(shared) > 1:
-            raise ValueError(f"every sparse layer must share num_sink, num_local and seed, got {sorted(shared)}")
+            raise ValueError("every sparse layer must share num_sink, num_local, seed and layers_per_projection, "
+                             f"got {sorted(shared)}")
 
     @classmethod
     def uniform(cls, config: MagicPIGConfig, num_layers: int, dense_layers=()) -> LayerConfigs:
@@ -102,6 +103,7 @@ class LayerConfigs:
         """The JSON object of :meth:`save` (``format``, the static set, ``layers``, ``info``)."""
         base = self.base()
         return {"format": FORMAT, "num_sink": base.num_sink, "num_local": base.num_local, "seed": base.seed,
+                "layers_per_projection": base.layers_per_projection,
                 "layers": {str(i): DENSE if c == DENSE else _kl_json(c) for i, c in self.layers},
                 "info": dict(self.info)}
 
@@ -115,7 +117,9 @@ class LayerConfigs:
         if not isinstance(obj, Mapping) or obj.get("format") != FORMAT:
             raise ValueError(f"not a layer-configs file: 'format' must be {FORMAT!r}")
         try:
-            common = {"num_sink": int(obj["num_sink"]), "num_local": int(obj["num_local"]), "seed": int(obj["seed"])}
+            common = {"num_sink": int(obj["num_sink"]), "num_local": int(obj["num_local"]), "seed": int(obj["seed"]),
+                      # files written before the field existed: every layer had its own projections
+                      "layers_per_projection": int(obj.get("layers_per_projection", 1))}
             raw = obj["layers"]
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"layer-configs file lacks or mangles num_sink/num_local/seed/layers: {err}") from None

@@ -195,6 +195,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before the repeats")
     p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..16, the host index)")
     p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
+    p.add_argument("--layers-per-projection", type=int, default=1,
+                   help="consecutive layers sharing one SimHash projection matrix (1: one per layer)")
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT,
                    help="prose whose tokens, repeated as needed, make the prompts")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -232,13 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--K must be in [1, {HOST_MAX_K}] (the host index), got {args.K}")
     if args.L < 2:
         p.error(f"--L must be >= 2, got {args.L}")
+    if args.layers_per_projection < 1:
+        p.error(f"--layers-per-projection must be >= 1, got {args.layers_per_projection}")
     if "llama.cpp" in args.peer and not llama_cpp_available():
         p.error("--peer llama.cpp needs llama-cpp-python: pip install -e '.[peer]' (compiles llama.cpp)")
     model = load_model(args.model)
     if args.peer and Path(model.source).suffix != ".gguf":
         p.error(f"--peer needs a .gguf --model (llama.cpp reads GGUF only), got {model.source}")
     text = args.text.read_text(encoding="utf-8")
-    cfg = MagicPIGConfig(K=args.K, L=args.L)
+    cfg = MagicPIGConfig(K=args.K, L=args.L, layers_per_projection=args.layers_per_projection)
     rss = PeakRSS()
     results = []
     bar = tqdm(total=len(args.lengths) * len(args.batch) * (len(args.methods) + len(args.peer)), desc="bench decode")
@@ -268,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     _agreement(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "time": time.strftime("%Y-%m-%d %H:%M"),
-            "K": args.K, "L": args.L, "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
+            "K": args.K, "L": args.L, "layers_per_projection": args.layers_per_projection,
+            "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
             "kv_dtype": args.kv_dtype, "peak_rss_resettable": rss.resettable,
             "note": "ms_per_step: seconds of the timed steps (all but the first) of one run / their number; "
                     "tokens_per_s: B tokens per step (aggregate); each as median/min/max over the repeats; "

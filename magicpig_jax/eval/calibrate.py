@@ -229,7 +229,7 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, dense_attention, magicpig_attention
+    from magicpig_jax.attention import build_lsh_index, dense_attention, magicpig_attention
     from magicpig_jax.eval.cost import step_bytes
     from magicpig_jax.generation import prefill
     from magicpig_jax.host import host_build_index, host_exact_attention, host_magicpig_attention
@@ -246,8 +246,7 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
     dense = jax.jit(dense_attention)
     host_attend = jax.jit(host_magicpig_attention, static_argnames=("config", "static_window"))
     host_dense = jax.jit(host_exact_attention)
-    configs = {f"{K}x{L}": MagicPIGConfig(K=K, L=L, num_sink=base.num_sink, num_local=base.num_local, seed=base.seed)
-               for K, L in candidates}
+    configs = {f"{K}x{L}": dataclasses.replace(base, K=K, L=L) for K, L in candidates}
     out = []
     n_layers = model.config.num_layers
     mc = model.config
@@ -330,7 +329,7 @@ def assignments(per_layer: Sequence[LayerCosts], lambdas: Sequence[float] | None
 
 def to_layer_configs(assignment: Sequence[str], base, info: dict | None = None):
     """A :class:`LayerConfigs` of per-layer labels (``"KxL"`` or ``"dense"``) with ``base``'s static set and seed."""
-    from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+    from magicpig_jax.attention import LayerConfigs
 
     layers = []
     for i, label in enumerate(assignment):
@@ -338,8 +337,7 @@ def to_layer_configs(assignment: Sequence[str], base, info: dict | None = None):
             layers.append((i, DENSE))
         else:
             K, L = (int(x) for x in label.split("x"))
-            layers.append((i, MagicPIGConfig(K=K, L=L, num_sink=base.num_sink, num_local=base.num_local,
-                                              seed=base.seed)))
+            layers.append((i, dataclasses.replace(base, K=K, L=L)))
     return LayerConfigs(tuple(layers), tuple((str(k), str(v)) for k, v in (info or {}).items()))
 
 
@@ -356,7 +354,7 @@ def _kl_of(model, state, layer_configs, targets, logp_dense) -> float:
 def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_tokens: int = 128,
               candidates: Sequence[tuple[int, int]] = ((8, 75), (9, 120), (10, 150), (11, 300), (12, 600)),
               num_sink: int = 4, num_local: int = 64, seed: int = 0, probes: int = 8, repeats: int = 5,
-              max_evals: int = 8, cost: str = "ms", progress: bool = True):
+              max_evals: int = 8, cost: str = "ms", progress: bool = True, layers_per_projection: int = 1):
     """Calibrate per-layer configs on ``text`` (see the module docstring); returns ``(LayerConfigs, report)``.
 
     Raises:
@@ -379,7 +377,8 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     if length > context:
         raise ValueError(f"--length {length} is past the model's context of {context} tokens (the prefix and "
                          f"the forced tokens must fit in it): use --length <= {context}")
-    base = MagicPIGConfig(num_sink=num_sink, num_local=num_local, seed=seed)
+    base = MagicPIGConfig(num_sink=num_sink, num_local=num_local, seed=seed,
+                          layers_per_projection=layers_per_projection)
     ids = model.tokenizer.encode(text)
     if len(ids) < length:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than --length {length}")
@@ -420,7 +419,7 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         "attention_bytes_per_step": nbytes[best], "dense_attention_bytes_per_step": nbytes[order[-1]],
         "calibration": {"length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
                         "candidates": [f"{k}x{l_}" for k, l_ in candidates], "num_sink": num_sink,
-                        "num_local": num_local, "seed": seed},
+                        "num_local": num_local, "seed": seed, "layers_per_projection": layers_per_projection},
         "per_layer": [{"layer": i, "choice": best[i], "ms": c.ms, "ms_fit": c.ms_fit, "bytes": c.bytes,
                        "error": c.error, "fraction": c.fraction} for i, c in enumerate(per_layer)],
         "tried": [{"ms": ms[a], "bytes": nbytes[a], "kl": kl, "sparse_layers": sum(x != DENSE for x in a),
@@ -451,6 +450,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
     p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
     p.add_argument("--seed", type=int, default=0, help="seed of the SimHash projections")
+    p.add_argument("--layers-per-projection", type=int, default=1,
+                   help="consecutive layers sharing one SimHash projection matrix (1: one per layer)")
     p.add_argument("--probes", type=int, default=8, help="decode positions measuring each layer's error")
     p.add_argument("--repeats", type=int, default=5,
                    help="timing rounds per layer: each calls every choice once, caches flushed (the median counts)")
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     candidates = _pairs(args.candidates)
     if not args.text.is_file():
         raise FileNotFoundError(f"--text {args.text} is not a file")
-    for name in ("length", "forced_tokens", "probes", "repeats", "max_evals"):
+    for name in ("length", "forced_tokens", "probes", "repeats", "max_evals", "layers_per_projection"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.kl_budget > 0 or not math.isfinite(args.kl_budget):
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     lc, report = calibrate(model, text, args.kl_budget, length=args.length, forced_tokens=args.forced_tokens,
                            candidates=candidates, num_sink=args.num_sink, num_local=args.num_local, seed=args.seed,
                            probes=args.probes, repeats=args.repeats, max_evals=args.max_evals, cost=args.cost,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, layers_per_projection=args.layers_per_projection)
     report["model"] = str(model.source)
     report["calibration"].update({"text": str(args.text), "sha256": hashlib.sha256(text.encode()).hexdigest(),
                                   "paragraph_sha1": paragraph_hashes(str(args.text))})

@@ -250,11 +250,11 @@ class _Loop:
             config, dense = _layer_configs(m.config_file), None
         elif m.backend == "hybrid":
             config = HybridConfig(K=m.K or 10, L=m.L or 150, heavy=m.heavy or 8, num_sink=s.num_sink,
-                                  num_local=s.num_local, seed=s.seed)
+                                  num_local=s.num_local, seed=s.seed, layers_per_projection=s.layers_per_projection)
             dense = self.dense_layers
         else:
             config = MagicPIGConfig(K=m.K or 10, L=m.L or 150, num_sink=s.num_sink, num_local=s.num_local,
-                                    seed=s.seed)
+                                    seed=s.seed, layers_per_projection=s.layers_per_projection)
             dense = self.dense_layers
         spec = decode_spec(self.model, m.backend, config, dense, budget, s.page_size)
         return dataclasses.replace(spec, host=False) if m.host is False else spec

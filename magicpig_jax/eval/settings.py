@@ -28,6 +28,7 @@ class EvalSettings:
     max_new_tokens: int | None = None
     num_sink: int = 4
     num_local: int = 64
+    layers_per_projection: int = 1
     dense_layers: list[int] | None = None
     budget_from: str = "magicpig:10x150"
     page_size: int = 16
@@ -39,10 +40,13 @@ class EvalSettings:
 
         n = model.config.num_layers
         dl = sorted(set(default_dense_layers(n) if self.dense_layers is None else self.dense_layers))
-        return {"model": str(model.source), "haystack": self.haystack, "seed": self.seed,
-                "num_sink": self.num_sink, "num_local": self.num_local, "dense_layers": dl,
-                "max_new_tokens": self.max_new_tokens, "likelihood_tokens": self.likelihood_tokens,
-                "budget_from": self.budget_from, "page_size": self.page_size}
+        out = {"model": str(model.source), "haystack": self.haystack, "seed": self.seed,
+               "num_sink": self.num_sink, "num_local": self.num_local, "dense_layers": dl,
+               "max_new_tokens": self.max_new_tokens, "likelihood_tokens": self.likelihood_tokens,
+               "budget_from": self.budget_from, "page_size": self.page_size}
+        if self.layers_per_projection != 1:  # results files written before the option keep their fingerprint
+            out["layers_per_projection"] = self.layers_per_projection
+        return out
 
 
 SETUPS = {"A": "the question is inside the dense prefill (the whole prompt is prefilled; the methods decode the "
@@ -84,6 +88,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens for every task (default: per task)")
     p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
     p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
+    p.add_argument("--layers-per-projection", type=int, default=1,
+                   help="consecutive layers sharing one SimHash projection matrix in the magicpig:KxL and hybrid "
+                        "methods (1: one per layer; a magicpig@FILE method uses its file's)")
     p.add_argument("--dense-layers", default=None, help="layers kept dense (default: 0 and num_layers // 2)")
     p.add_argument("--budget-from", default="magicpig:10x150",
                    help="MagicPIG method whose measured sampled count is the TopK/Quest/oracle budget")
@@ -108,6 +115,8 @@ def settings_from_args(args) -> EvalSettings:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.page_size < 1:
         raise ValueError(f"--page-size must be >= 1, got {args.page_size}")
+    if args.layers_per_projection < 1:
+        raise ValueError(f"--layers-per-projection must be >= 1, got {args.layers_per_projection}")
     setups = [x.strip().upper() for x in args.setups.split(",") if x.strip()]
     if not setups or any(x not in SETUPS for x in setups) or len(set(setups)) != len(setups):
         raise ValueError(f"--setups takes a comma-separated subset of A, B, got {args.setups!r}")
@@ -122,5 +131,6 @@ def settings_from_args(args) -> EvalSettings:
                         methods=parse_methods(methods, args.budget_from), haystack=args.haystack, setups=setups,
                         seed=args.seed, likelihood_tokens=args.likelihood_tokens,
                         likelihood_samples=args.likelihood_samples, max_new_tokens=args.max_new_tokens,
-                        num_sink=args.num_sink, num_local=args.num_local, dense_layers=dense_layers,
+                        num_sink=args.num_sink, num_local=args.num_local,
+                        layers_per_projection=args.layers_per_projection, dense_layers=dense_layers,
                         budget_from=args.budget_from, page_size=args.page_size)

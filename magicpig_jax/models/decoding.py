@@ -22,7 +22,14 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention import dense_attention, merge_attention
-from magicpig_jax.models.backends import BACKENDS, DecodeSpec, backend_for, layer_projections
+from magicpig_jax.models.backends import (
+    BACKENDS,
+    DecodeSpec,
+    backend_for,
+    layer_projections,
+    projection_sources,
+    with_shared_projections,
+)
 from magicpig_jax.models.cache import KVCache
 
 __all__ = [
@@ -218,6 +225,7 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     B = tokens.shape[0]
     pos = cache.lengths
     sparse = set(spec.sparse_layers(len(cache.k)))
+    shared = projection_sources(spec, len(cache.k))
     counts = []
     new_kv = {}
 
@@ -230,7 +238,9 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
 
     def attend(i, q, k_cache, v_cache):
         if i in sparse:
-            out, lse, n = backend.attend(spec, q[:, 0], k_cache, v_cache, indices[i], pos,
+            # A layer whose projections equal an earlier layer's hashes with that layer's buffer.
+            state = with_shared_projections(indices[i], indices[shared[i]]) if i in shared else indices[i]
+            out, lse, n = backend.attend(spec, q[:, 0], k_cache, v_cache, state, pos,
                                          jax.random.fold_in(key, 1000 + i))
             counts.append(n)
         else:

@@ -57,8 +57,11 @@ from magicpig_jax.models.backends.spec import (
     DecodeSpec,
     MiddleRange,
     layer_projections,
+    projection_sources,
+    with_shared_projections,
 )
 from magicpig_jax.models.backends.table import LayerState, backend_for, per_layer
 
 __all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "LAYERED", "Backend", "DecodeSpec", "HostOps", "LayerState",
-           "MiddleRange", "append_due", "backend_for", "layer_projections", "per_layer", "sharded"]
+           "MiddleRange", "append_due", "backend_for", "layer_projections", "per_layer", "projection_sources",
+           "sharded", "with_shared_projections"]

@@ -21,7 +21,7 @@ from magicpig_jax.attention.baselines import check_budget, check_page_size
 from magicpig_jax.attention.layer_configs import LayerConfigs
 
 __all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "LAYERED", "Backend", "DecodeSpec", "MiddleRange",
-           "layer_projections"]
+           "layer_projections", "projection_sources", "with_shared_projections"]
 
 BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle", "hybrid")
 BUDGETED = ("topk", "quest", "oracle")
@@ -148,10 +148,58 @@ class MiddleRange:
         return cls(start=start, end=end)
 
 
-def layer_projections(config: MagicPIGConfig, layer: int, head_dim: int) -> jax.Array:
-    """SimHash projections of one layer: ``simhash_projections(fold_in(key(seed), layer), D, K, L)``."""
-    key = jax.random.fold_in(jax.random.key(config.seed), layer)
+def layer_projections(config: MagicPIGConfig, layer: int | jax.Array, head_dim: int) -> jax.Array:
+    """SimHash projections of one layer, float32 ``[D, K*L]``.
+
+    ``simhash_projections(fold_in(key(seed), layer // layers_per_projection), D, K, L)``: with
+    the default ``layers_per_projection = 1`` every layer has its own matrix; layers of one group
+    with equal configs get equal matrices (:attr:`MagicPIGConfig.layers_per_projection`).
+    ``layer`` may be traced.
+    """
+    group = layer // config.layers_per_projection if config.layers_per_projection > 1 else layer
+    key = jax.random.fold_in(jax.random.key(config.seed), group)
     return lsh.simhash_projections(key, head_dim, config.K, config.L)
+
+
+def projection_sources(spec: DecodeSpec, num_layers: int) -> dict[int, int]:
+    """Sparse layers whose projections equal an earlier sparse layer's: ``{layer: source layer}``.
+
+    Layer ``i`` maps to the first sparse layer ``j < i`` with the same configuration (hence the
+    same K, L, seed and ``layers_per_projection``) in the same group
+    (``i // layers_per_projection == j // layers_per_projection``): :func:`layer_projections`
+    gives them equal matrices. The decode step hashes layer ``i``'s queries with layer ``j``'s
+    buffer (:func:`with_shared_projections`), so one matrix serves the group and stays in the
+    CPU caches across the step's layers. Empty when ``layers_per_projection`` is 1.
+    """
+    sparse = spec.sparse_layers(num_layers)
+    first: dict[tuple, int] = {}
+    out: dict[int, int] = {}
+    for i in sparse:
+        config = spec.layers.config(i) if spec.layers is not None else spec.magicpig
+        n = config.layers_per_projection
+        if n <= 1:
+            continue
+        j = first.setdefault((i // n, config), i)
+        if j != i:
+            out[i] = j
+    return out
+
+
+def with_shared_projections(state: Any, source: Any) -> Any:
+    """``state`` with the projections of ``source`` (same layout; see :func:`projection_sources`).
+
+    States without projections (the hashed range of TopK/Quest) are returned unchanged; a
+    per-layer :class:`~magicpig_jax.models.backends.table.LayerState` is unwrapped.
+    """
+    inner, src = getattr(state, "state", None), getattr(source, "state", None)
+    if inner is not None and src is not None and hasattr(state, "config"):
+        return dataclasses.replace(state, state=with_shared_projections(inner, src))
+    if not (hasattr(state, "projections") and hasattr(source, "projections")):
+        return state
+    if tuple(state.projections.shape) != tuple(source.projections.shape):
+        raise ValueError(f"shared projections must have one shape, got {tuple(state.projections.shape)} "
+                         f"and {tuple(source.projections.shape)}")
+    return dataclasses.replace(state, projections=source.projections)
 
 
 # The signatures of a backend's parts (q [B, Hq, D], k/v [B, Hkv, N, D], lengths int32 [B]).
