@@ -170,6 +170,9 @@ def projection_sources(spec: DecodeSpec, num_layers: int) -> dict[int, int]:
     gives them equal matrices. The decode step hashes layer ``i``'s queries with layer ``j``'s
     buffer (:func:`with_shared_projections`), so one matrix serves the group and stays in the
     CPU caches across the step's layers. Empty when ``layers_per_projection`` is 1.
+
+    Source: the MagicPIG reference implementation hashes every layer of a group of 16 with one
+    matrix (``hash_matrix[layer_idx // 16]`` in its ``models/cache.py``).
     """
     sparse = spec.sparse_layers(num_layers)
     first: dict[tuple, int] = {}
@@ -190,6 +193,13 @@ def with_shared_projections(state: Any, source: Any) -> Any:
 
     States without projections (the hashed range of TopK/Quest) are returned unchanged; a
     per-layer :class:`~magicpig_jax.models.backends.table.LayerState` is unwrapped.
+
+    Args:
+      state, source: two sparse layers' decode states (e.g. :class:`~magicpig_jax.host.HostIndex`,
+        projections float32 ``[D, K*L]``), traced or concrete.
+
+    Raises:
+      ValueError: the two projections differ in shape.
     """
     inner, src = getattr(state, "state", None), getattr(source, "state", None)
     if inner is not None and src is not None and hasattr(state, "config"):
