@@ -154,7 +154,17 @@ def layer_projections(config: MagicPIGConfig, layer: int | jax.Array, head_dim: 
     ``simhash_projections(fold_in(key(seed), layer // layers_per_projection), D, K, L)``: with
     the default ``layers_per_projection = 1`` every layer has its own matrix; layers of one group
     with equal configs get equal matrices (:attr:`MagicPIGConfig.layers_per_projection`).
-    ``layer`` may be traced.
+
+    Args:
+      config: the layer's :class:`MagicPIGConfig` (K, L, seed, layers_per_projection).
+      layer: the layer's index in the model (an ``int`` or a traced int32 scalar).
+      head_dim: D.
+
+    Raises:
+      ValueError / TypeError: an invalid ``head_dim`` (from :func:`magicpig_jax.lsh.simhash_projections`).
+
+    Source: arXiv 2410.16179, Section 4.2 (Gaussian SimHash hyperplanes); the grouping follows the
+    MagicPIG reference implementation (one matrix per 16 layers in its ``models/cache.py``).
     """
     group = layer // config.layers_per_projection if config.layers_per_projection > 1 else layer
     key = jax.random.fold_in(jax.random.key(config.seed), group)
@@ -200,6 +210,10 @@ def with_shared_projections(state: Any, source: Any) -> Any:
 
     Raises:
       ValueError: the two projections differ in shape.
+
+    Returns:
+      ``state`` (same type) whose projections are ``source``'s buffer; the caller guarantees that
+      their values are equal (:func:`projection_sources`, with one spec for the build and the decode).
     """
     inner, src = getattr(state, "state", None), getattr(source, "state", None)
     if inner is not None and src is not None and hasattr(state, "config"):
