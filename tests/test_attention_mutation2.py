@@ -70,7 +70,8 @@ def test_layer_configs_messages_order_and_accessors():
         assert message(TypeError, LayerConfigs, ((0, 5),)) == "layer 0: expected a MagicPIGConfig or 'dense', got 5"
     c = MagicPIGConfig(K=4, L=10, num_local=8)
     assert message(ValueError, LayerConfigs, ((0, a), (1, c), (2, b))) == (
-        "every sparse layer must share num_sink, num_local and seed, got [(4, 8, 0), (4, 64, 0)]"
+        "every sparse layer must share num_sink, num_local, seed and layers_per_projection, "
+        "got [(4, 8, 0, 1), (4, 64, 0, 1)]"
     )
     # two sparse layers that share the static set are accepted, with or without dense layers
     assert LayerConfigs(((0, a), (1, b))).sparse_layers == (0, 1)
