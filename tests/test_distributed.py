@@ -221,13 +221,13 @@ def test_errors_name_the_problem(results):
 
 
 _DECODE_CHECK = r"""
-import json
+import dataclasses, json
 import jax, numpy as np
 from magicpig_jax import distributed as dist
 from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.eval.forcing import forced_decode
 from magicpig_jax.generation import prefill
-from tests._tiny import tiny_model
+from tests._tiny import TINY, tiny_model
 
 assert len(jax.devices()) == 8
 model = tiny_model(0)
@@ -240,8 +240,15 @@ logits1, logits8 = [], []
 kw = dict(attention="magicpig", max_new_tokens=12, config=cfg, dense_layers=(0,), stop_on_eos=False)
 out1, st1 = forced_decode(model, state, logits_callback=lambda t, l: logits1.append(l), **kw)
 out8, st8 = forced_decode(model, state, mesh=mesh, logits_callback=lambda t, l: logits8.append(l), **kw)
+# one SimHash matrix per group of layers (SharedProjections states) on the mesh too
+model4 = tiny_model(0, dataclasses.replace(TINY, num_layers=4))
+state4 = prefill(model4, prompts, 12)
+kw4 = dict(kw, config=dataclasses.replace(cfg, layers_per_projection=4))
+out4, st4 = forced_decode(model4, state4, **kw4)
+out48, st48 = forced_decode(model4, state4, mesh=mesh, **kw4)
 print(json.dumps({"same_tokens": out1 == out8, "max_dlogit": float(np.abs(np.array(logits1) - np.array(logits8)).max()),
-                  "frac1": st1["sampled_fraction"], "frac8": st8["sampled_fraction"]}))
+                  "frac1": st1["sampled_fraction"], "frac8": st8["sampled_fraction"],
+                  "shared_same": out4 == out48 and st4["sampled_fraction"] == st48["sampled_fraction"]}))
 """
 
 
@@ -255,3 +262,4 @@ def test_full_model_decode_sharded_over_8_devices_equals_one_device():
     assert r["same_tokens"]
     assert r["max_dlogit"] < 1e-4
     assert r["frac1"] == r["frac8"] and 0 < r["frac1"] < 1
+    assert r["shared_same"]

@@ -25,10 +25,12 @@ from magicpig_jax.attention import dense_attention, merge_attention
 from magicpig_jax.models.backends import (
     BACKENDS,
     DecodeSpec,
+    SharedProjections,
     backend_for,
+    drop_projections,
     layer_projections,
     projection_sources,
-    with_shared_projections,
+    resolve_projections,
 )
 from magicpig_jax.models.cache import KVCache
 
@@ -133,8 +135,17 @@ def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple:
     temporaries in its working memory. The layer number is an argument of that program
     (the layers share one compiled build) unless each layer has its own configuration
     (:class:`~magicpig_jax.attention.LayerConfigs`). Traceable (``jax.eval_shape``).
+
+    With ``layers_per_projection > 1`` a layer whose SimHash matrix equals an earlier layer's
+    (:func:`~magicpig_jax.models.backends.projection_sources`) is stored as
+    :class:`~magicpig_jax.models.backends.SharedProjections`: no copy of the matrix, and the
+    source layer recorded, so :func:`decode_step` hashes it with the matrix its keys were hashed
+    with whatever spec it is given.
     """
     sparse = set(spec.sparse_layers(num_layers))
+    # A layer whose matrix equals an earlier layer's keeps no copy of it (SharedProjections); not
+    # under a backend with its own step (offload), whose states are the matrices alone.
+    shared = projection_sources(spec, num_layers) if backend_for(spec).make_step is None else {}
     states = []
     for i in range(num_layers):
         if i not in sparse:
@@ -144,6 +155,8 @@ def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple:
             state = _build_layer(cache.k[i], cache.lengths, jnp.int32(i), spec, cache.capacity)
         else:
             state = _build_layer_configured(cache.k[i], cache.lengths, spec, i, cache.capacity)
+        if i in shared:
+            state = SharedProjections(drop_projections(state), shared[i])
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
             jax.block_until_ready(state)  # this layer's temporaries are gone before the next starts
         states.append(state)
@@ -225,7 +238,6 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     B = tokens.shape[0]
     pos = cache.lengths
     sparse = set(spec.sparse_layers(len(cache.k)))
-    shared = projection_sources(spec, len(cache.k))
     counts = []
     new_kv = {}
 
@@ -238,8 +250,8 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
 
     def attend(i, q, k_cache, v_cache):
         if i in sparse:
-            # A layer whose projections equal an earlier layer's hashes with that layer's buffer.
-            state = with_shared_projections(indices[i], indices[shared[i]]) if i in shared else indices[i]
+            # A layer of a group hashes with the buffer of the group's first layer (SharedProjections).
+            state = resolve_projections(indices, i)
             out, lse, n = backend.attend(spec, q[:, 0], k_cache, v_cache, state, pos,
                                          jax.random.fold_in(key, 1000 + i))
             counts.append(n)
@@ -262,9 +274,12 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     # A full row (pos == capacity; the Python entry points refuse it first) writes nothing and
     # keeps its length: the caller sees that it did not advance.
     lengths = jnp.where(pos < cache.capacity, pos + 1, pos)
-    indices = list(indices)
+    built, indices = indices, list(indices)
     for i in sparse:
-        indices[i] = backend.after_step(spec, indices[i], new_k[i], lengths)
+        state = backend.after_step(spec, resolve_projections(built, i), new_k[i], lengths)
+        shared = built[i]
+        indices[i] = SharedProjections(drop_projections(state), shared.source) if isinstance(
+            shared, SharedProjections) else state
     return next_tokens, logits, num_sampled, KVCache(k=new_k, v=new_v, lengths=lengths), tuple(indices)
 
 

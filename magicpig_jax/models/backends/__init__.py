@@ -56,12 +56,15 @@ from magicpig_jax.models.backends.spec import (
     Backend,
     DecodeSpec,
     MiddleRange,
+    SharedProjections,
+    drop_projections,
     layer_projections,
     projection_sources,
+    resolve_projections,
     with_shared_projections,
 )
 from magicpig_jax.models.backends.table import LayerState, backend_for, per_layer
 
 __all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "LAYERED", "Backend", "DecodeSpec", "HostOps", "LayerState",
-           "MiddleRange", "append_due", "backend_for", "layer_projections", "per_layer", "projection_sources",
-           "sharded", "with_shared_projections"]
+           "MiddleRange", "SharedProjections", "append_due", "backend_for", "drop_projections", "layer_projections",
+           "per_layer", "projection_sources", "resolve_projections", "sharded", "with_shared_projections"]

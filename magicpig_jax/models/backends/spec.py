@@ -6,10 +6,12 @@ See :mod:`magicpig_jax.models.backends` for the table and what each part of a ba
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from magicpig_jax import lsh
 from magicpig_jax.attention import (
@@ -21,7 +23,8 @@ from magicpig_jax.attention.baselines import check_budget, check_page_size
 from magicpig_jax.attention.layer_configs import LayerConfigs
 
 __all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "LAYERED", "Backend", "DecodeSpec", "MiddleRange",
-           "layer_projections", "projection_sources", "with_shared_projections"]
+           "SharedProjections", "drop_projections", "layer_projections", "projection_sources", "resolve_projections",
+           "with_shared_projections"]
 
 BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle", "hybrid")
 BUDGETED = ("topk", "quest", "oracle")
@@ -198,6 +201,10 @@ def projection_sources(spec: DecodeSpec, num_layers: int) -> dict[int, int]:
     return out
 
 
+def _has_own(state: Any) -> bool:
+    return hasattr(state, "projections") and state.projections.shape[1] > 0
+
+
 def with_shared_projections(state: Any, source: Any) -> Any:
     """``state`` with the projections of ``source`` (same layout; see :func:`projection_sources`).
 
@@ -206,24 +213,84 @@ def with_shared_projections(state: Any, source: Any) -> Any:
 
     Args:
       state, source: two sparse layers' decode states (e.g. :class:`~magicpig_jax.host.HostIndex`,
-        projections float32 ``[D, K*L]``), traced or concrete.
+        projections float32 ``[D, K*L]``), traced or concrete; ``state``'s own projections may have
+        been dropped (:func:`drop_projections`).
 
     Raises:
-      ValueError: the two projections differ in shape.
+      ValueError: ``source`` holds no projections of its own, or the two differ in shape.
 
     Returns:
       ``state`` (same type) whose projections are ``source``'s buffer; the caller guarantees that
-      their values are equal (:func:`projection_sources`, with one spec for the build and the decode).
+      their values are equal (:func:`projection_sources`: one spec builds both).
     """
     inner, src = getattr(state, "state", None), getattr(source, "state", None)
     if inner is not None and src is not None and hasattr(state, "config"):
         return dataclasses.replace(state, state=with_shared_projections(inner, src))
     if not (hasattr(state, "projections") and hasattr(source, "projections")):
         return state
-    if tuple(state.projections.shape) != tuple(source.projections.shape):
+    if not _has_own(source):
+        raise ValueError("the source layer's state holds no projections of its own (dropped by drop_projections)")
+    if state.projections.shape[0] != source.projections.shape[0] or (
+            _has_own(state) and tuple(state.projections.shape) != tuple(source.projections.shape)):
         raise ValueError(f"shared projections must have one shape, got {tuple(state.projections.shape)} "
                          f"and {tuple(source.projections.shape)}")
     return dataclasses.replace(state, projections=source.projections)
+
+
+def drop_projections(state: Any) -> Any:
+    """``state`` with its projections replaced by an empty float32 ``[D, 0]`` array.
+
+    A layer of a group keeps no copy of the group's matrix (:class:`SharedProjections`); the
+    empty array keeps ``D`` in the shape for the checks of :func:`with_shared_projections`.
+    States without projections are returned unchanged; a ``LayerState`` is unwrapped.
+    """
+    inner = getattr(state, "state", None)
+    if inner is not None and hasattr(state, "config"):
+        return dataclasses.replace(state, state=drop_projections(inner))
+    if not hasattr(state, "projections"):
+        return state
+    return dataclasses.replace(state, projections=jnp.zeros((state.projections.shape[0], 0), jnp.float32))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["state"], meta_fields=["source"])
+@dataclasses.dataclass
+class SharedProjections:
+    """A sparse layer's decode state whose SimHash matrix is held by layer ``source``'s state.
+
+    :func:`~magicpig_jax.models.decoding.build_indices` stores this for every layer of
+    :func:`projection_sources`: the layer's own ``[D, K*L]`` copy is dropped
+    (:func:`drop_projections`), so a group holds one matrix, and the decode step hashes the
+    layer's queries and appended keys with the source's (:func:`resolve_projections`). The
+    source is recorded at build time, so a decode whose spec groups the layers differently
+    still hashes each layer with the matrix its keys were hashed with.
+
+    Attributes:
+      state: the layer's state without its projections.
+      source: the layer whose state holds the matrix (static).
+    """
+
+    state: Any
+    source: int
+
+
+def resolve_projections(indices: tuple | list, layer: int) -> Any:
+    """Layer ``layer``'s decode state with its SimHash matrix in place.
+
+    A :class:`SharedProjections` gets its source layer's projections
+    (:func:`with_shared_projections`); any other state is returned as is.
+
+    Raises:
+      ValueError: the source layer's state is itself shared or holds no projections (indices not
+        built by :func:`~magicpig_jax.models.decoding.build_indices`).
+    """
+    state = indices[layer]
+    if not isinstance(state, SharedProjections):
+        return state
+    source = indices[state.source]
+    if isinstance(source, SharedProjections) or source is None:
+        raise ValueError(f"layer {layer} shares the projections of layer {state.source}, whose state does not "
+                         "hold them")
+    return with_shared_projections(state.state, source)
 
 
 # The signatures of a backend's parts (q [B, Hq, D], k/v [B, Hkv, N, D], lengths int32 [B]).
