@@ -31,6 +31,9 @@ namespace {
 
 using magicpig::AxpyScalar;
 using magicpig::CpuHasAvx2;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+using magicpig::Exp8;
+#endif
 using magicpig::PrefetchStream;
 using magicpig::InvalidArg;
 using magicpig::Load;
@@ -131,34 +134,6 @@ __attribute__((target("avx2,fma"))) void AccumulateAvx2(const float* e, const T*
     acc[d] = a;
   }
   _mm256_zeroupper();
-}
-
-// exp of 8 floats (Cephes expf: range reduction by ln 2 in two parts, degree-5 polynomial;
-// relative error about 2e-7 on [-87, 88]). x < -87.3 gives 0, x > 88.7 gives +inf, NaN stays NaN.
-__attribute__((target("avx2,fma"))) inline __m256 Exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.7f), lo = _mm256_set1_ps(-87.3f);
-  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // 2^n (n in [-126, 128]): n = 128 is split as 2^127 * 2 so the exponent never overflows.
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i n1 = _mm256_min_epi32(ni, _mm256_set1_epi32(127));
-  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, n1), _mm256_set1_epi32(127)), 23));
-  __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-  e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-  e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, hi, _CMP_GT_OQ));
-  return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN in, NaN out
 }
 
 // e[j] = exp(x[j] - m) for j < n (in place).

@@ -39,6 +39,9 @@ namespace {
 
 using magicpig::AxpyScalar;
 using magicpig::CpuHasAvx2;
+#ifdef MAGICPIG_HAVE_AVX2_PATH
+using magicpig::Exp8;
+#endif
 using magicpig::InvalidArg;
 using magicpig::Load;
 using magicpig::PrefetchL1;
@@ -124,6 +127,17 @@ __attribute__((target("avx2,fma"), always_inline)) inline void RowAvx2(const flo
   *dot = sa;
   *cdot = sb;
   *kc2 = sc;
+}
+
+// q.k alone: the exact (static) candidates need neither the centered dot nor the key's norm.
+template <typename T>
+__attribute__((target("avx2,fma"), always_inline)) inline float DotAvx2(const float* q, const T* k, int64_t D) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Load8(k + d), a);
+  float sa = Hsum(a);
+  for (; d < D; ++d) sa += q[d] * Load(k, d);
+  return sa;
 }
 
 template <typename T>
@@ -581,6 +595,7 @@ struct Scratch {
   std::vector<float> acc;
   std::vector<float> logit;
   std::vector<float> cosine;    // centered cosine of q and each candidate key
+  std::vector<float> kc2;       // squared norm of each sampled candidate's centered key
   std::vector<float> logu;
   std::vector<int32_t> range;   // [L, 2] bucket (start, end) of the chunk being walked
   std::vector<int32_t> walk;    // a chunk's walk: its kept positions, then room for one bucket
