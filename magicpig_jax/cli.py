@@ -172,7 +172,7 @@ def _cmd_generate(args) -> int:
     from magicpig_jax.host.index import HOST_MAX_K
     from magicpig_jax.io.loader import load_model
     from magicpig_jax.memory import drop_compiled_programs
-    from magicpig_jax.models.backends import DecodeSpec
+    from magicpig_jax.models.backends import BUDGETED, DecodeSpec
     from magicpig_jax.streaming import check_stop_strings
 
     # Every argument is checked before the model is loaded (the layer range against its metadata).
@@ -186,10 +186,19 @@ def _cmd_generate(args) -> int:
                                 seed=args.seed, layers_per_projection=args.layers_per_projection)
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     stops = check_stop_strings(args.stop)
-    needs_budget = [a for a in args.attention if a in ("topk", "quest", "oracle")]
+    needs_budget = [a for a in args.attention if a in BUDGETED]
     if needs_budget and args.budget is None:
         raise ValueError(f"attention {needs_budget[0]!r} needs a budget: pass --budget TOKENS or --budget FRACTION")
-    checked = [DecodeSpec(backend=name, magicpig=config, budget=args.budget) for name in args.attention]
+    if args.budget is not None and not needs_budget:
+        raise ValueError(f"--budget applies to attention {', '.join(BUDGETED)} only, none of which is in --attention")
+    if args.magicpig_config is not None and not {"magicpig", "magicpig-ref"} & set(args.attention):
+        raise ValueError("--magicpig-config applies to attention magicpig and magicpig-ref, neither of which is in "
+                         "--attention")
+
+    def budget(name):
+        return args.budget if name in BUDGETED else None
+
+    checked = [DecodeSpec(backend=name, magicpig=config, budget=budget(name)) for name in args.attention]
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(i < 0 for i in args.dense_layers or ()):
@@ -200,7 +209,7 @@ def _cmd_generate(args) -> int:
     _check_model(args)
     print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
-    specs = {name: decode_spec(model, name, config, args.dense_layers, args.budget) if layered is None
+    specs = {name: decode_spec(model, name, config, args.dense_layers, budget(name)) if layered is None
              or name not in ("magicpig", "magicpig-ref") else decode_spec(model, name, layered)
              for name in args.attention}
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")

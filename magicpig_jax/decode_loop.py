@@ -38,8 +38,9 @@ class Sampling:
     Attributes:
       temperature: ``>= 0``; 0 is greedy (argmax).
       top_p: nucleus mass in ``(0, 1]`` (Holtzman et al. 2020); 1 keeps the whole vocabulary.
-      seed: seed of the sampling key, an int ``>= 0`` (not the SimHash projections: those use
-        :attr:`MagicPIGConfig.seed`).
+      seed: seed of the sampling key, an int in ``[0, 2**32)`` (``jax.random.key`` keeps 32 bits:
+        a larger seed would repeat a smaller one); not the SimHash projections: those use
+        :attr:`MagicPIGConfig.seed`.
 
     Raises:
       ValueError: a value out of range, naming the field.
@@ -55,8 +56,8 @@ class Sampling:
             raise ValueError(f"temperature must be a finite number >= 0, got temperature={self.temperature!r}")
         if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer) or self.seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got seed={self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got seed={self.seed!r}")
 
 
 @dataclasses.dataclass(frozen=True)

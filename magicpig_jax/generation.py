@@ -19,7 +19,7 @@ from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
 from magicpig_jax.decode_loop import Sampling, run_decode, start_decode
 from magicpig_jax.io.loader import LoadedModel
 from magicpig_jax.memory import compile_then_trim
-from magicpig_jax.models.backends import BACKENDS, DecodeSpec
+from magicpig_jax.models.backends import BACKENDS, BUDGETED, DecodeSpec
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.config import default_dense_layers
 from magicpig_jax.models.decoding import (
@@ -268,10 +268,13 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
 
     Raises:
       ValueError: unknown attention, dense layers outside ``[0, num_layers)``, a budgeted
-        backend without a budget, or a configuration the backend cannot run.
+        backend without a budget, a budget for a backend that takes none, or a configuration
+        the backend cannot run (e.g. a HybridConfig's heavy threshold outside 'hybrid').
     """
     if attention not in BACKENDS:
         raise ValueError(f"attention must be one of {BACKENDS}, got {attention!r}")
+    if budget is not None and attention not in BUDGETED:
+        raise ValueError(f"budget applies to the {', '.join(BUDGETED)} backends only, got attention={attention!r}")
     if isinstance(config, LayerConfigs):  # per-layer configs (magicpig-jax calibrate) carry their dense layers
         return _layered_spec(model, attention, config, dense_layers, budget, page_size, mesh)
     n_layers = model.config.num_layers
@@ -376,6 +379,10 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
       TypeError / ValueError: a malformed prompt, a prompt longer than the model's context,
         an unknown attention, or bad parameters (all checked before the prefill).
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size)
     stops = check_stop_strings(stop)

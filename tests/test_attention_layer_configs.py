@@ -96,3 +96,36 @@ def test_decode_with_per_layer_configs(backend):
     uniform = decode_spec(model, backend, LayerConfigs.uniform(a, 3, [0]))
     plain = decode_spec(model, backend, a, [0])
     assert run_decode(model, state, uniform, 12, Sampling())[0] == run_decode(model, state, plain, 12, Sampling())[0]
+
+
+def test_json_refuses_what_it_would_otherwise_drop_or_truncate():
+    """Non-integers, unknown layer fields, a misspelled field and a bad info: refused, naming them."""
+    base = LayerConfigs(((0, "dense"), (1, MagicPIGConfig(K=9, L=120)))).to_json()
+
+    def refused(match, **changes):
+        with pytest.raises(ValueError, match=match):
+            LayerConfigs.from_json({**base, **changes})
+
+    for bad in (10.9, 10.0, "10", True, 1e400, None):
+        refused(r"layer 1 'K' must be an integer", layers={"0": "dense", "1": {"K": bad, "L": 120}})
+    for field in ("num_sink", "num_local", "seed", "layers_per_projection"):
+        for bad in (4.7, True, "4"):
+            refused(f"'{field}' must be an integer", **{field: bad})
+    refused(r"layer 1 has unknown fields \['num_local'\]",
+            layers={"0": "dense", "1": {"K": 9, "L": 120, "num_local": 0}})
+    refused(r"unknown field 'layers_per_projections' \(did you mean 'layers_per_projection'\?\)",
+            layers_per_projections=16)
+    for bad in ([1, 2], "calibrated"):
+        refused("'info' must be an object", info=bad)
+    refused("seed must be < 2\\*\\*32", seed=2**32)
+    # the calibration's report keys are kept in the file and not read
+    assert LayerConfigs.from_json({**base, "kl_budget": 0.01, "per_layer": [1]}) == LayerConfigs.from_json(base)
+    assert LayerConfigs.from_json(base).config(1) == MagicPIGConfig(K=9, L=120)
+
+
+def test_info_is_string_pairs():
+    lc = LayerConfigs(((0, "dense"),), info={"model": "tiny"})
+    assert lc.info == (("model", "tiny"),) and hash(lc) == hash(LayerConfigs(((0, "dense"),), (("model", "tiny"),)))
+    for bad in ({"a": {"b": 1}}, (("a", 1),), "model"):
+        with pytest.raises(TypeError, match="info"):  # ours, or jaxtyping's (the suite checks the annotations)
+            LayerConfigs(((0, "dense"),), info=bad)

@@ -37,6 +37,12 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     (["--L", "1"], "--L must be >= 2 (sampling needs >= 2 colliding tables), got 1"),
     (["--num-sink", "-1"], "--num-sink must be >= 0, got -1"),
     (["--seed", "-2"], "--seed must be >= 0, got -2"),
+    # jax.random.key keeps 32 bits: a larger seed would silently repeat a smaller one
+    (["--seed", str(2**32 + 5)], "--seed must be < 2**32, got 4294967301"),
+    (["--seed", str(2**64)], "--seed must be < 2**32"),
+    (["--budget", "5"], "--budget applies to attention topk, quest, oracle only"),
+    (["--attention", "dense", "--magicpig-config", "/nonexistent.json"], "--magicpig-config applies to attention "
+                                                                          "magicpig and magicpig-ref"),
     (["--attention", "topk", "--budget", "0"], "budget as a token count must be >= 1"),
     (["--attention", "topk", "--budget", "2.5"], "budget as a fraction of the context must be in (0, 1]"),
     (["--attention", "topk"], "needs a budget"),

@@ -35,7 +35,8 @@ class MagicPIGConfig:
         query's in at least 2 of the L tables.
       num_sink: sink tokens at the start of the context kept exactly (static set), >= 0.
       num_local: last prompt tokens (local window) kept exactly (static set), >= 0.
-      seed: seed of the Gaussian SimHash projections, >= 0.
+      seed: seed of the Gaussian SimHash projections, in ``[0, 2**32)`` (``jax.random.key`` keeps
+        32 bits: a larger seed would silently repeat a smaller one's hyperplanes).
       layers_per_projection: consecutive layers that share one projection matrix, >= 1:
         layer ``i`` draws its hyperplanes from ``fold_in(key(seed), i // layers_per_projection)``.
         1 (the default) gives every layer its own matrix. Each layer's estimator only needs its
@@ -64,6 +65,8 @@ class MagicPIGConfig:
         _check_count("num_sink", self.num_sink)
         _check_count("num_local", self.num_local)
         _check_count("seed", self.seed)
+        if self.seed >= 2**32:
+            raise ValueError(f"seed must be < 2**32, got seed={self.seed}")
         n = self.layers_per_projection
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"layers_per_projection must be an int, got {type(n).__name__} {n!r}")

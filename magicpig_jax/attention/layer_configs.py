@@ -16,6 +16,7 @@ seed, so that the methods stay comparable like for like.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,10 @@ __all__ = ["LayerConfigs", "DENSE", "FORMAT"]
 
 DENSE = "dense"
 FORMAT = "magicpig-jax layer configs v1"
+# The fields of the file's object; other top-level keys are the calibration's report (not read).
+_COMMON = ("num_sink", "num_local", "seed", "layers_per_projection")
+_FIELDS = ("format", *_COMMON, "layers", "info")
+_LAYER_FIELDS = ("K", "L", "heavy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,21 +40,26 @@ class LayerConfigs:
     Attributes:
       layers: ``((layer, config), ...)`` sorted by layer, one entry per layer ``0 .. n-1``;
         ``config`` is a :class:`MagicPIGConfig` or ``"dense"``.
-      info: optional provenance (a tuple of ``(key, str)`` pairs kept in the JSON file; not
-        used by decoding).
+      info: optional provenance (``(key, value)`` string pairs kept in the JSON file; not
+        used by decoding); a mapping of strings is accepted and stored as such pairs.
 
     Raises:
-      TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``.
+      TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``; ``info`` not string pairs.
       ValueError: layers not exactly ``0 .. n-1``, no layer at all, or sparse layers that
         disagree on ``num_sink``, ``num_local``, ``seed`` or ``layers_per_projection``.
     """
 
     layers: tuple[tuple[int, MagicPIGConfig | str], ...]
-    info: tuple[tuple[str, str], ...] = ()
+    info: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
 
     def __post_init__(self) -> None:
         entries = tuple(sorted(((int(i), c) for i, c in self.layers), key=lambda x: x[0]))
         object.__setattr__(self, "layers", entries)
+        info = tuple(self.info.items()) if isinstance(self.info, Mapping) else self.info
+        if not (isinstance(info, tuple) and all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in info)):
+            raise TypeError(f"info must be (key, value) string pairs or a mapping of strings, got {self.info!r}")
+        object.__setattr__(self, "info", info)
         if not entries:
             raise ValueError("LayerConfigs needs at least one layer")
         idx = [i for i, _ in entries]
@@ -111,18 +121,26 @@ class LayerConfigs:
     def from_json(cls, obj: Mapping) -> LayerConfigs:
         """Parse :meth:`to_json`'s object.
 
+        Integers must be JSON integers (``10``, not ``10.5``, ``"10"`` or ``true``); a layer entry
+        has only ``K``, ``L`` and optionally ``heavy``. Other top-level keys (the calibration's
+        report) are not read, but one that looks like a misspelled field is refused.
+
         Raises:
-          ValueError: a wrong ``format``, missing fields, or invalid values (naming them).
+          ValueError: a wrong ``format``, missing fields, unknown layer fields, or invalid values
+            (naming them).
         """
         if not isinstance(obj, Mapping) or obj.get("format") != FORMAT:
             raise ValueError(f"not a layer-configs file: 'format' must be {FORMAT!r}")
-        try:
-            common = {"num_sink": int(obj["num_sink"]), "num_local": int(obj["num_local"]), "seed": int(obj["seed"]),
-                      # files written before the field existed: every layer had its own projections
-                      "layers_per_projection": int(obj.get("layers_per_projection", 1))}
-            raw = obj["layers"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"layer-configs file lacks or mangles num_sink/num_local/seed/layers: {err}") from None
+        for key in obj:
+            near = difflib.get_close_matches(str(key), _FIELDS, n=1, cutoff=0.8)
+            if key not in _FIELDS and near:
+                raise ValueError(f"layer-configs: unknown field {key!r} (did you mean {near[0]!r}?)")
+        missing = [k for k in ("num_sink", "num_local", "seed", "layers") if k not in obj]
+        if missing:
+            raise ValueError(f"layer-configs file lacks {', '.join(missing)}")
+        # files written before layers_per_projection existed: every layer had its own projections
+        common = {k: _json_int(f"'{k}'", obj.get(k, 1)) for k in _COMMON}
+        raw = obj["layers"]
         if not isinstance(raw, Mapping):
             raise ValueError("layer-configs 'layers' must map layer -> {'K', 'L'} or 'dense'")
         layers = []
@@ -134,12 +152,19 @@ class LayerConfigs:
             if val == DENSE:
                 layers.append((i, DENSE))
             elif isinstance(val, Mapping) and {"K", "L"} <= set(val):
-                cfg = _config_from_json(val, common)
+                unknown = sorted(set(val) - set(_LAYER_FIELDS))
+                if unknown:
+                    raise ValueError(f"layer-configs: layer {i} has unknown fields {unknown} (a layer gives "
+                                     f"{', '.join(_LAYER_FIELDS[:2])} and optionally heavy; the static set and "
+                                     "seed are the file's)")
+                cfg = _config_from_json(i, val, common)
                 layers.append((i, cfg))
             else:
                 raise ValueError(f"layer-configs: layer {i} must be 'dense' or {{'K': .., 'L': ..}}, got {val!r}")
-        info = tuple((str(k), str(v)) for k, v in (obj.get("info") or {}).items())
-        return cls(tuple(layers), info)
+        info = obj.get("info") or {}
+        if not isinstance(info, Mapping):
+            raise ValueError(f"layer-configs 'info' must be an object, got {type(info).__name__}")
+        return cls(tuple(layers), tuple((str(k), str(v)) for k, v in info.items()))
 
     def save(self, path: str | Path, extra: Mapping | None = None) -> Path:
         """Write the JSON file (``extra`` keys, e.g. the calibration's measurements, are added)."""
@@ -177,12 +202,19 @@ def _kl_json(c: MagicPIGConfig) -> dict:
     return out
 
 
-def _config_from_json(val: Mapping, common: dict) -> MagicPIGConfig:
+def _json_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"layer-configs: {name} must be an integer, got {value!r}")
+    return value
+
+
+def _config_from_json(layer: int, val: Mapping, common: dict) -> MagicPIGConfig:
+    fields = {k: _json_int(f"layer {layer} {k!r}", val[k]) for k in _LAYER_FIELDS if k in val}
     try:
-        if "heavy" in val:
+        if "heavy" in fields:
             from magicpig_jax.attention.hybrid import HybridConfig
 
-            return HybridConfig(K=int(val["K"]), L=int(val["L"]), heavy=int(val["heavy"]), **common)
-        return MagicPIGConfig(K=int(val["K"]), L=int(val["L"]), **common)
+            return HybridConfig(**fields, **common)
+        return MagicPIGConfig(**fields, **common)
     except (TypeError, ValueError) as err:
         raise ValueError(f"layer-configs: invalid entry {dict(val)}: {err}") from None

@@ -79,6 +79,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import hashlib
 import sys
 import time
 from collections.abc import Callable
@@ -188,7 +189,9 @@ def _record_fields(m: Method, stats: dict, prompt_tokens: int, model, settings: 
                         num_local=settings.num_local, kv_bytes=kv_bytes, K=m.K or 10, L=m.L or 150,
                         layer_kl=layer_kl, page_size=settings.page_size)
     return {"method": m.label, "backend": m.backend, "K": m.K, "L": m.L, "heavy": m.heavy,
-            "config_file": m.config_file, "attention_runs_on": stats.get("attention_runs_on"),
+            "config_file": m.config_file,
+            "config_sha1": None if m.config_file is None else _file_sha1(m.config_file),
+            "attention_runs_on": stats.get("attention_runs_on"),
             "prompt_tokens": prompt_tokens, "sampled_fraction": 1.0 if m.backend == "dense" else frac,
             "sampled_fraction_per_layer": stats["sampled_fraction_per_layer"],
             "mean_sampled_keys": mean_keys, "decode_steps": steps, "decode_tokens": stats["decode_tokens"],
@@ -221,6 +224,66 @@ def _key(key: dict, label: str) -> tuple:
     return (key["kind"], key["task"], key["length"], key["index"], label, key["setup"])
 
 
+def _method_spec(model, s: EvalSettings, dense_layers, m: Method, budget):
+    """The :class:`~magicpig_jax.models.backends.DecodeSpec` of method ``m`` (validated)."""
+    from magicpig_jax.attention import HybridConfig, MagicPIGConfig
+    from magicpig_jax.generation import decode_spec
+
+    if m.config_file is not None:
+        config, dense = _layer_configs(m.config_file), None
+    elif m.backend == "hybrid":
+        config = HybridConfig(K=m.K or 10, L=m.L or 150, heavy=m.heavy or 8, num_sink=s.num_sink,
+                              num_local=s.num_local, seed=s.seed, layers_per_projection=s.layers_per_projection)
+        dense = dense_layers
+    else:
+        config = MagicPIGConfig(K=m.K or 10, L=m.L or 150, num_sink=s.num_sink, num_local=s.num_local,
+                                seed=s.seed, layers_per_projection=s.layers_per_projection)
+        dense = dense_layers
+    spec = decode_spec(model, m.backend, config, dense, budget, s.page_size)
+    return dataclasses.replace(spec, host=False) if m.host is False else spec
+
+
+def _file_sha1(path: str | Path) -> str:
+    return hashlib.sha1(Path(path).read_bytes()).hexdigest()[:12]
+
+
+def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
+    """Every check of the settings that needs no results, before ``out`` is created or written.
+
+    Raises:
+      ValueError: a length beyond the model's context, a calibrated file that does not fit, or
+        a method whose spec is invalid (e.g. a negative ``num_sink``, a dense layer out of range,
+        K too large for the host index).
+    """
+    from magicpig_jax.eval.calibrate import check_config_for_eval
+
+    ctx_limit = model.config.max_position_embeddings
+    for length in settings.lengths:
+        if length > ctx_limit:
+            raise ValueError(f"length {length} exceeds the model's context of {ctx_limit} tokens")
+    for m in settings.methods:
+        if m.config_file is not None:
+            check_config_for_eval(m.config_file, model, settings)
+        # a budget measured per sample is unknown yet: any valid one checks the rest of the spec
+        _method_spec(model, settings, dense_layers, m, 1 if m.budgeted and m.budget is None else m.budget)
+
+
+def _check_config_files_unchanged(store: ResultStore, settings: EvalSettings, out: Path) -> None:
+    """Refuse a ``magicpig@FILE`` whose file changed since its records in ``out`` were written.
+
+    The records are keyed by the label ``magicpig@<stem>``: without this, a changed file would
+    silently keep the old file's results.
+    """
+    for m in settings.methods:
+        if m.config_file is None:
+            continue
+        sha = _file_sha1(m.config_file)
+        old = {r.get("config_sha1") for r in store.records.values() if r.get("method") == m.label} - {None}
+        if old - {sha}:
+            raise ValueError(f"{m.config_file} changed since {out} recorded {m.label} with it (sha1 "
+                             f"{', '.join(sorted(old))}, now {sha}); use another --out or another file name")
+
+
 @dataclasses.dataclass
 class _Loop:
     """One sample at a time: prefill once, decode with every method still missing, store each record."""
@@ -242,22 +305,7 @@ class _Loop:
 
     def spec(self, m: Method, budget):
         """The :class:`~magicpig_jax.models.backends.DecodeSpec` of method ``m``."""
-        from magicpig_jax.attention import HybridConfig, MagicPIGConfig
-        from magicpig_jax.generation import decode_spec
-
-        s = self.settings
-        if m.config_file is not None:
-            config, dense = _layer_configs(m.config_file), None
-        elif m.backend == "hybrid":
-            config = HybridConfig(K=m.K or 10, L=m.L or 150, heavy=m.heavy or 8, num_sink=s.num_sink,
-                                  num_local=s.num_local, seed=s.seed, layers_per_projection=s.layers_per_projection)
-            dense = self.dense_layers
-        else:
-            config = MagicPIGConfig(K=m.K or 10, L=m.L or 150, num_sink=s.num_sink, num_local=s.num_local,
-                                    seed=s.seed, layers_per_projection=s.layers_per_projection)
-            dense = self.dense_layers
-        spec = decode_spec(self.model, m.backend, config, dense, budget, s.page_size)
-        return dataclasses.replace(spec, host=False) if m.host is False else spec
+        return _method_spec(self.model, self.settings, self.dense_layers, m, budget)
 
     def decode(self, m: Method, state, n_new: int, key: dict, desc: str, forced=None, then_sample: bool = False):
         """Decode with method m; return (token ids, stats, budget fields).
@@ -391,20 +439,13 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     from tqdm import tqdm
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     fp = settings.fingerprint(model)
+    _check_before_writing(model, settings, fp["dense_layers"])
+    out.mkdir(parents=True, exist_ok=True)
     check_fingerprint(out, fp)
     store = ResultStore(out / RESULTS)
+    _check_config_files_unchanged(store, settings, out)
     t_start, n_before = time.time(), len(store.records)
-    ctx_limit = model.config.max_position_embeddings
-    for length in settings.lengths:
-        if length > ctx_limit:
-            raise ValueError(f"length {length} exceeds the model's context of {ctx_limit} tokens")
-    for m in settings.methods:
-        if m.config_file is not None:
-            from magicpig_jax.eval.calibrate import check_config_for_eval
-
-            check_config_for_eval(m.config_file, model, settings)
     loop = _Loop(model, settings, store, fp["dense_layers"], on_record, progress)
     units = _units(settings)
     labels = [m.label for m in settings.methods]

@@ -142,6 +142,8 @@ def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple:
     source layer recorded, so :func:`decode_step` hashes it with the matrix its keys were hashed
     with whatever spec it is given.
     """
+    if num_layers != len(cache.k):
+        raise ValueError(f"num_layers must be the cache's layer count {len(cache.k)}, got {num_layers}")
     sparse = set(spec.sparse_layers(num_layers))
     # A layer whose matrix equals an earlier layer's keeps no copy of it (SharedProjections); not
     # under a backend with its own step (offload), whose states are the matrices alone.

@@ -86,8 +86,15 @@ class DecodeSpec:
                 raise ValueError(f"attention backend {self.backend!r} needs a budget (tokens or a fraction)")
             check_budget(self.budget)
             check_page_size(self.page_size)
+        if isinstance(self.generation_buffer, bool) or not isinstance(self.generation_buffer, int):
+            raise TypeError(f"generation_buffer must be an int, got {self.generation_buffer!r}")
         if self.generation_buffer < 1:
             raise ValueError(f"generation_buffer must be >= 1, got {self.generation_buffer}")
+        if self.backend != "hybrid":
+            configs = [self.magicpig, *(c for _, c in (self.layers.layers if self.layers is not None else ()))]
+            if any(getattr(c, "heavy", None) is not None for c in configs):
+                raise ValueError(f"a heavy threshold (HybridConfig) is the 'hybrid' backend's; backend "
+                                 f"{self.backend!r} would ignore it")
         if self.layers is not None:
             from magicpig_jax.models.backends.table import check_layers
 

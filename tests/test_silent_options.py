@@ -1,0 +1,109 @@
+"""Options and inputs that were accepted and then ignored or mishandled are refused, naming them.
+
+A heavy threshold outside the hybrid backend, a budget for a backend that takes none, a seed
+that ``jax.random.key`` would fold onto a smaller one, a float ``max_new_tokens``, an eval whose
+``--out`` an invalid setting would have written, and a ``magicpig@FILE`` whose file changed
+since its results were recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from magicpig_jax.attention import HybridConfig, LayerConfigs, MagicPIGConfig
+from magicpig_jax.decode_loop import Sampling
+from magicpig_jax.eval.methods import parse_methods
+from magicpig_jax.eval.run import run_eval
+from magicpig_jax.generation import decode_spec, generate
+from magicpig_jax.models.backends import DecodeSpec
+from tests._tiny import tiny_model
+from tests.test_eval_run import _settings, char_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)
+
+
+def test_a_heavy_threshold_needs_the_hybrid_backend(model):
+    hy = HybridConfig(K=4, L=12, heavy=3, num_local=16)
+    for backend in ("magicpig", "magicpig-ref", "dense", "topk"):
+        with pytest.raises(ValueError, match=f"heavy threshold .* backend '{backend}' would ignore it"):
+            DecodeSpec(backend=backend, magicpig=hy, budget=8 if backend == "topk" else None)
+    per_layer = LayerConfigs(((0, "dense"), (1, hy), (2, hy)))
+    for backend in ("magicpig", "magicpig-ref"):
+        with pytest.raises(ValueError, match="heavy threshold"):
+            decode_spec(model, backend, per_layer)
+    assert decode_spec(model, "hybrid", per_layer).layers == per_layer
+    assert decode_spec(model, "hybrid", hy).magicpig == hy
+
+
+def test_a_budget_only_for_the_budgeted_backends(model):
+    for attention in ("dense", "magicpig", "magicpig-ref", "hybrid"):
+        with pytest.raises(ValueError, match="budget applies to the topk, quest, oracle backends only"):
+            decode_spec(model, attention, budget=5)
+    with pytest.raises(ValueError, match="budget applies"):  # before the prefill
+        generate(model, [1, 2, 3], attention="magicpig", budget=5, max_new_tokens=2, chat=False)
+    assert decode_spec(model, "topk", budget=5).budget == 5
+
+
+def test_seeds_are_32_bit():
+    for make in (lambda s: MagicPIGConfig(seed=s), lambda s: Sampling(seed=s)):
+        make(2**32 - 1)
+        for bad in (2**32, 2**32 + 5, 2**64):
+            with pytest.raises(ValueError, match=r"seed must be"):
+                make(bad)
+
+
+def test_generate_checks_max_new_tokens_first(model):
+    for bad, err, match in ((2.5, TypeError, "max_new_tokens must be an int, got 2.5"),
+                            (True, TypeError, "max_new_tokens must be an int"),
+                            (0, ValueError, "max_new_tokens must be >= 1, got 0"),
+                            (-1, ValueError, "max_new_tokens must be >= 1, got -1")):
+        with pytest.raises(err, match=match):
+            generate(model, [1, 2, 3], attention="dense", max_new_tokens=bad, chat=False)
+
+
+def test_build_indices_checks_num_layers(model):
+    from magicpig_jax.generation import prefill
+    from magicpig_jax.models.decoding import build_indices
+
+    state = prefill(model, [[1, 2, 3, 4]], 2)
+    spec = decode_spec(model, "magicpig-ref", MagicPIGConfig(K=4, L=8, num_local=1))
+    for bad in (2, 5):
+        with pytest.raises(ValueError, match=f"num_layers must be the cache's layer count 3, got {bad}"):
+            build_indices(state.cache, spec, bad)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(num_sink=-1), "num_sink must be >= 0"),
+    (dict(dense_layers=[99]), r"dense_layers must be in \[0, 3\)"),
+    (dict(methods=parse_methods("dense,magicpig:17x150", "magicpig:17x150"), budget_from="magicpig:17x150"),
+     "K must be in"),
+    (dict(lengths=[10**6]), "exceeds the model's context"),
+])
+def test_invalid_eval_settings_write_nothing(tmp_path, change, match):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=match):
+        run_eval(char_model(), _settings(**change), out, progress=False)
+    assert not out.exists()
+
+
+def test_a_changed_config_file_is_refused(tmp_path):
+    model = char_model()
+    path = tmp_path / "cfg.json"
+    cfg = MagicPIGConfig(K=4, L=8)
+    LayerConfigs(((0, "dense"), (1, cfg), (2, cfg))).save(path)
+    settings = _settings(tasks=[], methods=parse_methods(f"dense,magicpig@{path}", "magicpig:4x8"),
+                         likelihood_tokens=4, setups=["A"])
+    out = tmp_path / "run"
+    store = run_eval(model, settings, out, progress=False)
+    assert {r["method"] for r in store.records.values()} == {"dense", "magicpig@cfg"}
+    again: list[dict] = []
+    run_eval(model, settings, out, on_record=again.append, progress=False)
+    assert again == []  # the same file: nothing to do
+    LayerConfigs(((0, "dense"), (1, dataclasses.replace(cfg, L=6)), (2, "dense"))).save(path)
+    with pytest.raises(ValueError, match=r"cfg.json changed since .* recorded magicpig@cfg with it"):
+        run_eval(model, settings, out, progress=False)
