@@ -129,3 +129,10 @@ def test_info_is_string_pairs():
     for bad in ({"a": {"b": 1}}, (("a", 1),), "model"):
         with pytest.raises(TypeError, match="info"):  # ours, or jaxtyping's (the suite checks the annotations)
             LayerConfigs(((0, "dense"),), info=bad)
+
+
+def test_a_non_utf8_file_names_itself(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes(b'{"format": "caf\xe9"}')
+    with pytest.raises(ValueError, match=f"layer-configs file {path} is not JSON"):
+        LayerConfigs.load(path)

@@ -76,6 +76,8 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
     # a directory where a file is expected: one line, not a traceback
     (["bench", "decode", "--text", "/tmp"], "bench decode: --text /tmp is not a file"),
     (["study", "attention", "--capture", "/tmp"], "--capture /tmp is not a file"),
+    (["study", "attention", "--capture", __file__], f"--capture {__file__} is not an .npz of arrays q, k, v"),
+    (["study", "attention", "--lsh", "4x10", "--heavy", "4,20"], "--heavy thresholds [20] exceed L + 1 for every"),
     (["calibrate", "--out", "runs/never.json", "--kl-budget", "0.1", "--text", "/tmp"], "--text /tmp is not a file"),
     # refused before the model loads (the help lists the three)
     (["bench", "decode", "--methods", "topk"], "argument --methods: invalid choice: 'topk'"),

@@ -188,8 +188,8 @@ class LayerConfigs:
         if not path.is_file():
             raise FileNotFoundError(f"layer-configs file {path} does not exist")
         try:
-            obj = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"layer-configs file {path} is not JSON: {err}") from None
         return cls.from_json(obj)
 

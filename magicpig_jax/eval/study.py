@@ -123,7 +123,13 @@ def make_parser() -> argparse.ArgumentParser:
 def _load_capture(path: Path, layers: str | None):
     if not path.exists():
         raise FileNotFoundError(f"--capture file not found: {path}")
-    with np.load(path) as z:
+    try:
+        npz = np.load(path)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"--capture {path} is not an .npz of arrays q, k, v ({err})") from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise ValueError(f"--capture {path} is a single .npy array, not an .npz of arrays q, k, v")
+    with npz as z:
         missing = [name for name in ("q", "k", "v") if name not in z]
         if missing:
             raise ValueError(f"--capture {path} lacks arrays {missing} (needs q, k, v)")
@@ -155,6 +161,10 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
         raise ValueError(f"--heavy takes comma-separated integers, got {args.heavy!r}") from err
     if any(m < 3 for m in heavy):
         raise ValueError(f"--heavy thresholds must be >= 3, got {args.heavy!r}")
+    # a threshold above L + 1 collisions is skipped for that (K, L); one that no --lsh can reach never runs
+    never = [m for m in heavy if all(m > L + 1 for _, L in args.lsh)]
+    if never and args.heavy != ",".join(map(str, DEFAULT_HEAVY)):  # asked for, not the default
+        raise ValueError(f"--heavy thresholds {never} exceed L + 1 for every --lsh (K, L): they would never run")
     settings = StudySettings(fractions=args.fractions, lsh=args.lsh, num_sink=args.num_sink,
                              num_local=args.num_local, page_size=args.page_size, repeats=args.repeats,
                              seed=args.seed, heavy=heavy)
