@@ -245,3 +245,26 @@ def test_resolve_projections_refuses_a_source_without_its_matrix():
     for states in ((dropped, shared), (shared, shared), (None, shared)):
         with pytest.raises(ValueError, match="projections"):
             resolve_projections(states, 1)
+
+
+def test_the_chunked_decode_loop_keeps_the_shared_layout(prefilled, monkeypatch):
+    """Past CHUNK_MIN_TOKENS the decode runs chunks of steps in one program (a loop carrying the
+    SharedProjections states): sampled tokens and counts equal the decode with every layer's copy."""
+    from magicpig_jax.decode_loop import CHUNK_MIN_TOKENS, Sampling, run_decode
+    from magicpig_jax.generation import decode_spec
+
+    model, state = prefilled
+    n = CHUNK_MIN_TOKENS + 8
+    sampling = Sampling(temperature=0.8, seed=3)
+    for backend in ("magicpig", "magicpig-ref"):
+        spec = dataclasses.replace(decode_spec(model, "magicpig", MagicPIGConfig(
+            K=4, L=12, num_local=16, layers_per_projection=3), [0]), backend=backend)
+        _retrace()
+        toks, stats = run_decode(model, state, spec, n, sampling, stop_on_eos=False)
+        monkeypatch.setattr(decoding, "projection_sources", lambda spec, n: {})
+        _retrace()
+        own, own_stats = run_decode(model, state, spec, n, sampling, stop_on_eos=False)
+        monkeypatch.undo()
+        assert all(len(t) == n for t in toks) and toks == own, backend
+        assert stats["sampled_fraction_per_layer"] == own_stats["sampled_fraction_per_layer"], backend
+    _retrace()

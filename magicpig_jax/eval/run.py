@@ -280,8 +280,9 @@ def _check_config_files_unchanged(store: ResultStore, settings: EvalSettings, ou
         sha = _file_sha1(m.config_file)
         old = {r.get("config_sha1") for r in store.records.values() if r.get("method") == m.label} - {None}
         if old - {sha}:
-            raise ValueError(f"{m.config_file} changed since {out} recorded {m.label} with it (sha1 "
-                             f"{', '.join(sorted(old))}, now {sha}); use another --out or another file name")
+            raise ValueError(f"{m.config_file} (sha1 {sha}) is not the file {out} recorded {m.label} with (sha1 "
+                             f"{', '.join(sorted(old))}): it changed, or another file has its name; use another "
+                             "--out or another file name")
 
 
 @dataclasses.dataclass
