@@ -357,8 +357,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         :class:`~magicpig_jax.attention.LayerConfigs` (per-layer (K, L) or dense, e.g. from
         ``magicpig-jax calibrate``; :meth:`LayerConfigs.load` reads its JSON file).
       dense_layers: layers kept dense (default :func:`default_dense_layers`).
-      budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there):
-        an int token count or a float fraction in (0, 1] of the hashed range.
+      budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there, refused
+        for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.
       page_size: Quest's page size in tokens.
       temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy).
       stop: a stop string or a list of them; the text is cut before the first one.

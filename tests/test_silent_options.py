@@ -107,3 +107,46 @@ def test_a_changed_config_file_is_refused(tmp_path):
     LayerConfigs(((0, "dense"), (1, dataclasses.replace(cfg, L=6)), (2, "dense"))).save(path)
     with pytest.raises(ValueError, match=r"cfg.json \(sha1 \w+\) is not the file .* recorded magicpig@cfg with"):
         run_eval(model, settings, out, progress=False)
+
+
+def test_decode_spec_refuses_a_budget_it_would_ignore():
+    for backend in ("dense", "magicpig", "magicpig-ref"):
+        with pytest.raises(ValueError, match="budget applies to the topk, quest, oracle backends only"):
+            DecodeSpec(backend=backend, budget=-5)
+
+
+def test_the_reference_names_a_wrong_config_or_index():
+    import jax.numpy as jnp
+
+    from magicpig_jax.attention import build_lsh_index, magicpig_attention
+    from magicpig_jax.lsh import simhash_projections
+
+    cfg = MagicPIGConfig(K=4, L=8, num_sink=1, num_local=2)
+    k = jnp.ones((1, 1, 16, 8), jnp.float32)
+    q = jnp.ones((1, 2, 8), jnp.float32)
+    import jax
+
+    index = build_lsh_index(k, simhash_projections(jax.random.key(0), 8, 4, 8), cfg)
+    # ours, or jaxtyping's in the suite (it checks the annotations first); both name the parameter
+    with pytest.raises(TypeError, match="config"):
+        magicpig_attention(q, k, k, index, {"K": 4})
+    with pytest.raises(TypeError, match="index"):
+        magicpig_attention(q, k, k, {"codes": index.codes}, cfg)
+
+
+def test_a_step_with_more_sparse_layers_than_the_build_names_them(model):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from magicpig_jax.generation import prefill
+    from magicpig_jax.models.decoding import build_indices, decode_step
+
+    state = prefill(model, [list(range(1, 60))], 2)
+    cfg = MagicPIGConfig(K=4, L=8, num_local=4)
+    built = decode_spec(model, "magicpig-ref", cfg, [0])
+    indices = build_indices(state.cache, built, 3)
+    graphdef, params = nnx.split(model.module)
+    with pytest.raises(ValueError, match=r"layers \[0\] are sparse in the step's spec but have no index"):
+        decode_step(graphdef, params, state.cache.copy(), indices, jnp.zeros((1,), jnp.int32), jax.random.key(0),
+                    jnp.float32(0), jnp.float32(1), spec=decode_spec(model, "magicpig-ref", cfg, []))

@@ -201,6 +201,10 @@ def magicpig_attention(
     Source: arXiv 2410.16179, Eq. (4) and (9), Sections 4.2-4.3.
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    if not isinstance(config, MagicPIGConfig):
+        raise TypeError(f"config must be a MagicPIGConfig, got {type(config).__name__}")
+    if not isinstance(index, LSHIndex):
+        raise TypeError(f"index must be an LSHIndex (build_lsh_index), got {type(index).__name__}")
     if index.codes.shape != (B, Hkv, N, config.L):
         raise ValueError(
             f"index.codes must be [B, Hkv, N, L] = {(B, Hkv, N, config.L)}, got {tuple(index.codes.shape)}"

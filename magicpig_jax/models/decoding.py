@@ -240,6 +240,12 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     B = tokens.shape[0]
     pos = cache.lengths
     sparse = set(spec.sparse_layers(len(cache.k)))
+    if len(indices) != len(cache.k):
+        raise ValueError(f"indices must have one entry per layer ({len(cache.k)}), got {len(indices)}")
+    unbuilt = sorted(i for i in sparse if indices[i] is None)
+    if unbuilt:
+        raise ValueError(f"layers {unbuilt} are sparse in the step's spec but have no index: build the indices "
+                         "with the spec the step is given (its dense_layers)")
     counts = []
     new_kv = {}
 

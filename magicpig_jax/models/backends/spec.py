@@ -86,6 +86,8 @@ class DecodeSpec:
                 raise ValueError(f"attention backend {self.backend!r} needs a budget (tokens or a fraction)")
             check_budget(self.budget)
             check_page_size(self.page_size)
+        elif self.budget is not None:
+            raise ValueError(f"budget applies to the {', '.join(BUDGETED)} backends only, got backend={self.backend!r}")
         if isinstance(self.generation_buffer, bool) or not isinstance(self.generation_buffer, int):
             raise TypeError(f"generation_buffer must be an int, got {self.generation_buffer!r}")
         if self.generation_buffer < 1:
