@@ -136,13 +136,19 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         step = _step_compiled_ahead(step, leaves, cache, build, B, sampling, dims, CHUNK_MAX if chunks else 1)
         compile_seconds = time.perf_counter() - t0
     else:
-        step = _single_step_chunk(step)
+        step = _single_step_chunk(step, spec.mesh)
     t0 = time.perf_counter()
     indices = build_indices(cache, spec, n_layers)
     jax.block_until_ready(indices)
     trim_heap()  # the build's freed working memory
     sparse = spec.sparse_layers(n_layers)
     cache, indices = backend_for(spec).prepare(spec, cache, indices)
+    if spec.mesh is not None:
+        from magicpig_jax import distributed as dist
+
+        # The step's outputs carry the short form of each spec: its first inputs must too, or
+        # the step compiles twice (distributed.canonical_placement).
+        cache, indices = dist.canonical_placement(spec.mesh, (cache, indices))
     index_seconds = time.perf_counter() - t0 if sparse else None
     limits = np.minimum(max_new_tokens, max_positions - state.prompt_lengths + 1)
     run = DecodeRun(model, spec, sampling, hooks, state, cache, indices, limits, stop_on_eos, stop, progress,
@@ -268,12 +274,21 @@ def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling,
     return chunk
 
 
-def _single_step_chunk(step):
-    """A chunk step of one decode step (a backend with its own step, a sharded cache)."""
+def _single_step_chunk(step, mesh=None):
+    """A chunk step of one decode step (a backend with its own step, a sharded cache).
+
+    With a ``mesh`` the tokens are placed over its ``batch`` axis, as the step's own output
+    tokens are, so that the first call (tokens from the prefill's logits) and the later ones
+    share one compiled program.
+    """
+    if mesh is not None:
+        from magicpig_jax import distributed as dist
 
     def chunk(leaves, cache, indices, tokens, base_key, t, count, temperature, top_p, host_lengths):
         if count != 1:
             raise ValueError(f"this decode step runs one step per call, got count={count}")
+        if mesh is not None:
+            tokens = dist.shard_rows(mesh, tokens)
         tok, logits, ns, cache, indices = step(leaves, cache, indices, tokens, base_key, np.int32(t), temperature,
                                                top_p, host_lengths=host_lengths)
         return tok, tok[None], logits, ns[None], cache, indices
@@ -329,7 +344,7 @@ class DecodeRun:
         if step is None:  # (parameter leaves, step, seconds already spent compiling it)
             graphdef, params = nnx.split(model.module)
             leaves, treedef = jax.tree.flatten(params)
-            step = (leaves, _single_step_chunk(compiled_decode_step(graphdef, treedef, spec)), 0.0)
+            step = (leaves, _single_step_chunk(compiled_decode_step(graphdef, treedef, spec), spec.mesh), 0.0)
         self.leaves, self.step, self._compiled_seconds = step
         self.base_key = jax.random.key(sampling.seed)
         self.eos = set(model.tokenizer.eos_token_ids) | set(model.config.eos_token_ids)

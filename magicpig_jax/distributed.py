@@ -79,6 +79,7 @@ __all__ = [
     "shard_q",
     "shard_rows",
     "shard_host_index",
+    "canonical_placement",
     "sharded_build_index",
     "sharded_append",
     "sharded_magicpig_attention",
@@ -150,6 +151,33 @@ def shard_host_index(mesh: Mesh, index: host.HostIndex) -> host.HostIndex:
     """Place a host index built on one device onto the mesh (projections replicated)."""
     specs = host_index_spec(index.K, index.L)
     return jax.tree.map(lambda x, s: shard(mesh, x, s), index, specs)
+
+
+def canonical_placement(mesh: Mesh, tree):
+    """``tree`` with each array on ``mesh`` re-labelled with its spec's trailing ``None`` dropped.
+
+    ``P("batch", "kv_heads", None, None)`` and ``P("batch", "kv_heads")`` place an array
+    identically, but jit keys its compiled programs by the spec as written: a decode step
+    whose first inputs carry the long form (:data:`KV_SPEC`, an index built by a
+    ``shard_map``) and whose later inputs are its own outputs (short form) compiled twice.
+    The arrays are not copied (the placement is the same). An uncommitted array (one JAX may
+    place anywhere, e.g. the ``[D, 0]`` placeholder of a layer that shares its SimHash matrix)
+    is replicated over ``mesh``, where the step's outputs put it; other arrays not on ``mesh``
+    are returned as they are.
+    """
+
+    def place(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(x, jax.Array) and not x.committed:
+            return jax.device_put(x, NamedSharding(mesh, P()))
+        if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+            return x
+        spec = tuple(sharding.spec)
+        while spec and spec[-1] is None:
+            spec = spec[:-1]
+        return x if spec == tuple(sharding.spec) else jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+    return jax.tree.map(place, tree)
 
 
 def _sizes(mesh: Mesh) -> tuple[int, int]:
