@@ -165,3 +165,80 @@ def test_every_declared_stop_id(tmp_path):
     assert model.config.eos_token_ids == tuple(ids)
     assert set(ids) <= set(model.tokenizer.eos_token_ids)
     assert model.tokenizer.eos_token_id == ids[0]
+
+
+DELETE = object()
+
+
+def _edited_copy(family: str, tmp_path: Path, **changes) -> Path:
+    """A copy of the family's HF directory with config.json fields changed (``DELETE`` removes one)."""
+    import shutil
+
+    folder = tmp_path / f"{family}_edited"
+    shutil.copytree(FIXTURES / family, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is DELETE:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize(("family", "changes"), [
+    # transformers' Qwen2 attention has q/k/v biases and no o bias whatever 'attention_bias' says
+    ("qwen2", {"attention_bias": True}),
+    # a null window with use_sliding_window: transformers sets no window
+    ("qwen2", {"use_sliding_window": True, "sliding_window": None, "layer_types": DELETE, "max_window_layers": 0}),
+    # transformers' activation table maps 'swish' to SiLU
+    ("llama3", {"hidden_act": "swish"}),
+])
+def test_config_variants_transformers_reads_as_the_fixture(family, changes, refs, tmp_path):
+    """Config fields transformers runs with the fixture's computation: the fixture's logits."""
+    model = load_model(_edited_copy(family, tmp_path, **changes))
+    assert _max_dlogit(model, refs[family]) <= TOLERANCE
+
+
+def test_rope_settings_read_differently_by_transformers_versions_are_refused(tmp_path):
+    """A top-level rope_theta that contradicts rope_parameters (transformers 4 reads one, 5 the
+    other), and a llama3 scaling without its original context (transformers 5 fills it from
+    max_position_embeddings, 4 fails), load with no silent choice."""
+    rope = json.loads((FIXTURES / "llama3" / "config.json").read_text())["rope_parameters"]
+    with pytest.raises(ValueError, match=r"rope_theta = 100\.0.*rope_parameters\.rope_theta = 500000\.0"):
+        load_model(_edited_copy("llama3", tmp_path / "a", rope_theta=100.0))
+    assert load_model(_edited_copy("llama3", tmp_path / "b", rope_theta=rope["rope_theta"])).config.rope_theta == 5e5
+    no_orig = {k: v for k, v in rope.items() if k != "original_max_position_embeddings"}
+    with pytest.raises(ValueError, match="'original_max_position_embeddings'"):
+        load_model(_edited_copy("llama3", tmp_path / "c", rope_parameters=no_orig))
+    no_low = {k: v for k, v in rope.items() if k != "low_freq_factor"}
+    with pytest.raises(ValueError, match="'low_freq_factor'"):
+        load_model(_edited_copy("llama3", tmp_path / "d", rope_parameters=no_low))
+    other = {**rope, "factor": 4.0}
+    with pytest.raises(ValueError, match="'rope_scaling' and 'rope_parameters' describe different"):
+        load_model(_edited_copy("llama3", tmp_path / "e", rope_scaling=other))
+
+
+def test_sharded_directory_reads_only_the_indexed_files(refs, tmp_path):
+    """Shards and their index beside a Mistral-native ``consolidated.safetensors`` (other names),
+    as Mistral's repositories ship: only the files the index names are read."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "mistral_sharded"
+    shutil.copytree(FIXTURES / "mistral", folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(weights)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    for file, part in shards.items():
+        save_file({n: weights[n] for n in part}, str(folder / file))
+    index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({"tok_embeddings.weight": weights["model.embed_tokens.weight"]}, str(folder / "consolidated.safetensors"))
+    assert _max_dlogit(load_model(folder), refs["mistral"]) <= TOLERANCE
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_model(folder)

@@ -28,7 +28,10 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     """Parse a Hugging Face model directory of a Llama-family model.
 
     Weights are read with ``safetensors`` (any float dtype, converted to
-    float32) in the Hugging Face naming and ``(out, in)`` layout. The stop ids of the
+    float32) in the Hugging Face naming and ``(out, in)`` layout, from the files
+    ``model.safetensors.index.json`` lists, else ``model.safetensors``, else every
+    ``*.safetensors`` of the folder (as transformers, a repository's other files, such as
+    Mistral's ``consolidated.safetensors``, are not read when the standard ones exist). The stop ids of the
     config are those of ``config.json`` and ``generation_config.json`` together.
     Rotary ``inv_freq`` buffers (recomputed) are skipped; with tied embeddings an
     ``lm_head.weight`` equal to the embedding is dropped, a different one refused.
@@ -37,7 +40,8 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
       ``(config, weights)``.
 
     Raises:
-      FileNotFoundError: ``config.json`` or the ``*.safetensors`` files are missing.
+      FileNotFoundError: ``config.json`` or the ``*.safetensors`` files are missing, or a
+        file that ``model.safetensors.index.json`` names.
       UnsupportedConfigError (a ValueError): the model type or a config field is not
         supported (see :meth:`LlamaConfig.from_hf_config`).
     """
@@ -51,9 +55,7 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     eos = list(config.eos_token_ids)
     eos += [e for e in read_generation_eos_ids(folder) if e not in eos]
     config = dataclasses.replace(config, eos_token_ids=tuple(eos))
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    files = _weight_files(folder)
     weights = {}
     for file in files:
         with safe_open(str(file), framework="flax") as f:
@@ -70,3 +72,23 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
                 f"{folder}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
         del weights["lm_head.weight"]
     return config, weights
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of ``folder`` that hold the model (see :func:`read_hf_dir`)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' object")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names file(s) missing from {folder}: {', '.join(missing)}")
+        return files
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {folder}")
+    return files

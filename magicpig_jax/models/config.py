@@ -138,7 +138,7 @@ class LlamaConfig:
             if value not in allowed:
                 raise UnsupportedConfigError(f"config.json {key!r} = {value!r} is not supported ({what})")
 
-        require("hidden_act", ("silu",), "only SwiGLU with silu is implemented")
+        require("hidden_act", ("silu", "swish"), "only SwiGLU with silu (transformers' 'swish') is implemented")
         require("mlp_bias", (False, None), "MLP biases are not implemented")
         require("use_mrope", (False, None), "multimodal RoPE is not implemented")
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
@@ -149,13 +149,12 @@ class LlamaConfig:
                 "config.json 'quantization_config': quantized HF checkpoints are not supported")
         num_heads = int(get("num_attention_heads"))
         hidden = int(get("hidden_size"))
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        theta = cfg.get("rope_theta")
-        if theta is None and isinstance(scaling, Mapping):
-            theta = scaling.get("rope_theta")
+        scaling, theta = _hf_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        attention_bias = bool(cfg.get("attention_bias", False))
+        # transformers' Qwen2 and Mistral attention ignore 'attention_bias' (Qwen2: q/k/v biases
+        # always, no o bias; Mistral: none); Llama and Qwen3 put it on q, k, v and o.
+        attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3")
         num_layers = int(get("num_hidden_layers"))
         return cls(
             vocab_size=int(get("vocab_size")),
@@ -166,7 +165,7 @@ class LlamaConfig:
             num_kv_heads=int(get("num_key_value_heads") or num_heads),
             head_dim=int(get("head_dim") or hidden // num_heads),
             rope_theta=float(theta if theta is not None else 10000.0),
-            rope_scaling=normalize_rope_scaling(scaling),
+            rope_scaling=scaling,
             rms_norm_eps=float(get("rms_norm_eps")),
             max_position_embeddings=int(get("max_position_embeddings")),
             tie_word_embeddings=bool(get("tie_word_embeddings")),
@@ -218,6 +217,37 @@ _HF_DEFAULTS = {
 }
 
 
+def _hf_rope(cfg: Mapping) -> tuple[tuple | None, float | None]:
+    """``(normalized RoPE scaling, rope_theta)`` of a config.json, refusing contradictions.
+
+    transformers 4 writes ``rope_theta`` at the top level and the scaling under
+    ``rope_scaling``; transformers 5 writes both under ``rope_parameters``. A file may carry
+    both forms (saved by one version, edited by hand): which one a version of transformers
+    reads differs, so the two must agree.
+
+    Raises:
+      UnsupportedConfigError: ``rope_scaling`` and ``rope_parameters`` describe different
+        scalings, or two ``rope_theta`` values differ (each named).
+    """
+    forms = {key: cfg[key] for key in ("rope_scaling", "rope_parameters") if cfg.get(key)}
+    for key, value in forms.items():
+        if not isinstance(value, Mapping):
+            raise UnsupportedConfigError(f"config.json {key!r} must be an object, got {value!r}")
+    normalized = {key: normalize_rope_scaling(value) for key, value in forms.items()}
+    if len(set(normalized.values())) > 1:
+        raise UnsupportedConfigError(
+            "config.json 'rope_scaling' and 'rope_parameters' describe different RoPE scalings "
+            f"({forms['rope_scaling']!r} and {forms['rope_parameters']!r}); transformers 4 reads the first, "
+            "5 the second: keep one")
+    thetas = {key: float(value) for key, value in [("rope_theta", cfg.get("rope_theta"))]
+              + [(f"{k}.rope_theta", v.get("rope_theta")) for k, v in forms.items()] if value is not None}
+    if len(set(thetas.values())) > 1:
+        shown = ", ".join(f"{k} = {v!r}" for k, v in thetas.items())
+        raise UnsupportedConfigError(f"config.json gives different RoPE bases: {shown}; keep one")
+    scaling = next(iter(normalized.values()), None)
+    return scaling, next(iter(thetas.values()), None)
+
+
 def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> int | None:
     """The attention window of the model's windowed layers (None: every layer attends to all positions).
 
@@ -243,10 +273,10 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> int | 
         if layer_types is not None and "sliding_attention" not in layer_types:
             return None
         return None if window is None else int(window)
-    if not cfg.get("use_sliding_window", False):
+    if not cfg.get("use_sliding_window", False) or window is None:
+        # transformers' Qwen configs set no window when 'sliding_window' is null, even with
+        # 'use_sliding_window': every layer attends to every position.
         return None
-    if window is None:
-        raise ValueError("config.json sets 'use_sliding_window' but 'sliding_window' is null")
     if layer_types is None:
         start = int(cfg.get("max_window_layers", defaults["max_window_layers"]))
         layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
@@ -279,8 +309,11 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
     extra = sorted(k for k in items if k not in known)
     if extra:
         raise UnsupportedConfigError(f"RoPE scaling {kind!r}: field(s) {extra} are not supported")
-    if "factor" not in items:
-        raise ValueError(f"RoPE scaling {kind!r} has no 'factor'")
+    missing = sorted(k for k in ({"factor"} if kind == "linear" else known) if k not in items)
+    if missing:
+        # transformers 4 fails on a llama3 scaling without them and 5 fills some from other
+        # fields: no default here can be right for every file.
+        raise ValueError(f"RoPE scaling {kind!r} has no {', '.join(map(repr, missing))}")
     return tuple(sorted({**items, "rope_type": kind}.items()))
 
 
@@ -302,9 +335,12 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -
     factor = float(s["factor"])
     if s["rope_type"] == "linear":
         return (inv / factor).astype(np.float32)
-    low = float(s.get("low_freq_factor", 1.0))
-    high = float(s.get("high_freq_factor", 4.0))
-    old = float(s.get("original_max_position_embeddings", 8192))
+    missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k not in s]
+    if missing:
+        raise ValueError(f"rope_scaling 'llama3' has no {', '.join(map(repr, missing))}")
+    low = float(s["low_freq_factor"])
+    high = float(s["high_freq_factor"])
+    old = float(s["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv
     scaled = np.where(wavelen > old / low, inv / factor, inv)
     smooth = (old / wavelen - low) / (high - low)
