@@ -874,6 +874,21 @@ ffi::Error AttendPiece(const AttendArgs& a, int64_t b, int64_t hq, int64_t plo, 
   return ffi::Error::Success();
 }
 
+// A non-finite key in a head's hashed range makes its mean non-finite and every centered key's
+// code 0, so the sampled part would be silently wrong: the head's out and lse become NaN instead,
+// as magicpig_attention (the pure-JAX reference) gives.
+void NanIfMeanNotFinite(const AttendArgs& a, int64_t item, float* o, float* lse) {
+  const int64_t b = item / a.Hq, h = (item % a.Hq) / (a.Hq / a.g.Hkv);
+  const float* m = a.mean + (b * a.g.Hkv + h) * a.D;
+  for (int64_t d = 0; d < a.D; ++d) {
+    if (!std::isfinite(m[d])) {
+      std::fill(o, o + a.D, NAN);
+      *lse = NAN;
+      return;
+    }
+  }
+}
+
 // How the B*Hq heads become work items: one item per head when there are at least as many
 // heads as threads (dynamic scheduling leaves at most one head of imbalance); else every head
 // in P pieces of its positions (P >= 2, each at least kMinPiece positions), so that the pieces
@@ -1041,8 +1056,10 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     if (w < whole) {  // a whole head
       const int64_t b = w / a.Hq, hq = w % a.Hq;
       float* o = a.out + w * a.D;
-      return bf16 ? AttendPiece<uint16_t>(a, b, hq, 0, a.Nmax, o, a.lse + w, a.nsamp + w)
-                  : AttendPiece<float>(a, b, hq, 0, a.Nmax, o, a.lse + w, a.nsamp + w);
+      ffi::Error e = bf16 ? AttendPiece<uint16_t>(a, b, hq, 0, a.Nmax, o, a.lse + w, a.nsamp + w)
+                          : AttendPiece<float>(a, b, hq, 0, a.Nmax, o, a.lse + w, a.nsamp + w);
+      if (e.success()) NanIfMeanNotFinite(a, w, o, a.lse + w);
+      return e;
     }
     // Piece p of head `item`: [0, len) split evenly, the last piece up to Nmax.
     const int64_t k = w - whole, r = k / P, p = k % P, item = whole + r;
@@ -1056,6 +1073,7 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     if (pc->done[r].fetch_add(1, std::memory_order_acq_rel) == P - 1) {
       MergePieces(P, a.D, pc->o.data() + r * P * a.D, pc->lse.data() + r * P, pc->ns.data() + r * P,
                   a.out + item * a.D, a.lse + item, a.nsamp + item);
+      NanIfMeanNotFinite(a, item, a.out + item * a.D, a.lse + item);
     }
     return ffi::Error::Success();
   });

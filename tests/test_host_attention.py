@@ -181,3 +181,26 @@ def test_op_reads_only_the_rows_it_selects(impl, dtype):
     np.testing.assert_array_equal(np.asarray(ns2), np.asarray(ns))
     np.testing.assert_array_equal(np.asarray(mask2), mask)
     assert np.isfinite(np.asarray(out2)).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("max_threads", [1, 0])  # 0: the pool, whose two threads split a lone head
+def test_a_non_finite_key_in_the_hashed_range_gives_nan_not_a_silent_sample(impl, bad, max_threads):
+    """One NaN or infinite key in KV head 0's hashed range makes its mean non-finite and every
+    centered code 0; head 0's query heads then get NaN from both the op and the pure-JAX
+    reference (the op used to return the static part alone, finite), head 1 its usual result."""
+    r = jax.random.split(jax.random.key(0), 3)
+    k = jax.random.normal(r[0], (1, 2, 3000, 16)).at[0, 0, 1000, 3].set(bad)
+    v = jax.random.normal(r[1], (1, 2, 3000, 16))
+    q = jax.random.normal(r[2], (1, 4, 16))
+    cfg = MagicPIGConfig(K=4, L=20, num_sink=4, num_local=16)
+    proj = lsh.simhash_projections(jax.random.key(1), 16, 4, 20)
+    ref_out, ref_lse, _ = magicpig_attention(q, k, v, build_lsh_index(k, proj, cfg), cfg)
+    out, lse, _ = host.host_magicpig_attention(q, k, v, host.host_build_index(k, proj, cfg), cfg, impl=impl,
+                                               max_threads=max_threads)
+    for o in (ref_out, out):
+        assert np.isnan(np.asarray(o[0, :2])).all()
+        assert np.isfinite(np.asarray(o[0, 2:])).all()
+    assert np.isnan(np.asarray(ref_lse[0, :2])).all()
+    np.testing.assert_allclose(np.asarray(out[0, 2:]), np.asarray(ref_out[0, 2:]), atol=1e-5)

@@ -193,7 +193,9 @@ def magicpig_attention(
     Returns:
       ``(out, lse, num_sampled)``: out float32 ``[B, Hq, D]``; lse float32
       ``[B, Hq]`` on the scale of the uncentered logits (so it merges with any
-      other part via :func:`merge_attention`); num_sampled int32 ``[B, Hq]``.
+      other part via :func:`merge_attention`); num_sampled int32 ``[B, Hq]``. A head
+      whose index mean is not finite (a NaN or infinite key in the hashed range) gets
+      out and lse NaN: its keys' codes carry no information.
 
     Raises:
       ValueError / TypeError: bad shapes or dtypes, or an index that does not fit.
@@ -220,4 +222,9 @@ def magicpig_attention(
     logits = jnp.where(sampled, logits - log_u, logits)
     out, lse = masked_softmax_attention(logits, sampled | static, v)
     num_sampled = jnp.sum(sampled, axis=-1, dtype=jnp.int32).reshape(B, Hq)
+    # A non-finite key in the hashed range makes the mean non-finite and every centered code 0:
+    # the head's result is NaN, never a silently wrong sample (the host op does the same).
+    broken = jnp.repeat(~jnp.all(jnp.isfinite(index.mean), axis=-1), Hq // Hkv, axis=1)  # [B, Hq]
+    out = jnp.where(broken[..., None], jnp.nan, out)
+    lse = jnp.where(broken, jnp.nan, lse)
     return out, lse, num_sampled
