@@ -10,7 +10,9 @@
 //
 // Operands: q float32 [B, Hq, D]; k, v float32 or bfloat16 [B, Hkv, N, D]; lengths int32 [B]
 // (valid keys per row, clipped to [0, N]). Results: out float32 [B, Hq, D] and lse float32
-// [B, Hq] (natural log); a row with no valid key gives out = 0 and lse = -inf, never NaN.
+// [B, Hq] (natural log); a row with no valid key gives out = 0 and lse = -inf. A NaN or +inf
+// logit (a non-finite q or k) gives out and lse NaN for the head: corrupt input is never read as
+// an empty row (it used to be, silently).
 // Every shape is validated; bad input returns an ffi::Error (never a crash or a stray read).
 
 #include <algorithm>
@@ -54,13 +56,15 @@ float DotScalar(const float* q, const T* k, int64_t D) {
   return s;
 }
 
-// x[j] *= scale for j < n; returns the largest x[j] (NaNs ignored; -inf when there is none).
-inline float ScaleMaxScalar(float* x, int64_t n, float scale) {
+// x[j] *= scale for j < n; returns the largest x[j] (NaNs ignored; -inf when there is none) and
+// sets *nan when some x[j] is NaN.
+inline float ScaleMaxScalar(float* x, int64_t n, float scale, bool* nan) {
   float m = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     const float y = x[j] * scale;
     x[j] = y;
     m = m < y ? y : m;
+    *nan |= y != y;
   }
   return m;
 }
@@ -70,19 +74,22 @@ using magicpig::Hsum;
 using magicpig::Dot8Avx2;
 using magicpig::Load8;
 
-__attribute__((target("avx2,fma"))) float ScaleMaxAvx2(float* x, int64_t n, float scale) {
+__attribute__((target("avx2,fma"))) float ScaleMaxAvx2(float* x, int64_t n, float scale, bool* nan) {
   const __m256 sv = _mm256_set1_ps(scale);
   __m256 mv = _mm256_set1_ps(-INFINITY);
+  __m256 nv = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + j), sv);
     _mm256_storeu_ps(x + j, y);
     mv = _mm256_max_ps(y, mv);  // the second operand is kept when either is NaN
+    nv = _mm256_or_ps(nv, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
   }
+  *nan |= _mm256_movemask_ps(nv) != 0;
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, mv);
   _mm256_zeroupper();
-  float m = ScaleMaxScalar(x + j, n - j, scale);
+  float m = ScaleMaxScalar(x + j, n - j, scale, nan);
   for (float l : lanes) m = m < l ? l : m;
   return m;
 }
@@ -178,18 +185,19 @@ void PartialKvHead(const float* q, const T* k, const T* v, int64_t n, int64_t G,
     }
     for (int64_t g = 0; g < G; ++g) {
       float* lg = &logit[g * kBlock];
+      bool nan = false;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-      const float bm = avx2 ? ScaleMaxAvx2(lg, nb, scale) : ScaleMaxScalar(lg, nb, scale);
+      const float bm = avx2 ? ScaleMaxAvx2(lg, nb, scale, &nan) : ScaleMaxScalar(lg, nb, scale, &nan);
 #else
-      const float bm = ScaleMaxScalar(lg, nb, scale);
+      const float bm = ScaleMaxScalar(lg, nb, scale, &nan);
 #endif
       const float nm = m[g] < bm ? bm : m[g];
-      if (nm == INFINITY) {  // an infinite logit (inf in q or k): poison the sum, the merge reports empty
+      if (nan || nm == INFINITY) {  // a NaN or +inf logit (non-finite q or k): poison the sum, the merge gives NaN
         m[g] = 0.0f;
         sum[g] = NAN;
         continue;
       }
-      if (!std::isfinite(nm)) continue;  // only -inf/NaN logits so far: nothing to rescale
+      if (!std::isfinite(nm)) continue;  // only -inf logits so far: nothing to rescale
       if (nm > m[g]) {
         const float c = std::isfinite(m[g]) ? std::exp(m[g] - nm) : 0.0f;
         for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= c;
@@ -235,8 +243,8 @@ int64_t SpanKeys(int64_t heads, int64_t threads, int64_t max_len) {
 }
 
 // out[g] = (sum_s w_s acc_s[g]) / (sum_s w_s sum_s[g]), w_s = exp(m_s[g] - max_s m_s[g]), and
-// lse[g] = max m + log(total), over the S partials of one KV head; 0 and -inf when the total is
-// not a positive finite number (no keys, or non-finite logits): never NaN.
+// lse[g] = max m + log(total), over the S partials of one KV head; NaN and NaN when a partial is
+// poisoned (a NaN or +inf logit), else 0 and -inf when the total is not positive (no keys).
 void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const float* m, const double* sum,
                    float* out, float* lse) {
   for (int64_t g = 0; g < G; ++g) {
@@ -258,6 +266,9 @@ void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const floa
       const float inv = static_cast<float>(1.0 / tot);
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       lse[g] = mx + static_cast<float>(std::log(tot));
+    } else if (std::isnan(tot)) {
+      std::fill(o, o + D, NAN);
+      lse[g] = NAN;
     } else {
       std::fill(o, o + D, 0.0f);
       lse[g] = -INFINITY;

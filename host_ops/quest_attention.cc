@@ -19,7 +19,8 @@
 // pages int32 [B] (pages kept per query head, clipped to [0, pages in range]); context int32 [B]
 // (with_static: the keys [0, start) and [end, context) are attended exactly too, in the same
 // softmax: a decoder's sinks and unhashed tail). Results: out float32 [B, Hq, D], lse float32
-// [B, Hq] (natural log); no key gives out = 0, lse = -inf.
+// [B, Hq] (natural log); no key gives out = 0, lse = -inf; a NaN or +inf page bound or logit (a
+// non-finite q or k) gives out and lse NaN for the head.
 // Attributes: page_size (>= 1), with_static (0 or 1), impl (0 auto, 1 scalar, 2 avx2),
 // max_threads (0: the pool).
 // Every shape is validated; bad input returns an ffi::Error (never a crash or a stray read).
@@ -70,8 +71,15 @@ void QuestKvHead(const float* q, const T* k, const T* v, const float* kmin, cons
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
     keys.resize(P);
+    bool corrupt = false;  // a page bound NaN or +inf (a non-finite q or key): the head is NaN
     for (int64_t p = 0; p < P; ++p) {
-      keys[p] = sel::RankKey(PageBound(qg, kmin + p * D, kmax + p * D, D) / sqrt_d, static_cast<uint32_t>(p));
+      const float bound = PageBound(qg, kmin + p * D, kmax + p * D, D) / sqrt_d;
+      corrupt |= sel::Corrupt(bound);
+      keys[p] = sel::RankKey(bound, static_cast<uint32_t>(p));
+    }
+    if (corrupt) {
+      sel::Poison(out + g * D, D, lse + g);
+      continue;
     }
     sel::SelectTop(keys, pages);
     kept_logit.clear();

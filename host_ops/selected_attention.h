@@ -161,15 +161,31 @@ void AppendStatic(const float* q, const T* k, const T* v, int64_t s, int64_t e, 
   for (int64_t j = e; j < ctx; ++j) add(j);
 }
 
+// A score that only a non-finite q or k gives (NaN, +inf): the head's result is NaN, never a
+// selection that silently leaves the key out (NaN ranks last) or an empty row.
+inline bool Corrupt(float score) { return score != score || score == INFINITY; }
+inline void Poison(float* out, int64_t D, float* lse) {
+  std::fill(out, out + D, NAN);
+  *lse = NAN;
+}
+
 // Softmax attention over `n` selected keys with logits `logit[j]` and value rows `rows[j]`
-// (pointers into V): out[0:D] = sum_j e_j v_j / sum_j e_j, *lse = max + log(sum). No key, or a
-// non-finite maximum, gives out = 0 and lse = -inf (never NaN from an empty set).
+// (pointers into V): out[0:D] = sum_j e_j v_j / sum_j e_j, *lse = max + log(sum). No key, or only
+// -inf logits, gives out = 0 and lse = -inf; a NaN or +inf logit gives out and lse NaN (Corrupt).
 template <typename T>
 void SoftmaxOverRows(const float* logit, const T* const* rows, int64_t n, int64_t D, bool avx2, float* out,
                      float* lse) {
   std::fill(out, out + D, 0.0f);
   float m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, logit[j]);
+  bool corrupt = false;
+  for (int64_t j = 0; j < n; ++j) {
+    m = std::max(m, logit[j]);
+    corrupt |= Corrupt(logit[j]);
+  }
+  if (corrupt) {
+    Poison(out, D, lse);
+    return;
+  }
   if (n == 0 || !std::isfinite(m)) {
     *lse = -INFINITY;
     return;

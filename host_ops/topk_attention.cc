@@ -16,7 +16,8 @@
 // query head, clipped to [0, end - start]); context int32 [B] (with_static: the keys [0, start)
 // and [end, context) are attended exactly too, in the same softmax: a decoder's sinks and
 // unhashed tail, so that no second pass and no merge is needed). Results: out float32
-// [B, Hq, D], lse float32 [B, Hq] (natural log); no key gives out = 0, lse = -inf (never NaN).
+// [B, Hq, D], lse float32 [B, Hq] (natural log); no key gives out = 0, lse = -inf; a NaN or +inf
+// logit (a non-finite q or k) gives out and lse NaN for the head.
 // Attributes: with_static (0 or 1), impl (0 auto, 1 scalar, 2 avx2), max_threads (0: the pool). Every shape is
 // validated; bad input returns an ffi::Error (never a crash or a stray read).
 
@@ -89,6 +90,12 @@ void SelectAndAttend(const float* q, const float* lg, const T* k, const T* v, in
   thread_local std::vector<float> kept_logit;
   thread_local std::vector<const T*> kept_rows;
   const float sqrt_d = static_cast<float>(std::sqrt(static_cast<double>(D)));
+  bool corrupt = false;  // a key of the range scored NaN or +inf: which keys are the top is undefined
+  for (int64_t j = 0; j < n; ++j) corrupt |= sel::Corrupt(lg[j]);
+  if (corrupt) {
+    sel::Poison(out, D, lse);
+    return;
+  }
   kept.clear();
   sel::SelectTopPositions(lg, n, keep, kept);
   kept_logit.resize(kept.size());

@@ -367,16 +367,24 @@ class DecodeRun:
         return jnp.asarray([f[t] if t < len(f) else sampled[b] for b, f in enumerate(forced)], jnp.int32)
 
     def _first(self, last_logits) -> jax.Array:
+        sampled = self._sampled_first(last_logits)
+        self._check_logits(0, sampled, np.zeros(self.B, bool))
         if self.hooks.forced_tokens is not None:
-            sampled = self._sampled_first(last_logits) if self.hooks.then_sample else None
-            return self._forced(0, sampled)
-        return self._sampled_first(last_logits)
+            return self._forced(0, sampled if self.hooks.then_sample else None)
+        return sampled
 
     def _sampled_first(self, last_logits) -> jax.Array:
-        if self.sampling.temperature > 0:
-            return _sample_token_jit(last_logits, jax.random.fold_in(self.base_key, 0),
-                                     jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p))
-        return jnp.argmax(last_logits, axis=-1).astype(jnp.int32)
+        # the greedy case too: sample_token's lax.cond takes its argmax, and marks NaN rows -1
+        return _sample_token_jit(last_logits, jax.random.fold_in(self.base_key, 0),
+                                 jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p))
+
+    def _check_logits(self, t: int, sampled: np.ndarray, done: np.ndarray) -> None:
+        """Raise if a live row's logits for token ``t`` held NaN (``sample_token`` gave -1)."""
+        bad = np.nonzero((np.asarray(sampled) < 0) & ~done)[0]
+        if len(bad):
+            raise FloatingPointError(
+                f"the logits for new token {t} of row(s) {bad.tolist()} contain NaN ({self.spec.backend} "
+                "attention): a weight, activation or KV-cache value is not finite; no token can be chosen")
 
     def _take(self, tok: np.ndarray, done: np.ndarray) -> None:
         """Append each live row's new token and mark the rows that stop."""
@@ -467,6 +475,7 @@ class DecodeRun:
             now = time.perf_counter()
             ns = np.asarray(nss, np.float64)[:count] if len(self.frac_sum) else None
             for i in range(count):
+                self._check_logits(t + 1 + i, toks[i], done)
                 self._book(t + 1 + i, logits, None if ns is None else ns[i], before + 1 + i, ~done, now)
                 tk = toks[i] if hooks.forced_tokens is None else np.asarray(self._forced(t + 1 + i, toks[i]))
                 self._take(tk, done)

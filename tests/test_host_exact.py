@@ -106,20 +106,32 @@ def test_equals_dense_attention_and_one_thread():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_non_finite_inputs_never_give_nan(impl):
+@pytest.mark.parametrize("max_threads", [1, 0])  # 0: the pool, whose threads split the 3,000 keys into spans
+def test_non_finite_logits_give_nan_not_an_empty_row(impl, max_threads):
+    """A NaN or +inf logit (a non-finite q or k) makes its head NaN, as dense attention's output
+    is; before, the op reported such a head as empty (out 0, lse -inf), silently. A -inf logit is
+    a key that gets no weight, and heads of other KV heads keep their values."""
     rng = np.random.default_rng(5)
-    q = np.asarray(rng.standard_normal((1, 4, 16)), np.float32)
-    k = np.asarray(rng.standard_normal((1, 2, 300, 16)), np.float32)
-    v = np.asarray(rng.standard_normal((1, 2, 300, 16)), np.float32)
+    q = np.asarray(rng.standard_normal((1, 6, 16)), np.float32)
+    k = np.asarray(rng.standard_normal((1, 3, 3000, 16)), np.float32)
+    v = np.asarray(rng.standard_normal((1, 3, 3000, 16)), np.float32)
     q[0, 0, 3] = np.inf
     q[0, 1, 0] = np.nan
-    k[0, 1, 200, 5] = np.inf
-    q[0, 2:, 5] = 1.0  # heads 2-3 (KV head 1): a +inf logit
-    out, lse = _exact(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([300], jnp.int32), impl=impl)
-    out, lse = np.asarray(out), np.asarray(lse)
-    assert not np.isnan(out).any() and not np.isnan(lse).any()
-    # Heads 0-1 (inf/NaN query) and 2-3 (a +inf logit) have non-finite logits: reported empty.
-    assert np.all(lse == -np.inf) and np.all(out == 0)
+    k[0, 1, 2000, 5] = np.inf
+    q[0, 2, 5] = 1.0  # head 2 (KV head 1): a +inf logit
+    q[0, 3, 5] = -1.0  # head 3: a -inf logit, that key gets no weight
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray([3000], jnp.int32))
+    out, lse = (np.asarray(x) for x in _exact(*args, impl=impl, max_threads=max_threads))
+    assert np.isnan(out[0, :3]).all() and np.isnan(lse[0, :3]).all()
+    keep = np.ones(3000, bool)
+    keep[2000] = False
+    ref3, _ = _exact(jnp.asarray(q[:, 3:4]), jnp.asarray(k[:, 1:2, keep]), jnp.asarray(v[:, 1:2, keep]),
+                     jnp.asarray([2999], jnp.int32), impl=impl)
+    np.testing.assert_allclose(out[0, 3], np.asarray(ref3)[0, 0], atol=1e-6)
+    # KV head 2 (query heads 4-5) is untouched: its heads equal the op on that head alone
+    ref45, _ = _exact(jnp.asarray(q[:, 4:]), jnp.asarray(k[:, 2:]), jnp.asarray(v[:, 2:]), jnp.asarray([3000]),
+                      impl=impl)
+    np.testing.assert_allclose(out[0, 4:], np.asarray(ref45)[0], atol=1e-6)
 
 
 def test_bad_input_errors_name_the_parameter():

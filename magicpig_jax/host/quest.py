@@ -63,10 +63,24 @@ def _bounds_of(k, start, end, page_size: int, P: int):
     valid = pos < end[:, None]
     idx = jnp.clip(pos, 0, N - 1)
     kp = jnp.take_along_axis(k.astype(jnp.float32), idx[:, None, :, None], axis=2)  # [B, Hkv, P*ps, D]
-    m = valid[:, None, :, None]
-    kmin = jnp.min(jnp.where(m, kp, jnp.inf).reshape(B, Hkv, P, page_size, D), axis=3)
-    kmax = jnp.max(jnp.where(m, kp, -jnp.inf).reshape(B, Hkv, P, page_size, D), axis=3)
-    return kmin, kmax
+    m = jnp.broadcast_to(valid[:, None, :, None], kp.shape).reshape(B, Hkv, P, page_size, D)
+    return _masked_min_max(kp.reshape(B, Hkv, P, page_size, D), m, axis=3)
+
+
+def _masked_min_max(x, m, axis: int):
+    """``(min, max)`` of ``x`` where ``m`` along ``axis``; NaN where a masked-in element is NaN.
+
+    XLA's CPU min/max reductions skip NaN: a page holding a NaN key would get finite bounds and
+    the host op could leave that key out without a trace (its NaN page bound makes the head NaN).
+    """
+    nan = jnp.any(m & jnp.isnan(x), axis=axis)
+    lo = jnp.where(nan, jnp.nan, jnp.min(jnp.where(m, x, jnp.inf), axis=axis))
+    hi = jnp.where(nan, jnp.nan, jnp.max(jnp.where(m, x, -jnp.inf), axis=axis))
+    return lo, hi
+
+
+def _nan_propagating(fn):
+    return lambda a, b: jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.nan, fn(a, b))
 
 
 def quest_build_pages(k: Float[Array, "B Hkv N D"], start: Int[Array, " B"], end: Int[Array, " B"],
@@ -140,17 +154,16 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
     new = (pos >= pages.end[:, None, None]) & (pos < new_end[:, None, None])
     idx = jnp.clip(pos, 0, N - 1).reshape(B, -1)
     kp = jnp.take_along_axis(k.astype(jnp.float32), idx[:, None, :, None], axis=2).reshape(B, Hkv, W, ps, D)
-    m = new[:, None, :, :, None]
-    add_min = jnp.min(jnp.where(m, kp, jnp.inf), axis=3)  # [B, Hkv, W, D]
-    add_max = jnp.max(jnp.where(m, kp, -jnp.inf), axis=3)
+    m = jnp.broadcast_to(new[:, None, :, :, None], kp.shape)
+    add_min, add_max = _masked_min_max(kp, m, axis=3)  # [B, Hkv, W, D]
     bi = jnp.arange(B)[:, None]
 
     def upd(arr, vals, fn):
         cur = arr[bi, :, pidx]  # [B, W, Hkv, D]
         return arr.at[bi, :, pidx].set(fn(cur, vals.transpose(0, 2, 1, 3)))
 
-    kmin = upd(pages.kmin, add_min, jnp.minimum)
-    kmax = upd(pages.kmax, add_max, jnp.maximum)
+    kmin = upd(pages.kmin, add_min, _nan_propagating(jnp.minimum))
+    kmax = upd(pages.kmax, add_max, _nan_propagating(jnp.maximum))
     return QuestPages(kmin=kmin, kmax=kmax, start=pages.start, end=new_end, page_size=ps)
 
 

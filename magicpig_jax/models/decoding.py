@@ -198,7 +198,8 @@ def sample_token(logits, key, temperature, top_p):
       logits: float32 ``[B, V]``; key: a PRNG key; temperature, top_p: float32 scalars.
 
     Returns:
-      int32 ``[B]``.
+      int32 ``[B]``; -1 for a row whose logits contain NaN (no token can be chosen from
+      them; the decode loop raises ``FloatingPointError`` on it).
 
     Source: Holtzman et al. 2020 (nucleus sampling).
     """
@@ -216,7 +217,8 @@ def sample_token(logits, key, temperature, top_p):
         choice = jax.random.categorical(key, sorted_logits, axis=-1)
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-    return jax.lax.cond(temperature > 0, nucleus, lambda _: greedy, None)
+    token = jax.lax.cond(temperature > 0, nucleus, lambda _: greedy, None)
+    return jnp.where(jnp.any(jnp.isnan(logits), axis=-1), -1, token).astype(jnp.int32)
 
 
 def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperature, top_p, spec: DecodeSpec):

@@ -1,0 +1,101 @@
+"""Non-finite inputs never give a silent answer.
+
+A NaN or infinite key (an overflowed activation, a corrupt checkpoint) makes the sparse selections
+undefined: TopK's top set, Quest's page bounds, MagicPIG's centering mean. Each host op then
+returns NaN for the heads that read it, as the pure-JAX references' outputs are (before, the host
+ops left the key out or reported the head empty: finite and wrong). The decode loop turns NaN
+logits into a ``FloatingPointError`` naming the token and rows, for every backend.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from magicpig_jax import host
+from magicpig_jax.attention import MagicPIGConfig, quest_attention, topk_attention
+from magicpig_jax.decode_loop import Sampling, start_decode
+from magicpig_jax.generation import prefill
+from magicpig_jax.host.quest import host_quest_attention, quest_build_pages
+from magicpig_jax.host.topk import host_topk_attention
+from magicpig_jax.models.backends import DecodeSpec
+from tests._tiny import tiny_model
+
+IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
+
+
+def _qkv(bad_pos: int, bad):
+    r = jax.random.split(jax.random.key(0), 3)
+    k = jax.random.normal(r[0], (1, 2, 600, 16)).at[0, 0, bad_pos, 3].set(bad)  # KV head 0 only
+    return jax.random.normal(r[2], (1, 4, 16)), k, jax.random.normal(r[1], (1, 2, 600, 16))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_topk_op_gives_nan_for_a_head_whose_range_holds_a_non_finite_key(impl, bad):
+    q, k, v = _qkv(300, bad)
+    q = q.at[:, :, 3].set(1.0)  # every head's logit for the bad key is NaN or +inf
+    lengths = jnp.array([600])
+    out, lse = host_topk_attention(q, k, v, 32, lengths, impl=impl)
+    ref, _ = topk_attention(q, k, v, 32, lengths)
+    assert np.isnan(np.asarray(out[0, :2])).all() and np.isnan(np.asarray(lse[0, :2])).all()
+    assert not np.isfinite(np.asarray(ref[0, :2])).all()  # the reference is not finite either
+    np.testing.assert_allclose(np.asarray(out[0, 2:]), np.asarray(ref[0, 2:]), atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_quest_op_gives_nan_for_a_head_whose_pages_hold_a_non_finite_key(impl):
+    q, k, v = _qkv(300, np.nan)
+    lengths = jnp.array([600])
+    pages = quest_build_pages(k, jnp.array([0]), lengths, 16)
+    out, lse = host_quest_attention(q, k, v, pages, 64, impl=impl)
+    ref, _ = quest_attention(q, k, v, 16, 64, lengths)
+    assert np.isnan(np.asarray(out[0, :2])).all() and np.isnan(np.asarray(lse[0, :2])).all()
+    np.testing.assert_allclose(np.asarray(out[0, 2:]), np.asarray(ref[0, 2:]), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["dense", "magicpig", "magicpig-ref", "topk", "quest"])
+def test_decode_raises_on_nan_logits_instead_of_choosing_a_token(backend):
+    """A NaN in one row's cache of one layer: that row's logits are NaN at the first step, whatever
+    the backend (the host ops used to hide it); the run raises naming the row, not token 0."""
+    model = tiny_model(0)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, 90, 300)], [int(t) for t in rng.integers(1, 90, 250)]]
+    state = prefill(model, prompts, 8)
+    ks = list(state.cache.k)
+    ks[1] = ks[1].at[1, 0, 100, 0].set(jnp.nan)  # layer 1 (sparse for the sparse backends), row 1
+    state.cache.k = tuple(ks)
+    spec = DecodeSpec(backend=backend, magicpig=MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8),
+                      dense_layers=None if backend == "dense" else (0,),
+                      budget=32 if backend in ("topk", "quest") else None)
+    run = start_decode(model, state, spec, 8, Sampling())
+    with pytest.raises(FloatingPointError, match=r"new token 1 of row\(s\) \[1\] contain NaN"):
+        for _ in run:
+            pass
+
+
+def test_nan_logits_from_the_prefill_raise_before_any_step():
+    model = tiny_model(0)
+    state = prefill(model, [[5, 6, 7, 8]], 4)
+    state.last_logits = state.last_logits.at[0, 3].set(jnp.nan)
+    with pytest.raises(FloatingPointError, match=r"new token 0 of row\(s\) \[0\]"):
+        for _ in start_decode(model, state, DecodeSpec(backend="dense"), 4, Sampling(temperature=0.7)):
+            pass
+
+
+def test_quest_page_bounds_carry_a_nan_key_through_build_and_append():
+    """XLA's CPU min/max reductions skip NaN; the bounds must not (a finite bound would let the op
+    leave the key out unseen)."""
+    from magicpig_jax.host.quest import quest_append_pages
+
+    k = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, 64, 4)), jnp.float32)
+    k = k.at[0, 0, 5, 2].set(jnp.nan).at[0, 0, 40, 1].set(jnp.nan)
+    pages = quest_build_pages(k, jnp.array([0]), jnp.array([32]), 16, capacity=64)
+    kmin = np.asarray(pages.kmin)[0, 0]
+    assert np.isnan(kmin[0, 2]) and np.isnan(np.asarray(pages.kmax)[0, 0, 0, 2])
+    assert np.isfinite(np.delete(kmin[:2], 2, axis=1)).all() and np.isfinite(kmin[0, [0, 1, 3]]).all()
+    grown = quest_append_pages(pages, k, jnp.array([16]), 16)  # positions 32..47: the NaN at 40
+    assert np.isnan(np.asarray(grown.kmin)[0, 0, 2, 1]) and np.isnan(np.asarray(grown.kmax)[0, 0, 2, 1])
+    assert np.isfinite(np.asarray(grown.kmin)[0, 0, 2, [0, 2, 3]]).all()
