@@ -51,10 +51,12 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        def real(x) -> bool:  # Python or NumPy int / float, not bool
+            return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool | np.bool_)
+
+        if not (real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got temperature={self.temperature!r}")
-        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+        if not (real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got seed={self.seed!r}")
@@ -117,7 +119,8 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     # A row stops at max_new_tokens or where its next token would need a position past the
     # context: token i is predicted at position prompt_length + i - 1.
     max_positions, limit_name = position_limit(model, state)
-    cache = _decode_cache(state, spec, max_new_tokens, consume_prefill)
+    limits = np.minimum(max_new_tokens, max_positions - state.prompt_lengths + 1)
+    cache = _decode_cache(state, spec, limits, consume_prefill)
     n_layers = model.config.num_layers
     graphdef, params = nnx.split(model.module)
     leaves, treedef = jax.tree.flatten(params)
@@ -150,7 +153,6 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         # the step compiles twice (distributed.canonical_placement).
         cache, indices = dist.canonical_placement(spec.mesh, (cache, indices))
     index_seconds = time.perf_counter() - t0 if sparse else None
-    limits = np.minimum(max_new_tokens, max_positions - state.prompt_lengths + 1)
     run = DecodeRun(model, spec, sampling, hooks, state, cache, indices, limits, stop_on_eos, stop, progress,
                     step=(leaves, step, compile_seconds))
     run.index_seconds, run.max_new_tokens = index_seconds, max_new_tokens
@@ -170,14 +172,17 @@ def run_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: Sa
     return run.outputs, run.stats()
 
 
-def _decode_cache(state, spec: DecodeSpec, max_new_tokens: int, consume: bool) -> KVCache:
+def _decode_cache(state, spec: DecodeSpec, limits: np.ndarray, consume: bool) -> KVCache:
     """The decode's cache (sharded over ``spec.mesh`` if any), checked for capacity.
 
-    A copy of the prefill cache, whose buffers the steps then update in place (donated); with
-    ``consume`` the prefill's own buffers, and ``state.cache`` becomes None.
+    ``limits``: int ``[B]``, the tokens each row may decode (``max_new_tokens``, or fewer where
+    the context ends first). A copy of the prefill cache, whose buffers the steps then update in
+    place (donated); with ``consume`` the prefill's own buffers, and ``state.cache`` becomes None.
     """
-    if int(state.prompt_lengths.max()) + max_new_tokens > state.cache.capacity:
-        raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the cache capacity {state.cache.capacity}")
+    need = int((state.prompt_lengths + limits).max())
+    if need > state.cache.capacity:
+        raise ValueError(f"max_new_tokens={int(limits.max())} exceeds the cache capacity {state.cache.capacity} "
+                         f"(prompt and new tokens need {need} positions)")
     cache = state.cache if consume and isinstance(state.cache, KVCache) else state.cache.copy()
     if consume:
         state.cache = None

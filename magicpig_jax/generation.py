@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+from magicpig_jax.attention.baselines import Budget
 from magicpig_jax.decode_loop import Sampling, run_decode, start_decode
 from magicpig_jax.io.loader import LoadedModel
 from magicpig_jax.memory import compile_then_trim
@@ -199,7 +200,8 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
       model: the loaded model.
       prompts: B lists of token ids (lengths may differ; each >= 1).
       max_new_tokens: decode budget; the cache capacity is
-        ``round_up(max_len + max_new_tokens, CHUNK)``.
+        ``round_up(max_len + max_new_tokens + 1, CHUNK)``, at most the context (or sliding
+        window) + 1 rounded up, unless ``allow_beyond_context``: decoding stops there anyway.
       allow_beyond_context: permit positions past the model's trained context
         (timing experiments only).
       cache_dtype: dtype of the KV cache.
@@ -230,7 +232,13 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
     if not allow_beyond_context:
         model.config.check_positions(int(lengths.max()))
     B = len(prompts)
-    capacity = _round_up(int(lengths.max()) + max_new_tokens + 1, CHUNK)
+    want = int(lengths.max()) + max_new_tokens + 1
+    if not allow_beyond_context:
+        # Decoding stops where the context (or a shorter sliding window) ends: no cache past it,
+        # whatever max_new_tokens asks (a huge value must not allocate gigabytes it cannot use).
+        window = model.config.sliding_window
+        want = min(want, (ctx if window is None else min(ctx, window)) + 1)
+    capacity = _round_up(want, CHUNK)
     padded = np.zeros((B, _round_up(int(lengths.max()), CHUNK)), np.int32)
     for b, p in enumerate(prompts):
         padded[b, : len(p)] = p
@@ -260,7 +268,7 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
 
 
 def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPIGConfig | LayerConfigs | None = None,
-                dense_layers: Sequence[int] | None = None, budget: int | float | None = None,
+                dense_layers: Sequence[int] | None = None, budget: Budget | None = None,
                 page_size: int = 16, mesh=None) -> DecodeSpec:
     """The :class:`DecodeSpec` of a decode run, validated against the model.
 
@@ -298,7 +306,7 @@ def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, 
 def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpig",
            max_new_tokens: int = 64, config: MagicPIGConfig | None = None,
            dense_layers: Sequence[int] | None = None, sampling: Sampling | None = None,
-           budget: int | float | None = None, page_size: int = 16, stop_on_eos: bool = True,
+           budget: Budget | None = None, page_size: int = 16, stop_on_eos: bool = True,
            progress: Callable[[int], object] | None = None, mesh=None) -> tuple[list[list[int]], dict]:
     """Decode from a prefill with one attention backend (the prefill cache is not consumed).
 
@@ -337,7 +345,7 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
 
 def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new_tokens: int = 128,
              config: MagicPIGConfig | None = None, dense_layers: Sequence[int] | None = None,
-             budget: int | float | None = None, page_size: int = 16, temperature: float = 0.0,
+             budget: Budget | None = None, page_size: int = 16, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None, stream: bool = False,
              chat: bool = True, parse_special: bool = False,
              kv_dtype: str = "bfloat16") -> Generation | list[Generation] | Iterator[str]:

@@ -234,3 +234,29 @@ def test_static_attention_num_sink_bounds_the_sinks_with_and_without_a_window(wi
     o64, l64 = ref.selected(q, k, v, np.broadcast_to(keep, (B, HQ, N)))
     np.testing.assert_allclose(np.asarray(out), o64, rtol=0, atol=2e-6)
     np.testing.assert_allclose(np.asarray(lse), l64, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize(("B", "Hq"), [(0, 2), (1, 0), (0, 0)])
+def test_empty_batches_and_head_sets_give_empty_results(B, Hq):
+    """No rows or no query heads: empty outputs of the documented shapes (a ZeroDivisionError in a
+    reshape before), as the host ops give."""
+    D = 4
+    q, k = jnp.ones((B, Hq, D)), jnp.ones((B, 1, 50, D))
+    cfg = MagicPIGConfig(K=4, L=10, num_sink=2, num_local=4)
+    proj = lsh.simhash_projections(jax.random.key(0), D, cfg.K, cfg.L)
+    results = [dense_attention(q, k, k), magicpig_attention(q, k, k, build_lsh_index(k, proj, cfg), cfg),
+               topk_attention(q, k, k, 8), quest_attention(q, k, k, 4, 8),
+               oracle_sampling_attention(jax.random.key(1), q, k, k, 8)]
+    for out, lse, *_ in results:
+        assert out.shape == (B, Hq, D) and lse.shape == (B, Hq)
+
+
+def test_numpy_scalar_budgets_count_as_ints_and_floats():
+    """np.int64(5) is a token count and np.float32(0.5) a fraction, as 5 and 0.5 are (they were
+    refused as "not an int")."""
+    q, k = jnp.ones((1, 2, 4)), jnp.asarray(np.random.default_rng(0).standard_normal((1, 1, 50, 4)), jnp.float32)
+    for budget, plain in ((np.int64(5), 5), (np.float32(0.5), 0.5)):
+        np.testing.assert_array_equal(np.asarray(topk_attention(q, k, k, budget)[0]),
+                                      np.asarray(topk_attention(q, k, k, plain)[0]))
+    with pytest.raises(TypeError, match="budget"):
+        topk_attention(q, k, k, np.bool_(True))

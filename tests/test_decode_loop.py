@@ -31,6 +31,19 @@ def test_decode_stops_at_the_context(small_context_model, attention):
     assert stats["decode_steps"] == 2  # two steps feed positions 30 and 31; nothing is written at 32
 
 
+def test_a_huge_max_new_tokens_allocates_no_cache_past_the_context(small_context_model):
+    """Context 32: a budget of a million tokens gets a cache of one chunk (the decode stops at the
+    context anyway); it used to allocate a million positions per layer."""
+    from magicpig_jax.generation import CHUNK
+
+    model = small_context_model
+    state = prefill(model, [list(range(1, 31))], 10**6)
+    assert state.cache.capacity == CHUNK
+    outs, stats = decode(model, state, attention="dense", max_new_tokens=10**6, stop_on_eos=False)
+    assert len(outs[0]) == 3 and stats["stop_reasons"] == ["context"]
+    assert prefill(model, [list(range(1, 31))], 2000, allow_beyond_context=True).cache.capacity > 2000
+
+
 def test_rows_stop_at_their_own_limit(small_context_model):
     model = small_context_model
     state = prefill(model, [list(range(1, 31)), list(range(1, 11))], 5)
@@ -246,3 +259,13 @@ def test_short_runs_and_hooks_compile_the_one_step_program():
     assert start_decode(model, state, spec, n, Sampling()).step.max_count == decode_loop.CHUNK_MAX
     hooks = DecodeHooks(on_logits=lambda t, logits: None)
     assert start_decode(model, state, spec, n, Sampling(), hooks=hooks).step.max_count == 1
+
+
+def test_sampling_takes_numpy_scalars_and_refuses_bools():
+    from magicpig_jax.decode_loop import Sampling
+
+    s = Sampling(temperature=np.float32(0.5), top_p=np.float64(0.9), seed=np.int64(3))
+    assert s.temperature == 0.5 and s.top_p == 0.9
+    for bad in (True, np.bool_(True)):
+        with pytest.raises(ValueError, match="temperature"):
+            Sampling(temperature=bad)

@@ -106,7 +106,7 @@ def masked_softmax_attention(
     num = selected_weighted_sum(e, mask, v)
     out = num / jnp.where(s > 0, s, 1.0)[..., None]
     lse = jnp.where(s > 0, m_safe[..., 0] + jnp.log(jnp.where(s > 0, s, 1.0)), -jnp.inf)
-    return out.reshape(B, Hkv * G, -1), lse.reshape(B, Hkv * G)
+    return out.reshape(B, Hkv * G, v.shape[-1]), lse.reshape(B, Hkv * G)
 
 
 def valid_mask(lengths: jax.Array, N: int) -> jax.Array:

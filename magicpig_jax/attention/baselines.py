@@ -30,6 +30,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, UInt32
 
 from magicpig_jax.attention._common import (
@@ -45,6 +46,7 @@ __all__ = [
     "topk_attention",
     "quest_attention",
     "oracle_sampling_attention",
+    "Budget",
     "budget_tokens",
     "topk_mask",
     "quest_mask",
@@ -55,9 +57,19 @@ __all__ = [
 # num * (length % den) < 2**30, so the exact ceiling fits in int32.
 _MAX_DEN = 1 << 15
 
+# A budget: an int (tokens) or a float in (0, 1] (fraction of the context); NumPy scalars count as either.
+Budget = int | float | np.integer | np.floating
+
 
 def check_budget(budget: object) -> fractions.Fraction | int:
-    """Validate ``budget``; return it as an int (tokens) or a Fraction in (0, 1]."""
+    """Validate ``budget``; return it as an int (tokens) or a Fraction in (0, 1].
+
+    NumPy integer and floating scalars count as int and float.
+    """
+    if isinstance(budget, np.integer):
+        budget = int(budget)
+    elif isinstance(budget, np.floating):
+        budget = float(budget)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise TypeError(
             f"budget must be an int (tokens) or a float in (0, 1] (fraction of the context), "
@@ -75,7 +87,7 @@ def check_budget(budget: object) -> fractions.Fraction | int:
     return frac
 
 
-def budget_tokens(budget: int | float, lengths: Int[Array, " B"]) -> Int[Array, " B"]:
+def budget_tokens(budget: Budget, lengths: Int[Array, " B"]) -> Int[Array, " B"]:
     """Tokens granted to each row by a budget (see the module docstring).
 
     Args:
@@ -101,7 +113,7 @@ def budget_tokens(budget: int | float, lengths: Int[Array, " B"]) -> Int[Array, 
     return num * a + (num * r + den - 1) // den
 
 
-def _max_budget_tokens(budget: int | float, N: int) -> int:
+def _max_budget_tokens(budget: Budget, N: int) -> int:
     """Static upper bound of :func:`budget_tokens` over rows of length <= N."""
     b = check_budget(budget)
     if isinstance(b, int):
@@ -119,7 +131,7 @@ def _rank_desc(scores: jax.Array) -> jax.Array:
 
 
 def topk_mask(
-    q: Float[Array, "B Hq D"], k: Float[Array, "B Hkv N D"], budget: int | float, lengths: Int[Array, " B"]
+    q: Float[Array, "B Hq D"], k: Float[Array, "B Hkv N D"], budget: Budget, lengths: Int[Array, " B"]
 ) -> Bool[Array, "B Hkv G N"]:
     """The keys exact TopK keeps, per query head (see :func:`topk_attention`).
 
@@ -149,7 +161,7 @@ def topk_attention(
     q: Float[Array, "B Hq D"],
     k: Float[Array, "B Hkv N D"],
     v: Float[Array, "B Hkv N D"],
-    budget: int | float,
+    budget: Budget,
     lengths: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Exact TopK attention: softmax over the ``budget`` highest-scoring keys of each query head.
@@ -241,7 +253,7 @@ def quest_mask(
     q: Float[Array, "B Hq D"],
     k: Float[Array, "B Hkv N D"],
     page_size: int,
-    budget: int | float,
+    budget: Budget,
     lengths: Int[Array, " B"],
 ) -> Bool[Array, "B Hkv G N"]:
     """The keys Quest keeps, per query head (see :func:`quest_attention` for the page rule).
@@ -277,7 +289,7 @@ def quest_attention(
     k: Float[Array, "B Hkv N D"],
     v: Float[Array, "B Hkv N D"],
     page_size: int,
-    budget: int | float,
+    budget: Budget,
     lengths: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Quest attention: exact softmax over the keys of the pages with the highest score upper bound.
@@ -343,7 +355,7 @@ def oracle_sampling_attention(
     q: Float[Array, "B Hq D"],
     k: Float[Array, "B Hkv N D"],
     v: Float[Array, "B Hkv N D"],
-    budget: int | float,
+    budget: Budget,
     lengths: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"], Int[Array, "B Hq"]]:
     """Oracle sampling (Definition 3.1): the mean value of ``n`` i.i.d. draws from the exact attention.

@@ -127,7 +127,7 @@ def _hits_and_cos(q, k, index: LSHIndex, config: MagicPIGConfig, lengths):
     pos = jnp.arange(N, dtype=jnp.int32)
     valid = pos[None, :] < lengths[:, None]
     in_range = (pos[None, :] >= index.start[:, None]) & (pos[None, :] < index.end[:, None]) & valid
-    q_codes = lsh.simhash_codes(q, index.projections, config.K, config.L).reshape(B, Hkv, G, 1, -1)
+    q_codes = lsh.simhash_codes(q, index.projections, config.K, config.L).reshape(B, Hkv, G, 1, config.L)
     hits = jnp.sum(q_codes == index.codes[:, :, None, :, :], axis=-1, dtype=jnp.int32)
     kc = k.astype(jnp.float32) - index.mean[:, :, None, :]
     qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)

@@ -149,7 +149,7 @@ def sampled_mask_and_log_u(
     pos = jnp.arange(N, dtype=jnp.int32)
     valid = pos[None, :] < lengths[:, None]
     in_range = (pos[None, :] >= index.start[:, None]) & (pos[None, :] < index.end[:, None]) & valid
-    q_codes = lsh.simhash_codes(q, index.projections, config.K, config.L).reshape(B, Hkv, G, 1, -1)
+    q_codes = lsh.simhash_codes(q, index.projections, config.K, config.L).reshape(B, Hkv, G, 1, config.L)
     hits = jnp.sum(q_codes == index.codes[:, :, None, :, :], axis=-1, dtype=jnp.int32)
     sampled = (hits >= 2) & in_range[:, None, None, :]
     static = (valid & ~in_range)[:, None, None, :]

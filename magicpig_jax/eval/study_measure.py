@@ -32,7 +32,7 @@ from magicpig_jax.attention import (
     quest_attention,
     topk_attention,
 )
-from magicpig_jax.attention.baselines import quest_mask
+from magicpig_jax.attention.baselines import Budget, quest_mask
 from magicpig_jax.attention.cost_model import expected_sampled_fraction
 
 __all__ = [
@@ -149,7 +149,7 @@ def _centered_cosines(q, k, mean):
     return jnp.where(norms > 0, dots / jnp.where(norms > 0, norms, 1.0), 0.0).reshape(Hq, -1)
 
 
-def _oracle_many(budget: int | float):
+def _oracle_many(budget: Budget):
     def f(keys, q, k, v):
         return jax.vmap(lambda r: oracle_sampling_attention(r, q, k, v, budget))(keys)
 

@@ -27,7 +27,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention._common import check_lengths, check_qkv
-from magicpig_jax.attention.baselines import budget_tokens, check_budget, check_page_size
+from magicpig_jax.attention.baselines import Budget, budget_tokens, check_budget, check_page_size
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.exact import MAX_GROUP
 from magicpig_jax.host.validate import check_int, check_kv_dtypes
@@ -167,7 +167,7 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
     return QuestPages(kmin=kmin, kmax=kmax, start=pages.start, end=new_end, page_size=ps)
 
 
-def quest_pages_kept(budget: int | float, n: jax.Array, page_size: int) -> jax.Array:
+def quest_pages_kept(budget: Budget, n: jax.Array, page_size: int) -> jax.Array:
     """Pages each row keeps, as :func:`magicpig_jax.attention.quest_attention`: ``max(1, floor(t/page))``
     with ``t = min(budget_tokens, n)``, or every page when ``t = n`` (int32 ``[B]``)."""
     tokens = jnp.minimum(budget_tokens(budget, n), n)
@@ -185,7 +185,7 @@ def host_quest_attention(
     k: Float[Array, "B Hkv N D"],
     v: Float[Array, "B Hkv N D"],
     pages: QuestPages,
-    budget: int | float,
+    budget: Budget,
     *,
     context: Int[Array, " B"] | None = None,
     impl: str = "auto",

@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention._common import check_lengths, check_qkv
-from magicpig_jax.attention.baselines import budget_tokens, check_budget
+from magicpig_jax.attention.baselines import Budget, budget_tokens, check_budget
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.exact import MAX_GROUP
 from magicpig_jax.host.validate import check_int, check_kv_dtypes
@@ -48,7 +48,7 @@ def host_topk_attention(
     q: Float[Array, "B Hq D"],
     k: Float[Array, "B Hkv N D"],
     v: Float[Array, "B Hkv N D"],
-    budget: int | float,
+    budget: Budget,
     lengths: Int[Array, " B"] | None = None,
     *,
     start: Int[Array, " B"] | None = None,

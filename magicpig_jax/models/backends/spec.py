@@ -19,7 +19,7 @@ from magicpig_jax.attention import (
     MagicPIGConfig,
     dense_attention,
 )
-from magicpig_jax.attention.baselines import check_budget, check_page_size
+from magicpig_jax.attention.baselines import Budget, check_budget, check_page_size
 from magicpig_jax.attention.layer_configs import LayerConfigs
 
 __all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "LAYERED", "Backend", "DecodeSpec", "MiddleRange",
@@ -69,7 +69,7 @@ class DecodeSpec:
     backend: str = "dense"
     magicpig: MagicPIGConfig = MagicPIGConfig()
     dense_layers: tuple[int, ...] = ()
-    budget: int | float | None = None
+    budget: Budget | None = None
     page_size: int = 16
     generation_buffer: int = GENERATION_BUFFER
     host: bool | None = None
