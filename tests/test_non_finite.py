@@ -99,3 +99,18 @@ def test_quest_page_bounds_carry_a_nan_key_through_build_and_append():
     grown = quest_append_pages(pages, k, jnp.array([16]), 16)  # positions 32..47: the NaN at 40
     assert np.isnan(np.asarray(grown.kmin)[0, 0, 2, 1]) and np.isnan(np.asarray(grown.kmax)[0, 0, 2, 1])
     assert np.isfinite(np.asarray(grown.kmin)[0, 0, 2, [0, 2, 3]]).all()
+
+
+def test_pure_jax_dense_and_merge_keep_nan_apart_from_empty():
+    """dense_attention over a NaN key gives lse NaN (it gave -inf, the mark of an empty row), and
+    merge_attention keeps a NaN part NaN while an empty part (-inf) still contributes nothing."""
+    from magicpig_jax.attention import dense_attention, merge_attention
+
+    q, k, v = _qkv(300, np.nan)
+    out, lse = dense_attention(q, k, v)
+    assert np.isnan(np.asarray(lse[0, :2])).all() and np.isfinite(np.asarray(lse[0, 2:])).all()
+    o = jnp.ones((2, 3))
+    m_out, m_lse = merge_attention(o, jnp.array([jnp.nan, 0.0]), 2 * o, jnp.array([0.0, -jnp.inf]))
+    assert np.isnan(np.asarray(m_out[0])).all() and np.isnan(float(m_lse[0]))
+    np.testing.assert_allclose(np.asarray(m_out[1]), 1.0)
+    assert float(m_lse[1]) == 0.0

@@ -21,7 +21,8 @@ def merge_attention(
     evaluated with the max-shift so nothing overflows. Natural log throughout
     (the reference CPU kernel's base-2 LSE is a known bug this avoids).
     An empty part (``lse = -inf``) contributes nothing; two empty parts give
-    ``out = 0``, ``lse = -inf`` (never NaN).
+    ``out = 0``, ``lse = -inf``. A part with a NaN ``lse`` (a head that read a non-finite
+    key) gives ``out`` and ``lse`` NaN.
 
     Args:
       out_a, out_b: float ``[..., D]`` partial outputs (e.g. ``[B, Hq, D]``).
@@ -53,4 +54,6 @@ def merge_attention(
     out = (wa[..., None] * out_a.astype(jnp.float32) + wb[..., None] * out_b.astype(jnp.float32))
     out = out / denom[..., None]
     lse = jnp.where(total > 0, m_safe + jnp.log(denom), -jnp.inf)
-    return out, lse
+    # A NaN part (a non-finite key upstream) stays NaN: never read as an empty part.
+    broken = jnp.isnan(lse_a) | jnp.isnan(lse_b)
+    return jnp.where(broken[..., None], jnp.nan, out), jnp.where(broken, jnp.nan, lse)
