@@ -4,7 +4,7 @@ All three follow :func:`magicpig_jax.attention.dense_attention`'s conventions:
 q ``[B, Hq, D]``, k/v ``[B, Hkv, N, D]``, optional int ``lengths [B]``, query
 head h reads KV head ``h // (Hq // Hkv)``, computed in float32 whatever the
 input dtype, natural-log LSE, and an empty selection gives ``out = 0``,
-``lse = -inf`` (never NaN). Keys a query head does not keep (or never draws) are selected
+``lse = -inf`` (a NaN logit of a kept key gives NaN). Keys a query head does not keep (or never draws) are selected
 out of its logits and values: NaN in their rows leaves its output unchanged.
 
 Budgets. ``budget`` is a static Python value (pass it through
