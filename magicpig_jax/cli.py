@@ -469,6 +469,11 @@ def main(argv: list[str] | None = None) -> int:
             return _interrupted()
         print(f"magicpig-jax: error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # NaN logits: the model or its cache holds a non-finite value
+        if _Sigint.seen:
+            return _interrupted()
+        print(f"magicpig-jax: error: {err}", file=sys.stderr)
+        return 1
     except Exception:
         if _Sigint.seen:
             return _interrupted()

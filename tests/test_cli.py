@@ -357,3 +357,23 @@ def test_eval_bad_haystack_fails_before_writing_out(tmp_path):
     one_line_error(run("eval", "--out", str(out), "--haystack", str(tmp_path), "--tasks", "niah_single"),
                    "is neither one of")
     assert not out.exists()  # a corrected rerun into the same --out is not blocked by a config.json
+
+
+def test_a_model_with_nan_weights_fails_with_one_line_not_a_traceback(tmp_path):
+    """A checkpoint whose final norm holds a NaN gives NaN logits: the decode stops with exit status
+    1 and one line naming the cause (it decoded token 0 forever before)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "nan_model"
+    shutil.copytree(FAMILY, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"))
+    proc = run("generate", "--model", str(folder), "--prompt", "Hello there", "--attention", "dense",
+               "--max-new-tokens", "4")
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("magicpig-jax: error: the logits for new token 0 of row(s) [0] contain NaN"), lines[0]
