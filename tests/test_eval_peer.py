@@ -44,8 +44,8 @@ def test_fill_batch_writes_every_field():
     assert batch.n_tokens == 2 and batch.logits[:2] == [0, 1] and [s[0] for s in batch.seq_id[:2]] == [0, 0]
 
 
-@pytest.mark.parametrize("bad", [dict(steps=1), dict(repeats=0), dict(prompt_ids=[]), dict(batches=[0]),
-                                 dict(batches=[])])
+@pytest.mark.parametrize("bad", [dict(steps=1), dict(repeats=0), dict(warmup=-1), dict(prompt_ids=[]),
+                                 dict(batches=[0]), dict(batches=[])])
 def test_batch_decode_checks_arguments_before_loading(tmp_path, bad):
     kw = dict(model_path=tmp_path / "model.gguf", prompt_ids=[1, 2, 3], batches=[1, 4], steps=4, repeats=3) | bad
     with pytest.raises(ValueError):

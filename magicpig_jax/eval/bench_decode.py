@@ -144,7 +144,8 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
     }
 
 
-def run_peer(model_path, ids: list[int], batches, steps: int, repeats: int, threads: int | None) -> list[dict]:
+def run_peer(model_path, ids: list[int], batches, steps: int, repeats: int, threads: int | None,
+             warmup: int = 0) -> list[dict]:
     """llama.cpp's results for one prompt (:func:`magicpig_jax.eval.peer.llama_cpp_batch_decode`), run in a
     child process (its own peak RSS).
 
@@ -155,8 +156,8 @@ def run_peer(model_path, ids: list[int], batches, steps: int, repeats: int, thre
         ids_path, out_path = Path(tmp) / "ids.json", Path(tmp) / "out.json"
         ids_path.write_text(json.dumps(ids))
         cmd = [sys.executable, "-m", "magicpig_jax.eval.peer", "--model", str(model_path), "--ids", str(ids_path),
-               "--batch", *map(str, batches), "--steps", str(steps), "--repeats", str(repeats), "--out",
-               str(out_path)]
+               "--batch", *map(str, batches), "--steps", str(steps), "--repeats", str(repeats),
+               "--warmup", str(warmup), "--out", str(out_path)]
         if threads:
             cmd += ["--threads", str(threads)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--steps {args.steps} leaves no room for a prompt in the model's context of {ctx}")
         ids = prompt_ids(model, text, n)
         if "llama.cpp" in args.peer:
-            for r in run_peer(model.source, ids, args.batch, args.steps, args.repeats, args.peer_threads):
+            for r in run_peer(model.source, ids, args.batch, args.steps, args.repeats, args.peer_threads,
+                              args.warmup):
                 r.update(length=length, prompt_tokens=n, method="llama.cpp", sampled_fraction=None)
                 results.append(r)
                 bar.update(1)

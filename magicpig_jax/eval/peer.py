@@ -109,7 +109,7 @@ def _stats(xs: Sequence[float]) -> dict:
 
 def llama_cpp_batch_decode(model_path: str | Path, prompt_ids: Sequence[int], batches: Sequence[int], steps: int,
                            repeats: int = 3, *, n_threads: int | None = None, n_batch: int = 512,
-                           rss=None) -> list[dict]:
+                           rss=None, warmup: int = 0) -> list[dict]:
     """For each B of ``batches``: prefill ``prompt_ids`` once, copy its cache to B sequences, and time
     ``repeats`` greedy decodes of ``steps`` tokens of all B sequences together.
 
@@ -120,6 +120,8 @@ def llama_cpp_batch_decode(model_path: str | Path, prompt_ids: Sequence[int], ba
       steps: ``llama_decode`` calls per repeat (one token of every sequence each); the first is not
         timed. ``>= 2``. The first token comes from the prefill's logits.
       repeats: timed repeats per B, ``>= 1``.
+      warmup: untimed decodes per B before them, ``>= 0`` (as ``bench decode --warmup`` runs on our
+        side).
       n_threads: llama.cpp threads (default: every CPU).
       n_batch: prefill batch size (tokens per ``llama_decode``).
       rss: optional object with ``reset()`` and ``peak_bytes()`` (the peak RSS of each B).
@@ -128,17 +130,19 @@ def llama_cpp_batch_decode(model_path: str | Path, prompt_ids: Sequence[int], ba
       one dict per B: ``batch``, ``ms_per_step`` and ``tokens_per_s`` (aggregate: B tokens per step)
       as ``{median, min, max, values}`` over the repeats, ``prefill_seconds``, ``tokens`` (sequence
       0's greedy ids), ``rows_identical`` (every sequence decoded the same ids), ``peak_rss_bytes``,
-      ``version``, ``threads``.
+      ``version``, ``threads``, ``warmup``.
 
     Raises:
       ImportError: ``llama-cpp-python`` is not installed (install the ``peer`` extra).
-      ValueError: ``steps < 2``, ``repeats < 1``, an empty prompt or a batch size < 1.
+      ValueError: ``steps < 2``, ``repeats < 1``, ``warmup < 0``, an empty prompt or a batch size < 1.
       RuntimeError: llama.cpp failed to load the model, create a context or decode.
     """
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the first is not timed), got {steps}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
     if len(prompt_ids) == 0:
         raise ValueError("prompt_ids must not be empty")
     if not batches or min(batches) < 1:
@@ -171,17 +175,17 @@ def llama_cpp_batch_decode(model_path: str | Path, prompt_ids: Sequence[int], ba
 
             with OtherLoad() as load:
                 results.append(_one_batch(low, model, n_vocab, list(prompt_ids), int(B), steps, repeats, threads,
-                                          n_batch, np))
+                                          n_batch, np, warmup))
             results[-1]["other_processes_cpu_fraction"] = load.fraction
             if rss is not None:
                 results[-1]["peak_rss_bytes"] = rss.peak_bytes()
-            results[-1].update(version=llama_cpp.__version__, threads=threads)
+            results[-1].update(version=llama_cpp.__version__, threads=threads, warmup=warmup)
     finally:
         low.llama_model_free(model)
     return results
 
 
-def _one_batch(low, model, n_vocab, prompt_ids, B, steps, repeats, threads, n_batch, np) -> dict:
+def _one_batch(low, model, n_vocab, prompt_ids, B, steps, repeats, threads, n_batch, np, warmup=0) -> dict:
     n = len(prompt_ids)
     n_ctx, _ = context_size(B, n, steps)
     cparams = low.llama_context_default_params()
@@ -216,7 +220,7 @@ def _one_batch(low, model, n_vocab, prompt_ids, B, steps, repeats, threads, n_ba
             low.llama_memory_seq_cp(mem, 0, s, -1, -1)
         prefill_s = time.perf_counter() - t
         ms, rows = [], None
-        for _ in range(repeats):
+        for run in range(warmup + repeats):
             for s in range(B):
                 low.llama_memory_seq_rm(mem, s, n, -1)  # back to the prompt alone
             tokens = [first] * B
@@ -229,7 +233,8 @@ def _one_batch(low, model, n_vocab, prompt_ids, B, steps, repeats, threads, n_ba
                 tokens = [argmax(i) for i in range(B)]
                 for s in range(B):
                     out[s].append(tokens[s])
-            ms.append(1000.0 * (time.perf_counter() - t0) / (steps - 1))
+            if run >= warmup:  # the warm-up runs are not timed
+                ms.append(1000.0 * (time.perf_counter() - t0) / (steps - 1))
             rows = out
         tps = [1000.0 * B / m for m in ms]
         return {"batch": B, "ms_per_step": _stats(ms), "tokens_per_s": _stats(tps),
@@ -250,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs="+", required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", required=True, help="JSON file for the results")
     args = p.parse_args(argv)
     ids = json.loads(Path(args.ids).read_text())
     res = llama_cpp_batch_decode(args.model, ids, args.batch, args.steps, args.repeats, n_threads=args.threads,
-                                 rss=PeakRSS())
+                                 rss=PeakRSS(), warmup=args.warmup)
     Path(args.out).write_text(json.dumps(res))
     return 0
 
