@@ -74,6 +74,8 @@ def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str],
         pairs = [(r["score"], dense[r["index"]]) for r in rs if r["index"] in dense]
         if pairs:
             d_lo, d_hi = paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])
+            if d_lo is not None:  # a difference of two scores in [0, 1] lies in [-1, 1]
+                d_lo, d_hi = max(d_lo, -1.0), min(d_hi, 1.0)
             diff[t] = [sum(a - b for a, b in pairs) / len(pairs), d_lo, d_hi]
         else:
             diff[t] = [None, None, None]
