@@ -34,16 +34,6 @@ from magicpig_jax.eval.rss import OtherLoad
 SHAPES = {"llama3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 
 
-def _timeit(fn, reps: int) -> float:
-    jax.block_until_ready(fn())  # warm-up / compile
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 class _CopyEvict:
     """Copies a buffer of 256 MiB (at least 4x the last-level cache) between timed calls, so each call
     starts as a decode step does: the layer's K/V rows and buckets in DRAM, not left in L3 by the
@@ -204,13 +194,17 @@ def run_one(shape_name, N, args, rng, copy_bw):
         warm = _timed_pair(fns, args.reps, None)  # the same query again: its rows partly still in L3
     t_op, t_host = float(np.median(cold["op"])), float(np.median(cold["host"]))
     _, _, ns = attn(q, k, v, hidx, lengths)
+    # The baselines as the op: --reps cold calls (caches evicted before each), median. Until
+    # 2026-12-04 they were timed warm, the median of reps // 2 calls (2 at --reps 5).
     dense = jax.jit(dense_attention)
-    t_dense = _timeit(lambda: dense(q, k, v, lengths), max(1, args.reps // 2))
+    dense_ts = _timed_pair({"dense": lambda: dense(q, k, v, lengths)}, args.reps, _CopyEvict())["dense"]
+    t_dense = float(np.median(dense_ts))
     ref = None
     if N <= args.ref_max_n:
         ri = jax.jit(build_lsh_index, static_argnames="config")(k, proj, config=cfg, lengths=lengths)
         reff = jax.jit(lambda q, k, v, ri, n: magicpig_attention(q, k, v, ri, cfg, n))
-        ref = _timeit(lambda: reff(q, k, v, ri, lengths), max(1, args.reps // 2))
+        ref = float(np.median(_timed_pair({"ref": lambda: reff(q, k, v, ri, lengths)}, args.reps,
+                                          _CopyEvict())["ref"]))
         del ri
     n_hashed = int(hidx.end[0] - hidx.start[0])
     ns = np.asarray(ns)
@@ -239,6 +233,7 @@ def run_one(shape_name, N, args, rng, copy_bw):
         "host_op_only_cpu_ms": _spread_ms(cold["op_cpu"]), "host_attention_cpu_ms": _spread_ms(cold["host_cpu"]),
         "other_processes_cpu_fraction": load.fraction,
         "dense_ms": 1e3 * t_dense,
+        "dense_spread_ms": _spread_ms(dense_ts),
         "reference_ms": None if ref is None else 1e3 * ref,
         "reference_skipped": None if ref is not None else f"N > --ref-max-n={args.ref_max_n} (memory)",
         "speedup_vs_dense": t_dense / t_host,
