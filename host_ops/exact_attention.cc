@@ -60,12 +60,14 @@ float DotScalar(const float* q, const T* k, int64_t D) {
 // sets *nan when some x[j] is NaN.
 inline float ScaleMaxScalar(float* x, int64_t n, float scale, bool* nan) {
   float m = -INFINITY;
+  bool seen = false;  // a local flag: no store through the pointer per element
   for (int64_t j = 0; j < n; ++j) {
     const float y = x[j] * scale;
     x[j] = y;
     m = m < y ? y : m;
-    *nan |= y != y;
+    seen |= y != y;
   }
+  *nan |= seen;
   return m;
 }
 

@@ -910,16 +910,23 @@ HeadSplit SplitHeads(int64_t heads, int64_t threads, int64_t max_len) {
 }
 
 // The LSE merge of a head's P pieces: out = sum_p exp(lse_p - lse) o_p, lse = log sum_p exp(lse_p);
-// out 0 and lse -inf when every piece is empty.
+// out 0 and lse -inf when every piece is empty; NaN when a piece is NaN (a non-finite key).
 void MergePieces(int64_t P, int64_t D, const float* o, const float* lse, const int32_t* ns, float* out,
                  float* out_lse, int32_t* out_ns) {
   float mx = -INFINITY;
   int32_t n = 0;
+  bool nan = false;
   for (int64_t p = 0; p < P; ++p) {
     mx = std::max(mx, lse[p]);
     n += ns[p];
+    nan |= std::isnan(lse[p]);
   }
   *out_ns = n;
+  if (nan) {
+    std::fill(out, out + D, NAN);
+    *out_lse = NAN;
+    return;
+  }
   std::fill(out, out + D, 0.0f);
   if (!std::isfinite(mx)) {
     *out_lse = -INFINITY;

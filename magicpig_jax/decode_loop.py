@@ -60,6 +60,10 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got seed={self.seed!r}")
+        # NumPy scalars are kept as Python numbers (the run's stats are written as JSON)
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "seed", int(self.seed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +185,8 @@ def _decode_cache(state, spec: DecodeSpec, limits: np.ndarray, consume: bool) ->
     """
     need = int((state.prompt_lengths + limits).max())
     if need > state.cache.capacity:
-        raise ValueError(f"max_new_tokens={int(limits.max())} exceeds the cache capacity {state.cache.capacity} "
-                         f"(prompt and new tokens need {need} positions)")
+        raise ValueError(f"the prompt and the new tokens need {need} positions, more than the cache's capacity "
+                         f"{state.cache.capacity}: prefill with at least this max_new_tokens")
     cache = state.cache if consume and isinstance(state.cache, KVCache) else state.cache.copy()
     if consume:
         state.cache = None
@@ -384,12 +388,15 @@ class DecodeRun:
                                  jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p))
 
     def _check_logits(self, t: int, sampled: np.ndarray, done: np.ndarray) -> None:
-        """Raise if a live row's logits for token ``t`` held NaN (``sample_token`` gave -1)."""
+        """Raise if a live row's logits for token ``t`` held NaN or +inf (``sample_token`` gave -1).
+
+        Teacher-forced runs too: their logits would give a NaN likelihood, which the evaluation's
+        means would drop."""
         bad = np.nonzero((np.asarray(sampled) < 0) & ~done)[0]
         if len(bad):
             raise FloatingPointError(
-                f"the logits for new token {t} of row(s) {bad.tolist()} contain NaN ({self.spec.backend} "
-                "attention): a weight, activation or KV-cache value is not finite; no token can be chosen")
+                f"the logits for new token {t} of row(s) {bad.tolist()} contain NaN or +inf "
+                f"({self.spec.backend} attention): a weight, activation or KV-cache value is not finite")
 
     def _take(self, tok: np.ndarray, done: np.ndarray) -> None:
         """Append each live row's new token and mark the rows that stop."""

@@ -266,6 +266,11 @@ def test_sampling_takes_numpy_scalars_and_refuses_bools():
 
     s = Sampling(temperature=np.float32(0.5), top_p=np.float64(0.9), seed=np.int64(3))
     assert s.temperature == 0.5 and s.top_p == 0.9
+    json.dumps(dataclasses.asdict(s))  # kept as Python numbers: a run's stats are written as JSON
+    from magicpig_jax.models.backends import DecodeSpec
+
+    spec = DecodeSpec(backend="topk", budget=np.int64(32))
+    assert type(spec.budget) is int and spec == DecodeSpec(backend="topk", budget=32)
     for bad in (True, np.bool_(True)):
         with pytest.raises(ValueError, match="temperature"):
             Sampling(temperature=bad)

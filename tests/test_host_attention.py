@@ -199,8 +199,30 @@ def test_a_non_finite_key_in_the_hashed_range_gives_nan_not_a_silent_sample(impl
     ref_out, ref_lse, _ = magicpig_attention(q, k, v, build_lsh_index(k, proj, cfg), cfg)
     out, lse, _ = host.host_magicpig_attention(q, k, v, host.host_build_index(k, proj, cfg), cfg, impl=impl,
                                                max_threads=max_threads)
-    for o in (ref_out, out):
-        assert np.isnan(np.asarray(o[0, :2])).all()
+    for o, lo in ((ref_out, ref_lse), (out, lse)):
+        assert np.isnan(np.asarray(o[0, :2])).all() and np.isnan(np.asarray(lo[0, :2])).all()
         assert np.isfinite(np.asarray(o[0, 2:])).all()
-    assert np.isnan(np.asarray(ref_lse[0, :2])).all()
+    np.testing.assert_allclose(np.asarray(out[0, 2:]), np.asarray(ref_out[0, 2:]), atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("pos", [1, 2995])  # a sink, the local window
+@pytest.mark.parametrize("static_window", [0, None])  # 0: the op attends the static keys (the decoder's way)
+@pytest.mark.parametrize("max_threads", [1, 0])
+def test_a_nan_static_key_gives_nan_in_the_op_as_in_the_reference(impl, pos, static_window, max_threads):
+    """A NaN key among the exact (static) keys: the op's own softmax over them (static_window=0, as
+    the single-device decoder calls it, split heads included) gives NaN out and lse, as the pure-JAX
+    reference does; it used to give a finite, empty-looking head."""
+    r = jax.random.split(jax.random.key(0), 3)
+    k = jax.random.normal(r[0], (1, 2, 3000, 16)).at[0, 0, pos, 3].set(jnp.nan)
+    v = jax.random.normal(r[1], (1, 2, 3000, 16))
+    q = jax.random.normal(r[2], (1, 4, 16))
+    cfg = MagicPIGConfig(K=4, L=20, num_sink=4, num_local=16)
+    proj = lsh.simhash_projections(jax.random.key(1), 16, 4, 20)
+    kw = {} if static_window is None else {"static_window": static_window}
+    out, lse, _ = host.host_magicpig_attention(q, k, v, host.host_build_index(k, proj, cfg), cfg, impl=impl,
+                                               max_threads=max_threads, **kw)
+    ref_out, ref_lse, _ = magicpig_attention(q, k, v, build_lsh_index(k, proj, cfg), cfg)
+    for o, lo in ((out, lse), (ref_out, ref_lse)):
+        assert np.isnan(np.asarray(o[0, :2])).all() and np.isnan(np.asarray(lo[0, :2])).all()
     np.testing.assert_allclose(np.asarray(out[0, 2:]), np.asarray(ref_out[0, 2:]), atol=1e-5)

@@ -217,6 +217,12 @@ def test_rope_settings_read_differently_by_transformers_versions_are_refused(tmp
     other = {**rope, "factor": 4.0}
     with pytest.raises(ValueError, match="'rope_scaling' and 'rope_parameters' describe different"):
         load_model(_edited_copy("llama3", tmp_path / "e", rope_scaling=other))
+    # with rope_scaling present transformers reads it, not rope_parameters: a base only there is refused
+    no_theta = {k: v for k, v in rope.items() if k != "rope_theta"}
+    with pytest.raises(ValueError, match="only in 'rope_parameters'"):
+        load_model(_edited_copy("llama3", tmp_path / "f", rope_scaling=no_theta))
+    same = load_model(_edited_copy("llama3", tmp_path / "g", rope_scaling=no_theta, rope_theta=rope["rope_theta"]))
+    assert same.config.rope_theta == rope["rope_theta"]
 
 
 def test_sharded_directory_reads_only_the_indexed_files(refs, tmp_path):

@@ -502,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"magicpig-jax: error: eval: {err}", file=sys.stderr)  # as the parser's errors
         return 2
+    except FloatingPointError as err:  # NaN logits: stop rather than record a NaN the means would drop
+        print(f"magicpig-jax: error: eval: {err}; finished records are in {args.out / RESULTS}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -28,10 +28,10 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     """Parse a Hugging Face model directory of a Llama-family model.
 
     Weights are read with ``safetensors`` (any float dtype, converted to
-    float32) in the Hugging Face naming and ``(out, in)`` layout, from the files
-    ``model.safetensors.index.json`` lists, else ``model.safetensors``, else every
-    ``*.safetensors`` of the folder (as transformers, a repository's other files, such as
-    Mistral's ``consolidated.safetensors``, are not read when the standard ones exist). The stop ids of the
+    float32) in the Hugging Face naming and ``(out, in)`` layout, from ``model.safetensors``,
+    else the files ``model.safetensors.index.json`` lists (transformers' order), else every
+    ``*.safetensors`` of the folder: a repository's other files, such as Mistral's
+    ``consolidated.safetensors``, are not read when the standard ones exist. The stop ids of the
     config are those of ``config.json`` and ``generation_config.json`` together.
     Rotary ``inv_freq`` buffers (recomputed) are skipped; with tied embeddings an
     ``lm_head.weight`` equal to the embedding is dropped, a different one refused.
@@ -76,6 +76,8 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
 
 def _weight_files(folder: Path) -> list[Path]:
     """The safetensors files of ``folder`` that hold the model (see :func:`read_hf_dir`)."""
+    if (folder / "model.safetensors").is_file():  # transformers' order: the single file, then the index
+        return [folder / "model.safetensors"]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map")
@@ -86,8 +88,6 @@ def _weight_files(folder: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{index} names file(s) missing from {folder}: {', '.join(missing)}")
         return files
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}")

@@ -220,14 +220,16 @@ _HF_DEFAULTS = {
 def _hf_rope(cfg: Mapping) -> tuple[tuple | None, float | None]:
     """``(normalized RoPE scaling, rope_theta)`` of a config.json, refusing contradictions.
 
-    transformers 4 writes ``rope_theta`` at the top level and the scaling under
-    ``rope_scaling``; transformers 5 writes both under ``rope_parameters``. A file may carry
-    both forms (saved by one version, edited by hand): which one a version of transformers
-    reads differs, so the two must agree.
+    transformers 4 reads ``rope_theta`` at the top level and the scaling under ``rope_scaling``;
+    transformers 5 writes both under ``rope_parameters`` but, when ``rope_scaling`` is present,
+    reads that one instead (and takes its ``rope_theta``, else the top-level one). A file may
+    carry both forms (saved by one version, edited by hand), so they must agree, and a base that
+    only the ignored ``rope_parameters`` gives is refused rather than guessed.
 
     Raises:
       UnsupportedConfigError: ``rope_scaling`` and ``rope_parameters`` describe different
-        scalings, or two ``rope_theta`` values differ (each named).
+        scalings, two ``rope_theta`` values differ, or only an ignored ``rope_parameters``
+        holds the base (each named).
     """
     forms = {key: cfg[key] for key in ("rope_scaling", "rope_parameters") if cfg.get(key)}
     for key, value in forms.items():
@@ -237,13 +239,17 @@ def _hf_rope(cfg: Mapping) -> tuple[tuple | None, float | None]:
     if len(set(normalized.values())) > 1:
         raise UnsupportedConfigError(
             "config.json 'rope_scaling' and 'rope_parameters' describe different RoPE scalings "
-            f"({forms['rope_scaling']!r} and {forms['rope_parameters']!r}); transformers 4 reads the first, "
-            "5 the second: keep one")
+            f"({forms['rope_scaling']!r} and {forms['rope_parameters']!r}); transformers reads 'rope_scaling' "
+            "when both are present: keep one")
     thetas = {key: float(value) for key, value in [("rope_theta", cfg.get("rope_theta"))]
               + [(f"{k}.rope_theta", v.get("rope_theta")) for k, v in forms.items()] if value is not None}
     if len(set(thetas.values())) > 1:
         shown = ", ".join(f"{k} = {v!r}" for k, v in thetas.items())
         raise UnsupportedConfigError(f"config.json gives different RoPE bases: {shown}; keep one")
+    if list(thetas) == ["rope_parameters.rope_theta"] and "rope_scaling" in forms:
+        raise UnsupportedConfigError(
+            "config.json gives the RoPE base only in 'rope_parameters', which transformers ignores when "
+            "'rope_scaling' is present (it then uses its default base): set 'rope_theta'")
     scaling = next(iter(normalized.values()), None)
     return scaling, next(iter(thetas.values()), None)
 

@@ -198,8 +198,8 @@ def sample_token(logits, key, temperature, top_p):
       logits: float32 ``[B, V]``; key: a PRNG key; temperature, top_p: float32 scalars.
 
     Returns:
-      int32 ``[B]``; -1 for a row whose logits contain NaN (no token can be chosen from
-      them; the decode loop raises ``FloatingPointError`` on it).
+      int32 ``[B]``; -1 for a row whose logits contain NaN or +inf (no distribution can be
+      formed from them; the decode loop raises ``FloatingPointError`` on it).
 
     Source: Holtzman et al. 2020 (nucleus sampling).
     """
@@ -218,7 +218,8 @@ def sample_token(logits, key, temperature, top_p):
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
     token = jax.lax.cond(temperature > 0, nucleus, lambda _: greedy, None)
-    return jnp.where(jnp.any(jnp.isnan(logits), axis=-1), -1, token).astype(jnp.int32)
+    broken = jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
+    return jnp.where(broken, -1, token).astype(jnp.int32)
 
 
 def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperature, top_p, spec: DecodeSpec):

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from magicpig_jax import lsh
 from magicpig_jax.attention import (
@@ -85,6 +86,8 @@ class DecodeSpec:
             if self.budget is None:
                 raise ValueError(f"attention backend {self.backend!r} needs a budget (tokens or a fraction)")
             check_budget(self.budget)
+            if isinstance(self.budget, np.integer | np.floating):  # stored as Python: hashable alike, JSON-able
+                object.__setattr__(self, "budget", self.budget.item())
             check_page_size(self.page_size)
         elif self.budget is not None:
             raise ValueError(f"budget applies to the {', '.join(BUDGETED)} backends only, got backend={self.backend!r}")
