@@ -269,8 +269,7 @@ void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const floa
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       lse[g] = mx + static_cast<float>(std::log(tot));
     } else if (std::isnan(tot)) {
-      std::fill(o, o + D, NAN);
-      lse[g] = NAN;
+      magicpig::Poison(o, D, lse + g);
     } else {
       std::fill(o, o + D, 0.0f);
       lse[g] = -INFINITY;

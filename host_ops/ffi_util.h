@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -30,6 +31,16 @@ inline std::string Shape(ffi::Span<const int64_t> d) {
 
 inline ffi::Error InvalidArg(const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, "magicpig host op: " + msg);
+}
+
+// A score or logit that only a non-finite q or k gives (NaN, +inf).
+inline bool Corrupt(float score) { return score != score || score == INFINITY; }
+
+// The result of a head that read a non-finite q or key: out and lse NaN, never a finite or
+// empty-looking head (as dense attention gives).
+inline void Poison(float* out, int64_t D, float* lse) {
+  std::fill(out, out + D, NAN);
+  *lse = NAN;
 }
 
 // Software prefetches of the cache line holding p: into L1 (prefetcht0) and into L2

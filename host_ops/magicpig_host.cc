@@ -882,8 +882,7 @@ void NanIfMeanNotFinite(const AttendArgs& a, int64_t item, float* o, float* lse)
   const float* m = a.mean + (b * a.g.Hkv + h) * a.D;
   for (int64_t d = 0; d < a.D; ++d) {
     if (!std::isfinite(m[d])) {
-      std::fill(o, o + a.D, NAN);
-      *lse = NAN;
+      magicpig::Poison(o, a.D, lse);
       return;
     }
   }
@@ -923,8 +922,7 @@ void MergePieces(int64_t P, int64_t D, const float* o, const float* lse, const i
   }
   *out_ns = n;
   if (nan) {
-    std::fill(out, out + D, NAN);
-    *out_lse = NAN;
+    magicpig::Poison(out, D, out_lse);
     return;
   }
   std::fill(out, out + D, 0.0f);

@@ -161,13 +161,10 @@ void AppendStatic(const float* q, const T* k, const T* v, int64_t s, int64_t e, 
   for (int64_t j = e; j < ctx; ++j) add(j);
 }
 
-// A score that only a non-finite q or k gives (NaN, +inf): the head's result is NaN, never a
-// selection that silently leaves the key out (NaN ranks last) or an empty row.
-inline bool Corrupt(float score) { return score != score || score == INFINITY; }
-inline void Poison(float* out, int64_t D, float* lse) {
-  std::fill(out, out + D, NAN);
-  *lse = NAN;
-}
+// A NaN or +inf score makes the head NaN (magicpig::Corrupt / Poison), never a selection that
+// silently leaves the key out (NaN ranks last) or an empty row.
+using magicpig::Corrupt;
+using magicpig::Poison;
 
 // Softmax attention over `n` selected keys with logits `logit[j]` and value rows `rows[j]`
 // (pointers into V): out[0:D] = sum_j e_j v_j / sum_j e_j, *lse = max + log(sum). No key, or only
