@@ -183,6 +183,26 @@ def test_static_attention_matches_float64(data, N, Hkv, seed):
     _assert_static_is_the_float64_selection(q, k, v, out, lse, start, end, lengths, num_sink, window)
 
 
+@settings(max_examples=40)
+@given(data=st.data(), N=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_static_attention_clips_out_of_range_positions_the_same_way_on_both_paths(data, N, seed):
+    """start > end, lengths > N or negative positions (a traced caller cannot be refused): the
+    masked path and the windowed path (W = N reads every position) gave different answers
+    (sinks counted twice, a tail past N); both now equal float64 over the clipped selection."""
+    B = 2
+    draw = lambda lo, hi: np.asarray(data.draw(st.lists(st.integers(lo, hi), min_size=B, max_size=B)))  # noqa: E731
+    lengths, start, end = draw(-2, N + 4), draw(-2, N + 4), draw(-2, N + 4)
+    num_sink = data.draw(st.integers(0, N + 2))
+    q, k, v = make_qkv(seed, B=B, Hq=2, Hkv=1, N=N, D=4, scale=2.0)
+    masked = static_attention(q, k, v, i32(start), i32(end), i32(lengths), num_sink=num_sink)
+    windowed = static_attention(q, k, v, i32(start), i32(end), i32(lengths), num_sink=num_sink, window=N)
+    n = np.clip(lengths, 0, N)
+    s = np.minimum(np.minimum(np.clip(start, 0, N), num_sink), n)
+    e = np.maximum(np.clip(end, 0, N), s)
+    for out, lse in (masked, windowed):
+        _assert_static_is_the_float64_selection(q, k, v, out, lse, s, e, n, num_sink, None)
+
+
 def test_static_attention_window_past_the_row_start_reads_position_0():
     # W >= lengths (the window covers the whole row) with W < N: the slice of W positions starts at
     # 0, so position 0 is attended (a lower clip bound of 1 would drop it; static mutant 100).

@@ -9,6 +9,8 @@ logits into a ``FloatingPointError`` naming the token and rows, for every backen
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,25 @@ def test_pure_jax_dense_and_merge_keep_nan_apart_from_empty():
     assert np.isnan(np.asarray(m_out[0])).all() and np.isnan(float(m_lse[0]))
     np.testing.assert_allclose(np.asarray(m_out[1]), 1.0)
     assert float(m_lse[1]) == 0.0
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_hybrid_gives_nan_like_magicpig_for_a_non_finite_key_in_the_hashed_range(bad):
+    """An infinite key made the hybrid's light weights 1e30 (log u_c of a NaN cosine read as -inf,
+    then floored): a finite, wrong answer where MagicPIG gives NaN."""
+    from magicpig_jax import lsh
+    from magicpig_jax.attention import HybridConfig, build_lsh_index, hybrid_attention, magicpig_attention
+    from magicpig_jax.attention.hybrid import log_light_probability
+
+    q, k, v = _qkv(300, bad)
+    cfg = HybridConfig(K=3, L=10, num_sink=4, num_local=8, heavy=5)
+    index = build_lsh_index(k, lsh.simhash_projections(jax.random.key(1), 16, 3, 10), cfg)
+    out, lse, _ = hybrid_attention(q, k, v, index, cfg)
+    ref_out, ref_lse, _ = magicpig_attention(q, k, v, index, MagicPIGConfig(K=3, L=10, num_sink=4, num_local=8))
+    assert np.isnan(np.asarray(out[0, :2])).all() and np.isnan(np.asarray(lse[0, :2])).all()
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), np.isnan(np.asarray(ref_lse)))
+    assert np.isfinite(np.asarray(out[0, 2:])).all()
+    assert np.isnan(float(log_light_probability(jnp.float32(jnp.nan), 3, 10, 5)))
+    assert float(log_light_probability(jnp.float32(0.0), 3, 10, 5)) == -np.inf
+    with pytest.raises(ValueError, match="index.projections must be"):
+        hybrid_attention(q, k, v, dataclasses.replace(index, projections=index.projections[:, :-1]), cfg)

@@ -30,15 +30,16 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int, int, 
     return B, Hq, Hkv, N, D
 
 
-def check_lengths(lengths: jax.Array | None, B: int, N: int) -> jax.Array:
-    """Return ``lengths`` as int32 ``[B]`` (default N for every row)."""
+def check_lengths(lengths: jax.Array | None, B: int, N: int, name: str = "lengths") -> jax.Array:
+    """Return ``lengths`` (or another per-row position, ``name``) as int32 ``[B]`` clipped to
+    ``[0, N]`` (default N for every row)."""
     if lengths is None:
         return jnp.full((B,), N, dtype=jnp.int32)
     lengths = jnp.asarray(lengths)
     if lengths.shape != (B,):
-        raise ValueError(f"lengths must be [B] = [{B}], got shape {tuple(lengths.shape)}")
+        raise ValueError(f"{name} must be [B] = [{B}], got shape {tuple(lengths.shape)}")
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise TypeError(f"lengths must be an integer array, got {lengths.dtype}")
+        raise TypeError(f"{name} must be an integer array, got {lengths.dtype}")
     return jnp.clip(lengths.astype(jnp.int32), 0, N)
 
 

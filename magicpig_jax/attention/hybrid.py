@@ -38,7 +38,7 @@ from jaxtyping import Array, Float, Int
 from magicpig_jax import lsh
 from magicpig_jax.attention._common import check_lengths, check_qkv, grouped_logits, masked_softmax_attention
 from magicpig_jax.attention.config import MagicPIGConfig, _check_count
-from magicpig_jax.attention.magicpig import LOG_U_FLOOR, LSHIndex
+from magicpig_jax.attention.magicpig import LOG_U_FLOOR, LSHIndex, check_index_fits, nan_if_mean_not_finite
 
 __all__ = ["HybridConfig", "hybrid_attention", "log_light_probability", "hybrid_log_weights"]
 
@@ -82,7 +82,8 @@ def log_light_probability(p: Float[Array, "..."], K: int, L: int, heavy: int) ->
       heavy: ``m``, ``3 <= m <= L + 1``.
 
     Returns:
-      float32, same shape; ``-inf`` where ``p = 0`` (then ``u_c = 0``), ``0`` where ``P = 1``.
+      float32, same shape; ``-inf`` where ``p = 0`` (then ``u_c = 0``), ``0`` where ``P = 1``,
+      NaN where ``p`` is NaN (as :func:`magicpig_jax.lsh.log_sampling_probability`).
 
     Raises:
       ValueError / TypeError: invalid K, L or heavy.
@@ -100,7 +101,7 @@ def log_light_probability(p: Float[Array, "..."], K: int, L: int, heavy: int) ->
     terms = c + j * log_odds[..., None]  # [..., m]
     num = jax.scipy.special.logsumexp(terms[..., 2:], axis=-1)
     den = jax.scipy.special.logsumexp(terms, axis=-1)
-    return jnp.where(p > 0, jnp.minimum(num - den, 0.0), -jnp.inf)
+    return jnp.where(p > 0, jnp.minimum(num - den, 0.0), jnp.where(jnp.isnan(p), jnp.nan, -jnp.inf))
 
 
 def hybrid_log_weights(hits: Int[Array, "..."], p: Float[Array, "..."], K: int, L: int,
@@ -161,10 +162,11 @@ def hybrid_attention(
 
     Returns:
       ``(out, lse, num_sampled)``: out float32 ``[B, Hq, D]``, natural-log lse float32 ``[B, Hq]``,
-      num_sampled int32 ``[B, Hq]`` (heavy and light: the keys touched, as MagicPIG's).
+      num_sampled int32 ``[B, Hq]`` (heavy and light: the keys touched, as MagicPIG's). A head
+      whose index mean is not finite gets out and lse NaN, as in MagicPIG.
 
     Raises:
-      TypeError: ``config`` is not a :class:`HybridConfig`.
+      TypeError: ``config`` is not a :class:`HybridConfig`, or ``index`` not an :class:`LSHIndex`.
       ValueError: bad shapes, or an index that does not fit.
 
     Source: ``proofs/hybrid.md``; arXiv 2410.16179, Eq. (4) and (9).
@@ -172,10 +174,7 @@ def hybrid_attention(
     if not isinstance(config, HybridConfig):
         raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
-    if index.codes.shape != (B, Hkv, N, config.L):
-        raise ValueError(
-            f"index.codes must be [B, Hkv, N, L] = {(B, Hkv, N, config.L)}, got {tuple(index.codes.shape)}"
-        )
+    check_index_fits(index, config, B, Hkv, N, D)
     lengths = check_lengths(lengths, B, N)
     hits, cos, in_range, static = _hits_and_cos(q, k, index, config, lengths)
     sampled = (hits >= 2) & in_range
@@ -183,4 +182,5 @@ def hybrid_attention(
     logits = grouped_logits(q, k)
     logits = jnp.where(sampled, logits - log_w, logits)
     out, lse = masked_softmax_attention(logits, sampled | static, v)
+    out, lse = nan_if_mean_not_finite(out, lse, index)
     return out, lse, jnp.sum(sampled, axis=-1, dtype=jnp.int32).reshape(B, Hq)

@@ -205,6 +205,24 @@ def magicpig_attention(
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     if not isinstance(config, MagicPIGConfig):
         raise TypeError(f"config must be a MagicPIGConfig, got {type(config).__name__}")
+    check_index_fits(index, config, B, Hkv, N, D)
+    lengths = check_lengths(lengths, B, N)
+    sampled, static, log_u = sampled_mask_and_log_u(q, k, index, config, lengths)
+    logits = grouped_logits(q, k)
+    logits = jnp.where(sampled, logits - log_u, logits)
+    out, lse = masked_softmax_attention(logits, sampled | static, v)
+    num_sampled = jnp.sum(sampled, axis=-1, dtype=jnp.int32).reshape(B, Hq)
+    out, lse = nan_if_mean_not_finite(out, lse, index)
+    return out, lse, num_sampled
+
+
+def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, N: int, D: int) -> None:
+    """Raise unless ``index`` is an :class:`LSHIndex` of ``[B, Hkv, N]`` keys of dimension D built for ``config``.
+
+    Raises:
+      TypeError: ``index`` is not an :class:`LSHIndex`.
+      ValueError: ``index.codes`` is not ``[B, Hkv, N, L]`` or ``index.projections`` not ``[D, K*L]``.
+    """
     if not isinstance(index, LSHIndex):
         raise TypeError(f"index must be an LSHIndex (build_lsh_index), got {type(index).__name__}")
     if index.codes.shape != (B, Hkv, N, config.L):
@@ -216,15 +234,16 @@ def magicpig_attention(
             f"index.projections must be [D, K*L] = {(D, config.K * config.L)}, "
             f"got {tuple(index.projections.shape)}"
         )
-    lengths = check_lengths(lengths, B, N)
-    sampled, static, log_u = sampled_mask_and_log_u(q, k, index, config, lengths)
-    logits = grouped_logits(q, k)
-    logits = jnp.where(sampled, logits - log_u, logits)
-    out, lse = masked_softmax_attention(logits, sampled | static, v)
-    num_sampled = jnp.sum(sampled, axis=-1, dtype=jnp.int32).reshape(B, Hq)
-    # A non-finite key in the hashed range makes the mean non-finite and every centered code 0:
-    # the head's result is NaN, never a silently wrong sample (the host op does the same).
+
+
+def nan_if_mean_not_finite(out: Float[Array, "B Hq D"], lse: Float[Array, "B Hq"],
+                           index: LSHIndex) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
+    """``(out, lse)`` with NaN for every query head whose KV head's index mean is not finite.
+
+    A NaN or infinite key in the hashed range makes the mean non-finite and every centered
+    code 0, so the sample carries no information: the head's result is NaN, never a silently
+    wrong sample (the host op does the same).
+    """
+    Hq, Hkv = lse.shape[1], index.mean.shape[1]
     broken = jnp.repeat(~jnp.all(jnp.isfinite(index.mean), axis=-1), Hq // Hkv, axis=1)  # [B, Hq]
-    out = jnp.where(broken[..., None], jnp.nan, out)
-    lse = jnp.where(broken, jnp.nan, lse)
-    return out, lse, num_sampled
+    return jnp.where(broken[..., None], jnp.nan, out), jnp.where(broken, jnp.nan, lse)

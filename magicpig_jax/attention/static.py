@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.attention._common import check_qkv, grouped_logits, masked_softmax_attention
+from magicpig_jax.attention._common import check_lengths, check_qkv, grouped_logits, masked_softmax_attention
 from magicpig_jax.attention.merge import merge_attention
 
 __all__ = ["static_attention"]
@@ -43,9 +43,11 @@ def static_attention(
     Args:
       q: float ``[B, Hq, D]``.
       k, v: float ``[B, Hkv, N, D]``.
-      start: int32 ``[B]``, ``0 <= start <= lengths``: the sinks are ``[0, min(start, num_sink))``.
-      end: int32 ``[B]``, ``start <= end``: the tail starts here.
-      lengths: int32 ``[B]`` valid keys per row, in ``[0, N]``.
+      start: int ``[B]``, ``0 <= start <= lengths``: the sinks are ``[0, min(start, num_sink))``.
+      end: int ``[B]``, ``start <= end``: the tail starts here.
+      lengths: int ``[B]`` valid keys per row, in ``[0, N]``.
+      (Values out of these ranges are clipped into them, ``end`` to at least ``start``: under
+      ``jit`` they cannot be checked, and both paths then give the same answer.)
       num_sink: static bound on the sinks, ``>= 0``: they are read from the first ``num_sink``
         positions (with or without ``window``), so ``start`` beyond it counts as ``num_sink``.
       window: static int ``>= 0`` or None (see above).
@@ -55,7 +57,9 @@ def static_attention(
       out 0 and lse ``-inf`` for a row with no static key.
 
     Raises:
-      ValueError: bad shapes, a negative ``num_sink`` or ``window``.
+      ValueError: bad shapes (``start``, ``end`` or ``lengths`` not ``[B]``), a negative
+        ``num_sink`` or ``window``.
+      TypeError: ``start``, ``end`` or ``lengths`` not integers (named).
 
     Source: arXiv 2410.16179, Section 5 (the static set) and Eq. (4) (the parts merged by LSE).
     """
@@ -64,8 +68,14 @@ def static_attention(
         raise ValueError(f"num_sink must be >= 0, got num_sink={num_sink}")
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 or None, got window={window}")
+    lengths = check_lengths(lengths, B, N)  # [B] integers (TypeError / ValueError naming them), clipped to [0, N]
+    start = check_lengths(start, B, N, name="start")
+    end = check_lengths(end, B, N, name="end")
     pos = jnp.arange(N, dtype=jnp.int32)[None, :]
-    start = jnp.minimum(start, num_sink)  # both paths read the sinks from the first num_sink positions
+    # Both paths read the sinks from the first num_sink positions, and the tail from max(end, start):
+    # out-of-range values (traced ones cannot raise) give the same answer on either path.
+    start = jnp.minimum(jnp.minimum(start, num_sink), lengths)
+    end = jnp.maximum(end, start)
     if window is None:
         mask = (pos < start[:, None]) | ((pos >= end[:, None]) & (pos < lengths[:, None]))
         return masked_softmax_attention(grouped_logits(q, k), mask[:, None, None, :], v)
