@@ -20,6 +20,8 @@ from jaxtyping import Array, Float, UInt32
 __all__ = [
     "simhash_projections",
     "simhash_codes",
+    "exponent_scaled",
+    "cosine_from_dots",
     "collision_probability",
     "sampling_probability",
     "log_sampling_probability",
@@ -47,6 +49,8 @@ def validate_k_l(K: int, L: int) -> None:
     Raises:
       TypeError: if K or L is not an integer.
       ValueError: if K or L is out of range.
+
+    Source: arXiv 2410.16179, Section 4.2 (K bits per table, L tables, "collides in >= 2 tables").
     """
     for name, value in (("K", K), ("L", L)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -120,26 +124,70 @@ def simhash_codes(
     return jnp.sum(bits * weights, axis=-1, dtype=jnp.uint32)
 
 
+def exponent_scaled(x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+    """``x`` in float32, each vector (last axis) times the power of two that brings its largest
+    absolute entry into ``[1, 2)``; a zero vector stays zero.
+
+    The scaling is exact (a power of two), so a cosine computed from scaled vectors equals the
+    unscaled one wherever that did not under- or overflow, and the squared norms can no longer
+    underflow (tiny vectors read as zero) or overflow (huge ones gave NaN) in float32.
+
+    Args:
+      x: float ``[..., D]``.
+
+    Returns:
+      float32 ``[..., D]``; a vector with a non-finite entry is returned unscaled.
+    """
+    x = jnp.asarray(x).astype(jnp.float32)
+    top = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    ok = (top > 0) & jnp.isfinite(top)
+    _, e = jnp.frexp(jnp.where(ok, top, 1.0))  # top = m 2^e, m in [0.5, 1)
+    return jnp.where(ok, jnp.ldexp(x, 1 - e), x)
+
+
+def cosine_from_dots(dots: Float[Array, "..."], q_scaled: Float[Array, "... D"],
+                     k_scaled: Float[Array, "... D"]) -> Float[Array, "..."]:
+    """``dots / (||q|| ||k||)``, 0 where either norm is 0 (the angle is undefined).
+
+    Args:
+      dots: float32, the dot products of the :func:`exponent_scaled` vectors.
+      q_scaled, k_scaled: those vectors, broadcast against ``dots`` once their last axis is
+        reduced to the norm.
+
+    Returns:
+      float32, the shape of ``dots``; NaN where an input is not finite.
+    """
+    norms = jnp.linalg.norm(q_scaled, axis=-1) * jnp.linalg.norm(k_scaled, axis=-1)
+    return jnp.where(norms > 0, dots / jnp.where(norms > 0, norms, 1.0), 0.0)
+
+
 def collision_probability(q: Float[Array, "... D"], k: Float[Array, "... D"]) -> Float[Array, "..."]:
     """Per-bit SimHash collision probability ``p = 1 - arccos(cos(q, k)) / pi``.
 
-    The cosine is computed in float32 and clamped to ``[-1, 1]`` before
-    ``arccos``. Convention: if either vector is zero the angle is undefined and
-    ``cos`` is taken as 0, so ``p = 1/2`` (never NaN).
+    The cosine is computed in float32 from the :func:`exponent_scaled` vectors (any finite
+    norm), clamped to ``[-1, 1]`` before ``arccos``. Convention: if either
+    vector is zero the angle is undefined and ``cos`` is taken as 0, so ``p = 1/2``.
 
     Args:
       q, k: float arrays broadcastable to a common ``[..., D]``.
 
     Returns:
-      float32 ``[...]`` in ``[0, 1]``.
+      float32 ``[...]`` in ``[0, 1]``; NaN only where an input entry is not finite.
+
+    Raises:
+      ValueError: ``q`` and ``k`` have different last dimensions D, or do not broadcast.
 
     Source: arXiv 2410.16179, Section 4.2 (Goemans-Williamson / Charikar).
     """
-    q = q.astype(jnp.float32)
-    k = k.astype(jnp.float32)
-    dot = jnp.sum(q * k, axis=-1)
-    norms = jnp.sqrt(jnp.sum(q * q, axis=-1)) * jnp.sqrt(jnp.sum(k * k, axis=-1))
-    return collision_probability_from_cosine(jnp.where(norms > 0, dot / jnp.where(norms > 0, norms, 1.0), 0.0))
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    if q.ndim == 0 or k.ndim == 0 or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must be [..., D] with the same D, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    try:
+        jnp.broadcast_shapes(q.shape, k.shape)
+    except ValueError:
+        raise ValueError(f"q and k must broadcast, got shapes {tuple(q.shape)} and {tuple(k.shape)}") from None
+    qs, ks = exponent_scaled(q), exponent_scaled(k)
+    return collision_probability_from_cosine(cosine_from_dots(jnp.sum(qs * ks, axis=-1), qs, ks))
 
 
 def collision_probability_from_cosine(cos: Float[Array, "..."]) -> Float[Array, "..."]:
@@ -161,8 +209,9 @@ def log_sampling_probability(p: Float[Array, "..."], K: int, L: int) -> Float[Ar
     ``r = P/(1-P)``, ``c_m = C(L, m+2)/C(L, 2)``, which has no cancellation.
     Relative error of ``u`` against float64 stays below 1e-4 (the tests' bound) wherever
     the true ``u >= 1e-30`` (measured: < 1.1e-5 over K in 1..32, L in 2..5000; < 4e-6
-    where ``u >= 1e-20``); ``log u`` is finite for ``p > 0`` and ``-inf`` only for
-    ``p = 0`` (never NaN).
+    where ``u >= 1e-20``); ``log u`` is finite for ``p >= 1.2e-38`` (the smallest normal float32) and
+    ``-inf`` for ``p = 0`` and for subnormal ``p``, which XLA's CPU backend flushes to zero (a
+    ``p`` computed from a cosine is never that small); NaN only for a NaN ``p``.
 
     Args:
       p: collision probability per bit, any shape, values in ``[0, 1]``
@@ -218,6 +267,9 @@ def sampling_probability(p: Float[Array, "..."], K: int, L: int) -> Float[Array,
 
     Returns:
       float32, same shape as ``p``, in ``[0, 1]``.
+
+    Raises:
+      ValueError / TypeError: invalid K or L (:func:`validate_k_l`).
 
     Source: arXiv 2410.16179, Section 4.2.
     """

@@ -260,3 +260,42 @@ def test_numpy_scalar_budgets_count_as_ints_and_floats():
                                       np.asarray(topk_attention(q, k, k, plain)[0]))
     with pytest.raises(TypeError, match="budget"):
         topk_attention(q, k, k, np.bool_(True))
+
+
+def test_an_index_refuses_a_config_with_another_static_set():
+    """magicpig_attention and hybrid_attention took the static set from the index and ignored the
+    config's num_sink / num_local: a config that differed from the build's gave the build's answer."""
+    import dataclasses
+
+    from magicpig_jax import lsh
+    from magicpig_jax.attention import HybridConfig, LSHIndex, build_lsh_index, hybrid_attention, magicpig_attention
+
+    r = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(r[0], (1, 2, 8)), jax.random.normal(r[1], (1, 1, 64, 8)),
+               jax.random.normal(r[2], (1, 1, 64, 8)))
+    built = MagicPIGConfig(K=4, L=8, num_sink=4, num_local=16)
+    index = build_lsh_index(k, lsh.simhash_projections(jax.random.key(0), 8, 4, 8), built)
+    assert (index.num_sink, index.num_local) == (4, 16)
+    assert jax.tree.leaves(index)[0].shape == index.codes.shape  # static metadata, not leaves
+    for asked, name in ((dataclasses.replace(built, num_sink=64), "num_sink"),
+                        (dataclasses.replace(built, num_local=8), "num_local")):
+        with pytest.raises(ValueError, match=f"built with {name}="):
+            magicpig_attention(q, k, v, index, asked)
+    with pytest.raises(ValueError, match="built with num_local=16 but config has num_local=8"):
+        hybrid_attention(q, k, v, index, HybridConfig(K=4, L=8, num_sink=4, num_local=8, heavy=4))
+    magicpig_attention(q, k, v, index, built)  # the build's own config is accepted
+    by_hand = LSHIndex(codes=index.codes, mean=index.mean, start=index.start, end=index.end,
+                       projections=index.projections)  # nothing recorded: nothing to check
+    magicpig_attention(q, k, v, by_hand, dataclasses.replace(built, num_sink=64))
+
+
+def test_collision_probability_holds_at_extreme_norms():
+    """|q||k| was formed from float32 norms: parallel vectors of norm 4e-20 read as zero (p = 1/2,
+    the true p is 1) and of norm 4e19 overflowed to NaN."""
+    from magicpig_jax import lsh
+
+    x = jnp.array([1.0, 2.0, -3.0, 0.5])
+    for scale in (4e-20, 1.0, 4e19):
+        assert float(lsh.collision_probability(scale * x, 2 * scale * x)) == pytest.approx(1.0, abs=1e-3)
+        assert float(lsh.collision_probability(scale * x, -scale * x)) == pytest.approx(0.0, abs=1e-3)
+    assert float(lsh.collision_probability(x, jnp.zeros(4))) == 0.5

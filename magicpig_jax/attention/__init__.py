@@ -4,10 +4,13 @@ Shape glossary: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, N cached
 keys, D head dim. Query head h reads KV head ``h // G``. All functions are pure
 and jit-able (configs are static Python objects).
 
-Padding is inert: a key that an estimator does not use (past its row's length, outside the
-static set or the hashed range, not sampled, not kept, never drawn) is selected out of the
-logits and of the values, so whatever its K and V rows hold (NaN, inf, garbage) the result is
-the one of a clean cache.
+Padding is inert: a key past its row's length, or one an estimator does not use (not
+sampled, not kept, never drawn), is selected out of the logits and of the values, so
+whatever its V row holds (NaN, inf, garbage) the result is the one of a clean cache, and so
+is whatever its K row holds past the row's length. A non-finite K row inside a row's length
+is not inert where the estimator reads every key of its range: MagicPIG and the hybrid
+center the keys by their mean (a NaN or infinite key gives the heads of its KV head NaN),
+TopK, Quest and oracle sampling score every key (a NaN or +inf logit gives NaN).
 """
 
 from magicpig_jax.attention.baselines import (

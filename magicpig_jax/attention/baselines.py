@@ -92,7 +92,10 @@ def budget_tokens(budget: Budget, lengths: Int[Array, " B"]) -> Int[Array, " B"]
 
     Args:
       budget: ``int >= 1`` (that many tokens for every row) or ``float`` in
-        ``(0, 1]`` (``ceil(f * lengths[b])`` tokens for row b, 0 for an empty row).
+        ``(0, 1]`` (``ceil(f * lengths[b])`` tokens for row b, 0 for an empty row, where f
+        is first replaced by the nearest fraction with a denominator <= 32768 so that the
+        product is exact in int32: a float that differs from such a fraction by less than
+        that rounding, such as ``0.5 + 2**-20``, counts as the fraction).
       lengths: int ``[B]`` valid keys per row.
 
     Returns:
@@ -102,6 +105,9 @@ def budget_tokens(budget: Budget, lengths: Int[Array, " B"]) -> Int[Array, " B"]
     Raises:
       TypeError: ``budget`` is neither int nor float (bool is rejected).
       ValueError: an int budget < 1 or a float outside ``(0, 1]``.
+
+    Source: the equal-budget comparison of arXiv 2410.16179, Section 5 (TopK and the
+    baselines given the keys MagicPIG samples).
     """
     b = check_budget(budget)
     lengths = jnp.asarray(lengths).astype(jnp.int32)

@@ -87,6 +87,8 @@ def log_light_probability(p: Float[Array, "..."], K: int, L: int, heavy: int) ->
 
     Raises:
       ValueError / TypeError: invalid K, L or heavy.
+
+    Source: ``proofs/hybrid.md`` (the light keys' probability), from arXiv 2410.16179, Section 4.2.
     """
     lsh.validate_k_l(K, L)
     if not 3 <= heavy <= L + 1:
@@ -115,7 +117,12 @@ def hybrid_log_weights(hits: Int[Array, "..."], p: Float[Array, "..."], K: int, 
 
     Returns:
       float32: ``0`` where ``hits >= heavy``, ``max(log u_c, LOG_U_FLOOR)`` elsewhere (the value
-      matters only where ``hits >= 2``).
+      matters only where ``hits >= 2``); NaN where ``p`` is NaN and the key is light.
+
+    Raises:
+      ValueError / TypeError: invalid K, L or heavy (:func:`log_light_probability`).
+
+    Source: ``proofs/hybrid.md``.
     """
     log_uc = jnp.maximum(log_light_probability(p, K, L, heavy), LOG_U_FLOOR)
     return jnp.where(hits >= heavy, 0.0, log_uc)
@@ -130,11 +137,10 @@ def _hits_and_cos(q, k, index: LSHIndex, config: MagicPIGConfig, lengths):
     in_range = (pos[None, :] >= index.start[:, None]) & (pos[None, :] < index.end[:, None]) & valid
     q_codes = lsh.simhash_codes(q, index.projections, config.K, config.L).reshape(B, Hkv, G, 1, config.L)
     hits = jnp.sum(q_codes == index.codes[:, :, None, :, :], axis=-1, dtype=jnp.int32)
-    kc = k.astype(jnp.float32) - index.mean[:, :, None, :]
-    qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
+    kc = lsh.exponent_scaled(k.astype(jnp.float32) - index.mean[:, :, None, :])
+    qg = lsh.exponent_scaled(q.reshape(B, Hkv, G, D))
     dots = jnp.einsum("bhgd,bhnd->bhgn", qg, kc, precision=jax.lax.Precision.HIGHEST)
-    norms = jnp.linalg.norm(qg, axis=-1)[..., None] * jnp.linalg.norm(kc, axis=-1)[:, :, None, :]
-    cos = jnp.where(norms > 0, dots / jnp.where(norms > 0, norms, 1.0), 0.0)
+    cos = lsh.cosine_from_dots(dots, qg[..., None, :], kc[:, :, None, :, :])
     return hits, cos, in_range[:, None, None, :], (valid & ~in_range)[:, None, None, :]
 
 

@@ -49,6 +49,9 @@ class LSHIndex:
         (= max(length - num_local, start)).
       projections: float32 ``[D, K*L]``, the SimHash hyperplanes; the query is
         hashed with the same ones.
+      num_sink, num_local: static (pytree metadata), the static set the index was built
+        with (:func:`build_lsh_index` records them); the attention functions refuse a
+        config that differs. None: not recorded (an index assembled by hand).
 
     Source: arXiv 2410.16179, Section 4.3 (tables built once after prefill).
     """
@@ -58,6 +61,8 @@ class LSHIndex:
     start: Int[Array, " B"]
     end: Int[Array, " B"]
     projections: Float[Array, "D KL"]
+    num_sink: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    num_local: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def build_lsh_index(
@@ -78,7 +83,8 @@ def build_lsh_index(
       k: float ``[B, Hkv, N, D]`` keys (any float dtype).
       projections: float32 ``[D, K*L]`` from :func:`magicpig_jax.lsh.simhash_projections`.
       config: the :class:`MagicPIGConfig` (K, L, num_sink, num_local).
-      lengths: int ``[B]``, valid keys per row (default N).
+      lengths: int ``[B]``, valid keys per row (default N; values outside ``[0, N]`` are
+        clipped into it, as under ``jit`` they cannot be refused).
       center: static; ``False`` builds the uncentered ablation (``mean = 0``: raw
         keys are hashed and their raw angles give ``u``), for studies only.
 
@@ -86,10 +92,13 @@ def build_lsh_index(
       An :class:`LSHIndex`.
 
     Raises:
-      ValueError: k is not 4-D, or projections is not ``[D, K*L]``.
+      ValueError: k is not 4-D, projections is not ``[D, K*L]``, or lengths is not ``[B]``.
+      TypeError: k is not a floating dtype, lengths not integers, config not a MagicPIGConfig.
     """
     if k.ndim != 4:
         raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(k.shape)}")
+    if not jnp.issubdtype(k.dtype, jnp.floating):
+        raise TypeError(f"k must be a floating dtype, got {k.dtype}")
     if not isinstance(config, MagicPIGConfig):
         raise TypeError(f"config must be a MagicPIGConfig, got {type(config).__name__}")
     if not isinstance(center, bool):
@@ -106,7 +115,8 @@ def build_lsh_index(
     if not center:
         mean = jnp.zeros_like(mean)
     codes = lsh.simhash_codes(kf - mean[:, :, None, :], projections, config.K, config.L)
-    return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections)
+    return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections,
+                    num_sink=config.num_sink, num_local=config.num_local)
 
 
 def hashed_mean(
@@ -125,6 +135,8 @@ def hashed_mean(
 
     Returns:
       ``(start, end)`` int32 ``[B]`` and the mean float32 ``[B, Hkv, D]``.
+
+    Raises nothing itself: ``lengths`` is expected checked (:func:`build_lsh_index` does).
     """
     N = k.shape[2]
     start, end = config.hashed_range(lengths)
@@ -153,11 +165,10 @@ def sampled_mask_and_log_u(
     hits = jnp.sum(q_codes == index.codes[:, :, None, :, :], axis=-1, dtype=jnp.int32)
     sampled = (hits >= 2) & in_range[:, None, None, :]
     static = (valid & ~in_range)[:, None, None, :]
-    kc = k.astype(jnp.float32) - index.mean[:, :, None, :]
-    qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
+    kc = lsh.exponent_scaled(k.astype(jnp.float32) - index.mean[:, :, None, :])
+    qg = lsh.exponent_scaled(q.reshape(B, Hkv, G, D))
     dots = jnp.einsum("bhgd,bhnd->bhgn", qg, kc, precision=jax.lax.Precision.HIGHEST)
-    norms = jnp.linalg.norm(qg, axis=-1)[..., None] * jnp.linalg.norm(kc, axis=-1)[:, :, None, :]
-    cos = jnp.where(norms > 0, dots / jnp.where(norms > 0, norms, 1.0), 0.0)
+    cos = lsh.cosine_from_dots(dots, qg[..., None, :], kc[:, :, None, :, :])
     p = lsh.collision_probability_from_cosine(cos)
     log_u = jnp.maximum(lsh.log_sampling_probability(p, config.K, config.L), LOG_U_FLOOR)
     return sampled, static, log_u
@@ -187,8 +198,8 @@ def magicpig_attention(
       k, v: float ``[B, Hkv, N, D]``.
       index: the :class:`LSHIndex` built from these keys (same B, Hkv, N).
       config: the :class:`MagicPIGConfig` the index was built with.
-      lengths: int ``[B]``, valid keys per row (default N); may exceed the
-        length the index was built at (appended keys are static).
+      lengths: int ``[B]``, valid keys per row (default N; clipped into ``[0, N]``); may
+        exceed the length the index was built at (appended keys are static).
 
     Returns:
       ``(out, lse, num_sampled)``: out float32 ``[B, Hq, D]``; lse float32
@@ -198,7 +209,8 @@ def magicpig_attention(
       out and lse NaN: its keys' codes carry no information.
 
     Raises:
-      ValueError / TypeError: bad shapes or dtypes, or an index that does not fit.
+      ValueError / TypeError: bad shapes or dtypes, or an index that does not fit (its
+        shapes, or a ``num_sink`` / ``num_local`` other than ``config``'s: :func:`check_index_fits`).
 
     Source: arXiv 2410.16179, Eq. (4) and (9), Sections 4.2-4.3.
     """
@@ -221,10 +233,18 @@ def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, 
 
     Raises:
       TypeError: ``index`` is not an :class:`LSHIndex`.
-      ValueError: ``index.codes`` is not ``[B, Hkv, N, L]`` or ``index.projections`` not ``[D, K*L]``.
+      ValueError: ``index.codes`` is not ``[B, Hkv, N, L]``, ``index.projections`` not ``[D, K*L]``,
+        or the index was built with another ``num_sink`` / ``num_local`` than ``config``'s (its static
+        set is ``[0, index.start)`` and ``[index.end, lengths)``, so a config that differs would be
+        ignored).
     """
     if not isinstance(index, LSHIndex):
         raise TypeError(f"index must be an LSHIndex (build_lsh_index), got {type(index).__name__}")
+    for name in ("num_sink", "num_local"):
+        built, asked = getattr(index, name), getattr(config, name)
+        if built is not None and built != asked:
+            raise ValueError(f"the index was built with {name}={built} but config has {name}={asked}: "
+                             f"build the index with this config")
     if index.codes.shape != (B, Hkv, N, config.L):
         raise ValueError(
             f"index.codes must be [B, Hkv, N, L] = {(B, Hkv, N, config.L)}, got {tuple(index.codes.shape)}"

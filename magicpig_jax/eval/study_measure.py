@@ -142,11 +142,10 @@ def _centered_cosines(q, k, mean):
     """cos(q_h, k_i - mean) for every head and key: ``[Hq, N]`` (row 0)."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
-    kc = (k - mean[:, :, None, :])[0]  # [Hkv, N, D]
-    qg = q[0].reshape(Hkv, Hq // Hkv, D)
+    kc = lsh.exponent_scaled((k - mean[:, :, None, :])[0])  # [Hkv, N, D]
+    qg = lsh.exponent_scaled(q[0].reshape(Hkv, Hq // Hkv, D))
     dots = jnp.einsum("hgd,hnd->hgn", qg, kc, precision=jax.lax.Precision.HIGHEST)
-    norms = jnp.linalg.norm(qg, axis=-1)[..., None] * jnp.linalg.norm(kc, axis=-1)[:, None, :]
-    return jnp.where(norms > 0, dots / jnp.where(norms > 0, norms, 1.0), 0.0).reshape(Hq, -1)
+    return lsh.cosine_from_dots(dots, qg[..., None, :], kc[:, None, :, :]).reshape(Hq, -1)
 
 
 def _oracle_many(budget: Budget):
