@@ -45,3 +45,10 @@ def test_expected_sampled_fraction_bad_input():
         cost_model.expected_sampled_fraction(np.zeros(0), 10, 150)
     with pytest.raises(ValueError, match="K"):
         cost_model.expected_sampled_fraction(np.zeros(3), 0, 150)
+
+
+def test_expected_sampled_fraction_refuses_impossible_cosines():
+    """A cosine of 2.0 was clipped to 1 and returned a fraction of 1.0."""
+    with pytest.raises(ValueError, match=r"cosines must be in \[-1, 1\]"):
+        cost_model.expected_sampled_fraction(np.array([0.1, 2.0]), 10, 150)
+    assert cost_model.expected_sampled_fraction(np.array([1.0 + 1e-7, -1.0]), 10, 150) == pytest.approx(0.5, abs=1e-6)

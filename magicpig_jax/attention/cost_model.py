@@ -38,7 +38,8 @@ def expected_sampled_fraction(cosines: Float[np.ndarray, "..."], K: int, L: int)
       A float in ``[0, 1]`` (a fraction of the keys, not a count).
 
     Raises:
-      ValueError: empty ``cosines``, NaN cosines, or invalid ``K``/``L``.
+      ValueError: empty ``cosines``, NaN cosines or cosines outside ``[-1, 1]`` (by more than
+        rounding), or invalid ``K``/``L``.
       TypeError: non-integer ``K``/``L``.
 
     Source: arXiv 2410.16179, Section 4.2 (Eq. (9)) and Section 5 (cost ~ fraction sampled).
@@ -49,6 +50,8 @@ def expected_sampled_fraction(cosines: Float[np.ndarray, "..."], K: int, L: int)
         raise ValueError("cosines must not be empty")
     if np.any(np.isnan(c)):
         raise ValueError("cosines must not contain NaN")
+    if np.any(np.abs(c) > 1.0 + 1e-6):  # rounding may put a computed cosine just past 1
+        raise ValueError(f"cosines must be in [-1, 1], got values in [{c.min()}, {c.max()}]")
     p = lsh.collision_probability_from_cosine(jnp.asarray(c, jnp.float32))
     return float(np.mean(np.asarray(lsh.sampling_probability(p, K, L), np.float64)))
 
