@@ -715,3 +715,62 @@ def test_encode_chat_with_a_single_special_token_and_used_private_characters():
     # the first two candidates for a mark (U+F0000, and what follows it) are in the content
     content = "\U000f0000\x01\U000f0001b<|im_end|>"
     assert tok.encode_chat([{"role": "user", "content": content}]) == [*_byte_ids(f"[{content}]"), EOS]
+
+
+def test_gguf_rope_scaling_as_llama_cpp_reads_it(tmp_path):
+    """llama.cpp's reading (llama_model::load_hparams): an absent type is linear, factor 0 or type
+    "none" is no scaling, the older rope.scale_linear key counts, and rope_freqs apply with the
+    linear factor; each case gave llama.cpp's logits within 3e-5 in a llama-cpp-python differential."""
+    linear4 = (("factor", 4.0), ("rope_type", "linear"))
+    cases = [({"llama.rope.scaling.factor": 4.0}, linear4),
+             ({"llama.rope.scale_linear": 4.0}, linear4),
+             ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, None),
+             ({"llama.rope.scaling.factor": 0.0}, None),
+             ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+             ({"llama.attention.head_count_kv": [HKV, HKV]}, None)]
+    for i, (kv, expected) in enumerate(cases):
+        assert read_gguf_config(_header(tmp_path, f"s{i}.gguf", kv=kv)).rope_scaling == expected, kv
+    for i, bad in enumerate((-1.0, float("nan"), float("inf"))):
+        p = _header(tmp_path, f"b{i}.gguf", kv={"llama.rope.scaling.factor": bad})
+        with _raises(GGUFMetadataError, f"{p}: llama.rope.scaling.factor = {bad!r} must be a finite number >= 0 "
+                                        "(0: no scaling)"):
+            read_gguf_config(p)
+    p = _header(tmp_path, "dims.gguf", kv={"llama.rope.dimension_count": 2 * D})
+    with _raises(GGUFMetadataError, f"{p}: llama.rope.dimension_count = {2 * D} exceeds the head dim {D}"):
+        read_gguf_config(p)
+    p = _header(tmp_path, "kv.gguf", kv={"llama.attention.head_count_kv": [HKV, 1]})
+    with _raises(UnsupportedConfigError, f"{p}: llama.attention.head_count_kv = [{HKV}, 1] differs between layers; "
+                                         "per-layer values are not implemented"):
+        read_gguf_config(p)
+    # rope_freqs and a linear factor together: both divide the frequencies (float64 reference)
+    hf = _hf_weights(12)
+    factors = np.array([1.0, 2.0, 4.0, 0.5], np.float32)
+    path = _write(tmp_path / "fl.gguf", weights=hf, tensors={"rope_freqs.weight": factors},
+                  kv={"llama.rope.scaling.factor": 4.0})
+    inv = 1.0 / 5000.0 ** (np.arange(0, D, 2, dtype=np.float64) / D) / factors.astype(np.float64) / 4.0
+    np.testing.assert_allclose(np.asarray(load_model(path).module.inv_freq[...]), inv, rtol=1e-7)
+    for name, bad in (("len", np.ones(D, np.float32)), ("zero", np.array([1.0, 0.0, 1.0, 1.0], np.float32))):
+        p = _write(tmp_path / f"{name}.gguf", weights=hf, tensors={"rope_freqs.weight": bad})
+        message = (f"{p}: rope_freqs.weight has {D} entries; RoPE needs head dim / 2 = {D // 2}" if name == "len"
+                   else f"{p}: rope_freqs.weight holds a factor that is not finite and > 0")
+        with _raises(ValueError, message):
+            read_gguf(p)
+    # qwen2 has no output bias (llama.cpp and transformers)
+    p = _write(tmp_path / "qo.gguf", "qwen2", _hf_weights(2, bias=True, o_bias=True))
+    with _raises(UnsupportedConfigError, f"unexpected tensor blk.0.attn_output.bias in {p} for a qwen2 model"):
+        read_gguf(p)
+
+
+def test_rope_inv_freq_factors_with_scalings():
+    from magicpig_jax.models.config import rope_inv_freq
+
+    base = _llama_config(rope_scaling=(("factor", 2.0), ("rope_type", "linear")))
+    ff = np.array([1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_allclose(rope_inv_freq(base, ff), 1.0 / 5000.0 ** (np.arange(0, D, 2) / D) / ff / 2.0,
+                               rtol=1e-7)
+    with _raises(ValueError, "freq_factors must be [D/2] = [4] finite values > 0, got shape (3,)"):
+        rope_inv_freq(base, ff[:3])
+    llama3 = _llama_config(rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                                         ("original_max_position_embeddings", 8192), ("rope_type", "llama3")))
+    with _raises(ValueError, "freq_factors cannot be combined with a 'llama3' RoPE scaling"):
+        rope_inv_freq(llama3, ff)

@@ -13,6 +13,7 @@ is an error naming the key (:class:`GGUFMetadataError`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -57,7 +58,8 @@ _QK_NORM_NAMES = {
 # per-layer tensors each architecture may hold (llama.cpp's llama loads optional q/k/v/o biases)
 _ARCH_LAYER_NAMES = {
     "llama": {**_LAYER_NAMES, **_BIAS_NAMES},
-    "qwen2": {**_LAYER_NAMES, **_BIAS_NAMES},
+    # llama.cpp's qwen2 has q/k/v biases but no output bias (nor has transformers' Qwen2)
+    "qwen2": {**_LAYER_NAMES, **{k: v for k, v in _BIAS_NAMES.items() if k != "attn_output.bias"}},
     "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
 }
 _GLOBAL_NAMES = {
@@ -72,7 +74,7 @@ _ARCH_KEYS = {
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
     "attention.key_length", "attention.value_length", "attention.sliding_window",
     "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
-    "rope.scaling.original_context_length", "rope.scaling.finetuned",
+    "rope.scaling.original_context_length", "rope.scaling.finetuned", "rope.scale_linear",
     "expert_count", "expert_used_count", "tensor_data_layout",
 }
 # tokenizer keys Tokenizer.from_gguf_metadata reads, or that do not change the token ids
@@ -190,6 +192,18 @@ def _required(reader, name, path):
     return value
 
 
+def _scalar(reader, key: str, arch: str, path, default=None, required: bool = False):
+    """``<arch>.<key>``: a number, or a per-layer array whose entries are all equal (llama.cpp writes both)."""
+    name = f"{arch}.{key}"
+    value = _required(reader, name, path) if required else _field(reader, name, default)
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise UnsupportedConfigError(
+                f"{path}: {name} = {value} differs between layers; per-layer values are not implemented")
+        value = value[0]
+    return value
+
+
 def _check_keys(reader, arch: str, path) -> None:
     """Refuse metadata this reader does not implement (a key could change the computation)."""
     general_type = _field(reader, "general.type")
@@ -297,8 +311,8 @@ def _architecture(reader, path: Path) -> str:
 def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
     """The :class:`LlamaConfig` of the metadata and the tensors by name; refuses what is not implemented."""
     _check_keys(reader, arch, path)
-    n_head = int(_required(reader, f"{arch}.attention.head_count", path))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    n_head = int(_scalar(reader, "attention.head_count", arch, path, required=True))
+    n_kv = int(_scalar(reader, "attention.head_count_kv", arch, path, default=n_head))
     hidden = int(_required(reader, f"{arch}.embedding_length", path))
     n_layers = int(_required(reader, f"{arch}.block_count", path))
     tensors = {t.name: t for t in reader.tensors}
@@ -317,18 +331,13 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         raise UnsupportedConfigError(
             f"{path}: {arch}.attention.value_length = {value_length} differs from the key length {head_dim}")
     rope_dims = _field(reader, f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    if rope_dims is not None and int(rope_dims) < head_dim:
         raise UnsupportedConfigError(
             f"{path}: {arch}.rope.dimension_count = {rope_dims} < head dim {head_dim}: partial RoPE is not implemented")
-    scaling = None
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type == "linear":
-        factor = _required(reader, f"{arch}.rope.scaling.factor", path)
-        scaling = (("factor", float(factor)), ("rope_type", "linear"))
-    elif scaling_type not in (None, "none"):
-        raise UnsupportedConfigError(
-            f"{path}: {arch}.rope.scaling.type = {scaling_type!r} is not implemented (supported: none, linear; "
-            "Llama 3.1 scaling comes as the rope_freqs.weight tensor)")
+    if rope_dims is not None and int(rope_dims) > head_dim:
+        raise GGUFMetadataError(
+            f"{path}: {arch}.rope.dimension_count = {rope_dims} exceeds the head dim {head_dim}")
+    scaling = _rope_scaling(reader, arch, path)
     eos_ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         value = _field(reader, key)
@@ -343,7 +352,7 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_required(reader, f"{arch}.feed_forward_length", path)),
+        intermediate_size=int(_scalar(reader, "feed_forward_length", arch, path, required=True)),
         num_layers=n_layers,
         num_heads=n_head,
         num_kv_heads=n_kv,
@@ -361,6 +370,35 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
     ), tensors
 
 
+def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
+    """The RoPE scaling as llama.cpp reads it: ``None`` or ``(("factor", f), ("rope_type", "linear"))``.
+
+    llama.cpp takes an absent ``rope.scaling.type`` as "linear" and divides the
+    frequencies by ``rope.scaling.factor`` (or the older ``rope.scale_linear``)
+    whenever one is given; a factor of 0 means no scaling, and type "none" never
+    scales (``llama_model::load_hparams``, ``llama_context``).
+    """
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none", "linear"):
+        raise UnsupportedConfigError(
+            f"{path}: {arch}.rope.scaling.type = {scaling_type!r} is not implemented (supported: none, linear; "
+            "Llama 3.1 scaling comes as the rope_freqs.weight tensor)")
+    key = f"{arch}.rope.scaling.factor"
+    factor = _field(reader, key)
+    if factor is None:
+        key = f"{arch}.rope.scale_linear"
+        factor = _field(reader, key)
+    if scaling_type == "linear" and factor is None:
+        _required(reader, f"{arch}.rope.scaling.factor", path)
+    if factor is None or scaling_type == "none":
+        return None
+    if isinstance(factor, list) or not math.isfinite(float(factor)) or float(factor) < 0:
+        raise GGUFMetadataError(f"{path}: {key} = {factor!r} must be a finite number >= 0 (0: no scaling)")
+    if float(factor) == 0:
+        return None
+    return (("factor", float(factor)), ("rope_type", "linear"))
+
+
 def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple[dict, np.ndarray | None]:
     """Where each tensor lies in the file, under its Hugging Face name; Llama 3.1's RoPE factors."""
     import gguf
@@ -372,6 +410,12 @@ def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple
     for name, t in tensors.items():
         if name == "rope_freqs.weight" and arch == "llama":
             freq_factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+            if freq_factors.shape != (config.head_dim // 2,):
+                raise UnsupportedConfigError(
+                    f"{path}: rope_freqs.weight has {freq_factors.size} entries; RoPE needs head dim / 2 = "
+                    f"{config.head_dim // 2}")
+            if not (np.isfinite(freq_factors).all() and (freq_factors > 0).all()):
+                raise GGUFMetadataError(f"{path}: rope_freqs.weight holds a factor that is not finite and > 0")
             continue
         if name.startswith("blk."):
             _, idx, rest = name.split(".", 2)

@@ -329,15 +329,27 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -
     ``theta^(-2i/D)``, then the configured scaling: "linear" divides by ``factor``;
     "llama3" applies Llama 3.1's wavelength-dependent scaling (as transformers'
     ``_compute_llama3_parameters``). ``freq_factors`` (llama.cpp's
-    ``rope_freqs.weight``) divide the frequencies instead, when a GGUF ships them.
+    ``rope_freqs.weight``, float ``[D/2]``) divide the frequencies too, when a GGUF
+    ships them; a linear factor then applies on top, as llama.cpp's ``ggml_rope_ext``
+    applies ``freq_scale`` and the factors together.
+
+    Raises:
+      ValueError: ``freq_factors`` is not ``[D/2]`` of finite values > 0, or comes
+        with a "llama3" scaling (the factors are that scaling, precomputed); a
+        "llama3" scaling lacks one of its keys.
     """
     D = config.head_dim
     inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    s = dict(config.rope_scaling or {})
     if freq_factors is not None:
-        return (inv / np.asarray(freq_factors, np.float64)).astype(np.float32)
-    if config.rope_scaling is None:
+        ff = np.asarray(freq_factors, np.float64)
+        if ff.shape != (D // 2,) or not (np.isfinite(ff).all() and (ff > 0).all()):
+            raise ValueError(f"freq_factors must be [D/2] = [{D // 2}] finite values > 0, got shape {ff.shape}")
+        if s.get("rope_type", "linear") != "linear":
+            raise ValueError(f"freq_factors cannot be combined with a {s['rope_type']!r} RoPE scaling")
+        inv = inv / ff
+    if not s:
         return inv.astype(np.float32)
-    s = dict(config.rope_scaling)
     factor = float(s["factor"])
     if s["rope_type"] == "linear":
         return (inv / factor).astype(np.float32)
