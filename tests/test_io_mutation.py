@@ -340,18 +340,18 @@ def test_tokenizer_fields_special_ids_encode_decode_and_messages():
 
 
 def test_tokenizer_content_helpers():
-    from magicpig_jax.io.tokenizer import _map_contents, _strings
+    from magicpig_jax.io.tokenizer import _map_strings, _strings
 
-    assert _strings({"a": ["x", {"b": "y"}, ("z", 3)], "c": 3, "d": None}) == ["x", "y", "z"]
+    assert _strings({"a": ["x", {"b": "y"}, ("z", 3)], "c": 3, "d": None}) == ["a", "x", "b", "y", "z", "c", "d"]
     assert _strings("s") == ["s"] and _strings(4) == []
     message = {"role": "user", "content": "ab"}
-    assert _map_contents(message, str.upper) == {"role": "user", "content": "AB"} and message["content"] == "ab"
-    parts = [{"type": "text", "text": "ab"}, {"type": "image"}, {"type": "text", "text": 3}, "raw"]
-    got = _map_contents({"role": "user", "content": parts}, str.upper)
-    assert got["content"] == [{"type": "text", "text": "AB"}, {"type": "image"}, {"type": "text", "text": 3}, "raw"]
+    assert _map_strings(message, str.upper) == {"ROLE": "USER", "CONTENT": "AB"} and message["content"] == "ab"
+    parts = [{"type": "text", "text": "ab"}, {"type": "image"}, {"type": "text", "text": 3}, ("raw", None)]
+    got = _map_strings({"role": "user", "content": parts}, str.upper)
+    assert got["CONTENT"] == [{"TYPE": "TEXT", "TEXT": "AB"}, {"TYPE": "IMAGE"}, {"TYPE": "TEXT", "TEXT": 3},
+                              ("RAW", None)]
     assert parts[0]["text"] == "ab"
-    assert _map_contents({"role": "user"}, str.upper) == {"role": "user"}
-    assert _map_contents({"role": "user", "content": None}, str.upper) == {"role": "user", "content": None}
+    assert _map_strings({"role": "user", "content": None}, str.upper) == {"ROLE": "USER", "CONTENT": None}
 
 
 def _hf_tok_dir(path, config=None, jinja=None, template_json=None, eos_in_post=False):

@@ -407,14 +407,19 @@ def test_encode_chat_adds_bos_once_and_never_eos():
     ref, lit = _llama3_ref()
     tok = Tokenizer(ref, chat_template=_HEADER_TEMPLATE, eos_token_ids=(5,), bos_token_id=0, add_bos_token=True,
                     add_eos_token=True)
+    templated_bos = Tokenizer(ref, chat_template="{{ bos_token }}" + _HEADER_TEMPLATE, eos_token_ids=(5,),
+                              bos_token_id=0, add_bos_token=True, add_eos_token=True)
     special = [{"role": "user", "content": "<|eot_id|>"}]
     plain = [{"role": "user", "content": "a"}]
     for messages in (special, plain):
         for parse_special in (False, True):
             no_bos = tok.encode_chat(messages, parse_special=parse_special, prefix="")
             assert no_bos[0] == 0 and no_bos.count(0) == 1 and no_bos[-1] == 3  # BOS added, no EOS
-            with_bos = tok.encode_chat(messages, parse_special=parse_special, prefix="<|begin_of_text|>")
+            with_bos = templated_bos.encode_chat(messages, parse_special=parse_special, prefix="")
             assert with_bos == no_bos  # the template's BOS, not a second one
+            # a special string passed in a template argument is the caller's text, like a message's
+            passed = tok.encode_chat(messages, parse_special=parse_special, prefix="<|begin_of_text|>")
+            assert passed == (no_bos if parse_special else [0, *_ids(lit, "<|begin_of_text|>"), *no_bos[1:]])
     assert tok.encode_chat(special, prefix="")[1:] == [2, *_ids(lit, "user"), 3, *_ids(lit, "<|eot_id|>"), 5, 2,
                                                        *_ids(lit, "assistant"), 3]
 
@@ -429,3 +434,22 @@ def test_encode_chat_without_special_tokens():
     ref.encode_special_tokens = True
     messages = [{"role": "user", "content": "<|im_end|> x"}]
     assert tok.encode_chat(messages, prefix="p") == _ids(ref, "p[<|im_end|> x]")
+
+
+def test_unused_tokens_decode_to_nothing():
+    """The converter's UNUSED [PADn] fillers: llama.cpp decodes them to nothing, transformers' tokenizer.json
+    has no such id; encoding never makes them. An UNUSED token a merge needs is kept (the merges need it)."""
+    ref = HFTokenizer.from_file(str(TOKENIZERS / "llama-bpe.json"))
+    meta = _llama3_meta(**{"tokenizer.ggml.add_bos_token": False})
+    n = len(meta["tokenizer.ggml.tokens"])
+    merged = ref.token_to_id("Ġthe")
+    types = list(meta["tokenizer.ggml.token_type"]) + [UNUSED, UNUSED]
+    types[merged] = UNUSED
+    tok = Tokenizer.from_gguf_metadata(dict(meta, **{"tokenizer.ggml.tokens": [*meta["tokenizer.ggml.tokens"],
+                                                                                "[PAD0]", "[PAD1]"],
+                                                     "tokenizer.ggml.token_type": types}))
+    h, i = ref.token_to_id("h"), ref.token_to_id("i")
+    for skip in (True, False):
+        assert tok.decode([h, n, i, n + 1], skip_special_tokens=skip) == "hi"
+        assert tok.decode([merged], skip_special_tokens=skip) == " the"
+    assert tok.encode("[PAD0] the") == _ids(ref, "[PAD0] the")

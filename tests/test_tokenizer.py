@@ -194,6 +194,16 @@ def test_a_user_message_cannot_forge_a_turn(family):
         im_start, im_end = (tok.backend.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
         assert (safe.count(im_start), safe.count(im_end)) == (3, 2)
         assert (raw.count(im_start), raw.count(im_end)) == (4, 4)
+        # nor can any other string the caller passes: a role, the tools (rendered as JSON), and a
+        # private-use character there stays itself (the stand-ins avoid every string passed)
+        role = [{"role": "user" + forged, "content": "hi"}]
+        assert control(tok.encode_chat(role)) == control(plain)
+        assert tok.decode(tok.encode_chat(role), skip_special_tokens=False) == tok.apply_chat_template(role)
+        tools = [{"name": "f", "description": "pua:\U000F0000:" + forged}]
+        with_tools = tok.encode_chat(messages, tools=tools)
+        plain_tools = tok.encode_chat([{"role": "user", "content": "hi"}], tools=[{"name": "f", "description": "d"}])
+        assert control(with_tools) == control(plain_tools)
+        assert tok.decode(with_tools, skip_special_tokens=False) == tok.apply_chat_template(messages, tools=tools)
 
 
 def test_literal_content_tokenizes_like_its_text():

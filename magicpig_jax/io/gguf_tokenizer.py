@@ -163,6 +163,15 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
     """
     kind = _meta(meta, "tokenizer.ggml.model")
     tokens, types, vocab = _vocabulary(meta)
+    # UNUSED tokens (the converter's [PADn] fillers up to the model's vocabulary size, SentencePiece's
+    # unused pieces) are left out: encoding never makes them and llama.cpp decodes them to nothing,
+    # as transformers does the ids its tokenizer.json lacks. One a merge needs stays.
+    unused = {tokens[i] for i, t in enumerate(types) if t == _UNUSED}
+    if unused and kind == "gpt2":
+        for merge in meta.get("tokenizer.ggml.merges") or ():
+            left, _, right = str(merge).partition(" ")
+            unused -= {left, right, left + right}
+    vocab = {t: i for t, i in vocab.items() if t not in unused}
     pre = meta.get("tokenizer.ggml.pre")
     if kind == "gpt2":
         if pre is None:

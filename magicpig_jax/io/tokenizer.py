@@ -232,10 +232,12 @@ class Tokenizer:
                     parse_special: bool = False, **kwargs) -> list[int]:
         """Token ids of a conversation rendered with the chat template, ready to generate from.
 
-        Special tokens come only from the template: a special-token string inside a
-        message's content is encoded as the literal characters (``parse_special=False``,
-        the default), so a user cannot forge a turn. ``parse_special=True`` is the opt-in
-        for raw prompts (the rendered text tokenized as a whole, as transformers does).
+        Special tokens come only from the template: a special-token string inside any
+        string the caller passes (a message's content, role, name or tool call, the
+        ``tools``, ``documents`` or other template arguments) is encoded as the literal
+        characters (``parse_special=False``, the default), so a user cannot forge a turn.
+        ``parse_special=True`` is the opt-in for raw prompts (the rendered text tokenized
+        as a whole, as transformers does).
         BOS is prepended when :attr:`add_bos_token` says so and the template did not
         render one; no EOS is appended (a prompt ends with the assistant's header).
 
@@ -249,7 +251,7 @@ class Tokenizer:
         specials = sorted(set(self.special_tokens), key=len, reverse=True)
         pattern = re.compile("|".join(re.escape(s) for s in specials))
         # each special string in a content becomes a private-use character that nothing else contains
-        used = set("".join(_strings(messages))) | set(self.chat_template or "")
+        used = set("".join(_strings([messages, kwargs]))) | set(self.chat_template or "")
         marks = {}
         code = 0xF0000
         for s in specials:
@@ -258,8 +260,11 @@ class Tokenizer:
             marks[s] = chr(code)
             code += 1
         originals = {m: s for s, m in marks.items()}
-        escaped = [_map_contents(m, lambda text: pattern.sub(lambda x: marks[x.group(0)], text)) for m in messages]
-        rendered = self.apply_chat_template(escaped, add_generation_prompt, **kwargs)
+        def escape(text: str) -> str:
+            return pattern.sub(lambda x: marks[x.group(0)], text)
+
+        rendered = self.apply_chat_template(_map_strings(list(messages), escape), add_generation_prompt,
+                                            **_map_strings(kwargs, escape))
         if not any(m in rendered for m in originals):
             return self._add_special(self.encode(rendered), eos=False)
         # the real text, and where the users' special strings are in it
@@ -290,23 +295,22 @@ class Tokenizer:
 
 
 def _strings(value) -> list[str]:
+    """Every string in nested mappings (keys and values), lists and tuples."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, Mapping):
-        return [s for v in value.values() for s in _strings(v)]
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
     if isinstance(value, (list, tuple)):
         return [s for v in value for s in _strings(v)]
     return []
 
 
-def _map_contents(message: Mapping, fn) -> dict:
-    """A copy of ``message`` with ``fn`` applied to its content (a string, or the text of content parts)."""
-    out = dict(message)
-    content = out.get("content")
-    if isinstance(content, str):
-        out["content"] = fn(content)
-    elif isinstance(content, list):
-        out["content"] = [{**part, "text": fn(part["text"])}
-                          if isinstance(part, Mapping) and isinstance(part.get("text"), str) else part
-                          for part in content]
-    return out
+def _map_strings(value, fn):
+    """A copy of ``value`` with ``fn`` applied to every string in it (mapping keys and values, list items)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(v, fn) for v in value)
+    return value
