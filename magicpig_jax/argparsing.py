@@ -14,7 +14,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 
-__all__ = ["DefaultsFormatter", "Parser", "in_flag_terms", "plain_text"]
+__all__ = ["DefaultsFormatter", "Parser", "check_output", "in_flag_terms", "path_arg", "plain_text"]
 
 _ROLE = re.compile(r":[a-z]+:`(~?)([^`<]*?)(?:\s*<([^>]*)>)?`")
 
@@ -106,3 +106,78 @@ def in_flag_terms(**flags: str) -> Iterator[None]:
             if msg.startswith(field + " must "):
                 raise type(err)(flag + msg[len(field):].replace(f"got {field}=", "got ")) from None
         raise
+
+
+def check_output(flag: str, path, kind: str, inputs: dict | None = None) -> None:
+    """Refuse an output the command could not write, before any work.
+
+    Probes the file system by creating (and removing) a file where the output goes, so that
+    a read-only or virtual file system is caught even for root, for whom ``os.access`` says yes.
+
+    Args:
+      flag: the option's name for messages (``"--json"``, ``"OUT"``).
+      path: a ``str`` or ``Path``.
+      kind: ``"file"`` (written whole), ``"prefix"`` (``PATH.json`` and ``PATH.png`` are
+        written), ``"new-dir"`` (a directory created here: absent or empty) or ``"dir"``
+        (a directory that may hold earlier results).
+      inputs: ``{flag: path}`` of the command's input files, which the output may not replace.
+
+    Raises:
+      ValueError: the path is empty, names a directory where a file goes (or the reverse),
+        ends in a separator where a prefix goes, equals an input, or cannot be written
+        (the message names ``flag`` and the reason).
+    """
+    import os
+    from pathlib import Path
+
+    text = os.fspath(path)
+    if not text.strip():
+        raise ValueError(f"{flag} is empty; give a path")
+    if kind == "prefix" and (text.endswith(("/", os.sep)) or Path(text).name in ("", ".", "..")):
+        raise ValueError(f"{flag} {text} is a directory; give a path prefix such as {text.rstrip('/')}/bench "
+                         "(PREFIX.json and PREFIX.png are written)")
+    p = Path(text)
+    targets = [Path(text + ".json"), Path(text + ".png")] if kind == "prefix" else [p]
+    for other_flag, other in (inputs or {}).items():
+        if other is not None and any(_same_file(t, Path(other)) for t in targets):
+            raise ValueError(f"{flag} {text} would overwrite the {other_flag} input")
+    if kind in ("file", "prefix"):
+        for t in targets:
+            if t.is_dir():
+                raise ValueError(f"{flag} {t} is a directory; give a file path")
+            if t.exists() and not os.access(t, os.W_OK):
+                raise ValueError(f"{flag} {t} cannot be written (no write permission)")
+        probe_dir = targets[0].parent
+    else:
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"{flag} {text} exists and is not a directory")
+        if kind == "new-dir" and p.is_dir() and any(p.iterdir()):
+            raise ValueError(f"{flag} {text} is a directory that is not empty; give a new or empty one")
+        probe_dir = p
+    existing = next((d for d in (probe_dir, *probe_dir.parents) if d.exists()), Path("."))
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {text}: {existing} is not a directory")
+    try:
+        import tempfile
+
+        fd, probe = tempfile.mkstemp(prefix=".magicpig-write-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(f"{flag} {text} cannot be written ({err.strerror or err})") from None
+
+
+def _same_file(a, b) -> bool:
+    try:
+        return a.exists() and b.exists() and a.samefile(b)
+    except OSError:
+        return False
+
+
+def path_arg(text: str):
+    """An argparse ``type`` for a path: refuses an empty one (``Path("")`` would silently be ``.``)."""
+    from pathlib import Path
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path")
+    return Path(text)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-from magicpig_jax.argparsing import Parser, in_flag_terms
+from magicpig_jax.argparsing import Parser, check_output, in_flag_terms, path_arg
 
 __all__ = ["main", "DEMO_DOCUMENT", "DEMO_QUESTION"]
 
@@ -77,7 +76,7 @@ def _attention_list(text: str) -> list[str]:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", description="Answer a question over a long document (MagicPIG next to dense).")
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--document", type=Path, default=None,
+    p.add_argument("--document", type=path_arg, default=None,
                    help=f"text file to read (default: the bundled {DEMO_DOCUMENT.name}, ~5.9K tokens)")
     p.add_argument("--question", default=None, help=f"question about the document (default: {DEMO_QUESTION!r})")
     p.add_argument("--prompt", default=None, help="a raw user message instead of --document/--question")
@@ -86,15 +85,16 @@ def _add_generate(sub) -> None:
                         f"({GENERATE_BACKENDS}); the last decodes in the prefill's own cache, the others in copies "
                         "(default: dense,magicpig)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
-    p.add_argument("--K", type=int, default=10,
-                   help="SimHash bits per table (1..16 with the host op, 1..32 with magicpig-ref)")
-    p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
-    p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
-    p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
-    p.add_argument("--seed", type=int, default=0, help="seed of projections and sampling")
-    p.add_argument("--layers-per-projection", type=int, default=1,
-                   help="consecutive layers sharing one SimHash projection matrix (1: one per layer; the "
-                        "reference implementation uses 16)")
+    p.add_argument("--K", type=int, default=None,
+                   help="SimHash bits per table (1..16 with the host op, 1..32 with magicpig-ref; default 10)")
+    p.add_argument("--L", type=int, default=None, help="hash tables (>= 2; default 150)")
+    p.add_argument("--num-sink", type=int, default=None, help="sink tokens kept exactly (default 4)")
+    p.add_argument("--num-local", type=int, default=None, help="local window of the prompt kept exactly (default 64)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the SimHash projections, of oracle sampling and of token sampling (default 0)")
+    p.add_argument("--layers-per-projection", type=int, default=None,
+                   help="consecutive layers sharing one SimHash projection matrix (default 1: one per layer; "
+                        "the reference implementation uses 16)")
     p.add_argument("--dense-layers", type=_int_list, default=None,
                    help="layers kept dense under MagicPIG (default: 0 and num_layers // 2)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -109,11 +109,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="bfloat16",
                    help="storage of the KV cache (default bfloat16: half the bytes; docs/benchmarks.md gives its "
                         "KL from a float32 cache)")
-    p.add_argument("--magicpig-config", type=Path, default=None,
+    p.add_argument("--magicpig-config", type=path_arg, default=None,
                    help="per-layer (K, L) or dense from `magicpig-jax calibrate` for magicpig/magicpig-ref "
                         "(replaces --K, --L, --num-sink, --num-local, --seed, --layers-per-projection and "
                         "--dense-layers there)")
-    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    p.add_argument("--json", type=path_arg, default=None, help="also write the results as JSON here")
     p.set_defaults(func=_cmd_generate)
 
 
@@ -121,20 +121,6 @@ def build_prompt(document: str, question: str) -> str:
     """The user message of the demo: the question, the document, the question again."""
     return (f"Read the document and answer the question.\n\nQuestion: {question}\n\n"
             f"Document:\n{document}\n\nQuestion: {question}")
-
-
-def _check_json_path(path: Path | None) -> None:
-    """Refuse a ``--json`` destination that cannot be written, before any work."""
-    if path is None:
-        return
-    if path.is_dir():
-        raise ValueError(f"--json {path} is a directory; give a file path")
-    parent = path.parent if str(path.parent) else Path(".")
-    existing = next((p for p in (parent, *parent.parents) if p.exists()), Path("."))
-    if not existing.is_dir():
-        raise ValueError(f"--json {path}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"--json {path} cannot be written (no write permission)")
 
 
 def _read_document(path: Path) -> str:
@@ -154,6 +140,9 @@ def _read_document(path: Path) -> str:
 
 def _generate_prompt(args) -> str:
     """The user message: ``--prompt``, or the question over ``--document`` (checked before loading)."""
+    for flag, text in (("--prompt", args.prompt), ("--question", args.question)):
+        if text is not None and any("\ud800" <= c <= "\udfff" for c in text):
+            raise ValueError(f"{flag} is not valid UTF-8 text")
     if args.prompt is not None:
         if args.document is not None or args.question is not None:
             raise ValueError("--prompt cannot be combined with --document/--question")
@@ -176,6 +165,10 @@ def _cmd_generate(args) -> int:
     from magicpig_jax.streaming import check_stop_strings
 
     # Every argument is checked before the model is loaded (the layer range against its metadata).
+    given = {name for name in (*_GENERATE_DEFAULTS, "dense_layers") if getattr(args, name) is not None}
+    for name, default in _GENERATE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if "magicpig" in args.attention and isinstance(args.K, int) and args.K > HOST_MAX_K:
         raise ValueError(f"--K must be in [1, {HOST_MAX_K}] with attention 'magicpig' (the host index: 2^K + 1 "
                          f"bucket offsets per chunk and table), got {args.K}; 'magicpig-ref' (pure JAX) takes up to 32")
@@ -185,7 +178,11 @@ def _cmd_generate(args) -> int:
         config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
                                 seed=args.seed, layers_per_projection=args.layers_per_projection)
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    stops = check_stop_strings(args.stop)
+    _check_options_used(args, given)
+    try:
+        stops = check_stop_strings(args.stop)
+    except ValueError as err:
+        raise ValueError(f"--stop: {err}") from None
     needs_budget = [a for a in args.attention if a in BUDGETED]
     if needs_budget and args.budget is None:
         raise ValueError(f"attention {needs_budget[0]!r} needs a budget: pass --budget TOKENS or --budget FRACTION")
@@ -203,7 +200,9 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(i < 0 for i in args.dense_layers or ()):
         raise ValueError(f"--dense-layers must be layer indices >= 0, got {','.join(map(str, args.dense_layers))}")
-    _check_json_path(args.json)
+    if args.json is not None:
+        check_output("--json", args.json, "file",
+                     inputs={"--document": args.document, "--magicpig-config": args.magicpig_config})
     layered = _layer_configs(args)
     prompt = _generate_prompt(args)
     _check_model(args)
@@ -233,12 +232,44 @@ def _cmd_generate(args) -> int:
         from magicpig_jax.memory import peak_rss_bytes
 
         args.json.write_text(json.dumps({"model": str(model.source), "prompt_tokens": len(ids),
+                                         "kv_dtype": args.kv_dtype,
                                          "prefill_seconds": state.seconds,
                                          "prefill_compile_seconds": state.compile_seconds,
                                          "peak_rss_bytes": peak_rss_bytes(), "results": results},
                                         indent=2, allow_nan=False))
         print(f"wrote {args.json}")
     return 0
+
+
+_GENERATE_DEFAULTS = {"K": 10, "L": 150, "num_sink": 4, "num_local": 64, "seed": 0, "layers_per_projection": 1}
+
+
+def _check_options_used(args, given: set[str]) -> None:
+    """Refuse an option that no backend in ``--attention`` reads (it would be recorded yet have no effect)."""
+    attention = set(args.attention)
+    lsh_backends = attention & {"magicpig", "magicpig-ref"}
+    sparse = attention - {"dense"}
+    layered = args.magicpig_config is not None
+    lsh_flags = [f"--{n.replace('_', '-')}" for n in ("K", "L", "layers_per_projection") if n in given]
+    if lsh_flags and not lsh_backends:
+        raise ValueError(f"{lsh_flags[0]} applies to attention magicpig and magicpig-ref, neither of which is in "
+                         "--attention")
+    if lsh_flags and layered:
+        raise ValueError(f"{lsh_flags[0]} cannot be combined with --magicpig-config (the file gives each layer's "
+                         "settings)")
+    static_flags = [f"--{n.replace('_', '-')}" for n in ("num_sink", "num_local", "dense_layers") if n in given]
+    if static_flags and not sparse:
+        raise ValueError(f"{static_flags[0]} applies to the sparse backends only; --attention lists dense alone")
+    static_flags = [f for f in static_flags if f != "--dense-layers"]  # refused with the file in _layer_configs
+    if static_flags and layered and not sparse - lsh_backends:
+        raise ValueError(f"{static_flags[0]} cannot be combined with --magicpig-config (the file gives each layer's "
+                         "settings)")
+    if args.temperature == 0 and args.top_p != 1.0:
+        raise ValueError("--top-p applies to sampling only; with --temperature 0 decoding is greedy")
+    seeded = "oracle" in attention or args.temperature != 0 or (lsh_backends and not layered)
+    if "seed" in given and not seeded:
+        raise ValueError("--seed has no effect here: decoding is greedy (--temperature 0) and no backend in "
+                         "--attention draws from it (magicpig and magicpig-ref without --magicpig-config, oracle)")
 
 
 def _check_model(args) -> None:
@@ -338,7 +369,7 @@ def _add_convert(sub) -> None:
     p = sub.add_parser("convert",
                        description="Write a model as an orbax checkpoint (quantized matrices as their GGUF rows).")
     p.add_argument("model", help="GGUF file or Hugging Face directory ('embedded' = the bundled SmolLM2)")
-    p.add_argument("out", type=Path, help="checkpoint directory to create")
+    p.add_argument("out", type=path_arg, help="checkpoint directory to create")
     p.set_defaults(func=_cmd_convert)
 
 
@@ -350,6 +381,11 @@ def _cmd_convert(args) -> int:
     if args.model != "embedded" and not Path(args.model).exists():
         raise FileNotFoundError(f"convert: model {args.model} does not exist (the first argument: a .gguf file, "
                                 "a Hugging Face directory, or 'embedded')")
+    from magicpig_jax.io.checkpoint import is_checkpoint
+
+    if args.out.is_dir() and is_checkpoint(args.out):
+        raise FileExistsError(f"{args.out} already holds a checkpoint; choose another OUT or remove it")
+    check_output("OUT", args.out, "new-dir")
     start = time.perf_counter()
     out = convert_model(None if args.model == "embedded" else args.model, args.out)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")

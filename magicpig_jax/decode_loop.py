@@ -515,7 +515,8 @@ class DecodeRun:
         return {
             "attention": spec.backend,
             "attention_runs_on": backend_for(spec).name,
-            "magicpig": None if dense else dataclasses.asdict(spec.magicpig),
+            "magicpig": _config_used(spec),
+            "layer_configs": None if spec.layers is None else spec.layers.to_json(),
             "budget": spec.budget,
             "dense_layers": list(range(n_layers)) if dense else list(spec.dense_layers),
             "sampling": dataclasses.asdict(self.sampling),
@@ -533,3 +534,15 @@ class DecodeRun:
             "sampled_fraction_per_layer": per_layer,
             "sampled_fraction": float(np.mean(list(per_layer.values()))) if per_layer else None,
         }
+
+
+def _config_used(spec) -> dict | None:
+    """The fields of ``spec.magicpig`` the backend reads: all of them for MagicPIG, the static set
+    (and the seed of oracle sampling) for TopK / Quest / oracle, none for dense or per-layer configs."""
+    if spec.backend == "dense" or spec.layers is not None:
+        return None
+    fields = dataclasses.asdict(spec.magicpig)
+    if spec.backend in ("magicpig", "magicpig-ref", "hybrid"):
+        return fields
+    keep = ("num_sink", "num_local") + (("seed",) if spec.backend == "oracle" else ())
+    return {k: fields[k] for k in keep}

@@ -69,7 +69,9 @@ class Generation:
         ``"stop"`` (a stop string), ``"length"`` (``max_new_tokens``), ``"context"`` (the
         model's context is full) or ``"sliding_window"`` (the sequence fills the window).
       stats: what was asked — ``model``, ``attention``, ``attention_runs_on``, ``magicpig``
-        (its config), ``budget``, ``dense_layers``, ``sampling``, ``max_new_tokens``,
+        (the config fields the backend reads: all for MagicPIG, the static set for TopK /
+        Quest, and the seed for oracle; None for dense), ``layer_configs`` (the per-layer
+        configs' JSON, or None), ``budget``, ``dense_layers``, ``sampling``, ``max_new_tokens``,
         ``stop`` — and what was measured: ``prompt_tokens``, ``prefill_seconds`` (wall
         time, including the compilation of the prefill chunk the first time a shape is
         seen), ``index_build_seconds`` (None for dense), ``compile_seconds`` (the first

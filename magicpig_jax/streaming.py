@@ -20,7 +20,8 @@ def check_stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
     Raises:
       TypeError: not a string or a sequence of strings.
-      ValueError: an empty stop string.
+      ValueError: an empty stop string, or one holding a lone surrogate (bytes that were not
+        UTF-8, which decoded text never contains).
     """
     if stop is None:
         return ()
@@ -30,6 +31,8 @@ def check_stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
         raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
     if any(s == "" for s in stop):
         raise ValueError("stop strings must be non-empty")
+    if any("\ud800" <= c <= "\udfff" for s in stop for c in s):
+        raise ValueError("stop strings must be valid Unicode text, got a lone surrogate (bytes that are not UTF-8)")
     return tuple(stop)
 
 

@@ -53,6 +53,23 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     (["--question", ""], "--question is empty"),
     (["--question", "   "], "--question is empty"),
     (["--prompt", " "], "--prompt is empty"),
+    # an option no listed backend reads is refused, not recorded as if it had been used
+    (["--attention", "topk", "--budget", "0.05", "--K", "4"], "--K applies to attention magicpig and magicpig-ref, "
+                                                              "neither of which is in --attention"),
+    (["--attention", "dense", "--L", "20"], "--L applies to attention magicpig and magicpig-ref"),
+    (["--attention", "dense", "--num-sink", "1"], "--num-sink applies to the sparse backends only"),
+    (["--attention", "dense", "--dense-layers", "3"], "--dense-layers applies to the sparse backends only"),
+    (["--attention", "magicpig", "--magicpig-config", "examples/results/calibrated_smollm2.json", "--K", "12"],
+     "--K cannot be combined with --magicpig-config"),
+    (["--attention", "magicpig", "--magicpig-config", "examples/results/calibrated_smollm2.json", "--num-local", "9"],
+     "--num-local cannot be combined with --magicpig-config"),
+    (["--top-p", "0.5"], "--top-p applies to sampling only; with --temperature 0 decoding is greedy"),
+    (["--attention", "dense", "--seed", "5"], "--seed has no effect here"),
+    (["--attention", "topk", "--budget", "9", "--seed", "5"], "--seed has no effect here"),
+    # outputs that cannot be written, or that would replace an input
+    (["--json", "/proc/magicpig-x.json"], "--json /proc/magicpig-x.json cannot be written"),
+    (["--json", ""], "argument --json: empty path"),
+    (["--document", "README.md", "--json", "README.md"], "--json README.md would overwrite the --document input"),
 ])
 def test_bad_arguments_fail_before_the_model_loads(args, expected):
     start = time.perf_counter()
@@ -84,13 +101,36 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
     (["bench", "decode", "--K", "20"], "bench decode: --K must be in [1, 16] (the host index), got 20"),
     (["bench", "attention", "--L", "1"], "bench attention: --L must be >= 2, got 1"),
     (["bench"], "bench: the following arguments are required: WHAT"),
+    (["bench", "decode", "--peer-threads", "2"], "--peer-threads applies to --peer llama.cpp only"),
+    (["bench", "decode", "--peer", "llama.cpp", "--peer-threads", "-5"], "--peer-threads must be >= 1, got -5"),
+    (["bench", "decode", "--lengths", "9000"], "--lengths 9000 exceeds the model's context of 8192 tokens; pass "
+                                               "--allow-beyond-context"),
+    (["bench", "decode", "--lengths", "0"], "--lengths values must be >= 1, got 0"),
+    (["bench", "decode", "--out", ""], "--out is empty"),
+    (["bench", "attention", "--out", "runs/"], "--out runs/ is a directory; give a path prefix"),
+    (["bench", "attention", "--n", "1000000000"], "--n 1000000000 needs about"),
+    (["study", "attention", "--layers", "0"], "--layers selects capture layers: it needs --capture"),
+    (["study", "attention", "--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+    (["study", "attention", "--lsh", "40x150"], "--lsh K must be in [1, 32]"),
+    (["study", "attention", "--out", "README.md"], "--out README.md exists and is not a directory"),
+    (["convert", "embedded", ""], "argument out: empty path"),
+    (["convert", "embedded", "tests"], "OUT tests is a directory that is not empty"),
+    (["eval", "--methods", "dense", "--num-sink", "2", "--out", "runs/never"],
+     "--num-sink applies to a sparse method, which --methods does not list"),
+    (["eval", "--methods", "dense,topk:9", "--budget-from", "magicpig:11x300", "--out", "runs/never"],
+     "--budget-from applies to topk, quest or oracle without their own budget"),
+    (["eval", "--methods", "dense,magicpig", "--page-size", "8", "--out", "runs/never"],
+     "--page-size applies to quest"),
+    (["calibrate", "--kl-budget", "0.01", "--candidates", "17x150", "--out", "runs/never.json"],
+     "--candidates 17x150: K must be in [1, 16] (the host index)"),
+    (["calibrate", "--kl-budget", "0.01", "--out", "/proc/never.json"], "--out /proc/never.json cannot be written"),
 ])
 def test_argument_errors_are_one_line_without_the_usage(args, expected):
     one_line_error(run(*args), expected)
 
 
 @pytest.mark.parametrize("args,shown", [
-    (["generate"], ["tokens to generate at most (default: 48)", "and sampling (default: 0)",
+    (["generate"], ["tokens to generate at most (default: 48)", "and of token sampling (default 0)",
                     "(default: the embedded SmolLM2-135M-Instruct)"]),
     (["bench", "decode"], ["--steps STEPS decode steps per run (the first is not timed) (default:"]),
     (["bench", "attention"], ["--no-huge-pages leave the buffers on 4 KiB pages (to measure what huge pages give)"]),
@@ -248,6 +288,9 @@ def test_generate_streams_says_where_it_runs_and_writes_strict_json(tmp_path):
     data = json.loads(out_json.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert data["results"]["dense"]["decode_tokens_per_s"] is None
     assert data["results"]["magicpig"]["stop_reasons"] == ["length"] and data["model"] == str(FAMILY)
+    # the settings each backend used, and only those
+    assert data["kv_dtype"] == "bfloat16" and data["results"]["dense"]["magicpig"] is None
+    assert data["results"]["magicpig"]["magicpig"]["K"] == 10 and data["results"]["magicpig"]["layer_configs"] is None
     assert 100e6 < data["peak_rss_bytes"] < 20e9  # the process's peak resident memory, in bytes
 
 
@@ -377,3 +420,18 @@ def test_a_model_with_nan_weights_fails_with_one_line_not_a_traceback(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("magicpig-jax: error: the logits for new token 0 of row(s) [0] contain NaN"), lines[0]
+
+
+def test_the_recorded_config_is_what_the_backend_reads():
+    from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+    from magicpig_jax.decode_loop import _config_used
+    from magicpig_jax.models.backends import DecodeSpec
+
+    cfg = MagicPIGConfig(K=4, L=3, num_sink=2, num_local=8, seed=5)
+    assert _config_used(DecodeSpec(backend="dense", magicpig=cfg)) is None
+    assert _config_used(DecodeSpec(backend="magicpig", magicpig=cfg))["K"] == 4
+    assert _config_used(DecodeSpec(backend="topk", magicpig=cfg, budget=9)) == {"num_sink": 2, "num_local": 8}
+    assert _config_used(DecodeSpec(backend="oracle", magicpig=cfg, budget=9)) == {"num_sink": 2, "num_local": 8,
+                                                                                 "seed": 5}
+    layered = LayerConfigs.uniform(cfg, 4, dense_layers=(0,))
+    assert _config_used(DecodeSpec(backend="magicpig", magicpig=cfg, dense_layers=(0,), layers=layered)) is None

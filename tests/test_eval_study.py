@@ -128,6 +128,14 @@ def test_main_bad_arguments(tmp_path):
         study.main(["--capture", str(bad), "--no-synthetic", "--no-plot"])
     with pytest.raises(ValueError, match="nothing to study"):
         study.main(["--no-synthetic", "--no-plot"])
+    # a non-finite value in a capture is refused (it would write NaN errors into study.json)
+    for name in ("k", "v"):
+        arrays = {"q": np.ones((1, 4, 8)), "k": np.ones((1, 2, 300, 8)), "v": np.ones((1, 2, 300, 8))}
+        arrays[name][0, 0, 100, 3] = np.nan if name == "k" else np.inf
+        path = tmp_path / f"{name}.npz"
+        np.savez(path, **arrays)
+        with pytest.raises(ValueError, match=f"array {name} holds 1 NaN or infinite values"):
+            study.main(["--capture", str(path), "--no-synthetic", "--no-plot", "--out", str(tmp_path / "o")])
     with pytest.raises(ValueError, match="profiles"):
         study.main(["--profiles", "nope", "--no-plot"])
     with pytest.raises(SystemExit):

@@ -373,6 +373,34 @@ def test_hf_config_fields_that_change_the_model_are_refused(tmp_path):
     del missing["num_attention_heads"]
     with pytest.raises(ValueError, match="'num_attention_heads'"):
         LlamaConfig.from_hf_config(missing)
+    # values: each named, before any arithmetic on them
+    for key, bad in (("num_attention_heads", 0), ("num_attention_heads", "abc"), ("hidden_size", 2.5),
+                     ("num_key_value_heads", -1), ("vocab_size", True)):
+        with pytest.raises(ValueError, match=f"^config.json '{key}' must be a positive integer, got {bad!r}$"):
+            LlamaConfig.from_hf_config({**base, key: bad})
+    for key, bad in (("rope_theta", float("nan")), ("rms_norm_eps", -1.0), ("rms_norm_eps", 0)):
+        with pytest.raises(ValueError, match=f"^config.json '{key}' must be a finite number > 0"):
+            LlamaConfig.from_hf_config({**base, key: bad})
+    with pytest.raises(ValueError, match=r"^rms_norm_eps must be a finite number > 0, got -1.0$"):
+        LlamaConfig(**{**dataclasses.asdict(CFG), "rms_norm_eps": -1.0})
+    # config.json that is not an object, or not JSON, or a checkpoint's tokenizer.json that is not a tokenizer
+    from magicpig_jax.io.hf_model import read_hf_dir
+
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="config.json must hold a JSON object, got a list$"):
+        read_hf_dir(tmp_path / "list")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON \(Expecting property name"):
+        read_hf_dir(tmp_path / "bad")
+    from magicpig_jax.io.tokenizer import read_tokenizer_json
+
+    (tmp_path / "tok.json").write_text('{"x": 1}')
+    with pytest.raises(ValueError, match="tok.json is not a readable tokenizer.json"):
+        read_tokenizer_json(tmp_path / "tok.json", "a test")
+    with pytest.raises(FileNotFoundError, match="none.json not found: a test needs tokenizer.json"):
+        read_tokenizer_json(tmp_path / "none.json", "a test")
 
 
 def test_hf_sliding_window_is_recorded():

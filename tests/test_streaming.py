@@ -42,5 +42,8 @@ def test_stop_strings_are_checked():
     assert check_stop_strings(None) == () and check_stop_strings("x") == ("x",)
     with pytest.raises(ValueError, match="non-empty"):
         check_stop_strings(["a", ""])
+    # bytes that are not UTF-8 reach Python as lone surrogates: decoded text never holds them
+    with pytest.raises(ValueError, match="lone surrogate"):
+        check_stop_strings(["a\udcff"])
     with pytest.raises(TypeError, match="stop must be"):
         check_stop_strings([1])

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from magicpig_jax.argparsing import Parser
+from magicpig_jax.argparsing import Parser, check_output
 from magicpig_jax.eval.rss import OtherLoad
 
 SHAPES = {"llama3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -168,6 +168,13 @@ def _bucket_bytes(index, q_codes) -> int:
     return 2 * total
 
 
+def _bytes_needed(shape_name: str, N: int, L: int) -> int:
+    """A lower bound on the bytes one case holds at once: float32 K/V made here, their bfloat16
+    copies, and the index's uint16 bucket ids (``Hkv * N * L``)."""
+    _, Hkv, D = SHAPES[shape_name]
+    return Hkv * N * (2 * (4 + 2) * D + 2 * L)
+
+
 def run_one(shape_name, N, args, rng, copy_bw):
     from magicpig_jax import host, lsh
     from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, dense_attention, magicpig_attention
@@ -305,6 +312,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if any(n < 128 for n in args.n):
         p.error("--n values must be >= 128")
+    args.n = sorted(set(args.n))
+    args.shapes = list(dict.fromkeys(args.shapes))
+    need = max(_bytes_needed(s, n, max(args.L, 1)) for s in args.shapes for n in args.n)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        p.error(f"--n {max(args.n)} needs about {need / 2**30:.1f} GiB for its K/V and index, more than this "
+                f"machine's {have / 2**30:.1f} GiB")
+    try:
+        check_output("--out", args.out, "prefix")
+    except ValueError as err:
+        p.error(str(err))
     if args.reps < 1:
         p.error("--reps must be >= 1 (figures are medians: use 5 or more for a result)")
     from magicpig_jax.host.index import HOST_MAX_K
@@ -320,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape, n in tqdm(jobs, desc="bench attention"):
         results.append(run_one(shape, n, args, rng, copy_bw))
     copy_end = _copy_bandwidth()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     meta = {"reps": args.reps, "huge_pages": args.huge_pages, "llc_bytes": _llc_bytes(),
             "timing": "op alone and op + static + merge interleaved, each call after a timed copy of 256 MiB "
                       "(>= 4x the LLC: cold, as in a decode step); *_warm: the same calls back to back (the query's "

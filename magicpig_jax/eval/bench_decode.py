@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from magicpig_jax.argparsing import Parser
+from magicpig_jax.argparsing import Parser, check_output, path_arg
 from magicpig_jax.eval.peer import PEERS, llama_cpp_available
 from magicpig_jax.eval.rss import OtherLoad, PeakRSS
 
@@ -198,7 +198,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
     p.add_argument("--layers-per-projection", type=int, default=1,
                    help="consecutive layers sharing one SimHash projection matrix (1: one per layer)")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+    p.add_argument("--text", type=path_arg, default=DEFAULT_TEXT,
                    help="prose whose tokens, repeated as needed, make the prompts")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="storage of our KV cache (llama.cpp keeps its own in float16; generate's is bfloat16)")
@@ -225,10 +225,27 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--steps must be >= 2 (the first step compiles and is not timed)")
     if args.repeats < 3:
         p.error("--repeats must be >= 3 (every figure is a median with its spread)")
-    if args.warmup < 0 or min(args.batch) < 1 or min(args.lengths) < 1:
-        p.error("--warmup must be >= 0, --batch and --lengths >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    for flag, values in (("--batch", args.batch), ("--lengths", args.lengths)):
+        if min(values) < 1:
+            p.error(f"{flag} values must be >= 1, got {min(values)}")
+    if args.peer_threads is not None and not args.peer:
+        p.error("--peer-threads applies to --peer llama.cpp only, which is not given")
+    if args.peer_threads is not None and args.peer_threads < 1:
+        p.error(f"--peer-threads must be >= 1, got {args.peer_threads}")
     if not args.text.is_file():
         p.error(f"--text {args.text} is not a file")
+    try:
+        text = args.text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        p.error(f"--text {args.text} is not UTF-8 text (byte {err.start})")
+    if not text.strip():
+        p.error(f"--text {args.text} is empty")
+    try:
+        check_output("--out", args.out, "prefix")
+    except ValueError as err:
+        p.error(str(err))
     from magicpig_jax.host.index import HOST_MAX_K
 
     if not 1 <= args.K <= HOST_MAX_K:
@@ -239,10 +256,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--layers-per-projection must be >= 1, got {args.layers_per_projection}")
     if "llama.cpp" in args.peer and not llama_cpp_available():
         p.error("--peer llama.cpp needs llama-cpp-python: pip install -e '.[peer]' (compiles llama.cpp)")
+    from magicpig_jax.io.loader import read_model_config
+
+    ctx = read_model_config(args.model).max_position_embeddings
+    too_long = [n for n in args.lengths if n > ctx]
+    if too_long and not args.allow_beyond_context:
+        p.error(f"--lengths {too_long[0]} exceeds the model's context of {ctx} tokens; pass --allow-beyond-context "
+                "to run it anyway")
     model = load_model(args.model)
     if args.peer and Path(model.source).suffix != ".gguf":
         p.error(f"--peer needs a .gguf --model (llama.cpp reads GGUF only), got {model.source}")
-    text = args.text.read_text(encoding="utf-8")
     cfg = MagicPIGConfig(K=args.K, L=args.L, layers_per_projection=args.layers_per_projection)
     rss = PeakRSS()
     results = []

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from magicpig_jax.argparsing import Parser
+from magicpig_jax.argparsing import Parser, path_arg
 from magicpig_jax.eval.corpus import CALIBRATION_TEXT
 
 __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
@@ -115,7 +115,13 @@ def _pairs(text: str) -> list[tuple[int, int]]:
             k, l_ = (int(x) for x in item.lower().split("x"))
         except ValueError as err:
             raise ValueError(f"--candidates takes KxL pairs like 10x150,11x300, got {text!r}") from err
-        validate_k_l(k, l_)
+        from magicpig_jax.argparsing import in_flag_terms
+        from magicpig_jax.host.index import HOST_MAX_K
+
+        with in_flag_terms(K=f"--candidates {k}x{l_}: K", L=f"--candidates {k}x{l_}: L"):
+            validate_k_l(k, l_)
+        if k > HOST_MAX_K:
+            raise ValueError(f"--candidates {k}x{l_}: K must be in [1, {HOST_MAX_K}] (the host index)")
         out.append((k, l_))
     if not out:
         raise ValueError("--candidates is empty")
@@ -441,8 +447,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="GGUF file, Hugging Face or checkpoint directory (default: "
                                                   "the embedded SmolLM2)")
     p.add_argument("--kl-budget", type=float, required=True, help="mean KL(dense || method) per token to meet")
-    p.add_argument("--out", type=Path, required=True, help="the JSON file to write")
-    p.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+    p.add_argument("--out", type=path_arg, required=True, help="the JSON file to write")
+    p.add_argument("--text", type=path_arg, default=DEFAULT_TEXT,
                    help="calibration text, not an evaluation text (default: the bundled LGPL-2.1)")
     p.add_argument("--length", type=int, default=4096, help="tokens of the text used (prefill + forced)")
     p.add_argument("--forced-tokens", type=int, default=128, help="teacher-forced tokens over which KL is measured")
@@ -476,7 +482,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.kl_budget > 0 or not math.isfinite(args.kl_budget):
         raise ValueError(f"--kl-budget must be a positive number, got {args.kl_budget}")
-    text = args.text.read_text(encoding="utf-8")
+    from magicpig_jax.argparsing import check_output, in_flag_terms
+    from magicpig_jax.attention import MagicPIGConfig
+
+    with in_flag_terms(num_sink="--num-sink", num_local="--num-local", seed="--seed"):
+        MagicPIGConfig(num_sink=args.num_sink, num_local=args.num_local, seed=args.seed)
+    check_output("--out", args.out, "file", inputs={"--text": args.text})
+    try:
+        text = args.text.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--text {args.text} is not UTF-8 text (byte {err.start})") from None
     model = load_model(args.model)
     lc, report = calibrate(model, text, args.kl_budget, length=args.length, forced_tokens=args.forced_tokens,
                            candidates=candidates, num_sink=args.num_sink, num_local=args.num_local, seed=args.seed,

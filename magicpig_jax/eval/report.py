@@ -400,8 +400,10 @@ def finish(store: ResultStore, settings: EvalSettings, out: Path, model_source: 
               f"Machine: {machine.get('cpu', machine.get('platform'))}, {machine.get('cpus')} CPUs, "
               f"devices {machine.get('devices')}, jax {machine.get('jax')}. Wall time of the {len(runs)} "
               f"invocation(s) logged as finished: {wall / 3600:.2f} h.{span} Records: {len(records)}. "
-              f"Haystack: {settings.haystack}; static set {settings.num_sink} sink + {settings.num_local} local; "
-              f"seed {settings.seed}.")
+              f"Haystack: {settings.haystack}; "
+              + (f"static set {settings.num_sink} sink + {settings.num_local} local; "
+                 if any(m.backend != "dense" for m in settings.methods) else "")
+              + f"seed {settings.seed}.")
     text = format_summary(summary, settings, header, equal_ms)
     (out / "summary.md").write_text(text + "\n")
     (out / "summary.json").write_text(json.dumps({"setups": _setups(settings),

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
-from magicpig_jax.argparsing import Parser
+from magicpig_jax.argparsing import Parser, path_arg
 from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK
 from magicpig_jax.eval.methods import DEFAULT_METHODS, Method, parse_lengths, parse_methods
 
@@ -68,7 +67,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--setups", default="A,B",
                    help="RULER setups: A = the question inside the dense prefill, B = the question decoded by the "
                         "method after the document")
-    p.add_argument("--magicpig-config", type=Path, default=None, action="append",
+    p.add_argument("--magicpig-config", type=path_arg, default=None, action="append",
                    help="a per-layer configurations file of `magicpig-jax calibrate` (adds method magicpig@FILE; "
                         "repeatable)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
@@ -76,7 +75,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "JAX); hybrid:KxLxM; topk, quest, oracle (budget: the keys --budget-from sampled) or "
                         "topk:N, topk:FRACTION (likewise quest, oracle); topk-ref, quest-ref; magicpig@FILE (see "
                         f"--magicpig-config) (default: {DEFAULT_METHODS})")
-    p.add_argument("--out", type=Path, required=True, help="output folder (results.jsonl, summary.md, PNGs)")
+    p.add_argument("--out", type=path_arg, required=True, help="output folder (results.jsonl, summary.md, PNGs)")
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
     p.add_argument("--haystack", default=DEFAULT_HAYSTACK,
                    help="prose: licenses-heldout (the default: /usr/share/common-licenses without calibrate's "
@@ -86,24 +85,54 @@ def make_parser() -> argparse.ArgumentParser:
                    help="teacher-forced prose tokens per likelihood sample (0 = no likelihood)")
     p.add_argument("--likelihood-samples", type=int, default=16, help="prose documents per length")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens for every task (default: per task)")
-    p.add_argument("--num-sink", type=int, default=4, help="sink tokens kept exactly")
-    p.add_argument("--num-local", type=int, default=64, help="local window of the prompt kept exactly")
-    p.add_argument("--layers-per-projection", type=int, default=1,
+    p.add_argument("--num-sink", type=int, default=None, help="sink tokens kept exactly (default 4)")
+    p.add_argument("--num-local", type=int, default=None, help="local window of the prompt kept exactly (default 64)")
+    p.add_argument("--layers-per-projection", type=int, default=None,
                    help="consecutive layers sharing one SimHash projection matrix in the magicpig:KxL and hybrid "
-                        "methods (1: one per layer; a magicpig@FILE method uses its file's)")
+                        "methods (default 1: one per layer; a magicpig@FILE method uses its file's)")
     p.add_argument("--dense-layers", default=None, help="layers kept dense (default: 0 and num_layers // 2)")
-    p.add_argument("--budget-from", default="magicpig:10x150",
-                   help="MagicPIG method whose measured sampled count is the TopK/Quest/oracle budget")
-    p.add_argument("--page-size", type=int, default=16, help="Quest page size; budgets are rounded to it")
+    p.add_argument("--budget-from", default=None,
+                   help="MagicPIG method whose measured sampled count is the TopK/Quest/oracle budget (default "
+                        "magicpig:10x150)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="Quest page size; budgets are rounded to it (default 16)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return p
+
+
+_METHOD_DEFAULTS = {"num_sink": 4, "num_local": 64, "layers_per_projection": 1, "page_size": 16,
+                    "budget_from": "magicpig:10x150"}
+
+
+def _check_options_used(methods, given: set[str]) -> None:
+    """Refuse a method option that no method of ``--methods`` reads (it would be recorded yet change nothing)."""
+    readers = {
+        "num_sink": [m for m in methods if m.backend != "dense"],
+        "num_local": [m for m in methods if m.backend != "dense"],
+        "dense_layers": [m for m in methods if m.backend != "dense" and m.config_file is None],
+        "layers_per_projection": [m for m in methods
+                                  if m.backend in ("magicpig", "magicpig-ref", "hybrid") and m.config_file is None],
+        "page_size": [m for m in methods if m.backend == "quest"],
+        "budget_from": [m for m in methods if m.budgeted and m.budget is None],
+    }
+    what = {"num_sink": "a sparse method", "num_local": "a sparse method",
+            "dense_layers": "a sparse method without a config file",
+            "layers_per_projection": "magicpig:KxL, magicpig-ref or hybrid", "page_size": "quest",
+            "budget_from": "topk, quest or oracle without their own budget"}
+    for name in readers:
+        if name in given and not readers[name]:
+            raise ValueError(f"--{name.replace('_', '-')} applies to {what[name]}, which --methods does not list")
 
 
 def settings_from_args(args) -> EvalSettings:
     """Validate parsed arguments into :class:`EvalSettings` (raises ValueError with the reason)."""
     from magicpig_jax.eval.tasks import parse_tasks
 
+    given = {n for n, v in vars(args).items() if n in (*_METHOD_DEFAULTS, "dense_layers") and v is not None}
+    for name, default in _METHOD_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     tasks = [] if args.tasks.strip().lower() == "none" else parse_tasks(args.tasks)
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
@@ -127,8 +156,10 @@ def settings_from_args(args) -> EvalSettings:
             dense_layers = [int(x) for x in args.dense_layers.split(",") if x.strip()]
         except ValueError as err:
             raise ValueError(f"--dense-layers takes comma-separated integers, got {args.dense_layers!r}") from err
+    parsed = parse_methods(methods, args.budget_from)
+    _check_options_used(parsed, given)
     return EvalSettings(tasks=tasks, lengths=parse_lengths(args.lengths), samples=args.samples,
-                        methods=parse_methods(methods, args.budget_from), haystack=args.haystack, setups=setups,
+                        methods=parsed, haystack=args.haystack, setups=setups,
                         seed=args.seed, likelihood_tokens=args.likelihood_tokens,
                         likelihood_samples=args.likelihood_samples, max_new_tokens=args.max_new_tokens,
                         num_sink=args.num_sink, num_local=args.num_local,

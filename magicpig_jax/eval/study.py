@@ -41,7 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from magicpig_jax import lsh
-from magicpig_jax.argparsing import Parser
+from magicpig_jax.argparsing import Parser, check_output, in_flag_terms, path_arg
 from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.attention.cost_model import expected_sampled_fraction, tables_for_fraction
 from magicpig_jax.eval.study_measure import (
@@ -92,12 +92,12 @@ def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magicpig-jax study attention`` (its epilog points at the module docstring)."""
     p = Parser(prog="magicpig-jax study attention", description=__doc__.splitlines()[0],
                epilog="Details (method, outputs, sources): python -m pydoc magicpig_jax.eval.study")
-    p.add_argument("--out", type=Path, default=Path("runs/study"), help="output directory")
-    p.add_argument("--capture", type=Path, default=None,
+    p.add_argument("--out", type=path_arg, default=Path("runs/study"), help="output directory")
+    p.add_argument("--capture", type=path_arg, default=None,
                    help=".npz with q [layers, Hq, D], k and v [layers, Hkv, N, D]")
     p.add_argument("--capture-from-model", action="store_true",
                    help="capture q/k/v from the embedded SmolLM2 on --capture-text first (written to OUT/capture.npz)")
-    p.add_argument("--capture-text", type=Path, default=Path("/usr/share/common-licenses/GPL-3"),
+    p.add_argument("--capture-text", type=path_arg, default=Path("/usr/share/common-licenses/GPL-3"),
                    help="real prose prefilled for --capture-from-model (default: GPL-3, 7.6K tokens)")
     p.add_argument("--no-synthetic", action="store_true", help="skip the synthetic cases")
     p.add_argument("--profiles", default=",".join(PROFILES), help=f"synthetic profiles, subset of {PROFILES}")
@@ -134,6 +134,10 @@ def _load_capture(path: Path, layers: str | None):
         if missing:
             raise ValueError(f"--capture {path} lacks arrays {missing} (needs q, k, v)")
         q, k, v = (np.asarray(z[name], np.float32) for name in ("q", "k", "v"))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not np.isfinite(x).all():
+            raise ValueError(f"--capture {path}: array {name} holds {int((~np.isfinite(x)).sum())} NaN or infinite "
+                             "values; the study needs finite q, k, v")
     if q.ndim != 3 or k.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[3]:
         raise ValueError(
             f"--capture needs q [layers, Hq, D], k/v [layers, Hkv, N, D]; got q {q.shape}, k {k.shape}, v {v.shape}"
@@ -153,8 +157,19 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
     bad = [p for p in profiles if p not in PROFILES]
     if bad:
         raise ValueError(f"--profiles: unknown {', '.join(bad)}; choose from {', '.join(PROFILES)}")
-    for K, L in args.lsh:
-        lsh.validate_k_l(K, L)
+    if not profiles and not args.no_synthetic:
+        raise ValueError(f"--profiles is empty; choose from {', '.join(PROFILES)} (or pass --no-synthetic)")
+    if args.layers is not None and args.capture is None and not args.capture_from_model:
+        raise ValueError("--layers selects capture layers: it needs --capture or --capture-from-model")
+    for flag, value, low in (("--n", args.n, 8), ("--head-dim", args.head_dim, 1), ("--heads", args.heads, 1),
+                             ("--repeats", args.repeats, 1), ("--page-size", args.page_size, 1),
+                             ("--seed", args.seed, 0), ("--num-sink", args.num_sink, 0),
+                             ("--num-local", args.num_local, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    with in_flag_terms(K="--lsh K", L="--lsh L"):
+        for K, L in args.lsh:
+            lsh.validate_k_l(K, L)
     try:
         heavy = tuple(int(x) for x in args.heavy.split(",") if x.strip())
     except ValueError as err:
@@ -169,8 +184,6 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
                              num_local=args.num_local, page_size=args.page_size, repeats=args.repeats,
                              seed=args.seed, heavy=heavy)
     MagicPIGConfig(num_sink=args.num_sink, num_local=args.num_local, seed=args.seed)  # validates
-    if args.repeats < 1 or args.page_size < 1:
-        raise ValueError("--repeats and --page-size must be >= 1")
     return settings, profiles
 
 
@@ -211,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.capture is not None and not args.capture.is_file():
         raise FileNotFoundError(f"--capture {args.capture} is not a file (an .npz of magicpig_jax.eval.capture)")
     settings, profiles = _settings(args)
+    check_output("--out", args.out, "dir")
     cases = _cases(args, profiles)
     per_case = 3 * len(settings.fractions) + sum(2 + sum(3 <= m <= L + 1 for m in settings.heavy)
                                                  for _, L in settings.lsh)

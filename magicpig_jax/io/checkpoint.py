@@ -83,7 +83,12 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
 def _read_meta(path: Path) -> dict:
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a magicpig_jax checkpoint (no {MARKER})")
-    meta = json.loads((path / MARKER).read_text())
+    try:
+        meta = json.loads((path / MARKER).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path / MARKER} is not valid JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path / MARKER} must hold a JSON object, got a {type(meta).__name__}")
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise ValueError(f"unsupported checkpoint format_version {meta.get('format_version')!r} in {path}")
     return meta
@@ -114,9 +119,8 @@ def read_checkpoint(path: str | Path):
       ValueError: an unknown format version.
     """
     import orbax.checkpoint as ocp
-    from tokenizers import Tokenizer as HFTokenizer
 
-    from magicpig_jax.io.tokenizer import Tokenizer
+    from magicpig_jax.io.tokenizer import Tokenizer, read_tokenizer_json
 
     path = Path(path).absolute()
     meta = _read_meta(path)
@@ -125,7 +129,7 @@ def read_checkpoint(path: str | Path):
         tree = ckpt.restore(path / "weights")
     freq_factors = tree.pop("rope_freqs", None)
     weights = {k.replace("/", "."): np.asarray(v) for k, v in tree.items()}
-    tokenizer = Tokenizer(HFTokenizer.from_file(str(path / "tokenizer.json")),
+    tokenizer = Tokenizer(read_tokenizer_json(path / "tokenizer.json", "a magicpig_jax checkpoint"),
                           chat_template=meta.get("chat_template"), eos_token_ids=meta.get("eos_token_ids", ()),
                           bos_token_id=meta.get("bos_token_id"), eos_token_id=meta.get("eos_token_id"),
                           add_bos_token=meta.get("add_bos_token", False),

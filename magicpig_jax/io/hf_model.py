@@ -51,7 +51,13 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face model directory needs config.json")
-    config = LlamaConfig.from_hf_config(json.loads(cfg_path.read_text()))
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{cfg_path} is not valid JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object, got a {type(cfg).__name__}")
+    config = LlamaConfig.from_hf_config(cfg)
     eos = list(config.eos_token_ids)
     eos += [e for e in read_generation_eos_ids(folder) if e not in eos]
     config = dataclasses.replace(config, eos_token_ids=tuple(eos))

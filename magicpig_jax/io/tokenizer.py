@@ -119,10 +119,7 @@ class Tokenizer:
           FileNotFoundError: no ``tokenizer.json`` in ``folder``.
         """
         folder = Path(folder)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: a Hugging Face model directory needs tokenizer.json")
-        backend = HFTokenizer.from_file(str(path))
+        backend = read_tokenizer_json(folder / "tokenizer.json", "a Hugging Face model directory")
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template = cfg.get("chat_template")
@@ -314,3 +311,18 @@ def _map_strings(value, fn):
     if isinstance(value, (list, tuple)):
         return type(value)(_map_strings(v, fn) for v in value)
     return value
+
+
+def read_tokenizer_json(path: Path, needed_by: str) -> HFTokenizer:
+    """The ``tokenizers`` tokenizer of a ``tokenizer.json`` file.
+
+    Raises:
+      FileNotFoundError: no such file (the message says that ``needed_by`` needs it).
+      ValueError: the file is not a tokenizer (the message names the file and the parser's reason).
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {needed_by} needs tokenizer.json")
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{path} is not a readable tokenizer.json ({err})") from None

@@ -81,6 +81,10 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
 
@@ -147,8 +151,24 @@ class LlamaConfig:
         if cfg.get("quantization_config") is not None:
             raise UnsupportedConfigError(
                 "config.json 'quantization_config': quantized HF checkpoints are not supported")
-        num_heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
+        def positive_int(key):
+            value = get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+                raise ValueError(f"config.json {key!r} must be a positive integer, got {value!r}")
+            return int(value)
+
+        for key in ("vocab_size", "intermediate_size", "num_hidden_layers", "num_key_value_heads", "head_dim",
+                    "max_position_embeddings"):
+            positive_int(key)
+        for key in ("rope_theta", "rms_norm_eps"):
+            value = cfg.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"config.json {key!r} must be a finite number > 0, got {value!r}")
+        num_heads = positive_int("num_attention_heads")
+        hidden = positive_int("hidden_size")
         scaling, theta = _hf_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
