@@ -28,7 +28,7 @@ __all__ = ["main", "DEMO_DOCUMENT", "DEMO_QUESTION"]
 DEMO_DOCUMENT = Path(__file__).parent / "data" / "lgpl-2.1.txt"
 DEMO_QUESTION = "What is the name of the example company in the appendix that disclaims copyright?"
 MODEL_HELP = ("a .gguf file, a Hugging Face directory (config.json + *.safetensors + tokenizer.json), or an "
-              "orbax checkpoint directory written by `magicpig-jax convert` (default: the embedded "
+              "orbax checkpoint directory written by `magicpig-jax convert` (default, or 'embedded': the embedded "
               "SmolLM2-135M-Instruct)")
 
 
@@ -126,7 +126,7 @@ def build_prompt(document: str, question: str) -> str:
 def _read_document(path: Path) -> str:
     if path.is_dir():
         raise ValueError(f"--document {path} is a directory; give a text file")
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"--document {path} does not exist")
     data = path.read_bytes()
     try:
@@ -195,7 +195,12 @@ def _cmd_generate(args) -> int:
     def budget(name):
         return args.budget if name in BUDGETED else None
 
-    checked = [DecodeSpec(backend=name, magicpig=config, budget=budget(name)) for name in args.attention]
+    try:
+        checked = [DecodeSpec(backend=name, magicpig=config, budget=budget(name)) for name in args.attention]
+    except ValueError as err:
+        if str(err).startswith("budget "):
+            raise ValueError("--" + str(err).replace(f"got budget={args.budget!r}", f"got {args.budget!r}")) from None
+        raise
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(i < 0 for i in args.dense_layers or ()):
@@ -205,7 +210,7 @@ def _cmd_generate(args) -> int:
                      inputs={"--document": args.document, "--magicpig-config": args.magicpig_config})
     layered = _layer_configs(args)
     prompt = _generate_prompt(args)
-    _check_model(args)
+    _check_model(args, layered)
     print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
     specs = {name: decode_spec(model, name, config, args.dense_layers, budget(name)) if layered is None
@@ -272,12 +277,24 @@ def _check_options_used(args, given: set[str]) -> None:
                          "--attention draws from it (magicpig and magicpig-ref without --magicpig-config, oracle)")
 
 
-def _check_model(args) -> None:
+def _check_model(args, layered=None) -> None:
     """``--model``'s metadata (no weights): a path that is no model fails here, before the command
-    prints anything; ``--dense-layers`` against its layer count."""
+    prints anything; ``--dense-layers`` and ``--magicpig-config`` against its layer count, and the
+    file's K against the host index when ``magicpig`` runs it."""
+    from magicpig_jax.host.index import HOST_MAX_K
     from magicpig_jax.io.loader import read_model_config
 
     n = read_model_config(args.model).num_layers
+    if layered is not None:
+        try:
+            layered.check_num_layers(n)
+        except ValueError as err:
+            raise ValueError(f"--magicpig-config {args.magicpig_config}: {err}") from None
+        too_big = [(i, c.K) for i, c in layered.layers if c != "dense" and c.K > HOST_MAX_K]
+        if too_big and "magicpig" in args.attention:
+            i, K = too_big[0]
+            raise ValueError(f"--magicpig-config {args.magicpig_config}: layer {i} has K = {K}; attention 'magicpig' "
+                             f"(the host index) takes K in [1, {HOST_MAX_K}], 'magicpig-ref' up to 32")
     bad = [i for i in args.dense_layers or () if i >= n]
     if bad:
         raise ValueError(f"--dense-layers {','.join(map(str, bad))} out of range: the model has {n} layers "

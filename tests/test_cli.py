@@ -43,8 +43,8 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     (["--budget", "5"], "--budget applies to attention topk, quest, oracle only"),
     (["--attention", "dense", "--magicpig-config", "/nonexistent.json"], "--magicpig-config applies to attention "
                                                                           "magicpig and magicpig-ref"),
-    (["--attention", "topk", "--budget", "0"], "budget as a token count must be >= 1"),
-    (["--attention", "topk", "--budget", "2.5"], "budget as a fraction of the context must be in (0, 1]"),
+    (["--attention", "topk", "--budget", "0"], "--budget as a token count must be >= 1, got 0"),
+    (["--attention", "topk", "--budget", "2.5"], "--budget as a fraction of the context must be in (0, 1], got 2.5"),
     (["--attention", "topk"], "needs a budget"),
     (["--K", "17"], "K must be in [1, 16]"),
     (["--dense-layers", "-1"], "--dense-layers must be layer indices >= 0"),
@@ -69,6 +69,8 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     # outputs that cannot be written, or that would replace an input
     (["--json", "/proc/magicpig-x.json"], "--json /proc/magicpig-x.json cannot be written"),
     (["--json", ""], "argument --json: empty path"),
+    (["--model", "", "--prompt", "hi"], "--model is empty"),
+    (["--document", "/dev/null"], "--document /dev/null is empty"),
     (["--document", "README.md", "--json", "README.md"], "--json README.md would overwrite the --document input"),
 ])
 def test_bad_arguments_fail_before_the_model_loads(args, expected):
@@ -121,6 +123,10 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
      "--budget-from applies to topk, quest or oracle without their own budget"),
     (["eval", "--methods", "dense,magicpig", "--page-size", "8", "--out", "runs/never"],
      "--page-size applies to quest"),
+    (["eval", "--seed", "-1", "--out", "runs/never"], "--seed must be >= 0, got -1"),
+    (["eval", "--dense-layers", "99", "--out", "runs/never"], "--dense-layers 99 out of range: the model has 30"),
+    (["eval", "--budget-from", "foo", "--out", "runs/never"], "--budget-from 'foo': unknown method"),
+    (["eval", "--out", "README.md"], "--out README.md exists and is not a directory"),
     (["calibrate", "--kl-budget", "0.01", "--candidates", "17x150", "--out", "runs/never.json"],
      "--candidates 17x150: K must be in [1, 16] (the host index)"),
     (["calibrate", "--kl-budget", "0.01", "--out", "/proc/never.json"], "--out /proc/never.json cannot be written"),
@@ -131,7 +137,7 @@ def test_argument_errors_are_one_line_without_the_usage(args, expected):
 
 @pytest.mark.parametrize("args,shown", [
     (["generate"], ["tokens to generate at most (default: 48)", "and of token sampling (default 0)",
-                    "(default: the embedded SmolLM2-135M-Instruct)"]),
+                    "(default, or 'embedded': the embedded SmolLM2-135M-Instruct)"]),
     (["bench", "decode"], ["--steps STEPS decode steps per run (the first is not timed) (default:"]),
     (["bench", "attention"], ["--no-huge-pages leave the buffers on 4 KiB pages (to measure what huge pages give)"]),
 ])
@@ -435,3 +441,18 @@ def test_the_recorded_config_is_what_the_backend_reads():
                                                                                  "seed": 5}
     layered = LayerConfigs.uniform(cfg, 4, dense_layers=(0,))
     assert _config_used(DecodeSpec(backend="magicpig", magicpig=cfg, dense_layers=(0,), layers=layered)) is None
+
+
+def test_a_layer_config_file_is_checked_against_the_model_before_loading(tmp_path):
+    calibrated = json.loads(Path("examples/results/calibrated_smollm2.json").read_text())
+    k17 = dict(calibrated, layers={**calibrated["layers"], "3": {"K": 17, "L": 150}})
+    (tmp_path / "k17.json").write_text(json.dumps(k17))
+    fewer = dict(calibrated, layers={i: c for i, c in calibrated["layers"].items() if i != "29"})
+    (tmp_path / "fewer.json").write_text(json.dumps(fewer))
+    start = time.perf_counter()
+    proc = run("generate", "--prompt", "hi", "--attention", "magicpig", "--magicpig-config", str(tmp_path / "k17.json"))
+    one_line_error(proc, "layer 3 has K = 17; attention 'magicpig' (the host index) takes K in [1, 16]")
+    one_line_error(run("generate", "--model", "embedded", "--prompt", "hi", "--attention", "magicpig",
+                       "--magicpig-config", str(tmp_path / "fewer.json")),
+                   "the layer configs give 29 layers, the model has 30")
+    assert "model:" not in proc.stdout and time.perf_counter() - start < 30

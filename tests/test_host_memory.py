@@ -106,11 +106,12 @@ def test_5000_host_decode_steps_hold_heap_growth_to_the_dense_decode():
     assert host_["tokens"] == dense["tokens"] == 5000 and host_["steps"] == 4999
     # generated tokens past the 256-token buffer were appended to the index (sampling continues)
     assert 0 < host_["sampled_fraction"] < 1
-    # The dense decode keeps 8 bytes per token (the output list). The host decode grows by
+    # The dense decode keeps 8 bytes per token (the output list); measured 7 to 10 per step, once
+    # 16.2 on a CI run (heap noise of about 32 KB over the 4,000 steps). The host decode grows by
     # about 47 bytes per step more (measured): its per-thread candidate buffers grow with the
     # sampled set, which grows with the context. A leak of 64 bytes per step adds at least
-    # 80 (64 plus malloc's header), so it breaks this bound.
-    assert dense["per_step"] < 16, res
+    # 80 (64 plus malloc's header), so it breaks either bound.
+    assert dense["per_step"] < 24, res
     assert host_["per_step"] - dense["per_step"] < 96, res
 
 

@@ -406,9 +406,23 @@ def test_open_reader_errors(tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(full.read_bytes()[:-4096])
     size = cut.stat().st_size
-    with pytest.raises(ValueError, match="^" + re.escape(f"{cut} is a truncated GGUF file ({size} bytes; its tensors "
-                                                         "need more): ") + ".+"):
+    with pytest.raises(ValueError, match="^" + re.escape(f"{cut} is a truncated GGUF file ({size} bytes; its header "
+                                                         "and tensors need more), or its header is corrupt: ") + ".+"):
         read_gguf_config(cut)
+    data = full.read_bytes()
+    short = tmp_path / "short.gguf"
+    short.write_bytes(data[:10])
+    with _raises(ValueError, f"{short} is a truncated GGUF file (10 bytes; its header alone needs 24)"):
+        read_gguf(short)
+    v9 = tmp_path / "v9.gguf"
+    v9.write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
+    with _raises(ValueError, f"{v9}: GGUF version 9 is not supported (2 or 3)"):
+        read_gguf(v9)
+    huge = tmp_path / "huge.gguf"
+    huge.write_bytes(data[:8] + (2**63).to_bytes(8, "little") + data[16:])
+    with _raises(ValueError, f"{huge} has a corrupt GGUF header (tensor_count = {2**63} in a file of {len(data)} "
+                             "bytes)"):
+        read_gguf(huge)
 
 
 # -- build_llama --------------------------------------------------------------------------------------

@@ -259,6 +259,25 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
     with pytest.raises(FileExistsError, match=_exact(f"{out.absolute()} already holds a checkpoint; choose another OUT "
                                                      "or remove it")):
         checkpoint.save_checkpoint(out, config, weights, tok)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "a").write_text("x")
+    with pytest.raises(FileExistsError, match=_exact(f"{(tmp_path / 'full').absolute()} exists and is not an empty "
+                                                     "directory; choose another OUT")):
+        checkpoint.save_checkpoint(tmp_path / "full", config, weights, tok)
+    # an interrupted conversion leaves nothing at OUT, nor its partial directory
+    real = checkpoint._write_checkpoint
+
+    def interrupted(out_dir, *args):
+        (out_dir / "weights").mkdir()
+        raise KeyboardInterrupt
+
+    checkpoint._write_checkpoint = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save_checkpoint(tmp_path / "cut", config, weights, tok)
+    finally:
+        checkpoint._write_checkpoint = real
+    assert not (tmp_path / "cut").exists() and not (tmp_path / ".cut.partial").exists()
     # a version-1 file without the tokenizer's fields and without rope_freqs: the defaults
     bare = tmp_path / "bare"
     checkpoint.save_checkpoint(bare, config, {"w": np.ones((2, 2), np.float32)}, tok)

@@ -132,7 +132,10 @@ def parse_methods(text: str, budget_from: str = "magicpig:10x150") -> list[Metho
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:
         raise ValueError(f"duplicate methods: {dup}")
-    ref = parse_method(budget_from)
+    try:
+        ref = parse_method(budget_from)
+    except ValueError as err:
+        raise ValueError(f"--budget-from {budget_from!r}: {err}") from None
     if not ref.backend.startswith("magicpig") or ref.config_file is not None:
         raise ValueError(f"--budget-from must be a magicpig:KxL method, got {budget_from!r}")
     if any(m.budgeted and m.budget is None for m in methods) and ref.label not in labels:

@@ -486,6 +486,15 @@ def main(argv: list[str] | None = None) -> int:
         from magicpig_jax.io.loader import load_model
 
         load_prose(settings.haystack)  # a bad --haystack fails here, before the model loads and --out is written
+        from magicpig_jax.argparsing import check_output
+        from magicpig_jax.io.loader import read_model_config
+
+        check_output("--out", args.out, "dir")
+        n_layers = read_model_config(args.model).num_layers
+        bad = [i for i in settings.dense_layers or () if i >= n_layers]
+        if bad:
+            raise ValueError(f"--dense-layers {bad[0]} out of range: the model has {n_layers} layers "
+                             f"(indices 0..{n_layers - 1})")
 
         model = load_model(args.model)
         print(f"model: {model.source} ({model.config.num_layers} layers); methods: "

@@ -156,6 +156,13 @@ def settings_from_args(args) -> EvalSettings:
             dense_layers = [int(x) for x in args.dense_layers.split(",") if x.strip()]
         except ValueError as err:
             raise ValueError(f"--dense-layers takes comma-separated integers, got {args.dense_layers!r}") from err
+        if any(i < 0 for i in dense_layers):
+            raise ValueError(f"--dense-layers must be layer indices >= 0, got {args.dense_layers!r}")
+    from magicpig_jax.argparsing import in_flag_terms
+    from magicpig_jax.attention import MagicPIGConfig
+
+    with in_flag_terms(num_sink="--num-sink", num_local="--num-local", seed="--seed"):
+        MagicPIGConfig(num_sink=args.num_sink, num_local=args.num_local, seed=args.seed)
     parsed = parse_methods(methods, args.budget_from)
     _check_options_used(parsed, given)
     return EvalSettings(tasks=tasks, lengths=parse_lengths(args.lengths), samples=args.samples,

@@ -50,14 +50,34 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
       the directory.
 
     Raises:
-      FileExistsError: ``out`` already holds a checkpoint.
+      FileExistsError: ``out`` already holds a checkpoint, or is not an empty directory.
     """
-    import orbax.checkpoint as ocp
+    import shutil
 
     out = Path(out).absolute()
     if is_checkpoint(out):
         raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory; choose another OUT")
+    # Written beside ``out`` and renamed when complete, so that an interrupted conversion leaves
+    # no directory that looks like a checkpoint (or like a broken model) at ``out``.
+    partial = out.parent / f".{out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)  # an earlier interrupted conversion's
+    partial.mkdir(parents=True)
+    try:
+        _write_checkpoint(partial, config, weights, tokenizer, freq_factors)
+        if out.exists():
+            out.rmdir()
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, freq_factors) -> None:
+    import orbax.checkpoint as ocp
+
     # float weights as float32; raw GGUF blocks (uint8, see io.gguf_model.packed_key) as they are
     tree = {k.replace(".", "/"): np.asarray(v, np.uint8 if np.asarray(v).dtype == np.uint8 else np.float32)
             for k, v in weights.items()}
@@ -77,7 +97,6 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
         "add_eos_token": tokenizer.add_eos_token,
     }
     (out / MARKER).write_text(json.dumps(meta, indent=1))
-    return out
 
 
 def _read_meta(path: Path) -> dict:

