@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -46,8 +47,15 @@ def test_json_round_trip(tmp_path):
     bad = dict(obj, layers={"0": {"K": 40, "L": 2}})
     with pytest.raises(ValueError, match="invalid entry"):
         LayerConfigs.from_json(bad)
+    # a bad file-wide field is the file's, not blamed on a layer's entry
+    with pytest.raises(ValueError, match=r"^layer-configs file: num_sink must be >= 0, got num_sink=-1$"):
+        LayerConfigs.from_json(dict(obj, num_sink=-1))
     with pytest.raises(ValueError, match="format"):
         LayerConfigs.from_json({"layers": {}})
+    (tmp_path / "neg.json").write_text(json.dumps(dict(obj, num_sink=-1)))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"layer-configs file {tmp_path / 'neg.json'}: num_sink must be >= 0, got num_sink=-1") + "$"):
+        LayerConfigs.load(tmp_path / "neg.json")
     (tmp_path / "x.json").write_text("{")
     with pytest.raises(ValueError, match="not JSON"):
         LayerConfigs.load(tmp_path / "x.json")

@@ -175,6 +175,53 @@ def test_hf_directory_loads_the_same_model(tmp_path, tiny):
     assert loaded.config.eos_token_ids == (5, 7)
 
 
+def test_malformed_metadata_files_are_named(tmp_path, tiny):
+    """Every JSON file of an HF folder, read for the config or the tokenizer, is named when malformed."""
+    from magicpig_jax.io.loader import read_model_config
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file(_hf_weights(tiny), str(folder / "model.safetensors"))
+    _byte_tokenizer_json(folder / "tokenizer.json")
+    for text, reason in (("[1, 2]", "must hold a JSON object, got a list"), ("{no", "is not valid JSON (Expecting")):
+        (folder / "config.json").write_text(text)
+        for read in (read_model_config, load_model):  # the CLI's check before loading, and the load itself
+            with pytest.raises(ValueError, match="^" + re.escape(f"{folder / 'config.json'} {reason}")):
+                read(folder)
+    (folder / "config.json").write_text(json.dumps(_hf_config()))
+    gen = folder / "generation_config.json"
+    for text, reason in (("[5]", "must hold a JSON object, got a list"),
+                         ('{"eos_token_id": "x"}', "'eos_token_id' must be a non-negative integer or a list of them")):
+        gen.write_text(text)
+        with pytest.raises(ValueError, match="^" + re.escape(f"{gen} {reason}")):
+            read_model_config(folder)
+    gen.unlink()
+    (folder / "tokenizer_config.json").write_text('"chatml"')
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'tokenizer_config.json'} must hold a JSON object")):
+        load_model(folder)
+    (folder / "tokenizer_config.json").unlink()
+    # a weight the config needs and the folder lacks: the message names the folder
+    weights = _hf_weights(tiny)
+    del weights["model.norm.weight"]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="^" + re.escape(f"{folder}: weight 'model.norm.weight' missing")):
+        load_model(folder)
+
+
+def test_gguf_missing_tensors_are_named_from_the_header(tmp_path, tiny):
+    """A GGUF whose header lists too few tensors (a corrupt tensor_count) is refused before any tensor is read."""
+    from magicpig_jax.io.gguf_model import read_gguf
+
+    weights = _hf_weights(tiny)
+    del weights["model.norm.weight"], weights["model.layers.1.mlp.up_proj.weight"]
+    path = tmp_path / "cut.gguf"
+    _write_gguf(path, weights)
+    message = (f"{path} lacks tensor(s) a {CFG.num_layers}-layer llama model needs: output_norm.weight, "
+               f"blk.1.ffn_up.weight (it lists {len(weights)} tensors; a truncated or corrupt header lists fewer)")
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        read_gguf(path)
+
+
 def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny):
     path = tmp_path / "gpt2.gguf"
     _write_gguf(path, _hf_weights(tiny), arch="gpt2")
@@ -185,7 +232,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny):
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"definitely not gguf" * 10)
-    with pytest.raises(ValueError, match="not a readable GGUF file"):
+    with pytest.raises(ValueError, match="is not a GGUF file"):
         load_model(path)
 
 
@@ -236,7 +283,7 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     bad.write_text("not a model")
     assert cli_main(["generate", "--model", str(bad), "--prompt", "hi"]) == 2
     out = capsys.readouterr()
-    assert out.out == "" and "not a readable GGUF file" in out.err
+    assert out.out == "" and "is not a GGUF file" in out.err
     assert cli_main(["generate", "--L", "1", "--prompt", "hi"]) == 2
     assert "L must be >= 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -400,8 +400,13 @@ def test_open_reader_errors(tmp_path):
         read_gguf_config(tmp_path)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUG" + b"\0" * 60)
-    with pytest.raises(ValueError, match="^" + re.escape(f"{junk} is not a readable GGUF file: ") + ".+"):
+    with _raises(ValueError, f"{junk} is not a GGUF file (it does not start with the GGUF magic)"):
         read_gguf(junk)
+    for size in (0, 3):  # a prefix of the magic: a cut copy, named by its size
+        stub = tmp_path / f"stub{size}.gguf"
+        stub.write_bytes(b"GGUF"[:size])
+        with _raises(ValueError, f"{stub} is a truncated GGUF file ({size} bytes; its header alone needs 24)"):
+            read_gguf_config(stub)
     full = _header(tmp_path, "full.gguf")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(full.read_bytes()[:-4096])

@@ -140,6 +140,10 @@ class LayerConfigs:
             raise ValueError(f"layer-configs file lacks {', '.join(missing)}")
         # files written before layers_per_projection existed: every layer had its own projections
         common = {k: _json_int(f"'{k}'", obj.get(k, 1)) for k in _COMMON}
+        try:  # the file's own fields, named before any layer entry is read
+            MagicPIGConfig(**common)
+        except ValueError as err:
+            raise ValueError(f"layer-configs file: {err}") from None
         raw = obj["layers"]
         if not isinstance(raw, Mapping):
             raise ValueError("layer-configs 'layers' must map layer -> {'K', 'L'} or 'dense'")
@@ -191,7 +195,15 @@ class LayerConfigs:
             obj = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"layer-configs file {path} is not JSON: {err}") from None
-        return cls.from_json(obj)
+        try:
+            return cls.from_json(obj)
+        except ValueError as err:  # name the file: the CLI may read several
+            reason = ": " + str(err)
+            for prefix in ("layer-configs file: ", "layer-configs: ", "layer-configs file "):
+                if str(err).startswith(prefix):
+                    reason = (": " if prefix.endswith(": ") else " ") + str(err).removeprefix(prefix)
+                    break
+            raise ValueError(f"layer-configs file {path}{reason}") from None
 
 
 def _kl_json(c: MagicPIGConfig) -> dict:

@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         check_output("--out", args.out, "prefix")
     except ValueError as err:
         p.error(str(err))
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
     if args.reps < 1:
         p.error("--reps must be >= 1 (figures are medians: use 5 or more for a result)")
     from magicpig_jax.host.index import HOST_MAX_K

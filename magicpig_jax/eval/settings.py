@@ -120,9 +120,10 @@ def _check_options_used(methods, given: set[str]) -> None:
             "dense_layers": "a sparse method without a config file",
             "layers_per_projection": "magicpig:KxL, magicpig-ref or hybrid", "page_size": "quest",
             "budget_from": "topk, quest or oracle without their own budget"}
-    for name in readers:
-        if name in given and not readers[name]:
-            raise ValueError(f"--{name.replace('_', '-')} applies to {what[name]}, which --methods does not list")
+    unused = [f"--{name.replace('_', '-')} applies to {what[name]}, which --methods does not list" for name in readers
+              if name in given and not readers[name]]
+    if unused:  # all of them at once: fixing one at a time would take as many runs
+        raise ValueError("; ".join(unused))
 
 
 def settings_from_args(args) -> EvalSettings:

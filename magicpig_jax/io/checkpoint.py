@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig
 
 __all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "MARKER"]
@@ -102,12 +103,7 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
 def _read_meta(path: Path) -> dict:
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a magicpig_jax checkpoint (no {MARKER})")
-    try:
-        meta = json.loads((path / MARKER).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path / MARKER} is not valid JSON ({err})") from None
-    if not isinstance(meta, dict):
-        raise ValueError(f"{path / MARKER} must hold a JSON object, got a {type(meta).__name__}")
+    meta = read_json_object(path / MARKER)
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise ValueError(f"unsupported checkpoint format_version {meta.get('format_version')!r} in {path}")
     return meta

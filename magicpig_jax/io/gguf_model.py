@@ -291,8 +291,8 @@ def _open_reader(path: Path):
         with open(path, "rb") as f:
             head = f.read(24)
         size = path.stat().st_size
-        if head[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a readable GGUF file: {err}") from err
+        if not (head[:4] == b"GGUF" or (len(head) < 4 and b"GGUF".startswith(head))):
+            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic)") from err
         if len(head) < 24:
             raise ValueError(f"{path} is a truncated GGUF file ({size} bytes; its header alone needs 24)") from err
         version = int.from_bytes(head[4:8], "little")
@@ -448,4 +448,18 @@ def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple
         blocks = qtype in QUANT_TYPES and len(shape) == 2
         entry = _Entry(int(t.data_offset), int(t.n_bytes), qtype, shape, heads, blocks)
         entries[packed_key(key, qtype) if blocks else key] = entry
+    _check_tensors_present(tensors, arch, config, path)
     return entries, freq_factors
+
+
+def _check_tensors_present(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> None:
+    """Refuse, from the header alone, a GGUF that lacks a tensor every layer of ``arch`` needs."""
+    per_layer = list(_LAYER_NAMES) + (list(_QK_NORM_NAMES) if arch == "qwen3" else [])
+    needed = ["token_embd.weight", "output_norm.weight"]  # output.weight absent = tied embeddings
+    needed += [f"blk.{i}.{rest}" for i in range(config.num_layers) for rest in per_layer]
+    missing = [name for name in needed if name not in tensors]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise GGUFMetadataError(
+            f"{path} lacks tensor(s) a {config.num_layers}-layer {arch} model needs: {shown} (it lists "
+            f"{len(tensors)} tensors; a truncated or corrupt header lists fewer)")

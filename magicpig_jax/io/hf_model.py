@@ -3,25 +3,55 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 
+from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 
-__all__ = ["read_hf_dir", "read_generation_eos_ids"]
+__all__ = ["read_hf_config", "read_hf_dir", "read_generation_eos_ids"]
 
 
 def read_generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
-    """``eos_token_id`` of ``generation_config.json`` (an int or a list), or ``()`` if absent."""
+    """``eos_token_id`` of ``generation_config.json`` (an int or a list), or ``()`` if absent.
+
+    Raises:
+      ValueError: the file is not a JSON object, or ``eos_token_id`` is not a non-negative
+        integer or a list of them (named with the file).
+    """
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
+    eos = read_json_object(path).get("eos_token_id")
     if eos is None:
         return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise ValueError(f"{path} 'eos_token_id' must be a non-negative integer or a list of them, got {eos!r}")
+    return tuple(ids)
+
+
+def read_hf_config(folder: str | Path) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a Hugging Face model directory, from its metadata only.
+
+    ``config.json`` through :meth:`LlamaConfig.from_hf_config`; the stop ids are those of
+    ``config.json`` and ``generation_config.json`` together (transformers' generation stops
+    at either).
+
+    Raises:
+      FileNotFoundError: ``config.json`` is missing.
+      ValueError: a file is not JSON or not a JSON object (named); UnsupportedConfigError (a
+        ValueError) for a model type or field that is not supported.
+    """
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face model directory needs config.json")
+    config = LlamaConfig.from_hf_config(read_json_object(cfg_path))
+    eos = list(config.eos_token_ids)
+    eos += [e for e in read_generation_eos_ids(folder) if e not in eos]
+    return dataclasses.replace(config, eos_token_ids=tuple(eos))
 
 
 def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
@@ -48,19 +78,7 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     from safetensors import safe_open
 
     folder = Path(folder)
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face model directory needs config.json")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{cfg_path} is not valid JSON ({err})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path} must hold a JSON object, got a {type(cfg).__name__}")
-    config = LlamaConfig.from_hf_config(cfg)
-    eos = list(config.eos_token_ids)
-    eos += [e for e in read_generation_eos_ids(folder) if e not in eos]
-    config = dataclasses.replace(config, eos_token_ids=tuple(eos))
+    config = read_hf_config(folder)
     files = _weight_files(folder)
     weights = {}
     for file in files:
@@ -86,7 +104,7 @@ def _weight_files(folder: Path) -> list[Path]:
         return [folder / "model.safetensors"]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no 'weight_map' object")
         files = [folder / name for name in sorted(set(weight_map.values()))]

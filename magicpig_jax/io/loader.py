@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -221,7 +220,10 @@ def load_model(path: str | Path | None = None, packed_weights: bool = True) -> L
     release_freed_buffers()  # freed cache copies and temporaries go back to the OS
     start = time.perf_counter()
     source, (config, weights, tokenizer, freq_factors) = _read_source(path)
-    module = build_llama(config, weights, freq_factors, packed_weights=packed_weights, consume=True)
+    try:
+        module = build_llama(config, weights, freq_factors, packed_weights=packed_weights, consume=True)
+    except ValueError as err:  # a weight missing, unused or of the wrong shape: say which model
+        raise type(err)(f"{source}: {err}") from None
     del weights
     return LoadedModel(module, config, tokenizer, source, time.perf_counter() - start)
 
@@ -241,6 +243,7 @@ def read_model_config(path: str | Path | None = None) -> LlamaConfig:
     """
     from magicpig_jax.io.checkpoint import is_checkpoint, read_checkpoint_config
     from magicpig_jax.io.gguf_model import read_gguf_config
+    from magicpig_jax.io.hf_model import read_hf_config
 
     source = _source(path)
     if not source.exists():
@@ -249,10 +252,7 @@ def read_model_config(path: str | Path | None = None) -> LlamaConfig:
     if source.is_dir() and is_checkpoint(source):
         return read_checkpoint_config(source)
     if source.is_dir():
-        cfg_path = source / "config.json"
-        if not cfg_path.is_file():
-            raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face model directory needs config.json")
-        return LlamaConfig.from_hf_config(json.loads(cfg_path.read_text()))
+        return read_hf_config(source)
     return read_gguf_config(source)
 
 

@@ -36,7 +36,6 @@ gives exactly one).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,6 +44,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from magicpig_jax.io.chat_template import ChatTemplateError, render_chat_template
 from magicpig_jax.io.gguf_tokenizer import EOG_TEXTS, PRE_TOKENIZERS, TokenizerMetadataError, gguf_tokenizer_parts
+from magicpig_jax.io.json_files import read_json_object
 
 __all__ = ["Tokenizer", "ChatTemplateError", "TokenizerMetadataError", "PRE_TOKENIZERS", "EOG_TEXTS",
            "render_chat_template"]
@@ -121,7 +121,7 @@ class Tokenizer:
         folder = Path(folder)
         backend = read_tokenizer_json(folder / "tokenizer.json", "a Hugging Face model directory")
         cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
         template = cfg.get("chat_template")
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
@@ -129,7 +129,7 @@ class Tokenizer:
         if template is None and (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
         if template is None and (folder / "chat_template.json").is_file():
-            template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+            template = read_json_object(folder / "chat_template.json").get("chat_template")
 
         def token_id(key):
             tok = cfg.get(key)
