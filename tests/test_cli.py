@@ -95,7 +95,7 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
     # a directory where a file is expected: one line, not a traceback
     (["bench", "decode", "--text", "/tmp"], "bench decode: --text /tmp is not a file"),
     (["study", "attention", "--capture", "/tmp"], "--capture /tmp is not a file"),
-    (["study", "attention", "--capture", __file__], f"--capture {__file__} is not an .npz of arrays q, k, v"),
+    (["study", "attention", "--capture", __file__], f"--capture {__file__} is not an .npz file (needs arrays q, k, v"),
     (["study", "attention", "--lsh", "4x10", "--heavy", "4,20"], "--heavy thresholds [20] exceed L + 1 for every"),
     (["calibrate", "--out", "runs/never.json", "--kl-budget", "0.1", "--text", "/tmp"], "--text /tmp is not a file"),
     # refused before the model loads (the help lists the three)
@@ -235,6 +235,12 @@ def test_documents_are_named_when_unusable(tmp_path):
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\u00e9 ok".encode("latin-1"))
     one_line_error(run("generate", "--document", str(bad)), f"--document {bad} is not UTF-8 text: byte 3 is 0xe9")
+    one_line_error(run("eval", "--haystack", str(bad), "--out", str(tmp_path / "ev")),
+                   f"haystack '{bad}' is not UTF-8 text: byte 3 is 0xe9")
+    png = tmp_path / "capture.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))  # numpy would read it as a pickle and say so
+    one_line_error(run("study", "attention", "--capture", str(png), "--out", str(tmp_path / "st")),
+                   f"--capture {png} is not an .npz file (needs arrays q, k, v, as `capture` writes)")
 
 
 def test_truncated_gguf_says_truncated(tmp_path):

@@ -140,7 +140,11 @@ def load_prose(haystack: str = DEFAULT_HAYSTACK) -> tuple[str, ...]:
         path = Path(haystack)
         if not path.is_file():
             raise FileNotFoundError(f"haystack {haystack!r} is neither one of {HAYSTACKS} nor an existing file")
-        texts = [_read_text(path)]
+        try:  # the user's own text: bytes that are not UTF-8 are refused, not replaced
+            texts = [path.read_bytes().decode("utf-8")]
+        except UnicodeDecodeError as err:
+            raise ValueError(f"haystack {haystack!r} is not UTF-8 text: byte {err.start} is "
+                             f"0x{err.object[err.start]:02x}") from None
     paragraphs = [p for p in _paragraphs(texts) if p not in held]
     if not paragraphs:
         raise ValueError(f"haystack {haystack!r} has no paragraph of >= {MIN_PARAGRAPH_WORDS} words")

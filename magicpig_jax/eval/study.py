@@ -123,8 +123,12 @@ def make_parser() -> argparse.ArgumentParser:
 def _load_capture(path: Path, layers: str | None):
     if not path.exists():
         raise FileNotFoundError(f"--capture file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic[:4] != b"PK\x03\x04" and magic != b"\x93NUMPY":  # neither a zip (.npz) nor an .npy
+        raise ValueError(f"--capture {path} is not an .npz file (needs arrays q, k, v, as `capture` writes)")
     try:
-        npz = np.load(path)
+        npz = np.load(path, allow_pickle=False)
     except (ValueError, OSError) as err:
         raise ValueError(f"--capture {path} is not an .npz of arrays q, k, v ({err})") from None
     if not isinstance(npz, np.lib.npyio.NpzFile):
