@@ -17,6 +17,7 @@ from flax import nnx
 
 from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
 from magicpig_jax.attention.baselines import Budget
+from magicpig_jax.attention.layer_configs import check_layer_indices
 from magicpig_jax.decode_loop import Sampling, run_decode, start_decode
 from magicpig_jax.io.loader import LoadedModel
 from magicpig_jax.memory import compile_then_trim
@@ -115,6 +116,8 @@ def _check_messages(messages: Sequence[Message]) -> list[dict]:
             raise TypeError(f"prompt message {i} must be a mapping with 'role' and 'content', got {m!r}")
         if m["role"] not in ROLES:
             raise ValueError(f"prompt message {i} has role {m['role']!r}; allowed roles: {ROLES}")
+        if not isinstance(m["content"], str):
+            raise TypeError(f"prompt message {i} content must be a str, got {type(m['content']).__name__}")
         out.append(dict(m))
     if not out:
         raise ValueError("prompt must hold at least one message")
@@ -212,10 +215,22 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
       a :class:`PrefillState`.
 
     Raises:
-      ValueError: an empty prompt, or a prompt longer than the model's context
-        (``max_position_embeddings``) unless ``allow_beyond_context``.
+      ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, or a prompt longer
+        than the model's context (``max_position_embeddings``) unless ``allow_beyond_context``.
+      TypeError: token ids that are not integers.
     """
     return _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, None)[0]
+
+
+def _check_token_ids(name: str, ids, vocab_size: int) -> None:
+    """Refuse token ids that are not integers in ``[0, vocab_size)``: the embedding gather would
+    read out of range (NaN logits) or wrap a negative id to the end of the vocabulary."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary [0, {vocab_size})")
 
 
 def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, also_at):
@@ -223,6 +238,8 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
     lengths (float32 ``[B, H]``), else None."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    for b, prompt in enumerate(prompts):
+        _check_token_ids(f"prompts[{b}]", prompt, model.config.vocab_size)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -277,6 +294,7 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
     Args: as :func:`decode`.
 
     Raises:
+      TypeError: dense layers that are not integers.
       ValueError: unknown attention, dense layers outside ``[0, num_layers)``, a budgeted
         backend without a budget, a budget for a backend that takes none, or a configuration
         the backend cannot run (e.g. a HybridConfig's heavy threshold outside 'hybrid').
@@ -288,9 +306,8 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
     if isinstance(config, LayerConfigs):  # per-layer configs (magicpig-jax calibrate) carry their dense layers
         return _layered_spec(model, attention, config, dense_layers, budget, page_size, mesh)
     n_layers = model.config.num_layers
-    dl = tuple(sorted(set(default_dense_layers(n_layers) if dense_layers is None else dense_layers)))
-    if any(not 0 <= i < n_layers for i in dl):
-        raise ValueError(f"dense_layers must be in [0, {n_layers}), got {dl}")
+    dl = check_layer_indices("dense_layers", default_dense_layers(n_layers) if dense_layers is None else dense_layers,
+                             n_layers)
     return DecodeSpec(backend=attention, magicpig=config or MagicPIGConfig(), dense_layers=dl, budget=budget,
                       page_size=page_size, mesh=mesh)
 
@@ -298,17 +315,32 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
 def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, page_size, mesh) -> DecodeSpec:
     """The spec of per-layer configs: each sparse layer its own (K, L), their dense layers."""
     config.check_num_layers(model.config.num_layers)
-    if dense_layers is not None and tuple(sorted(set(dense_layers))) != config.dense_layers:
+    if dense_layers is not None and check_layer_indices("dense_layers", dense_layers,
+                                                        model.config.num_layers) != config.dense_layers:
         raise ValueError(f"dense_layers {tuple(dense_layers)} differ from the layer configs' dense layers "
                          f"{config.dense_layers}; leave dense_layers unset")
     return DecodeSpec(backend=attention, magicpig=config.base(), dense_layers=config.dense_layers, budget=budget,
                       page_size=page_size, mesh=mesh, layers=config)
 
 
+def _check_options_read(attention: str, config, dense_layers, page_size: int | None) -> int:
+    """Refuse an option the chosen backend does not read (it would change nothing); Quest's
+    page size, 16 tokens unless given (the Quest paper's setting)."""
+    if attention not in BACKENDS:  # decode_spec names the allowed ones
+        return 16
+    if attention == "dense":
+        given = [name for name, value in (("config", config), ("dense_layers", dense_layers)) if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} applies to the sparse backends; attention='dense' reads none")
+    if page_size is not None and attention != "quest":
+        raise ValueError(f"page_size applies to attention 'quest' only, got attention={attention!r}")
+    return 16 if page_size is None else page_size
+
+
 def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpig",
            max_new_tokens: int = 64, config: MagicPIGConfig | None = None,
            dense_layers: Sequence[int] | None = None, sampling: Sampling | None = None,
-           budget: Budget | None = None, page_size: int = 16, stop_on_eos: bool = True,
+           budget: Budget | None = None, page_size: int | None = None, stop_on_eos: bool = True,
            progress: Callable[[int], object] | None = None, mesh=None) -> tuple[list[list[int]], dict]:
     """Decode from a prefill with one attention backend (the prefill cache is not consumed).
 
@@ -327,7 +359,7 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       sampling: :class:`Sampling` (default greedy).
       budget: keys per query head for "topk"/"quest"/"oracle" (int tokens or a
         fraction in (0, 1] of the hashed range).
-      page_size: Quest's page size.
+      page_size: Quest's page size in tokens (default 16; refused for the other backends).
       stop_on_eos: stop a row at the model's EOS token.
       progress: optional callable ``progress(n)`` called after each step.
       mesh: optional ``("batch", "kv_heads")`` mesh from
@@ -338,8 +370,12 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       ``(token_ids per row, stats dict)`` (see :class:`Generation` for the keys).
 
     Raises:
-      ValueError: unknown attention, bad sampling parameters, or not enough cache capacity.
+      ValueError: unknown attention, bad sampling parameters, not enough cache capacity, or an
+        option the backend does not read (``config``/``dense_layers`` with dense, ``page_size``
+        outside quest).
+      TypeError: ``dense_layers`` that are not integers.
     """
+    page_size = _check_options_read(attention, config, dense_layers, page_size)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh)
     return run_decode(model, state, spec, max_new_tokens, sampling or Sampling(), stop_on_eos=stop_on_eos,
                       progress=progress)
@@ -347,7 +383,7 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
 
 def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new_tokens: int = 128,
              config: MagicPIGConfig | None = None, dense_layers: Sequence[int] | None = None,
-             budget: Budget | None = None, page_size: int = 16, temperature: float = 0.0,
+             budget: Budget | None = None, page_size: int | None = None, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None, stream: bool = False,
              chat: bool = True, parse_special: bool = False,
              kv_dtype: str = "bfloat16") -> Generation | list[Generation] | Iterator[str]:
@@ -369,7 +405,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
       dense_layers: layers kept dense (default :func:`default_dense_layers`).
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there, refused
         for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.
-      page_size: Quest's page size in tokens.
+      page_size: Quest's page size in tokens (default 16; refused for the other backends).
       temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy).
       stop: a stop string or a list of them; the text is cut before the first one.
       stream: return an iterator of text pieces as tokens are produced (one prompt only);
@@ -387,13 +423,16 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
 
     Raises:
       TypeError / ValueError: a malformed prompt, a prompt longer than the model's context,
-        an unknown attention, or bad parameters (all checked before the prefill).
+        an unknown attention, bad parameters, or an option the backend does not read
+        (``config``/``dense_layers`` with dense, ``page_size`` outside quest; all checked
+        before the prefill).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+    page_size = _check_options_read(attention, config, dense_layers, page_size)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size)
     stops = check_stop_strings(stop)
     cache_dtype = kv_cache_dtype(kv_dtype)
@@ -401,6 +440,9 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     if stream and batched:
         raise ValueError("stream=True takes one prompt, not a batch")
     ids = [encode_prompt(model, p, chat, parse_special) for p in prompts]
+    empty = [i for i, row in enumerate(ids) if not row]
+    if empty:  # only a raw prompt can: the chat template always adds its turn markers
+        raise ValueError(f"prompt {empty[0]} encodes to no token (an empty text with chat=False)")
     state = prefill(model, ids, max_new_tokens, cache_dtype=cache_dtype)
     decode_text = model.tokenizer.decode
     criterion = StopStrings(decode_text, stops) if stops else None
@@ -432,11 +474,13 @@ def forward_logits(model: LoadedModel, ids: Sequence[int]) -> np.ndarray:
     Runs the same chunked prefill as decoding (so it tests that path).
 
     Raises:
-      ValueError: empty ``ids`` or longer than the model's context.
+      ValueError: empty ``ids``, longer than the model's context, or an id outside
+        ``[0, vocab_size)``; TypeError: ids that are not integers.
     """
     state_ids = [list(ids)]
     if not state_ids[0]:
         raise ValueError("ids must be non-empty")
+    _check_token_ids("ids", state_ids[0], model.config.vocab_size)
     T = len(ids)
     if T > model.config.max_position_embeddings:
         raise ValueError(f"{T} tokens exceed the model's context of {model.config.max_position_embeddings}")

@@ -106,10 +106,14 @@ def simhash_codes(
 
     Raises:
       ValueError: if ``projections`` is not ``[D, K*L]`` with D = ``x.shape[-1]``.
+      TypeError: ``projections`` is not a float array (integer hyperplanes are not SimHash's
+        Gaussian ones, so the sampling probabilities would not hold).
 
     Source: arXiv 2410.16179, Section 4.2.
     """
     validate_k_l(K, L)
+    if not jnp.issubdtype(projections.dtype, jnp.floating):
+        raise TypeError(f"projections must be a float array (Gaussian SimHash hyperplanes), got {projections.dtype}")
     if projections.ndim != 2 or projections.shape != (x.shape[-1], K * L):
         raise ValueError(
             f"projections must have shape [D, K*L] = [{x.shape[-1]}, {K * L}], "

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int, int, int, int]:
@@ -30,17 +31,20 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int, int, 
     return B, Hq, Hkv, N, D
 
 
-def check_lengths(lengths: jax.Array | None, B: int, N: int, name: str = "lengths") -> jax.Array:
+def check_lengths(lengths: jax.Array | np.ndarray | None, B: int, N: int, name: str = "lengths") -> jax.Array:
     """Return ``lengths`` (or another per-row position, ``name``) as int32 ``[B]`` clipped to
     ``[0, N]`` (default N for every row)."""
     if lengths is None:
         return jnp.full((B,), N, dtype=jnp.int32)
-    lengths = jnp.asarray(lengths)
+    if not isinstance(lengths, jax.Array):  # host values: clip in their own width (an int64 past int32 wraps)
+        lengths = np.asarray(lengths)
     if lengths.shape != (B,):
         raise ValueError(f"{name} must be [B] = [{B}], got shape {tuple(lengths.shape)}")
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got {lengths.dtype}")
-    return jnp.clip(lengths.astype(jnp.int32), 0, N)
+    if isinstance(lengths, np.ndarray):
+        return jnp.asarray(np.clip(lengths, 0, N).astype(np.int32))
+    return jnp.clip(lengths, 0, N).astype(jnp.int32)  # clip first: a uint32 past int32 must not wrap
 
 
 def grouped_logits(q: jax.Array, k: jax.Array) -> jax.Array:

@@ -96,21 +96,24 @@ def budget_tokens(budget: Budget, lengths: Int[Array, " B"]) -> Int[Array, " B"]
         is first replaced by the nearest fraction with a denominator <= 32768 so that the
         product is exact in int32: a float that differs from such a fraction by less than
         that rounding, such as ``0.5 + 2**-20``, counts as the fraction).
-      lengths: int ``[B]`` valid keys per row.
+      lengths: int ``[B]`` valid keys per row (a negative one counts as 0).
 
     Returns:
       int32 ``[B]``. Not capped at ``lengths``: an int budget larger than a row
       is returned as is (TopK/Quest cap it, oracle sampling draws that many).
 
     Raises:
-      TypeError: ``budget`` is neither int nor float (bool is rejected).
+      TypeError: ``budget`` is neither int nor float (bool is rejected); ``lengths`` not integers.
       ValueError: an int budget < 1 or a float outside ``(0, 1]``.
 
     Source: the equal-budget comparison of arXiv 2410.16179, Section 5 (TopK and the
     baselines given the keys MagicPIG samples).
     """
     b = check_budget(budget)
-    lengths = jnp.asarray(lengths).astype(jnp.int32)
+    lengths = jnp.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise TypeError(f"lengths must be an integer array, got {lengths.dtype}")
+    lengths = jnp.maximum(lengths, 0).astype(jnp.int32)  # a negative row holds no key, as in the estimators
     if isinstance(b, int):
         return jnp.full(lengths.shape, b, dtype=jnp.int32)
     num, den = jnp.int32(b.numerator), jnp.int32(b.denominator)

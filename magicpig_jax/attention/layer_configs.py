@@ -21,9 +21,11 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
+
 from magicpig_jax.attention.config import MagicPIGConfig
 
-__all__ = ["LayerConfigs", "DENSE", "FORMAT"]
+__all__ = ["LayerConfigs", "DENSE", "FORMAT", "check_layer_indices"]
 
 DENSE = "dense"
 FORMAT = "magicpig-jax layer configs v1"
@@ -31,6 +33,30 @@ FORMAT = "magicpig-jax layer configs v1"
 _COMMON = ("num_sink", "num_local", "seed", "layers_per_projection")
 _FIELDS = ("format", *_COMMON, "layers", "info")
 _LAYER_FIELDS = ("K", "L", "heavy")
+
+
+def _is_index(i: object) -> bool:
+    return isinstance(i, int | np.integer) and not isinstance(i, bool | np.bool_)
+
+
+def check_layer_indices(name: str, layers, num_layers: int) -> tuple[int, ...]:
+    """``layers`` as sorted distinct Python ints, each in ``[0, num_layers)``.
+
+    Raises:
+      TypeError: ``layers`` is a string, or an entry is not an integer (a bool, a float such
+        as 0.5, which no layer equals: it would be ignored).
+      ValueError: an index outside ``[0, num_layers)`` (named).
+    """
+    if isinstance(layers, str | bytes) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of layer indices, got {layers!r}")
+    values = list(layers)
+    bad = [i for i in values if not _is_index(i)]
+    if bad:
+        raise TypeError(f"{name} must hold integer layer indices, got {bad[0]!r}")
+    out = tuple(sorted({int(i) for i in values}))
+    if any(not 0 <= i < num_layers for i in out):
+        raise ValueError(f"{name} must be in [0, {num_layers}), got {out}")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +70,8 @@ class LayerConfigs:
         used by decoding); a mapping of strings is accepted and stored as such pairs.
 
     Raises:
-      TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``; ``info`` not string pairs.
+      TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``; a layer index that is
+        not an integer; ``info`` not string pairs.
       ValueError: layers not exactly ``0 .. n-1``, no layer at all, or sparse layers that
         disagree on ``num_sink``, ``num_local``, ``seed`` or ``layers_per_projection``.
     """
@@ -53,6 +80,9 @@ class LayerConfigs:
     info: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
 
     def __post_init__(self) -> None:
+        bad = [i for i, _ in self.layers if not _is_index(i)]
+        if bad:
+            raise TypeError(f"LayerConfigs layer indices must be integers, got {bad[0]!r}")
         entries = tuple(sorted(((int(i), c) for i, c in self.layers), key=lambda x: x[0]))
         object.__setattr__(self, "layers", entries)
         info = tuple(self.info.items()) if isinstance(self.info, Mapping) else self.info
@@ -76,8 +106,12 @@ class LayerConfigs:
 
     @classmethod
     def uniform(cls, config: MagicPIGConfig, num_layers: int, dense_layers=()) -> LayerConfigs:
-        """One config for every layer except ``dense_layers`` (the paper's setting)."""
-        dense = set(dense_layers)
+        """One config for every layer except ``dense_layers`` (the paper's setting).
+
+        Raises:
+          TypeError, ValueError: as :func:`check_layer_indices` for ``dense_layers``.
+        """
+        dense = set(check_layer_indices("dense_layers", dense_layers, num_layers))
         return cls(tuple((i, DENSE if i in dense else config) for i in range(num_layers)))
 
     @property

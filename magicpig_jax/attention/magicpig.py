@@ -232,9 +232,10 @@ def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, 
     """Raise unless ``index`` is an :class:`LSHIndex` of ``[B, Hkv, N]`` keys of dimension D built for ``config``.
 
     Raises:
-      TypeError: ``index`` is not an :class:`LSHIndex`.
+      TypeError: ``index`` is not an :class:`LSHIndex`, or its projections are not float.
       ValueError: ``index.codes`` is not ``[B, Hkv, N, L]``, ``index.projections`` not ``[D, K*L]``,
-        or the index was built with another ``num_sink`` / ``num_local`` than ``config``'s (its static
+        ``index.mean`` not ``[B, Hkv, D]``, ``index.start``/``index.end`` not ``[B]``, or the
+        index was built with another ``num_sink`` / ``num_local`` than ``config``'s (its static
         set is ``[0, index.start)`` and ``[index.end, lengths)``, so a config that differs would be
         ignored).
     """
@@ -254,6 +255,12 @@ def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, 
             f"index.projections must be [D, K*L] = {(D, config.K * config.L)}, "
             f"got {tuple(index.projections.shape)}"
         )
+    if not jnp.issubdtype(index.projections.dtype, jnp.floating):
+        raise TypeError(f"index.projections must be a float array, got {index.projections.dtype}")
+    for name, want in (("mean", (B, Hkv, D)), ("start", (B,)), ("end", (B,))):
+        got = tuple(getattr(index, name).shape)
+        if got != want:  # a hand-made index: a wrong shape would broadcast silently
+            raise ValueError(f"index.{name} must be {list(want)}, got {list(got)}")
 
 
 def nan_if_mean_not_finite(out: Float[Array, "B Hq D"], lse: Float[Array, "B Hq"],

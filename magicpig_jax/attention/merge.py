@@ -22,7 +22,7 @@ def merge_attention(
     (the reference CPU kernel's base-2 LSE is a known bug this avoids).
     An empty part (``lse = -inf``) contributes nothing; two empty parts give
     ``out = 0``, ``lse = -inf``. A part with a NaN ``lse`` (a head that read a non-finite
-    key) gives ``out`` and ``lse`` NaN.
+    key), or ``+inf`` (no finite softmax sum has it), gives ``out`` and ``lse`` NaN.
 
     Args:
       out_a, out_b: float ``[..., D]`` partial outputs (e.g. ``[B, Hq, D]``).
@@ -55,5 +55,5 @@ def merge_attention(
     out = out / denom[..., None]
     lse = jnp.where(total > 0, m_safe + jnp.log(denom), -jnp.inf)
     # A NaN part (a non-finite key upstream) stays NaN: never read as an empty part.
-    broken = jnp.isnan(lse_a) | jnp.isnan(lse_b)
+    broken = jnp.isnan(lse_a) | jnp.isnan(lse_b) | (lse_a == jnp.inf) | (lse_b == jnp.inf)  # +inf: no finite sum
     return jnp.where(broken[..., None], jnp.nan, out), jnp.where(broken, jnp.nan, lse)

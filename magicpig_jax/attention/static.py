@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention._common import check_lengths, check_qkv, grouped_logits, masked_softmax_attention
@@ -59,11 +60,17 @@ def static_attention(
     Raises:
       ValueError: bad shapes (``start``, ``end`` or ``lengths`` not ``[B]``), a negative
         ``num_sink`` or ``window``.
-      TypeError: ``start``, ``end`` or ``lengths`` not integers (named).
+      TypeError: ``start``, ``end`` or ``lengths`` not integers, ``num_sink`` or ``window``
+        not a Python or NumPy int (named).
 
     Source: arXiv 2410.16179, Section 5 (the static set) and Eq. (4) (the parts merged by LSE).
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    for name, value in (("num_sink", num_sink), ("window", window)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer)):
+            raise TypeError(f"{name} must be a static int, got {value!r}")
+    if num_sink is None:
+        raise TypeError("num_sink must be a static int, got None")
     if num_sink < 0:
         raise ValueError(f"num_sink must be >= 0, got num_sink={num_sink}")
     if window is not None and window < 0:

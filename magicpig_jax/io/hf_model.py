@@ -27,9 +27,11 @@ def read_generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
     if eos is None:
         return ()
     ids = eos if isinstance(eos, list) else [eos]
-    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+    # an id written as a string of digits ("5") is read as that integer; anything else is refused
+    if not all((isinstance(e, int) and not isinstance(e, bool) and e >= 0) or (isinstance(e, str) and e.isdigit())
+               for e in ids):
         raise ValueError(f"{path} 'eos_token_id' must be a non-negative integer or a list of them, got {eos!r}")
-    return tuple(ids)
+    return tuple(int(e) for e in ids)
 
 
 def read_hf_config(folder: str | Path) -> LlamaConfig:

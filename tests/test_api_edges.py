@@ -1,0 +1,149 @@
+"""The public API refuses what it would otherwise read wrongly (an independent break-it audit's
+findings): token ids outside the vocabulary, lengths past int32, non-integer layer indices,
+integer hyperplanes, options a backend does not read, a hand-made index of the wrong shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from magicpig_jax import lsh
+from magicpig_jax.attention import (
+    LayerConfigs,
+    MagicPIGConfig,
+    budget_tokens,
+    build_lsh_index,
+    magicpig_attention,
+    merge_attention,
+    static_attention,
+)
+from magicpig_jax.generation import decode, decode_spec, forward_logits, generate, prefill
+from tests._tiny import TINY, tiny_model
+
+
+def _exact(message: str) -> str:
+    return "^" + re.escape(message) + "$"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def _qkv(B=2, Hq=4, Hkv=2, N=16, D=8, seed=0):
+    r = np.random.default_rng(seed)
+    return tuple(jnp.asarray(r.standard_normal(s), jnp.float32) for s in ((B, Hq, D), (B, Hkv, N, D), (B, Hkv, N, D)))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(model):
+    V = TINY.vocab_size
+    for bad in (V, 10**6, -1):  # V and above read past the embedding (NaN); -1 wrapped to the last id
+        with pytest.raises(ValueError, match=_exact(f"ids holds token id {bad}, outside the model's vocabulary "
+                                                    f"[0, {V})")):
+            forward_logits(model, [1, 2, bad])
+        with pytest.raises(ValueError, match=re.escape(f"prompts[1] holds token id {bad}, outside")):
+            prefill(model, [[1, 2], [3, bad]], 2)
+    with pytest.raises(TypeError, match=_exact("ids must hold integer token ids, got dtype float64")):
+        forward_logits(model, [1.7, 2.2])
+    assert np.isfinite(forward_logits(model, [0, V - 1])).all()  # both ends of the range are tokens
+
+
+def test_lengths_past_int32_clip_instead_of_wrapping():
+    from magicpig_jax.attention._common import check_lengths
+
+    # NumPy lengths (what a caller without the suite's annotation checks may pass): int64 past
+    # int32 wrapped to 3, uint32 2**32 - 1 to -1 (no key)
+    for lengths in (np.array([2**33 + 3, -5], np.int64), np.array([2**32 - 1, 0], np.uint32)):
+        np.testing.assert_array_equal(np.asarray(check_lengths(lengths, 2, 16)), [16, 0])
+    np.testing.assert_array_equal(np.asarray(check_lengths(jnp.array([2**32 - 1, 0], jnp.uint32), 2, 16)), [16, 0])
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda n: check_lengths(n, 2, 16))(
+        jnp.array([2**32 - 1, 3], jnp.uint32))), [16, 3])
+
+
+def test_layer_indices_must_be_integers_in_range(model):
+    cfg = MagicPIGConfig(K=2, L=4, num_sink=1, num_local=2)
+    for bad in ([99], [-1]):
+        with pytest.raises(ValueError, match=_exact(f"dense_layers must be in [0, 4), got {tuple(bad)}")):
+            LayerConfigs.uniform(cfg, 4, dense_layers=bad)
+    for bad, shown in (([0.5], "0.5"), ([True], "True")):
+        with pytest.raises(TypeError, match=_exact(f"dense_layers must hold integer layer indices, got {shown}")):
+            decode_spec(model, "magicpig", cfg, bad)
+    with pytest.raises(TypeError, match=_exact("dense_layers must be a sequence of layer indices, got '01'")):
+        decode_spec(model, "magicpig", cfg, "01")
+    assert decode_spec(model, "magicpig", cfg, [np.int64(1)]).dense_layers == (1,)
+    with pytest.raises(TypeError, match="0.7"):  # ours, or jaxtyping's (the suite checks the annotations)
+        LayerConfigs(((0.7, cfg),))
+
+
+def test_integer_hyperplanes_are_refused():
+    q, k, v = _qkv()
+    cfg = MagicPIGConfig(K=2, L=4, num_sink=1, num_local=2)
+    proj = lsh.simhash_projections(jax.random.key(0), 8, 2, 4)
+    from magicpig_jax.attention.magicpig import check_index_fits
+
+    with pytest.raises(TypeError, match="projections"):  # ours, or jaxtyping's (the suite checks the annotations)
+        build_lsh_index(k, proj.astype(jnp.int32), cfg)
+    index = build_lsh_index(k, proj, cfg)
+    object.__setattr__(index, "projections", proj.astype(jnp.int32))  # as a hand-made index may hold
+    with pytest.raises(TypeError, match=_exact("index.projections must be a float array, got int32")):
+        check_index_fits(index, cfg, 2, 2, 16, 8)
+
+
+def test_a_hand_made_index_of_the_wrong_shapes_is_refused():
+    q, k, v = _qkv()
+    cfg = MagicPIGConfig(K=2, L=4, num_sink=1, num_local=2)
+    index = build_lsh_index(k, lsh.simhash_projections(jax.random.key(0), 8, 2, 4), cfg)
+    for name, bad, want in (("mean", index.mean[:, :1], "[2, 2, 8]"), ("start", index.start[:1], "[2]"),
+                            ("end", index.end[:, None], "[2]")):
+        with pytest.raises((ValueError, TypeError), match=re.escape(f"index.{name} must be {want}, got "
+                                                                    f"{list(bad.shape)}") + "|" + name):
+            magicpig_attention(q, k, v, dataclasses.replace(index, **{name: bad}), cfg)
+
+
+def test_options_a_backend_does_not_read_are_refused(model):
+    cfg = MagicPIGConfig(K=2, L=4, num_sink=1, num_local=2)
+    with pytest.raises(ValueError, match=_exact("config applies to the sparse backends; attention='dense' reads none")):
+        generate(model, "hi", attention="dense", config=cfg, chat=False)
+    with pytest.raises(ValueError, match=_exact("dense_layers applies to the sparse backends; attention='dense' "
+                                                "reads none")):
+        generate(model, "hi", attention="dense", dense_layers=[0], chat=False)
+    state = prefill(model, [[1, 2, 3]], 2)
+    with pytest.raises(ValueError, match=_exact("page_size applies to attention 'quest' only, got "
+                                                "attention='magicpig'")):
+        decode(model, state, attention="magicpig", config=cfg, page_size=8)
+    with pytest.raises(ValueError, match=r"^attention must be one of"):  # the unknown name comes first
+        decode(model, state, attention="nope", page_size=8)
+
+
+def test_prompts_that_are_no_text_are_named(model):
+    for content, kind in ((3, "int"), (None, "NoneType"), (["a"], "list")):
+        with pytest.raises(TypeError, match=_exact(f"prompt message 0 content must be a str, got {kind}")):
+            generate(model, [{"role": "user", "content": content}])
+    with pytest.raises(ValueError, match=_exact("prompt 0 encodes to no token (an empty text with chat=False)")):
+        generate(model, "", chat=False)
+
+
+def test_static_and_budget_arguments_are_typed():
+    # in the suite jaxtyping checks the annotations first; either message names the argument
+    q, k, v = _qkv()
+    n = jnp.array([16, 16])
+    zero = jnp.zeros(2, jnp.int32)
+    for kw, name in (({"num_sink": None}, "num_sink"), ({"num_sink": 2.5}, "num_sink"),
+                     ({"num_sink": 1, "window": 3.5}, "window")):
+        with pytest.raises(TypeError, match=f"{name} must be a static int, got|parameter '{name}'"):
+            static_attention(q, k, v, zero, n, n, **kw)
+    with pytest.raises(TypeError, match="lengths must be an integer array, got float32|parameter 'lengths'"):
+        budget_tokens(0.5, jnp.array([4.0, 5.0]))
+    np.testing.assert_array_equal(np.asarray(budget_tokens(0.5, jnp.array([-4, 5]))), [0, 3])
+
+
+def test_merge_refuses_a_positive_infinite_lse():
+    out = jnp.ones((1, 1, 2), jnp.float32)
+    for lse_a in (jnp.inf, jnp.nan):
+        o, lse = merge_attention(out, jnp.full((1, 1), lse_a), out, jnp.zeros((1, 1)))
+        assert np.isnan(np.asarray(o)).all() and np.isnan(np.asarray(lse)).all()
