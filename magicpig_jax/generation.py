@@ -323,15 +323,12 @@ def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, 
                       page_size=page_size, mesh=mesh, layers=config)
 
 
-def _check_options_read(attention: str, config, dense_layers, page_size: int | None) -> int:
-    """Refuse an option the chosen backend does not read (it would change nothing); Quest's
-    page size, 16 tokens unless given (the Quest paper's setting)."""
+def _page_size(attention: str, page_size: int | None) -> int:
+    """Quest's page size, 16 tokens unless given (the Quest paper's setting); refused for the
+    other backends, which would ignore it. ``config`` and ``dense_layers`` are taken by every
+    backend (dense reads neither), so that one loop can compare backends with the same call."""
     if attention not in BACKENDS:  # decode_spec names the allowed ones
         return 16
-    if attention == "dense":
-        given = [name for name, value in (("config", config), ("dense_layers", dense_layers)) if value is not None]
-        if given:
-            raise ValueError(f"{given[0]} applies to the sparse backends; attention='dense' reads none")
     if page_size is not None and attention != "quest":
         raise ValueError(f"page_size applies to attention 'quest' only, got attention={attention!r}")
     return 16 if page_size is None else page_size
@@ -354,8 +351,9 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
         ``num_local`` also define the static set of TopK, Quest and oracle sampling. A
         :class:`~magicpig_jax.attention.LayerConfigs` gives each layer its own (K, L) or keeps it
         dense (``magicpig``, ``magicpig-ref``, ``hybrid``; then ``dense_layers`` stays unset).
+        Dense attention reads no config (accepted, so that one loop can compare backends).
       dense_layers: layers kept dense under a sparse backend (default
-        :func:`default_dense_layers`).
+        :func:`default_dense_layers`; dense attention keeps every layer dense anyway).
       sampling: :class:`Sampling` (default greedy).
       budget: keys per query head for "topk"/"quest"/"oracle" (int tokens or a
         fraction in (0, 1] of the hashed range).
@@ -370,12 +368,11 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       ``(token_ids per row, stats dict)`` (see :class:`Generation` for the keys).
 
     Raises:
-      ValueError: unknown attention, bad sampling parameters, not enough cache capacity, or an
-        option the backend does not read (``config``/``dense_layers`` with dense, ``page_size``
-        outside quest).
+      ValueError: unknown attention, bad sampling parameters, not enough cache capacity, or
+        ``page_size`` outside quest.
       TypeError: ``dense_layers`` that are not integers.
     """
-    page_size = _check_options_read(attention, config, dense_layers, page_size)
+    page_size = _page_size(attention, page_size)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh)
     return run_decode(model, state, spec, max_new_tokens, sampling or Sampling(), stop_on_eos=stop_on_eos,
                       progress=progress)
@@ -401,7 +398,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         at a stop string, or where the model's context is full.
       config: :class:`MagicPIGConfig` (default K=10, L=150, 4 sinks, 64 local), or a
         :class:`~magicpig_jax.attention.LayerConfigs` (per-layer (K, L) or dense, e.g. from
-        ``magicpig-jax calibrate``; :meth:`LayerConfigs.load` reads its JSON file).
+        ``magicpig-jax calibrate``; :meth:`LayerConfigs.load` reads its JSON file). Dense
+        attention reads no config (accepted, so that one loop can compare backends).
       dense_layers: layers kept dense (default :func:`default_dense_layers`).
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there, refused
         for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.
@@ -423,8 +421,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
 
     Raises:
       TypeError / ValueError: a malformed prompt, a prompt longer than the model's context,
-        an unknown attention, bad parameters, or an option the backend does not read
-        (``config``/``dense_layers`` with dense, ``page_size`` outside quest; all checked
+        an unknown attention, bad parameters, or ``page_size`` outside quest (all checked
         before the prefill).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
@@ -432,7 +429,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
-    page_size = _check_options_read(attention, config, dense_layers, page_size)
+    page_size = _page_size(attention, page_size)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size)
     stops = check_stop_strings(stop)
     cache_dtype = kv_cache_dtype(kv_dtype)
