@@ -265,8 +265,8 @@ def test_rope_scaling_llama3_from_either_key():
     # high frequencies (short wavelengths) unchanged, low frequencies divided by the factor
     np.testing.assert_allclose(inv[0], plain[0], rtol=1e-6)
     np.testing.assert_allclose(inv[-1], plain[-1] / 8.0, rtol=1e-6)
-    with pytest.raises(ValueError, match="unsupported RoPE scaling type"):
-        LlamaConfig.from_hf_config({**base, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'dynamic'"):
+        LlamaConfig.from_hf_config({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
 
 
 def test_cli_errors_name_the_problem(tmp_path, capsys):
@@ -369,7 +369,8 @@ def test_missing_gguf_key_is_named(tmp_path, tiny, capsys, key):
 
 @pytest.mark.parametrize(("extra", "named"), [
     ({"llama.attention.clamp_kqv": 8.0}, "llama.attention.clamp_kqv"),
-    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}, "'yarn'"),
+    ({"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0}, "'longrope'"),
+    ({"llama.rope.scaling.attn_factor": 2.0}, "llama.rope.scaling.attn_factor"),
     ({"llama.expert_count": 8}, "llama.expert_count"),
     ({"llama.rope.dimension_count": 8}, "partial RoPE"),
     ({"tokenizer.ggml.precompiled_charsmap": "x"}, "tokenizer.ggml.precompiled_charsmap"),
@@ -409,8 +410,8 @@ def test_hf_config_fields_that_change_the_model_are_refused(tmp_path):
         LlamaConfig.from_hf_config({**base, "mlp_bias": True})
     with pytest.raises(ValueError, match="quantization_config"):
         LlamaConfig.from_hf_config({**base, "quantization_config": {"quant_method": "gptq"}})
-    with pytest.raises(ValueError, match="'yarn'"):
-        LlamaConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="'longrope'"):
+        LlamaConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     # fields that do not change the computation are accepted
     cfg = LlamaConfig.from_hf_config({**base, "torch_dtype": "bfloat16", "use_cache": True, "attention_dropout": 0.0,
                                       "architectures": ["LlamaForCausalLM"], "pretraining_tp": 1})

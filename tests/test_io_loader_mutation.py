@@ -376,9 +376,14 @@ def test_read_gguf_config_refusals_name_the_key(tmp_path):
             kv={"llama.attention.value_length": 4})
     refused(UnsupportedConfigError, lambda p: f"{p}: llama.rope.dimension_count = 4 < head dim {D}: partial RoPE is "
                                               "not implemented", kv={"llama.rope.dimension_count": 4})
-    refused(UnsupportedConfigError, lambda p: f"{p}: llama.rope.scaling.type = 'yarn' is not implemented (supported: "
-                                              "none, linear; Llama 3.1 scaling comes as the rope_freqs.weight tensor)",
-            kv={"llama.rope.scaling.type": "yarn"})
+    refused(UnsupportedConfigError, lambda p: f"{p}: llama.rope.scaling.type = 'longrope' is not implemented "
+                                              "(supported: none, linear, yarn; Llama 3.1 scaling comes as the "
+                                              "rope_freqs.weight tensor)",
+            kv={"llama.rope.scaling.type": "longrope"})
+    refused(UnsupportedConfigError, lambda p: f"{p}: llama.rope.scaling.yarn_beta_fast = 16.0 is not supported "
+                                              "(llama.cpp does not read it for llama models and uses 32.0)",
+            kv={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                "llama.rope.scaling.yarn_beta_fast": 16.0})
     refused(UnsupportedConfigError, lambda p: f"{p} is a GGUF 'adapter' (general.type), not a model",
             kv={"general.type": "adapter"})
     refused(UnsupportedConfigError, lambda p: f"{p} is one part of a split GGUF (split.count = 2); merge the parts "

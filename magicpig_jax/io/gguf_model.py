@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from magicpig_jax.io.gguf_blocks import QUANT_TYPES
-from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
+from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError, normalize_rope_scaling, yarn_context_length
 
 __all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "split_packed_key",
            "GGUFWeights", "GGUFMetadataError"]
@@ -75,6 +75,7 @@ _ARCH_KEYS = {
     "attention.key_length", "attention.value_length", "attention.sliding_window",
     "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "rope.scale_linear",
+    "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
     "expert_count", "expert_used_count", "tensor_data_layout",
 }
 # tokenizer keys Tokenizer.from_gguf_metadata reads, or that do not change the token ids
@@ -350,6 +351,9 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         raise GGUFMetadataError(
             f"{path}: {arch}.rope.dimension_count = {rope_dims} exceeds the head dim {head_dim}")
     scaling = _rope_scaling(reader, arch, path)
+    context = int(_required(reader, f"{arch}.context_length", path))
+    if scaling is not None and dict(scaling)["rope_type"] == "yarn":
+        context = yarn_context_length(dict(scaling), context)
     eos_ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         value = _field(reader, key)
@@ -372,7 +376,7 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rms_norm_eps=float(_required(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
-        max_position_embeddings=int(_required(reader, f"{arch}.context_length", path)),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensors,
         eos_token_ids=tuple(eos_ids),
         qkv_bias="attn_q.bias" in has,
@@ -382,25 +386,41 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
     ), tensors
 
 
+# llama.cpp's YaRN constants for these architectures (``llama_cparams`` defaults): it reads
+# the ``rope.scaling.yarn_*`` keys only for other architectures, so a file that sets them
+# to other values would run differently there and under transformers.
+_YARN_DEFAULTS = {"yarn_ext_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}
+
+
 def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
-    """The RoPE scaling as llama.cpp reads it: ``None`` or ``(("factor", f), ("rope_type", "linear"))``.
+    """The RoPE scaling as llama.cpp reads it: ``None``, linear or YaRN (a normalized tuple).
 
     llama.cpp takes an absent ``rope.scaling.type`` as "linear" and divides the
     frequencies by ``rope.scaling.factor`` (or the older ``rope.scale_linear``)
     whenever one is given; a factor of 0 means no scaling, and type "none" never
-    scales (``llama_model::load_hparams``, ``llama_context``).
+    scales (``llama_model::load_hparams``, ``llama_context``). Type "yarn" (Qwen2.5/Qwen3
+    converted with their long-context ``rope_scaling``) takes ``rope.scaling.factor`` and
+    ``rope.scaling.original_context_length`` (default: ``context_length``), with the ramp
+    bounds 32 and 1 and the attention factor ``1 + 0.1 ln(factor)`` of llama.cpp's
+    ``rope_yarn``, which equal transformers' defaults.
+
+    Raises:
+      UnsupportedConfigError: another scaling type, or ``rope.scaling.yarn_*`` values other
+        than llama.cpp's constants (named).
+      GGUFMetadataError: a factor or original length that is not a finite number >= 0 / a
+        positive integer.
     """
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type not in (None, "none", "linear"):
+    if scaling_type not in (None, "none", "linear", "yarn"):
         raise UnsupportedConfigError(
-            f"{path}: {arch}.rope.scaling.type = {scaling_type!r} is not implemented (supported: none, linear; "
-            "Llama 3.1 scaling comes as the rope_freqs.weight tensor)")
+            f"{path}: {arch}.rope.scaling.type = {scaling_type!r} is not implemented (supported: none, linear, "
+            "yarn; Llama 3.1 scaling comes as the rope_freqs.weight tensor)")
     key = f"{arch}.rope.scaling.factor"
     factor = _field(reader, key)
-    if factor is None:
+    if factor is None and scaling_type != "yarn":
         key = f"{arch}.rope.scale_linear"
         factor = _field(reader, key)
-    if scaling_type == "linear" and factor is None:
+    if scaling_type in ("linear", "yarn") and factor is None:
         _required(reader, f"{arch}.rope.scaling.factor", path)
     if factor is None or scaling_type == "none":
         return None
@@ -408,7 +428,23 @@ def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
         raise GGUFMetadataError(f"{path}: {key} = {factor!r} must be a finite number >= 0 (0: no scaling)")
     if float(factor) == 0:
         return None
-    return (("factor", float(factor)), ("rope_type", "linear"))
+    if scaling_type != "yarn":
+        return (("factor", float(factor)), ("rope_type", "linear"))
+    for name, default in _YARN_DEFAULTS.items():
+        value = _field(reader, f"{arch}.rope.scaling.{name}")
+        if value is not None and float(value) != default:
+            raise UnsupportedConfigError(
+                f"{path}: {arch}.rope.scaling.{name} = {value!r} is not supported (llama.cpp does not read it for "
+                f"{arch} models and uses {default})")
+    orig_key = f"{arch}.rope.scaling.original_context_length"
+    orig = _field(reader, orig_key)
+    if orig is None:
+        orig_key = f"{arch}.context_length"
+        orig = _required(reader, orig_key, path)
+    if isinstance(orig, list) or float(orig) != int(orig) or int(orig) < 1:
+        raise GGUFMetadataError(f"{path}: {orig_key} = {orig!r} must be a positive integer")
+    return normalize_rope_scaling({"rope_type": "yarn", "factor": float(factor),
+                                   "original_max_position_embeddings": int(orig)})
 
 
 def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple[dict, np.ndarray | None]:

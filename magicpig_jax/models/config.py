@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["LlamaConfig", "rope_inv_freq", "default_dense_layers", "normalize_rope_scaling",
-           "HF_MODEL_TYPES", "UnsupportedConfigError"]
+__all__ = ["LlamaConfig", "rope_inv_freq", "rope_attention_factor", "default_dense_layers",
+           "normalize_rope_scaling", "yarn_context_length", "HF_MODEL_TYPES", "UnsupportedConfigError"]
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -34,9 +34,11 @@ class LlamaConfig:
       head_dim: D.
       rope_theta: RoPE base. rope_scaling: ``None`` or a sorted tuple of
         ``(key, value)`` items of the Hugging Face ``rope_scaling``/``rope_parameters``
-        dict (types "llama3", "linear", "default").
+        dict (types "llama3", "linear", "yarn", "default").
       rms_norm_eps: RMSNorm epsilon.
-      max_position_embeddings: the trained context length (tokens).
+      max_position_embeddings: the context length (tokens) the model is run to: the trained one,
+        or under YaRN at least ``original_max_position_embeddings * factor``
+        (:func:`yarn_context_length`).
       tie_word_embeddings: the output projection reuses the token embedding.
       eos_token_ids: ids that end generation.
       qkv_bias: q/k/v projections have biases (Qwen2; Llama/Qwen3 ``attention_bias``).
@@ -170,6 +172,8 @@ class LlamaConfig:
         num_heads = positive_int("num_attention_heads")
         hidden = positive_int("hidden_size")
         scaling, theta = _hf_rope(cfg)
+        max_positions = int(get("max_position_embeddings"))
+        scaling, max_positions = _complete_yarn(scaling, max_positions)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         # transformers' Qwen2 and Mistral attention ignore 'attention_bias' (Qwen2: q/k/v biases
@@ -187,7 +191,7 @@ class LlamaConfig:
             rope_theta=float(theta if theta is not None else 10000.0),
             rope_scaling=scaling,
             rms_norm_eps=float(get("rms_norm_eps")),
-            max_position_embeddings=int(get("max_position_embeddings")),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(get("tie_word_embeddings")),
             eos_token_ids=eos_ids,
             qkv_bias=model_type == "qwen2" or attention_bias,
@@ -309,11 +313,22 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> int | 
     return int(window) if "sliding_attention" in layer_types else None
 
 
+_YARN_OPTIONAL = ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+                  "mscale_all_dim", "truncate")
+
+
 def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
     """A hashable, canonical form of a RoPE scaling dict (``type`` folded into ``rope_type``).
 
+    Keys of a "yarn" scaling whose value is ``None`` are dropped (transformers reads them as
+    absent); a "yarn" scaling may lack ``original_max_position_embeddings`` and have a null
+    ``factor``, which :meth:`LlamaConfig.from_hf_config` fills from ``max_position_embeddings``
+    as transformers does (:func:`_complete_yarn`).
+
     Raises:
-      UnsupportedConfigError: a scaling type other than default, linear and llama3 (named).
+      UnsupportedConfigError: a scaling type other than default, linear, llama3 and yarn, or a
+        field the type does not have (named).
+      ValueError: a required field is missing, or a YaRN value is out of range (named).
     """
     if not scaling:
         return None
@@ -328,19 +343,84 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
         if extra:
             raise UnsupportedConfigError(f"RoPE parameters {extra} with rope_type 'default' are not supported")
         return None
-    if kind not in ("llama3", "linear"):
-        raise UnsupportedConfigError(f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3")
+    if kind not in ("llama3", "linear", "yarn"):
+        raise UnsupportedConfigError(
+            f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn")
+    if kind == "yarn":
+        if "factor" not in items:  # transformers requires the key; null derives it (_complete_yarn)
+            raise ValueError("RoPE scaling 'yarn' has no 'factor'")
+        items = {k: v for k, v in items.items() if v is not None}
     known = {"linear": {"factor"},
-             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}[kind]
+             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+             "yarn": {"factor", *_YARN_OPTIONAL}}[kind]
     extra = sorted(k for k in items if k not in known)
     if extra:
         raise UnsupportedConfigError(f"RoPE scaling {kind!r}: field(s) {extra} are not supported")
-    missing = sorted(k for k in ({"factor"} if kind == "linear" else known) if k not in items)
+    required = {"linear": {"factor"}, "llama3": known, "yarn": set()}[kind]
+    missing = sorted(k for k in required if k not in items)
     if missing:
         # transformers 4 fails on a llama3 scaling without them and 5 fills some from other
         # fields: no default here can be right for every file.
         raise ValueError(f"RoPE scaling {kind!r} has no {', '.join(map(repr, missing))}")
+    if kind == "yarn":
+        _check_yarn(items)
     return tuple(sorted({**items, "rope_type": kind}.items()))
+
+
+def _check_yarn(items: Mapping) -> None:
+    """Refuse YaRN values transformers would compute garbage (or NaN) from, naming the field."""
+    def number(key, low, strict):
+        value = items.get(key)
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or (value <= low if strict else value < low):
+            bound = f"> {low}" if strict else f">= {low}"
+            raise ValueError(f"RoPE scaling 'yarn' {key!r} must be a finite number {bound}, got {value!r}")
+
+    number("factor", 0, True)
+    number("attention_factor", 0, True)
+    number("beta_fast", 0, False)
+    number("beta_slow", 0, False)
+    number("mscale", 0, False)
+    number("mscale_all_dim", 0, False)
+    orig = items.get("original_max_position_embeddings")
+    if orig is not None and (isinstance(orig, bool) or not isinstance(orig, (int, float)) or orig != int(orig)
+                             or orig < 1):
+        raise ValueError(f"RoPE scaling 'yarn' 'original_max_position_embeddings' must be a positive integer, "
+                         f"got {orig!r}")
+    if "truncate" in items and not isinstance(items["truncate"], bool):
+        raise ValueError(f"RoPE scaling 'yarn' 'truncate' must be true or false, got {items['truncate']!r}")
+
+
+def _complete_yarn(scaling: tuple | None, max_positions: int) -> tuple[tuple | None, int]:
+    """Fill a YaRN scaling's defaults from the context length, and that length from the scaling.
+
+    As transformers (``standardize_rope_params``, ``_compute_yarn_parameters``): a missing
+    ``original_max_position_embeddings`` is ``max_position_embeddings``, and a missing
+    ``factor`` is ``max_position_embeddings / original_max_position_embeddings``. The context
+    the model is then run to is :func:`yarn_context_length`.
+    """
+    s = dict(scaling or {})
+    if s.get("rope_type") != "yarn":
+        return scaling, max_positions
+    s.setdefault("original_max_position_embeddings", max_positions)
+    s["original_max_position_embeddings"] = int(s["original_max_position_embeddings"])
+    s.setdefault("factor", max_positions / s["original_max_position_embeddings"])
+    s["factor"] = float(s["factor"])
+    return tuple(sorted(s.items())), yarn_context_length(s, max_positions)
+
+
+def yarn_context_length(scaling: Mapping, max_positions: int) -> int:
+    """The context a YaRN-scaled model runs to: ``max(max_positions, original * factor)`` tokens.
+
+    Qwen2.5's and Qwen3's instructions add a YaRN ``rope_scaling`` (factor 4 over 32,768
+    positions) to a ``config.json`` whose ``max_position_embeddings`` stays 32,768; the
+    scaling is what extends the context. This follows vLLM's derived maximum length
+    (``original_max_position_embeddings * factor`` for YaRN); llama.cpp only warns past
+    its trained context.
+    """
+    return max(int(max_positions), int(scaling["original_max_position_embeddings"] * float(scaling["factor"])))
 
 
 def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -> np.ndarray:
@@ -348,7 +428,11 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -
 
     ``theta^(-2i/D)``, then the configured scaling: "linear" divides by ``factor``;
     "llama3" applies Llama 3.1's wavelength-dependent scaling (as transformers'
-    ``_compute_llama3_parameters``). ``freq_factors`` (llama.cpp's
+    ``_compute_llama3_parameters``); "yarn" blends the divided and the original
+    frequencies by YaRN's linear ramp over the dimensions that turn between ``beta_fast``
+    and ``beta_slow`` times in the original context (Peng et al. 2023, arXiv 2309.00071,
+    Section 3.2; as transformers' ``_compute_yarn_parameters`` and llama.cpp's
+    ``rope_yarn``). Its attention factor is :func:`rope_attention_factor`. ``freq_factors`` (llama.cpp's
     ``rope_freqs.weight``, float ``[D/2]``) divide the frequencies too, when a GGUF
     ships them; a linear factor then applies on top, as llama.cpp's ``ggml_rope_ext``
     applies ``freq_scale`` and the factors together.
@@ -373,6 +457,8 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -
     factor = float(s["factor"])
     if s["rope_type"] == "linear":
         return (inv / factor).astype(np.float32)
+    if s["rope_type"] == "yarn":
+        return _yarn_inv_freq(inv, config, s).astype(np.float32)
     missing = [k for k in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings") if k not in s]
     if missing:
         raise ValueError(f"rope_scaling 'llama3' has no {', '.join(map(repr, missing))}")
@@ -385,6 +471,51 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old / high) & (wavelen <= old / low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq(inv: np.ndarray, config: LlamaConfig, s: Mapping) -> np.ndarray:
+    """YaRN's frequencies ``[D/2]`` (float64) from the unscaled ones ``inv``."""
+    D, base = config.head_dim, config.rope_theta
+    orig = float(s.get("original_max_position_embeddings", config.max_position_embeddings))
+    # transformers reads a beta of 0 or None as its default (``or``)
+    beta_fast = float(s.get("beta_fast") or 32.0)
+    beta_slow = float(s.get("beta_slow") or 1.0)
+
+    def dimension(rotations):  # the dimension index that turns ``rotations`` times in ``orig`` positions
+        return D * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(D // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    keep = 1.0 - ramp  # 1: the original frequency (fast dimensions), 0: divided by factor (slow ones)
+    return inv / float(s["factor"]) * (1.0 - keep) + inv * keep
+
+
+def rope_attention_factor(config: LlamaConfig) -> float:
+    """The factor RoPE's cos and sin are multiplied by (so q.k by its square): 1 but under YaRN.
+
+    YaRN's ``attention_factor`` when given, else ``mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor) = 0.1 ln(factor)
+    + 1`` (1 for a factor <= 1): transformers' ``_compute_yarn_parameters`` (Peng et al. 2023,
+    Eq. 22 and its DeepSeek variant); llama.cpp applies the same ``1 + 0.1 ln(factor)``.
+    """
+    s = dict(config.rope_scaling or {})
+    if s.get("rope_type") != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return float(mscale(factor, float(s["mscale"])) / mscale(factor, float(s["mscale_all_dim"])))
+    return float(mscale(factor))
 
 
 def default_dense_layers(num_layers: int) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
+from magicpig_jax.models.config import LlamaConfig, rope_attention_factor, rope_inv_freq
 from magicpig_jax.models.dequant import dequantize
 from magicpig_jax.models.linear import Linear, PackedWeight, dense_matmul, make_packed, packed_matmul
 
@@ -30,16 +30,21 @@ class RopeFrequencies(nnx.Variable):
 
 
 def apply_rope(
-    x: Float[Array, "B T H D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " D2"]
+    x: Float[Array, "B T H D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " D2"],
+    scale: float = 1.0,
 ) -> Float[Array, "B T H D"]:
     """Rotary position embedding in the Hugging Face (rotate-half) layout.
 
-    ``x * cos + rotate_half(x) * sin`` with angles ``positions * inv_freq``
-    (Su et al., RoFormer; matches transformers' ``apply_rotary_pos_emb``).
+    ``x * cos + rotate_half(x) * sin`` with angles ``positions * inv_freq`` (Su et al.,
+    RoFormer; matches transformers' ``apply_rotary_pos_emb``). ``scale`` multiplies cos and
+    sin, as transformers' ``attention_scaling`` does: YaRN's attention factor
+    (:func:`magicpig_jax.models.config.rope_attention_factor`), 1 otherwise.
     """
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x * cos + rotated * sin).astype(x.dtype)
@@ -73,6 +78,7 @@ class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32):
         H, D = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, D
+        self.rope_scale = rope_attention_factor(config)  # a Python float: static under jit
         self.q_proj = _linear(H, config.num_heads * D, rngs, dtype)
         self.k_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
         self.v_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
@@ -125,7 +131,8 @@ class Attention(nnx.Module):
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        scale = self.rope_scale
+        return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
 
     def output(self, o: Float[Array, "B T HqD"]) -> Float[Array, "B T H"]:
         """The output projection of the attention result (``o_proj``, plus its bias if any)."""
