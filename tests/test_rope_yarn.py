@@ -100,7 +100,7 @@ BASE = {"model_type": "qwen2", "vocab_size": 32, "hidden_size": 64, "intermediat
     ({"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.0}, "'attention_factor' must be a finite number > 0"),
     ({"rope_type": "yarn", "factor": 4.0, "beta_fast": math.inf}, "'beta_fast' must be a finite number >= 0"),
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 100.5},
-     "'original_max_position_embeddings' must be a positive integer, got 100.5"),
+     r"'original_max_position_embeddings' must be a positive integer <= 2147483647, got 100.5"),
     ({"rope_type": "yarn", "factor": 4.0, "truncate": "no"}, "'truncate' must be true or false, got 'no'"),
     ({"rope_type": "dynamic", "factor": 4.0}, "unsupported RoPE scaling type 'dynamic'; supported: default, linear, "
                                               "llama3, yarn"),
@@ -125,3 +125,70 @@ def test_gguf_yarn_original_length_defaults_to_the_context(tmp_path):
     config = read_gguf_config(path)
     assert dict(config.rope_scaling)["original_max_position_embeddings"] == 512
     assert config.max_position_embeddings == 1024
+
+
+def test_a_null_truncate_is_false_as_transformers_reads_it():
+    """transformers' ``save_pretrained`` writes ``"truncate": null``; its ``if truncate:`` reads it as false."""
+    case = next(c for c in CASES if c["rope_parameters"].get("truncate") is False)
+    config = _config({**case, "rope_parameters": {**case["rope_parameters"], "truncate": None}})
+    assert dict(config.rope_scaling)["truncate"] is False
+    np.testing.assert_allclose(rope_inv_freq(config), case["inv_freq"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 1e308, "original_max_position_embeddings": 1024}},
+     r"original_max_position_embeddings \(1024\) x factor \(1e\+308\) must be at most 2147483647"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 10**40}},
+     "must be a positive integer <= 2147483647"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": None}},
+     "'original_max_position_embeddings' must be a positive integer, got None"),
+    ({"max_position_embeddings": 1e20}, "max_position_embeddings must be at most 2147483647"),
+    ({"max_position_embeddings": math.inf}, "'max_position_embeddings' must be a positive integer, got inf"),
+])
+def test_contexts_past_int32_positions_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig.from_hf_config({**BASE, **changes})
+
+
+def test_a_hand_built_yarn_config_needs_its_factor_and_original_length():
+    with pytest.raises(ValueError, match="rope_scaling 'yarn' needs 'original_max_position_embeddings'"):
+        LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                    head_dim=8, rope_scaling=(("factor", 4.0), ("rope_type", "yarn")))
+
+
+def _gguf_with(tmp_path, name, **metadata):
+    """The unscaled Qwen2 fixture as a GGUF with ``qwen2.rope.*`` metadata added."""
+    return write_gguf(FIXTURES / "qwen2", tmp_path / f"{name}.gguf", pre="qwen2",
+                      metadata={f"qwen2.rope.{k.replace('__', '.')}": v for k, v in metadata.items()})
+
+
+def test_gguf_yarn_keys_read_as_llama_cpp_reads_them(tmp_path):
+    """The factor under the old ``rope.scale_linear``; the yarn_* keys and attn_factor at llama.cpp's values."""
+    from magicpig_jax.io.gguf_model import read_gguf_config
+
+    ref = dict(np.load(FIXTURES / "qwen2_yarn_rope_logits.npz"))
+    old_name = _gguf_with(tmp_path, "a", scaling__type="yarn", scale_linear=4.0, scaling__original_context_length=128)
+    assert _max_dlogit(load_model(old_name), ref) <= TOLERANCE
+    defaults = _gguf_with(tmp_path, "b", scaling__type="yarn", scaling__factor=4.0,
+                          scaling__original_context_length=128, scaling__yarn_beta_fast=32.0,
+                          scaling__yarn_beta_slow=1.0, scaling__yarn_ext_factor=1.0, scaling__yarn_log_multiplier=0.0,
+                          scaling__yarn_attn_factor=1.0 + 0.1 * math.log(4.0), scaling__attn_factor=1.0)
+    assert read_gguf_config(defaults) == read_gguf_config(old_name)
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({"scaling__factor": "4"}, "qwen2.rope.scaling.factor = '4' must be a number"),
+    ({"scaling__original_context_length": "32"}, "qwen2.rope.scaling.original_context_length = '32' must be a number"),
+    ({"scaling__yarn_beta_fast": "fast"}, "qwen2.rope.scaling.yarn_beta_fast = 'fast' must be a number"),
+    ({"scaling__original_context_length": 4294967295}, "must be a positive integer <= 2147483647"),
+    ({"scaling__yarn_log_multiplier": 0.1}, "yarn_log_multiplier = 0.1.* is not supported"),
+    ({"scaling__yarn_attn_factor": 1.5}, r"yarn_attn_factor = 1.5 is not supported .*1 \+ 0.1 ln\(factor\) = 1.13863"),
+    ({"scaling__attn_factor": 1.5}, "qwen2.rope.scaling.attn_factor = 1.5 is not implemented"),
+])
+def test_gguf_yarn_metadata_errors_name_the_key(tmp_path, metadata, message):
+    from magicpig_jax.io.gguf_model import read_gguf_config
+
+    path = _gguf_with(tmp_path, "x", **{"scaling__type": "yarn", "scaling__factor": 4.0, **metadata})
+    with pytest.raises(ValueError, match=message) as err:
+        read_gguf_config(path)
+    assert str(path) in str(err.value)

@@ -20,7 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from magicpig_jax.io.gguf_blocks import QUANT_TYPES
-from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError, normalize_rope_scaling, yarn_context_length
+from magicpig_jax.models.config import (
+    MAX_POSITIONS,
+    LlamaConfig,
+    UnsupportedConfigError,
+    normalize_rope_scaling,
+    yarn_context_length,
+)
 
 __all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "split_packed_key",
            "GGUFWeights", "GGUFMetadataError"]
@@ -76,6 +82,7 @@ _ARCH_KEYS = {
     "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "rope.scale_linear",
     "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor",
     "expert_count", "expert_used_count", "tensor_data_layout",
 }
 # tokenizer keys Tokenizer.from_gguf_metadata reads, or that do not change the token ids
@@ -352,6 +359,8 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
             f"{path}: {arch}.rope.dimension_count = {rope_dims} exceeds the head dim {head_dim}")
     scaling = _rope_scaling(reader, arch, path)
     context = int(_required(reader, f"{arch}.context_length", path))
+    if not 1 <= context <= MAX_POSITIONS:
+        raise GGUFMetadataError(f"{path}: {arch}.context_length = {context} must be in [1, {MAX_POSITIONS}]")
     if scaling is not None and dict(scaling)["rope_type"] == "yarn":
         context = yarn_context_length(dict(scaling), context)
     eos_ids: list[int] = []
@@ -389,7 +398,15 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
 # llama.cpp's YaRN constants for these architectures (``llama_cparams`` defaults): it reads
 # the ``rope.scaling.yarn_*`` keys only for other architectures, so a file that sets them
 # to other values would run differently there and under transformers.
-_YARN_DEFAULTS = {"yarn_ext_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0}
+_YARN_DEFAULTS = {"yarn_ext_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_log_multiplier": 0.0}
+
+
+def _number(reader, key: str, path: Path):
+    """A numeric metadata value or None; a string, bool or array is refused naming the key."""
+    value = _field(reader, key)
+    if value is not None and (isinstance(value, (bool, str, list)) or not isinstance(value, (int, float))):
+        raise GGUFMetadataError(f"{path}: {key} = {value!r} must be a number")
+    return value
 
 
 def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
@@ -399,52 +416,70 @@ def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
     frequencies by ``rope.scaling.factor`` (or the older ``rope.scale_linear``)
     whenever one is given; a factor of 0 means no scaling, and type "none" never
     scales (``llama_model::load_hparams``, ``llama_context``). Type "yarn" (Qwen2.5/Qwen3
-    converted with their long-context ``rope_scaling``) takes ``rope.scaling.factor`` and
+    converted with their long-context ``rope_scaling``) takes the same factor and
     ``rope.scaling.original_context_length`` (default: ``context_length``), with the ramp
     bounds 32 and 1 and the attention factor ``1 + 0.1 ln(factor)`` of llama.cpp's
     ``rope_yarn``, which equal transformers' defaults.
 
     Raises:
-      UnsupportedConfigError: another scaling type, or ``rope.scaling.yarn_*`` values other
-        than llama.cpp's constants (named).
+      UnsupportedConfigError: another scaling type; ``rope.scaling.yarn_*`` values other
+        than llama.cpp's constants, or a ``rope.scaling.attn_factor`` other than 1 (named).
       GGUFMetadataError: a factor or original length that is not a finite number >= 0 / a
-        positive integer.
+        positive integer, or an extended context past int32 positions.
     """
     scaling_type = _field(reader, f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none", "linear", "yarn"):
         raise UnsupportedConfigError(
             f"{path}: {arch}.rope.scaling.type = {scaling_type!r} is not implemented (supported: none, linear, "
             "yarn; Llama 3.1 scaling comes as the rope_freqs.weight tensor)")
+    attn_factor = _number(reader, f"{arch}.rope.scaling.attn_factor", path)
+    if attn_factor is not None and float(attn_factor) != 1.0:
+        raise UnsupportedConfigError(
+            f"{path}: {arch}.rope.scaling.attn_factor = {attn_factor!r} is not implemented (only 1)")
     key = f"{arch}.rope.scaling.factor"
-    factor = _field(reader, key)
-    if factor is None and scaling_type != "yarn":
+    factor = _number(reader, key, path)
+    if factor is None:
         key = f"{arch}.rope.scale_linear"
-        factor = _field(reader, key)
+        factor = _number(reader, key, path)
     if scaling_type in ("linear", "yarn") and factor is None:
         _required(reader, f"{arch}.rope.scaling.factor", path)
     if factor is None or scaling_type == "none":
         return None
-    if isinstance(factor, list) or not math.isfinite(float(factor)) or float(factor) < 0:
+    if not math.isfinite(float(factor)) or float(factor) < 0:
         raise GGUFMetadataError(f"{path}: {key} = {factor!r} must be a finite number >= 0 (0: no scaling)")
     if float(factor) == 0:
         return None
     if scaling_type != "yarn":
         return (("factor", float(factor)), ("rope_type", "linear"))
     for name, default in _YARN_DEFAULTS.items():
-        value = _field(reader, f"{arch}.rope.scaling.{name}")
+        value = _number(reader, f"{arch}.rope.scaling.{name}", path)
         if value is not None and float(value) != default:
             raise UnsupportedConfigError(
                 f"{path}: {arch}.rope.scaling.{name} = {value!r} is not supported (llama.cpp does not read it for "
                 f"{arch} models and uses {default})")
+    mscale = 1.0 + 0.1 * math.log(float(factor)) if float(factor) > 1 else 1.0
+    value = _number(reader, f"{arch}.rope.scaling.yarn_attn_factor", path)
+    if value is not None and not math.isclose(float(value), mscale, rel_tol=1e-6):
+        # llama.cpp's converter writes transformers' attention_factor here; llama.cpp does not read it
+        raise UnsupportedConfigError(
+            f"{path}: {arch}.rope.scaling.yarn_attn_factor = {value!r} is not supported (llama.cpp does not read "
+            f"it for {arch} models and uses 1 + 0.1 ln(factor) = {mscale:.6g})")
     orig_key = f"{arch}.rope.scaling.original_context_length"
-    orig = _field(reader, orig_key)
+    orig = _number(reader, orig_key, path)
     if orig is None:
         orig_key = f"{arch}.context_length"
-        orig = _required(reader, orig_key, path)
-    if isinstance(orig, list) or float(orig) != int(orig) or int(orig) < 1:
-        raise GGUFMetadataError(f"{path}: {orig_key} = {orig!r} must be a positive integer")
-    return normalize_rope_scaling({"rope_type": "yarn", "factor": float(factor),
-                                   "original_max_position_embeddings": int(orig)})
+        orig = _number(reader, orig_key, path)
+        if orig is None:
+            _required(reader, orig_key, path)
+    if not 1 <= orig <= MAX_POSITIONS or float(orig) != int(orig):
+        raise GGUFMetadataError(f"{path}: {orig_key} = {orig!r} must be a positive integer <= {MAX_POSITIONS}")
+    try:
+        scaling = normalize_rope_scaling({"rope_type": "yarn", "factor": float(factor),
+                                          "original_max_position_embeddings": int(orig)})
+        yarn_context_length(dict(scaling), 1)
+    except ValueError as err:
+        raise GGUFMetadataError(f"{path}: {err}") from None
+    return scaling
 
 
 def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple[dict, np.ndarray | None]:

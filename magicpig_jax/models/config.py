@@ -18,6 +18,7 @@ __all__ = ["LlamaConfig", "rope_inv_freq", "rope_attention_factor", "default_den
            "normalize_rope_scaling", "yarn_context_length", "HF_MODEL_TYPES", "UnsupportedConfigError"]
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MAX_POSITIONS = 2**31 - 1  # positions are int32 in the decoder and the host ops
 
 
 class UnsupportedConfigError(ValueError):
@@ -87,6 +88,15 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ValueError(f"max_position_embeddings must be at most {MAX_POSITIONS} (int32 positions), "
+                             f"got {self.max_position_embeddings}")
+        scaling = dict(self.rope_scaling or {})
+        if scaling.get("rope_type") == "yarn":
+            missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
+            if missing:
+                raise ValueError(f"rope_scaling 'yarn' needs {' and '.join(map(repr, missing))} "
+                                 "(LlamaConfig.from_hf_config fills them from max_position_embeddings)")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
 
@@ -157,7 +167,8 @@ class LlamaConfig:
             value = get(key)
             if value is None:
                 return None
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 \
+                    or (isinstance(value, float) and not math.isfinite(value)) or value != int(value):
                 raise ValueError(f"config.json {key!r} must be a positive integer, got {value!r}")
             return int(value)
 
@@ -321,9 +332,10 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
     """A hashable, canonical form of a RoPE scaling dict (``type`` folded into ``rope_type``).
 
     Keys of a "yarn" scaling whose value is ``None`` are dropped (transformers reads them as
-    absent); a "yarn" scaling may lack ``original_max_position_embeddings`` and have a null
-    ``factor``, which :meth:`LlamaConfig.from_hf_config` fills from ``max_position_embeddings``
-    as transformers does (:func:`_complete_yarn`).
+    absent), except ``truncate``, whose null transformers reads as false. A "yarn" scaling
+    may lack ``original_max_position_embeddings`` and have a null ``factor``, which
+    :meth:`LlamaConfig.from_hf_config` fills from ``max_position_embeddings`` as
+    transformers does (:func:`_complete_yarn`).
 
     Raises:
       UnsupportedConfigError: a scaling type other than default, linear, llama3 and yarn, or a
@@ -349,6 +361,12 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
     if kind == "yarn":
         if "factor" not in items:  # transformers requires the key; null derives it (_complete_yarn)
             raise ValueError("RoPE scaling 'yarn' has no 'factor'")
+        if "original_max_position_embeddings" in items and items["original_max_position_embeddings"] is None:
+            # transformers fills only a missing key, and then fails on the null
+            raise ValueError("RoPE scaling 'yarn' 'original_max_position_embeddings' must be a positive integer, "
+                             "got None")
+        if "truncate" in items and items["truncate"] is None:
+            items["truncate"] = False  # transformers tests ``if truncate:``, and save_pretrained writes the null
         items = {k: v for k, v in items.items() if v is not None}
     known = {"linear": {"factor"},
              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -385,10 +403,10 @@ def _check_yarn(items: Mapping) -> None:
     number("mscale", 0, False)
     number("mscale_all_dim", 0, False)
     orig = items.get("original_max_position_embeddings")
-    if orig is not None and (isinstance(orig, bool) or not isinstance(orig, (int, float)) or orig != int(orig)
-                             or orig < 1):
-        raise ValueError(f"RoPE scaling 'yarn' 'original_max_position_embeddings' must be a positive integer, "
-                         f"got {orig!r}")
+    if orig is not None and (isinstance(orig, bool) or not isinstance(orig, (int, float))
+                             or not 1 <= orig <= MAX_POSITIONS or orig != int(orig)):
+        raise ValueError(f"RoPE scaling 'yarn' 'original_max_position_embeddings' must be a positive integer "
+                         f"<= {MAX_POSITIONS}, got {orig!r}")
     if "truncate" in items and not isinstance(items["truncate"], bool):
         raise ValueError(f"RoPE scaling 'yarn' 'truncate' must be true or false, got {items['truncate']!r}")
 
@@ -419,8 +437,16 @@ def yarn_context_length(scaling: Mapping, max_positions: int) -> int:
     scaling is what extends the context. This follows vLLM's derived maximum length
     (``original_max_position_embeddings * factor`` for YaRN); llama.cpp only warns past
     its trained context.
+
+    Raises:
+      ValueError: ``original * factor`` is not finite or exceeds int32 positions (both named).
     """
-    return max(int(max_positions), int(scaling["original_max_position_embeddings"] * float(scaling["factor"])))
+    orig, factor = scaling["original_max_position_embeddings"], float(scaling["factor"])
+    extended = orig * factor
+    if not math.isfinite(extended) or extended > MAX_POSITIONS:
+        raise ValueError(f"RoPE scaling 'yarn': original_max_position_embeddings ({orig!r}) x factor ({factor!r}) "
+                         f"must be at most {MAX_POSITIONS} positions")
+    return max(int(max_positions), int(extended))
 
 
 def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -> np.ndarray:
