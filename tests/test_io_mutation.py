@@ -173,15 +173,21 @@ def test_read_hf_dir_weights_ties_stop_ids_and_messages(tmp_path):
                                   "model.norm.weight": other}})
     config, weights = read_hf_dir(str(d))
     assert config.eos_token_ids == (1, 4, 5, 9, 11)  # config.json's, then generation_config.json's new ones
-    assert sorted(weights) == ["model.embed_tokens.weight", "model.norm.weight"]  # inv_freq and the tied head dropped
-    assert all(w.dtype == np.float32 for w in weights.values())
-    np.testing.assert_array_equal(weights["model.embed_tokens.weight"], embed.astype(np.float32))
+    # inv_freq and the tied head dropped; the float16 matrix held as its F16 rows, the float32 vector as it is
+    assert sorted(weights) == ["model.embed_tokens.weight_f16", "model.norm.weight"]
+    rows = weights["model.embed_tokens.weight_f16"]
+    assert rows.dtype == np.uint8 and rows.shape == (6, 8)
+    np.testing.assert_array_equal(rows.view(np.float16), embed)
+    assert weights["model.norm.weight"].dtype == np.float32
     np.testing.assert_array_equal(weights["model.norm.weight"], other)
-    # untied: the head is kept
+    # untied: the head is kept; a float16 vector becomes float32
     e = tmp_path / "e"
     e.mkdir()
-    _hf_dir(e, {"m.safetensors": {"model.embed_tokens.weight": embed, "lm_head.weight": other}}, tie=False)
-    assert sorted(read_hf_dir(e)[1]) == ["lm_head.weight", "model.embed_tokens.weight"]
+    _hf_dir(e, {"m.safetensors": {"model.embed_tokens.weight": embed, "lm_head.weight": other,
+                                  "model.norm.weight": embed[0]}}, tie=False)
+    held = read_hf_dir(e)[1]
+    assert sorted(held) == ["lm_head.weight", "model.embed_tokens.weight_f16", "model.norm.weight"]
+    assert held["lm_head.weight"].dtype == held["model.norm.weight"].dtype == np.float32
     # tied but different, or tied without an embedding
     for name, tensors in (("f", {"model.embed_tokens.weight": embed, "lm_head.weight": embed * 2}),
                           ("g", {"lm_head.weight": embed})):

@@ -56,11 +56,19 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
     return dataclasses.replace(config, eos_token_ids=tuple(eos))
 
 
+# safetensors dtypes whose matrices are held as they are: their bytes are GGUF F16/BF16 rows
+_PACKED_DTYPES = {"float16": "F16", "bfloat16": "BF16"}
+
+
 def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]:
     """Parse a Hugging Face model directory of a Llama-family model.
 
-    Weights are read with ``safetensors`` (any float dtype, converted to
-    float32) in the Hugging Face naming and ``(out, in)`` layout, from ``model.safetensors``,
+    Weights are read with ``safetensors`` in the Hugging Face naming and ``(out, in)`` layout.
+    A float16 or bfloat16 matrix is kept in its own dtype, as the GGUF rows of that type
+    (uint8 ``[Out, 2 In]`` under :func:`magicpig_jax.io.gguf_model.packed_key`: a row of
+    2-byte values is the same bytes in both formats), so that a bfloat16 checkpoint is held
+    in half the memory of a float32 copy and its products run on the host matvec kernels;
+    vectors, and matrices of other float dtypes, are converted to float32. They come from ``model.safetensors``,
     else the files ``model.safetensors.index.json`` lists (transformers' order), else every
     ``*.safetensors`` of the folder: a repository's other files, such as Mistral's
     ``consolidated.safetensors``, are not read when the standard ones exist. The stop ids of the
@@ -82,22 +90,32 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     folder = Path(folder)
     config = read_hf_config(folder)
     files = _weight_files(folder)
-    weights = {}
+    raw = {}
     for file in files:
         with safe_open(str(file), framework="flax") as f:
             for name in f.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
-                if name in weights:
+                if name in raw:
                     raise ValueError(f"weight {name!r} appears in more than one safetensors file of {folder}")
-                weights[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
-    if config.tie_word_embeddings and "lm_head.weight" in weights:
-        embed = weights.get("model.embed_tokens.weight")
-        if embed is None or not np.array_equal(embed, weights["lm_head.weight"]):
+                raw[name] = np.asarray(f.get_tensor(name))
+    if config.tie_word_embeddings and "lm_head.weight" in raw:
+        embed = raw.get("model.embed_tokens.weight")
+        if embed is None or not np.array_equal(embed.astype(np.float32), raw["lm_head.weight"].astype(np.float32)):
             raise UnsupportedConfigError(
                 f"{folder}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
-        del weights["lm_head.weight"]
-    return config, weights
+        del raw["lm_head.weight"]
+    return config, {key: value for name in list(raw) for key, value in [_held(name, raw.pop(name))]}
+
+
+def _held(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
+    """``(key, array)`` of one weight as :func:`read_hf_dir` holds it: F16/BF16 rows, or float32."""
+    from magicpig_jax.io.gguf_model import packed_key
+
+    qtype = _PACKED_DTYPES.get(value.dtype.name)
+    if qtype is not None and value.ndim == 2:
+        return packed_key(name, qtype), np.ascontiguousarray(value).view(np.uint8)
+    return name, np.asarray(value, dtype=np.float32)
 
 
 def _weight_files(folder: Path) -> list[Path]:

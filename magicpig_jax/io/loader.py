@@ -204,8 +204,9 @@ def load_model(path: str | Path | None = None, packed_weights: bool = True) -> L
         ``*.safetensors``, ``tokenizer.json``), or an orbax checkpoint directory
         written by ``magicpig-jax convert``.
       packed_weights: hold every matrix that the file stores in one of
-        :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES` as its GGUF rows, with no float
-        copy (:mod:`magicpig_jax.models.linear`); False dequantizes them to float32.
+        :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES` (a GGUF) or as float16/bfloat16 (a
+        Hugging Face directory) as its GGUF rows, with no float copy
+        (:mod:`magicpig_jax.models.linear`); False dequantizes them to float32.
 
     Returns:
       a :class:`LoadedModel` (GGUF rows where the file has them, float32 elsewhere).
