@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--consume-cache", action="store_true")
     p.add_argument("--synthetic-prefill", action="store_true",
                    help="random K/V of the model's shapes instead of a prefill (timing and memory only)")
+    p.add_argument("--float32-weights", action="store_true",
+                   help="load_model(packed_weights=False): every matrix as a float32 copy")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
 
     mark("start", 0.0)
     t = time.perf_counter()
-    model = load_model(args.model)
+    model = load_model(args.model, packed_weights=not args.float32_weights)
     mark("load", time.perf_counter() - t)
     ids = np.random.default_rng(0).integers(300, model.config.vocab_size - 300, args.length).tolist()
     t = time.perf_counter()

@@ -93,11 +93,15 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     raw = {}
     for file in files:
         with safe_open(str(file), framework="flax") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                if name in raw:
-                    raise ValueError(f"weight {name!r} appears in more than one safetensors file of {folder}")
+            names = list(f.keys())
+        for name in names:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name in raw:
+                raise ValueError(f"weight {name!r} appears in more than one safetensors file of {folder}")
+            # one mapping per tensor: the pages of the file a read touches count in the resident
+            # memory until the mapping closes, so reading a whole file in one would hold it twice
+            with safe_open(str(file), framework="flax") as f:
                 raw[name] = np.asarray(f.get_tensor(name))
     if config.tie_word_embeddings and "lm_head.weight" in raw:
         embed = raw.get("model.embed_tokens.weight")
