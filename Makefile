@@ -30,7 +30,7 @@ demo: install
 	$(BIN)/magicpig-jax generate
 
 lint: install-test
-	$(BIN)/ruff check magicpig_jax tests proofs
+	$(BIN)/ruff check magicpig_jax tests proofs tools examples
 
 # Two pytest workers (pytest-xdist), a test file per worker at a time: much of the suite is XLA
 # compiling, which runs on one core. XLA's persistent compilation cache (tests/conftest.py) lives in
@@ -39,7 +39,7 @@ lint: install-test
 # (XLA's compilation is most of an ASan run's time).
 XLA_CACHE := $(abspath build/xla-cache)
 test: install-test
-	$(BIN)/ruff check magicpig_jax tests proofs
+	$(BIN)/ruff check magicpig_jax tests proofs tools examples
 	rm -rf $(XLA_CACHE)
 	JAX_COMPILATION_CACHE_DIR=$(XLA_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
