@@ -409,6 +409,15 @@ def _number(reader, key: str, path: Path):
     return value
 
 
+def _first_number(reader, keys: tuple[str, ...], path: Path):
+    """``(key, value)`` of the first of ``keys`` present (a newer name, then an older one), or ``(None, None)``."""
+    for key in keys:
+        value = _number(reader, key, path)
+        if value is not None:
+            return key, value
+    return None, None
+
+
 def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
     """The RoPE scaling as llama.cpp reads it: ``None``, linear or YaRN (a normalized tuple).
 
@@ -436,11 +445,7 @@ def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
     if attn_factor is not None and float(attn_factor) != 1.0:
         raise UnsupportedConfigError(
             f"{path}: {arch}.rope.scaling.attn_factor = {attn_factor!r} is not implemented (only 1)")
-    key = f"{arch}.rope.scaling.factor"
-    factor = _number(reader, key, path)
-    if factor is None:
-        key = f"{arch}.rope.scale_linear"
-        factor = _number(reader, key, path)
+    key, factor = _first_number(reader, (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"), path)
     if scaling_type in ("linear", "yarn") and factor is None:
         _required(reader, f"{arch}.rope.scaling.factor", path)
     if factor is None or scaling_type == "none":
@@ -464,13 +469,10 @@ def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
         raise UnsupportedConfigError(
             f"{path}: {arch}.rope.scaling.yarn_attn_factor = {value!r} is not supported (llama.cpp does not read "
             f"it for {arch} models and uses 1 + 0.1 ln(factor) = {mscale:.6g})")
-    orig_key = f"{arch}.rope.scaling.original_context_length"
-    orig = _number(reader, orig_key, path)
+    orig_key, orig = _first_number(
+        reader, (f"{arch}.rope.scaling.original_context_length", f"{arch}.context_length"), path)
     if orig is None:
-        orig_key = f"{arch}.context_length"
-        orig = _number(reader, orig_key, path)
-        if orig is None:
-            _required(reader, orig_key, path)
+        _required(reader, f"{arch}.context_length", path)
     if not 1 <= orig <= MAX_POSITIONS or float(orig) != int(orig):
         raise GGUFMetadataError(f"{path}: {orig_key} = {orig!r} must be a positive integer <= {MAX_POSITIONS}")
     try:
