@@ -78,3 +78,34 @@ def test_tied_output_in_bfloat16_is_dropped_only_when_equal(tmp_path):
     save_file({**save, "lm_head.weight": jnp.asarray(embed + 1, jnp.bfloat16)}, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
         load_model(folder)
+
+
+def test_wrong_shapes_are_named_as_the_float_path_names_them(tmp_path):
+    """Rows moved from k_proj to q_proj (the stacked q/k/v keeps its total), a v_proj with extra
+    rows, and an unused matrix: refused with the weight's name and shape, never loaded."""
+    folder = _with_dtype("mistral", tmp_path, jnp.bfloat16)
+    weights = load_file(str(FIXTURES / "mistral" / "model.safetensors"))
+    p = "model.layers.0."
+    q, k = weights[p + "self_attn.q_proj.weight"], weights[p + "self_attn.k_proj.weight"]
+    moved = {**weights, p + "self_attn.q_proj.weight": np.concatenate([q, k[:8]]),
+             p + "self_attn.k_proj.weight": k[8:]}
+    cases = [(moved, rf"weight '{p}self_attn.q_proj.weight' \(BF16\) has shape \({q.shape[0] + 8}, {q.shape[1]}\), "
+                     rf"expected \({q.shape[0]}, {q.shape[1]}\)"),
+             ({**weights, p + "self_attn.v_proj.weight": np.concatenate([weights[p + "self_attn.v_proj.weight"]] * 2)},
+              rf"weight '{p}self_attn.v_proj.weight' \(BF16\) has shape"),
+             ({**weights, p + "self_attn.extra.weight": q}, rf"does not use: {p}self_attn.extra.weight \(BF16\);")]
+    for changed, message in cases:
+        save_file({k: jnp.asarray(v, jnp.bfloat16) for k, v in changed.items()}, str(folder / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            load_model(folder)
+
+
+def test_reading_through_several_mappings_gives_every_tensor(tmp_path, monkeypatch):
+    """A file read through a new mapping every few bytes (as a large one is) holds the same weights."""
+    from magicpig_jax.io import hf_model
+
+    whole = hf_model.read_hf_dir(FIXTURES / "qwen3")[1]
+    monkeypatch.setattr(hf_model, "_BYTES_PER_MAPPING", 1000)
+    parts = hf_model.read_hf_dir(FIXTURES / "qwen3")[1]
+    assert sorted(whole) == sorted(parts)
+    assert all(np.array_equal(whole[k], parts[k]) for k in whole)

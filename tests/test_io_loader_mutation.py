@@ -582,7 +582,7 @@ def test_build_llama_messages(tmp_path):
         build_llama(config, {**hf, **eight})
     # rows of a name the model does not have, and a bias it does not declare
     with _raises(ValueError, "the checkpoint has weights this LlamaConfig does not use: "
-                 "model.layers.0.self_attn.q_proj.bias, model.x.weight_q8_0; refusing to load a model whose "
+                 "model.layers.0.self_attn.q_proj.bias, model.x.weight (Q8_0); refusing to load a model whose "
                  "computation would differ"):
         build_llama(config, {**hf, "model.x.weight_q8_0": np.zeros((1, 34), np.uint8),
                              "model.layers.0.self_attn.q_proj.bias": np.ones(HQ * D, np.float32)})

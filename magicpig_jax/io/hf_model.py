@@ -85,31 +85,58 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
       UnsupportedConfigError (a ValueError): the model type or a config field is not
         supported (see :meth:`LlamaConfig.from_hf_config`).
     """
-    from safetensors import safe_open
-
     folder = Path(folder)
     config = read_hf_config(folder)
     files = _weight_files(folder)
     raw = {}
     for file in files:
-        with safe_open(str(file), framework="flax") as f:
-            names = list(f.keys())
-        for name in names:
+        for name, value in _tensors(file):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name in raw:
                 raise ValueError(f"weight {name!r} appears in more than one safetensors file of {folder}")
-            # one mapping per tensor: the pages of the file a read touches count in the resident
-            # memory until the mapping closes, so reading a whole file in one would hold it twice
-            with safe_open(str(file), framework="flax") as f:
-                raw[name] = np.asarray(f.get_tensor(name))
+            raw[name] = value
     if config.tie_word_embeddings and "lm_head.weight" in raw:
         embed = raw.get("model.embed_tokens.weight")
-        if embed is None or not np.array_equal(embed.astype(np.float32), raw["lm_head.weight"].astype(np.float32)):
+        if embed is None or not _equal(embed, raw["lm_head.weight"]):
             raise UnsupportedConfigError(
                 f"{folder}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
         del raw["lm_head.weight"]
     return config, {key: value for name in list(raw) for key, value in [_held(name, raw.pop(name))]}
+
+
+# The pages of a mapped file that a read touches count in the resident memory until the mapping
+# closes: reading a whole file through one mapping holds it twice at the end. A new mapping every
+# so many bytes bounds that to this much, at the cost of parsing the header once per mapping.
+_BYTES_PER_MAPPING = 64 * 2**20
+
+
+def _tensors(file: Path):
+    """``(name, array)`` of each tensor of a safetensors file, in its dtype (bfloat16 as ml_dtypes')."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="flax") as f:
+        names = list(f.keys())
+    i = 0
+    while i < len(names):
+        read = 0
+        with safe_open(str(file), framework="flax") as f:
+            while i < len(names) and read < _BYTES_PER_MAPPING:
+                value = np.asarray(f.get_tensor(names[i]))
+                read += value.nbytes
+                yield names[i], value
+                i += 1
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal values, compared a block of rows at a time (no float32 copy of a whole embedding)."""
+    if a.shape != b.shape:
+        return False
+    if a.dtype == b.dtype:
+        return bool(np.array_equal(a, b))
+    step = max(1, 2**24 // max(1, a[0].size))
+    return all(np.array_equal(a[i:i + step].astype(np.float32), b[i:i + step].astype(np.float32))
+               for i in range(0, a.shape[0], step))
 
 
 def _held(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:

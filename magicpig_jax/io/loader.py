@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from magicpig_jax.io.embedded import embedded_model_path
+from magicpig_jax.io.gguf_blocks import packed_row_bytes, row_weights
 from magicpig_jax.io.gguf_model import split_packed_key
 from magicpig_jax.io.tokenizer import Tokenizer
 from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
@@ -80,7 +81,7 @@ def build_llama(config: LlamaConfig, weights: MutableMapping[str, np.ndarray], f
     module = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), dtype=dtype, freq_factors=freq_factors))
     module.inv_freq.set_value(jnp.asarray(rope_inv_freq(config, freq_factors)))
     w = _WeightPlacer(weights, dtype, packed_weights, consume)
-    blocks, qtype = w.rows("model.embed_tokens.weight")
+    blocks, qtype = w.rows("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
     if blocks is not None:
         module.set_embedding_packed(blocks, qtype)
     else:
@@ -91,7 +92,8 @@ def build_llama(config: LlamaConfig, weights: MutableMapping[str, np.ndarray], f
         w.set_linear(module.lm_head, "lm_head.weight")
     for i, layer in enumerate(module.layers):
         _place_layer(w, layer, f"model.layers.{i}.")
-    unused = sorted(k for k in w.keys if k not in w.used and split_packed_key(k)[0] not in w.used)
+    # a packed weight as its name and type, not the internal key ("<name>_<type>")
+    unused = sorted(_shown(k) for k in w.keys if k not in w.used and split_packed_key(k)[0] not in w.used)
     if unused:
         shown = ", ".join(unused[:8]) + (f" (and {len(unused) - 8} more)" if len(unused) > 8 else "")
         raise ValueError(f"the checkpoint has weights this {type(config).__name__} does not use: {shown}; "
@@ -117,6 +119,20 @@ def _place_layer(w: _WeightPlacer, layer, p: str) -> None:
     if attn.q_norm is not None:
         w.set_param(attn.q_norm.weight, p + "self_attn.q_norm.weight")
         w.set_param(attn.k_norm.weight, p + "self_attn.k_norm.weight")
+
+
+def _shown(key: str) -> str:
+    """A weights key as an error names it: ``"<name> (<qtype>)"`` for packed rows, else the name."""
+    name, qtype = split_packed_key(key)
+    return name if qtype is None else f"{name} ({qtype})"
+
+
+def _row_weights_or_bytes(qtype: str, row_bytes: int):
+    """The weights in a packed row of ``row_bytes``, or ``"<n> bytes"`` when that is no whole number of blocks."""
+    try:
+        return row_weights(qtype, row_bytes)
+    except ValueError:
+        return f"{row_bytes} bytes"
 
 
 class _WeightPlacer:
@@ -166,18 +182,31 @@ class _WeightPlacer:
     def set_param(self, param, name: str, transpose: bool = False) -> None:
         param.set_value(self.take(name, param.get_value().shape, transpose))
 
-    def rows(self, name: str):
-        """(GGUF rows, qtype) of a weight when it is to be held as such, else (None, None)."""
+    def rows(self, name: str, shape: tuple[int, int]):
+        """(GGUF rows, qtype) of an ``(out, in)`` weight when it is to be held as such, else (None, None).
+
+        Raises:
+          ValueError: the rows are not ``out`` rows of ``in`` weights (the weight and both shapes named).
+        """
         if not self.packed_weights or name not in self.rows_of:
             return None, None
         key, qtype = self.rows_of[name]
-        blocks = self.fetch(key)
+        blocks = np.asarray(self.fetch(key))
         self.used.add(name)
         self.skip(name)
-        return np.asarray(blocks), qtype
+        out, n_in = shape
+        try:
+            row_bytes = packed_row_bytes(qtype, n_in)
+        except ValueError as err:  # the model's width is no whole number of the type's blocks
+            raise ValueError(f"weight {name!r} is stored as {qtype}: {err}") from None
+        if blocks.ndim != 2 or blocks.shape != (out, row_bytes):
+            held = (tuple(blocks.shape) if blocks.ndim != 2
+                    else (blocks.shape[0], _row_weights_or_bytes(qtype, blocks.shape[1])))
+            raise ValueError(f"weight {name!r} ({qtype}) has shape {held}, expected {(out, n_in)}")
+        return blocks, qtype
 
     def set_linear(self, linear, name: str) -> None:
-        blocks, qtype = self.rows(name)
+        blocks, qtype = self.rows(name, (linear.out_features, linear.in_features))
         if blocks is not None:
             linear.set_packed(blocks, qtype)
         else:
@@ -188,7 +217,9 @@ class _WeightPlacer:
         come as GGUF rows of one type; else each layer on its own."""
         types = {self.rows_of[n][1] if self.packed_weights and n in self.rows_of else None for n in names}
         if len(types) == 1 and None not in types:
-            parts = [self.rows(n)[0] for n in names]
+            linears = [getattr(parent, n.rsplit(".", 2)[-2]) for n in names]
+            parts = [self.rows(n, (lin.out_features, lin.in_features))[0]
+                     for n, lin in zip(names, linears, strict=True)]
             setter(np.concatenate(parts, axis=0), types.pop())
             return
         for n in names:
