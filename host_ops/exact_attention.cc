@@ -9,7 +9,8 @@
 // magicpig_jax.attention.dense_attention up to float32 summation order.
 //
 // Operands: q float32 [B, Hq, D]; k, v float32 or bfloat16 [B, Hkv, N, D]; lengths int32 [B]
-// (valid keys per row, clipped to [0, N]). Results: out float32 [B, Hq, D] and lse float32
+// (valid keys per row, clipped to [0, N]); starts int32 [B] (the first valid key per row,
+// clipped to [0, lengths]: a sliding-window layer's window start, 0 otherwise). Results: out float32 [B, Hq, D] and lse float32
 // [B, Hq] (natural log); a row with no valid key gives out = 0 and lse = -inf. A NaN or +inf
 // logit (a non-finite q or k) gives out and lse NaN for the head: corrupt input is never read as
 // an empty row (it used to be, silently).
@@ -278,7 +279,7 @@ void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const floa
 }
 
 ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> starts,
                                ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t impl,
                                int64_t max_threads) {
   const auto qd = q.dimensions();
@@ -304,6 +305,9 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   if (lengths.dimensions().size() != 1 || lengths.dimensions()[0] != B) {
     return ReadyFuture(InvalidArg("lengths must be int32 [B], got " + Shape(lengths.dimensions())));
   }
+  if (starts.dimensions().size() != 1 || starts.dimensions()[0] != B) {
+    return ReadyFuture(InvalidArg("starts must be int32 [B], got " + Shape(starts.dimensions())));
+  }
   const auto od = out->dimensions();
   if (od.size() != 3 || od[0] != B || od[1] != Hq || od[2] != D || lse->element_count() != size_t(B * Hq)) {
     return ReadyFuture(InvalidArg("outputs must be out float32 [B, Hq, D] and lse float32 [B, Hq]"));
@@ -318,6 +322,7 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const void* kp = k.untyped_data();
   const void* vp = v.untyped_data();
   const int32_t* lp = lengths.typed_data();
+  const int32_t* sp = starts.typed_data();
   float* op = out->typed_data();
   float* lp_out = lse->typed_data();
   // Work items: (KV head, span of keys), so that a few KV heads still fill the pool; the worker
@@ -325,8 +330,11 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const int64_t heads = B * Hkv;
   int64_t threads = pool.num_threads();
   if (max_threads > 0) threads = std::min(threads, max_threads);
+  // Row b's keys are [first, end): end = lengths clipped to [0, N], first = starts clipped to [0, end].
+  auto end_of = [=](int64_t b) { return std::clamp<int64_t>(lp[b], 0, N); };
+  auto first_of = [=](int64_t b) { return std::clamp<int64_t>(sp[b], 0, end_of(b)); };
   int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, std::clamp<int64_t>(lp[b], 0, N));
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, end_of(b) - first_of(b));
   const int64_t span = SpanKeys(heads, threads, max_len);
   const int64_t S = std::max<int64_t>(1, (max_len + span - 1) / span);
   struct Partials {
@@ -342,8 +350,8 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   return RunParallel(pool, items, max_threads, [=](int64_t item) -> ffi::Error {
     const int64_t bh = item / S, s = item % S;
     const int64_t b = bh / Hkv;
-    const int64_t n = std::clamp<int64_t>(lp[b], 0, N);
-    const int64_t j0 = std::min(n, s * span), j1 = std::min(n, j0 + span);
+    const int64_t n = end_of(b);
+    const int64_t j0 = std::min(n, first_of(b) + s * span), j1 = std::min(n, j0 + span);
     const int64_t row = (bh * N + j0) * D;  // key j0 of KV head (b, h) in [B, Hkv, N, D]
     const float* qh = qp + bh * G * D;      // query heads h*G .. h*G+G-1 of row b
     float* acc = part->acc.data() + item * G * D;
@@ -376,6 +384,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigExactAttention, ExactAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -157,7 +157,7 @@ def _generate_prompt(args) -> str:
 
 def _cmd_generate(args) -> int:
     from magicpig_jax.attention import MagicPIGConfig
-    from magicpig_jax.generation import Sampling, decode_spec, encode_prompt, kv_cache_dtype, prefill
+    from magicpig_jax.generation import Sampling, cache_capacity, decode_spec, encode_prompt, kv_cache_dtype, prefill
     from magicpig_jax.host.index import HOST_MAX_K
     from magicpig_jax.io.loader import load_model
     from magicpig_jax.memory import drop_compiled_programs
@@ -213,11 +213,13 @@ def _cmd_generate(args) -> int:
     _check_model(args, layered)
     print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
-    specs = {name: decode_spec(model, name, config, args.dense_layers, budget(name)) if layered is None
-             or name not in ("magicpig", "magicpig-ref") else decode_spec(model, name, layered)
-             for name in args.attention}
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
     ids = encode_prompt(model, prompt, chat=not args.no_chat, parse_special=args.parse_special)
+    positions = cache_capacity(model, len(ids), args.max_new_tokens)  # sliding windows shorter than this bind
+    specs = {name: decode_spec(model, name, config, args.dense_layers, budget(name), positions=positions)
+             if layered is None or name not in ("magicpig", "magicpig-ref")
+             else decode_spec(model, name, layered, positions=positions)
+             for name in args.attention}
     print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
     state = prefill(model, [ids], args.max_new_tokens, cache_dtype=kv_cache_dtype(args.kv_dtype))
     drop_compiled_programs()  # one-shot: the prefill's program will not run again (memory.py)

@@ -311,20 +311,12 @@ _sample_token_jit = jax.jit(sample_token)
 
 
 def position_limit(model, state) -> tuple[int, str]:
-    """The number of positions a row may fill, and the name of what sets it.
-
-    The model's context (``max_position_embeddings``, "context"), or a shorter sliding
-    window ("sliding_window": attention to the last W positions equals full attention only
-    while a sequence fits in W); the cache capacity when the prefill allowed positions past the
-    context (timing experiments).
-    """
+    """The number of positions a row may fill, and the name of what sets it: the model's context
+    (``max_position_embeddings``, "context"), or the cache capacity when the prefill allowed
+    positions past the context (timing experiments)."""
     if state.allow_beyond_context:
         return state.cache.capacity, "context"
-    window = getattr(model.config, "sliding_window", None)
-    ctx = model.config.max_position_embeddings
-    if window is not None and window < ctx:
-        return int(window), "sliding_window"
-    return int(ctx), "context"
+    return int(model.config.max_position_embeddings), "context"
 
 
 class DecodeRun:

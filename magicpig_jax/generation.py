@@ -67,8 +67,8 @@ class Generation:
       text: the decoded continuation (special tokens removed; cut before a stop string).
       token_ids: the generated ids (EOS included if it was produced).
       stop_reason: why the row stopped: ``"eos"`` (an end-of-sequence / end-of-turn id),
-        ``"stop"`` (a stop string), ``"length"`` (``max_new_tokens``), ``"context"`` (the
-        model's context is full) or ``"sliding_window"`` (the sequence fills the window).
+        ``"stop"`` (a stop string), ``"length"`` (``max_new_tokens``) or ``"context"`` (the
+        model's context is full).
       stats: what was asked — ``model``, ``attention``, ``attention_runs_on``, ``magicpig``
         (the config fields the backend reads: all for MagicPIG, the static set for TopK /
         Quest, and the seed for oracle; None for dense), ``layer_configs`` (the per-layer
@@ -222,6 +222,18 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
     return _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, None)[0]
 
 
+def cache_capacity(model: LoadedModel, longest_prompt: int, max_new_tokens: int,
+                   allow_beyond_context: bool = False) -> int:
+    """Positions of the KV cache :func:`prefill` allocates: ``round_up(longest_prompt +
+    max_new_tokens + 1, CHUNK)``, at most the model's context + 1 rounded up (decoding stops
+    there anyway, so a huge ``max_new_tokens`` allocates nothing it cannot use) unless
+    ``allow_beyond_context``."""
+    want = longest_prompt + max_new_tokens + 1
+    if not allow_beyond_context:
+        want = min(want, model.config.max_position_embeddings + 1)
+    return _round_up(want, CHUNK)
+
+
 def _check_token_ids(name: str, ids, vocab_size: int) -> None:
     """Refuse token ids that are not integers in ``[0, vocab_size)``: the embedding gather would
     read out of range (NaN logits) or wrap a negative id to the end of the vocabulary."""
@@ -248,16 +260,8 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
         raise ValueError(
             f"prompt has {int(lengths.max())} tokens, longer than the model's context of {ctx} tokens"
         )
-    if not allow_beyond_context:
-        model.config.check_positions(int(lengths.max()))
     B = len(prompts)
-    want = int(lengths.max()) + max_new_tokens + 1
-    if not allow_beyond_context:
-        # Decoding stops where the context (or a shorter sliding window) ends: no cache past it,
-        # whatever max_new_tokens asks (a huge value must not allocate gigabytes it cannot use).
-        window = model.config.sliding_window
-        want = min(want, (ctx if window is None else min(ctx, window)) + 1)
-    capacity = _round_up(want, CHUNK)
+    capacity = cache_capacity(model, int(lengths.max()), max_new_tokens, allow_beyond_context)
     padded = np.zeros((B, _round_up(int(lengths.max()), CHUNK)), np.int32)
     for b, p in enumerate(prompts):
         padded[b, : len(p)] = p
@@ -288,37 +292,63 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
 
 def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPIGConfig | LayerConfigs | None = None,
                 dense_layers: Sequence[int] | None = None, budget: Budget | None = None,
-                page_size: int = 16, mesh=None) -> DecodeSpec:
+                page_size: int = 16, mesh=None, positions: int | None = None) -> DecodeSpec:
     """The :class:`DecodeSpec` of a decode run, validated against the model.
 
-    Args: as :func:`decode`.
+    A layer that attends through a sliding window shorter than the run (``positions``, the
+    cache's capacity; None: any length) decodes exactly over its window under every backend
+    (the window bounds its cost already): it is added to the dense layers. A window at least
+    as long as ``positions`` never binds, and its layers are like any other.
+
+    Args: as :func:`decode`; ``positions``: the most positions the run's cache holds.
 
     Raises:
       TypeError: dense layers that are not integers.
       ValueError: unknown attention, dense layers outside ``[0, num_layers)``, a budgeted
-        backend without a budget, a budget for a backend that takes none, or a configuration
-        the backend cannot run (e.g. a HybridConfig's heavy threshold outside 'hybrid').
+        backend without a budget, a budget for a backend that takes none, a configuration
+        the backend cannot run (e.g. a HybridConfig's heavy threshold outside 'hybrid'), or a
+        sparse backend where every layer's sliding window binds (no layer would be sparse).
     """
     if attention not in BACKENDS:
         raise ValueError(f"attention must be one of {BACKENDS}, got {attention!r}")
     if budget is not None and attention not in BUDGETED:
         raise ValueError(f"budget applies to the {', '.join(BUDGETED)} backends only, got attention={attention!r}")
     if isinstance(config, LayerConfigs):  # per-layer configs (magicpig-jax calibrate) carry their dense layers
-        return _layered_spec(model, attention, config, dense_layers, budget, page_size, mesh)
+        return _layered_spec(model, attention, config, dense_layers, budget, page_size, mesh, positions)
     n_layers = model.config.num_layers
     dl = check_layer_indices("dense_layers", default_dense_layers(n_layers) if dense_layers is None else dense_layers,
                              n_layers)
+    windowed = _binding_windows(model, positions)
+    if windowed and attention != "dense":
+        # A sliding-window layer decodes exactly over its window (the window bounds its cost already).
+        if len(windowed) == n_layers:
+            raise ValueError(
+                f"attention {attention!r}: every layer of this model attends through a sliding window of "
+                f"{model.config.sliding_window} tokens; such layers decode exactly over their window, so a "
+                "sparse method would run on no layer: use attention 'dense'")
+        dl = tuple(sorted(set(dl) | set(windowed)))
     return DecodeSpec(backend=attention, magicpig=config or MagicPIGConfig(), dense_layers=dl, budget=budget,
                       page_size=page_size, mesh=mesh)
 
 
-def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, page_size, mesh) -> DecodeSpec:
+def _binding_windows(model: LoadedModel, positions: int | None) -> tuple[int, ...]:
+    """The layers whose sliding window is shorter than ``positions`` (None: every windowed layer)."""
+    window = model.config.sliding_window
+    return tuple(i for i in model.config.windowed_layers if positions is None or window < positions)
+
+
+def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, page_size, mesh,
+                  positions) -> DecodeSpec:
     """The spec of per-layer configs: each sparse layer its own (K, L), their dense layers."""
     config.check_num_layers(model.config.num_layers)
     if dense_layers is not None and check_layer_indices("dense_layers", dense_layers,
                                                         model.config.num_layers) != config.dense_layers:
         raise ValueError(f"dense_layers {tuple(dense_layers)} differ from the layer configs' dense layers "
                          f"{config.dense_layers}; leave dense_layers unset")
+    sparse_windowed = sorted(set(_binding_windows(model, positions)) - set(config.dense_layers))
+    if sparse_windowed:
+        raise ValueError(f"layers {sparse_windowed} attend through a sliding window of {model.config.sliding_window} "
+                         "tokens and decode exactly over it: make them 'dense' in the layer configs")
     return DecodeSpec(backend=attention, magicpig=config.base(), dense_layers=config.dense_layers, budget=budget,
                       page_size=page_size, mesh=mesh, layers=config)
 
@@ -373,7 +403,8 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       TypeError: ``dense_layers`` that are not integers.
     """
     page_size = _page_size(attention, page_size)
-    spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh)
+    spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh,
+                       positions=state.cache.capacity)
     return run_decode(model, state, spec, max_new_tokens, sampling or Sampling(), stop_on_eos=stop_on_eos,
                       progress=progress)
 
@@ -430,7 +461,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     page_size = _page_size(attention, page_size)
-    spec = decode_spec(model, attention, config, dense_layers, budget, page_size)
+    # Checked before the prompt is encoded; the sliding windows against the run's length below.
+    decode_spec(model, attention, config, dense_layers, budget, page_size, positions=1)
     stops = check_stop_strings(stop)
     cache_dtype = kv_cache_dtype(kv_dtype)
     prompts, batched = _prompt_batch(prompt)
@@ -440,6 +472,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     empty = [i for i, row in enumerate(ids) if not row]
     if empty:  # only a raw prompt can: the chat template always adds its turn markers
         raise ValueError(f"prompt {empty[0]} encodes to no token (an empty text with chat=False)")
+    spec = decode_spec(model, attention, config, dense_layers, budget, page_size,
+                       positions=cache_capacity(model, max(map(len, ids)), max_new_tokens))
     state = prefill(model, ids, max_new_tokens, cache_dtype=cache_dtype)
     decode_text = model.tokenizer.decode
     criterion = StopStrings(decode_text, stops) if stops else None
@@ -481,7 +515,6 @@ def forward_logits(model: LoadedModel, ids: Sequence[int]) -> np.ndarray:
     T = len(ids)
     if T > model.config.max_position_embeddings:
         raise ValueError(f"{T} tokens exceed the model's context of {model.config.max_position_embeddings}")
-    model.config.check_positions(T)
     graphdef, params = nnx.split(model.module)
     padded = np.zeros((1, _round_up(T, CHUNK)), np.int32)
     padded[0, :T] = ids

@@ -203,9 +203,11 @@ def _ring_write(st: OffloadLayer, k_new, v_new, pos) -> OffloadLayer:
                                ring_v=st.ring_v.at[rows, heads, slot].set(v_new.astype(st.ring_v.dtype)))
 
 
-def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache):
+def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache, window: int | None = None):
     q, k, v = _qkv(layer, inv_freq, x, pos)
-    out, lse = dense_attention(q, k_cache, v_cache, pos)
+    # a sliding-window layer: the query at pos sees pos - W + 1 .. pos (itself merged below)
+    starts = None if window is None else jnp.maximum(pos - (window - 1), 0)
+    out, lse = dense_attention(q, k_cache, v_cache, pos, starts)
     G = q.shape[1] // k.shape[1]
     self_lse = jnp.sum(q.astype(jnp.float32) * jnp.repeat(k.astype(jnp.float32), G, axis=1), axis=-1)
     self_lse = self_lse / jnp.sqrt(jnp.float32(q.shape[-1]))
@@ -213,7 +215,8 @@ def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache):
     return _finish(layer, x, out), _write_rows(k_cache, k, pos), _write_rows(v_cache, v, pos)
 
 
-def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, next_state, *, K: int, L: int):
+def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, next_state, *, K: int, L: int,
+             windows: tuple = ()):
     """One run of accelerator work between two host calls.
 
     ``plan = (graphdef of the embedding or None, graphdef of the sparse layer being finished or None,
@@ -221,7 +224,8 @@ def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, ne
     None)``; ``parts`` their states. In order: embed the tokens (first segment) or finish the pending
     sparse layer (merge its host part with its static part, output projection, MLP; write its token
     into its ring), run the dense layers, then either the next sparse layer's queries, codes and
-    static attention, or the final norm and logits (last segment).
+    static attention, or the final norm and logits (last segment). ``windows``: each dense layer's
+    sliding window or None.
     """
     g_embed, g_pending, g_dense, g_next, g_head = plan
     p_embed, p_pending, p_dense, p_next, p_head = parts
@@ -234,8 +238,8 @@ def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, ne
         x = _finish(nnx.merge(g_pending, p_pending), x, out)
         pending_state = dataclasses.replace(_ring_write(pending_state, k_new, v_new, pos), end=end)
     new_kv = []
-    for g, p, (k_c, v_c) in zip(g_dense, p_dense, dense_kv, strict=True):
-        x, k_c, v_c = _dense_layer(nnx.merge(g, p), inv_freq, x, pos, k_c, v_c)
+    for g, p, (k_c, v_c), window in zip(g_dense, p_dense, dense_kv, windows or (None,) * len(g_dense), strict=True):
+        x, k_c, v_c = _dense_layer(nnx.merge(g, p), inv_freq, x, pos, k_c, v_c, window)
         new_kv.append((k_c, v_c))
     if g_next is not None:
         q, k_new, v_new = _qkv(nnx.merge(g_next, p_next), inv_freq, x, pos)
@@ -288,9 +292,10 @@ def _accel_part(st: OffloadLayer | None) -> OffloadLayer | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_fn(structure, K: int, L: int):
+def _segment_fn(structure, K: int, L: int, windows: tuple = ()):
     """The jitted :func:`_segment` of one structure (cached: every decode run of a model reuses it)."""
-    return jax.jit(functools.partial(_segment, structure, K=K, L=L), donate_argnames=("dense_kv", "pending_state"))
+    return jax.jit(functools.partial(_segment, structure, K=K, L=L, windows=windows),
+                   donate_argnames=("dense_kv", "pending_state"))
 
 
 class OffloadDecodeStep:
@@ -324,6 +329,7 @@ class OffloadDecodeStep:
         self.layers = [nnx.split(layer) for layer in model.layers]
         self.embed = self.head = nnx.split(_shell(model))
         self.num_heads = model.config.num_heads
+        self.config = model.config
         self.inv_freq = model.inv_freq[...]
         n = len(self.layers)
         sparse = self.spec.sparse_layers(n)
@@ -339,12 +345,13 @@ class OffloadDecodeStep:
             structure = (self.embed[0] if a is None else None, self.layers[a][0] if a is not None else None,
                          tuple(self.layers[i][0] for i in dense), self.layers[b][0] if b is not None else None,
                          self.head[0] if b is None else None)
-            if structure not in fns:
-                fns[structure] = _segment_fn(structure, K, L)
+            windows = tuple(model.config.layer_window(i) for i in dense)
+            if (structure, windows) not in fns:
+                fns[structure, windows] = _segment_fn(structure, K, L, windows)
             parts = (self.embed[1] if a is None else None, self.layers[a][1] if a is not None else None,
                      tuple(self.layers[i][1] for i in dense), self.layers[b][1] if b is not None else None,
                      self.head[1] if b is None else None)
-            self.plan.append((a, dense, b, fns[structure], parts))
+            self.plan.append((a, dense, b, fns[structure, windows], parts))
         self._leaves = leaves
 
     def __call__(self, leaves, cache, indices, tokens, base_key, t, temperature, top_p):
@@ -353,6 +360,10 @@ class OffloadDecodeStep:
 
         self._split(leaves)
         spec = self.spec
+        binding = [i for i in self.sparse if (self.config.layer_window(i) or cache.capacity) < cache.capacity]
+        if binding:
+            raise ValueError(f"layers {binding} attend through a sliding window shorter than this cache of "
+                             f"{cache.capacity} positions: keep them in dense_layers (generation.decode_spec does)")
         # Committed to the accelerator, so the first step and the later ones share compiled segments.
         tokens, pos = jax.device_put((tokens, cache.lengths), self.accel)
         pos_h = jax.device_put(pos, self.host)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from magicpig_jax.decode_loop import Sampling
-from magicpig_jax.generation import decode, prefill
+from magicpig_jax.generation import decode, forward_logits, prefill
 from tests._tiny import TINY, tiny_model
 
 
@@ -60,13 +60,16 @@ def test_one_token_gives_strict_json(small_context_model):
     json.loads(json.dumps(stats, allow_nan=False))
 
 
-def test_sliding_window_shorter_than_the_prompt_is_refused():
+def test_sliding_window_shorter_than_the_sequence_decodes_past_it():
+    """Decoding runs past a window of 8 (it stopped there before windows were computed), and a
+    decode step's logits equal the full forward pass's, whose attention is windowed too."""
     model = tiny_model(0, dataclasses.replace(TINY, sliding_window=8))
-    with pytest.raises(ValueError, match="sliding_window"):
-        prefill(model, [list(range(1, 12))], 2)
-    state = prefill(model, [list(range(1, 6))], 8)
+    prompt = list(range(1, 12))
+    state = prefill(model, [prompt], 8)
     outs, stats = decode(model, state, attention="dense", max_new_tokens=8, stop_on_eos=False)
-    assert len(outs[0]) == 8 - 5 + 1 and stats["stop_reasons"] == ["sliding_window"]
+    assert len(outs[0]) == 8 and stats["stop_reasons"] == ["length"]
+    logits = forward_logits(model, prompt + outs[0][:-1])
+    np.testing.assert_array_equal(logits[len(prompt) - 1:].argmax(-1), outs[0])
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0),

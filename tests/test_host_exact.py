@@ -23,8 +23,8 @@ IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
 _exact = jax.jit(host_exact_attention, static_argnames=("impl", "max_threads"))
 
 
-def reference(q, k, v, lengths):
-    """float64 softmax attention with GQA over the first lengths[b] keys: (out, lse)."""
+def reference(q, k, v, lengths, starts=None):
+    """float64 softmax attention with GQA over keys starts[b] .. lengths[b] - 1 (starts default 0): (out, lse)."""
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     B, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -33,13 +33,14 @@ def reference(q, k, v, lengths):
     lse = np.full((B, Hq), -np.inf)
     for b in range(B):
         n = int(np.clip(lengths[b], 0, k.shape[2]))
-        if n == 0:
+        first = 0 if starts is None else int(np.clip(starts[b], 0, n))
+        if n == first:
             continue
         for h in range(Hq):
-            s = k[b, h // G, :n] @ q[b, h] / np.sqrt(D)
+            s = k[b, h // G, first:n] @ q[b, h] / np.sqrt(D)
             m = s.max()
             e = np.exp(s - m)
-            out[b, h] = e @ v[b, h // G, :n] / e.sum()
+            out[b, h] = e @ v[b, h // G, first:n] / e.sum()
             lse[b, h] = m + np.log(e.sum())
     return out, lse
 
@@ -53,20 +54,23 @@ def problems(draw):
     D = draw(st.sampled_from([1, 7, 8, 20, 64, 72]))
     dtype = draw(st.sampled_from(["float32", "bfloat16"]))
     lengths = draw(st.lists(st.integers(-3, N + 3), min_size=B, max_size=B))
+    # a sliding-window start per row, or none (every key from 0); past lengths is an empty row
+    starts = draw(st.none() | st.lists(st.integers(-3, N + 3), min_size=B, max_size=B))
     seed = draw(st.integers(0, 2**31 - 1))
-    return B, Hkv * G, Hkv, N, D, dtype, lengths, seed
+    return B, Hkv * G, Hkv, N, D, dtype, lengths, starts, seed
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @given(problems())
 def test_matches_float64_reference(impl, p):
-    B, Hq, Hkv, N, D, dtype, lengths, seed = p
+    B, Hq, Hkv, N, D, dtype, lengths, starts, seed = p
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, Hq, D)) * 2, jnp.float32)
     k = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
     v = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
-    out, lse = _exact(q, k, v, jnp.asarray(lengths, jnp.int32), impl=impl)
-    ref_out, ref_lse = reference(q, k, v, lengths)
+    first = None if starts is None else jnp.asarray(starts, jnp.int32)
+    out, lse = _exact(q, k, v, jnp.asarray(lengths, jnp.int32), first, impl=impl)
+    ref_out, ref_lse = reference(q, k, v, lengths, starts)
     assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-4)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(ref_lse))
@@ -87,6 +91,12 @@ def test_long_rows_cross_work_items(impl):
     ref_out, ref_lse = reference(q, k, v, lengths)
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-5, rtol=1e-5)
+    # sliding windows whose starts are not on a span or block boundary
+    starts = [4999 - 4096, 1]
+    out, lse = _exact(q, k, v, jnp.asarray(lengths, jnp.int32), jnp.asarray(starts, jnp.int32), impl=impl)
+    ref_out, ref_lse = reference(q, k, v, lengths, starts)
+    np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=2e-5, rtol=1e-5)
 
 
 def test_equals_dense_attention_and_one_thread():
@@ -101,6 +111,12 @@ def test_equals_dense_attention_and_one_thread():
     ref_out, ref_lse = dense_attention(q, k, v, lengths)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=1e-5)
+    starts = jnp.asarray([777], jnp.int32)  # a sliding window: the C++ op against the pure-JAX one
+    out_w, lse_w = host_exact_attention(q, k, v, lengths, starts)
+    ref_w, ref_lse_w = dense_attention(q, k, v, lengths, starts)
+    np.testing.assert_allclose(np.asarray(out_w), np.asarray(ref_w), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse_w), np.asarray(ref_lse_w), atol=1e-5)
+    assert not np.allclose(np.asarray(out_w), np.asarray(out), atol=1e-3)
     out1, lse1 = host_exact_attention(q, k, v, lengths, max_threads=1)
     np.testing.assert_allclose(np.asarray(out1), np.asarray(out), atol=1e-6)
 
@@ -149,6 +165,10 @@ def test_bad_input_errors_name_the_parameter():
         host_exact_attention(jnp.zeros((1, 3, 8), jnp.float32), k, k)
     with pytest.raises(ValueError, match="lengths"):
         host_exact_attention(q, k, k, jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match="starts"):
+        host_exact_attention(q, k, k, None, jnp.zeros((2,), jnp.int32))
+    with pytest.raises(TypeError, match="starts"):
+        host_exact_attention(q, k, k, None, jnp.zeros((1,), jnp.float32))
     with pytest.raises(ValueError, match="G = Hq / Hkv"):
         kk = jnp.zeros((1, 1, 4, 8), jnp.float32)
         host_exact_attention(jnp.zeros((1, MAX_GROUP + 1, 8), jnp.float32), kk, kk)

@@ -455,34 +455,47 @@ def test_hf_sliding_window_is_recorded():
     from magicpig_jax.models.config import LlamaConfig
 
     base = _hf_config()
+    n = CFG.num_layers
     mistral = {**base, "model_type": "mistral"}
-    assert LlamaConfig.from_hf_config({**mistral, "sliding_window": 4096}).sliding_window == 4096
-    assert LlamaConfig.from_hf_config({**mistral, "sliding_window": None}).sliding_window is None
+    cfg = LlamaConfig.from_hf_config({**mistral, "sliding_window": 4096})
+    assert (cfg.sliding_window, cfg.sliding_layers, cfg.windowed_layers) == (4096, None, tuple(range(n)))
+    assert LlamaConfig.from_hf_config({**mistral, "sliding_window": None}).windowed_layers == ()
     assert LlamaConfig.from_hf_config(mistral).sliding_window == 4096  # transformers' default
+    # MistralForCausalLM ignores layer_types (every layer slides): full-attention entries are refused
+    assert LlamaConfig.from_hf_config({**mistral, "layer_types": ["sliding_attention"] * n}).sliding_window == 4096
+    with pytest.raises(ValueError, match="'layer_types' with 'full_attention' layers on a mistral"):
+        LlamaConfig.from_hf_config({**mistral, "layer_types": ["full_attention"] * n})
     qwen = {**base, "model_type": "qwen2", "sliding_window": 64, "max_window_layers": 1}
     assert LlamaConfig.from_hf_config({**qwen, "use_sliding_window": False}).sliding_window is None
-    assert LlamaConfig.from_hf_config({**qwen, "use_sliding_window": True}).sliding_window == 64
+    cfg = LlamaConfig.from_hf_config({**qwen, "use_sliding_window": True})
+    assert (cfg.sliding_window, cfg.windowed_layers) == (64, tuple(range(1, n)))
+    assert cfg.layer_window(0) is None and cfg.layer_window(1) == 64
+    types = ["sliding_attention" if i % 2 else "full_attention" for i in range(n)]
+    cfg = LlamaConfig.from_hf_config({**qwen, "use_sliding_window": True, "layer_types": types})
+    assert cfg.windowed_layers == tuple(range(1, n, 2))
     # every layer below max_window_layers attends to everything: no window in use
     assert LlamaConfig.from_hf_config({**qwen, "use_sliding_window": True,
                                        "max_window_layers": CFG.num_layers}).sliding_window is None
     with pytest.raises(ValueError, match="sliding_window"):
         LlamaConfig.from_hf_config({**base, "sliding_window": 128})  # llama has none
+    for bad in (0, -1, 2.5, "64", True):
+        with pytest.raises(ValueError, match="'sliding_window' must be a positive integer or null"):
+            LlamaConfig.from_hf_config({**mistral, "sliding_window": bad})
+    with pytest.raises(ValueError, match="sliding_layers"):
+        dataclasses.replace(CFG, sliding_window=4, sliding_layers=(n,))
 
 
-def test_sliding_window_refuses_longer_sequences(tmp_path):
-    """A 1-layer model with a window of 4: exact up to 4 positions, refused past them."""
+def test_sliding_window_shorter_than_the_sequence_is_computed(tmp_path):
+    """A 1-layer model with a window of 4: a prompt's logits depend on its last 4 tokens only (the
+    window holds the query's own position), so prompts that differ before them give the same last
+    logits, and prompts that differ within them do not."""
     from magicpig_jax.models.config import LlamaConfig
 
     cfg = LlamaConfig.from_hf_config({**_hf_config(), "model_type": "mistral", "num_hidden_layers": 1,
                                       "sliding_window": 4})
-    assert cfg.sliding_window == 4
-    cfg.check_positions(4)
-    with pytest.raises(ValueError, match="sliding_window of 4"):
-        cfg.check_positions(5)
     model = tiny_model(1, cfg)
-    # within the window, full causal attention is the windowed attention: the logits are defined
-    assert np.isfinite(forward_logits(model, [3, 4, 5, 6])).all()
-    # two prompts that differ only outside a window of 4 would need windowed attention: refused
-    for prompt in ([9, 3, 4, 5, 6], [8, 3, 4, 5, 6]):
-        with pytest.raises(ValueError, match="sliding_window"):
-            prefill(model, [prompt], max_new_tokens=1)
+    a, b, c = (forward_logits(model, p)[-1] for p in ([9, 7, 3, 4, 5, 6], [8, 2, 3, 4, 5, 6], [9, 7, 2, 4, 5, 6]))
+    np.testing.assert_array_equal(a, b)
+    assert np.abs(a - c).max() > 1e-3
+    full = tiny_model(1, dataclasses.replace(cfg, sliding_window=None))
+    assert np.abs(forward_logits(full, [9, 7, 3, 4, 5, 6])[-1] - a).max() > 1e-3

@@ -265,6 +265,19 @@ _DECODER = textwrap.dedent(r'''
                 r["capacity"] = int(run.cache.capacity)
             out[name] = r
         R[dtype] = out
+    # A sliding window of 16 on the dense layer 0: the offload segments window it as the one-device step does.
+    from tests._tiny import TINY
+    windowed = tiny_model(0, dataclasses.replace(TINY, sliding_window=16, sliding_layers=(0,)))
+    state = prefill(windowed, prompts, 12)
+    cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
+    base = dict(backend="magicpig", magicpig=cfg, dense_layers=(0,), generation_buffer=8)
+    R["windowed"] = {}
+    for name, spec in (("one_device", DecodeSpec(**base)),
+                       ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
+        run = start_decode(windowed, state, spec, 12, Sampling())
+        for _ in run:
+            pass
+        R["windowed"][name] = run.outputs
     R["auto_on_cpu"] = backend_for(DecodeSpec(backend="magicpig")).name
     print("RESULT " + json.dumps(R))
 ''')
@@ -299,6 +312,16 @@ def test_offload_decoder_keeps_kv_and_index_on_the_host(decoder_results, dtype):
     assert all(r["capacity"] not in shape for shape in r["accel_state_shapes"])  # nothing N-sized there
     # Generated tokens reached the host index (appends every 8 steps once the tail exceeds W).
     assert all(end > n - 8 for end, n in zip(r["index_end"], r["prompt_lengths"], strict=True))
+
+
+def test_offload_decoder_windows_its_dense_layers(decoder_results):
+    """A dense layer with a sliding window (16 positions of a 300-token prompt) runs windowed in the
+    offload segments: the tokens equal the one-device step's, whose window is checked against
+    transformers (test_sliding_window)."""
+    r = decoder_results["windowed"]
+    assert r["offload"] == r["one_device"] and all(len(t) == 12 for t in r["offload"])
+    # the window changed what layer 0 computes: these are not the unwindowed model's tokens
+    assert r["offload"] != [t[:12] for t in decoder_results["float32"]["one_device"]["tokens"]]
 
 
 def test_offload_is_not_chosen_on_a_cpu_backend(decoder_results):

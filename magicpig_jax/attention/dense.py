@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention._common import (
@@ -20,18 +21,23 @@ def dense_attention(
     k: Float[Array, "B Hkv N D"],
     v: Float[Array, "B Hkv N D"],
     lengths: Int[Array, " B"] | None = None,
+    starts: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Exact softmax attention of one decode step, with GQA.
 
-    ``o = softmax(q K^T / sqrt(D)) V`` over the first ``lengths[b]`` keys of row b
+    ``o = softmax(q K^T / sqrt(D)) V`` over the keys ``starts[b] <= j < lengths[b]`` of row b
     (arXiv 2410.16179, Section 2, Eq. (1)). Query head h reads KV head
-    ``h // (Hq // Hkv)``. Computed in float32 whatever the input dtype.
+    ``h // (Hq // Hkv)``. Computed in float32 whatever the input dtype. ``starts`` is the
+    first key a sliding-window layer still sees (Mistral's ``sliding_window``: a query at
+    position p attends to positions ``p - W + 1 .. p``).
 
     Args:
       q: ``[B, Hq, D]`` float.
       k, v: ``[B, Hkv, N, D]`` float.
       lengths: int ``[B]``, valid keys per row (default N; clipped to [0, N]); the K and
         V rows past them are never used (NaN there leaves the result unchanged).
+      starts: int ``[B]``, the first valid key per row (default 0; clipped to [0, N]); keys
+        before it are never used, as those past ``lengths``.
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``; lse float32 ``[B, Hq]``, the
@@ -44,7 +50,11 @@ def dense_attention(
     """
     B, _, _, N, _ = check_qkv(q, k, v)
     lengths = check_lengths(lengths, B, N)
+    mask = valid_mask(lengths, N)
+    if starts is not None:
+        starts = check_lengths(starts, B, N, name="starts")
+        mask = mask & (jnp.arange(N, dtype=jnp.int32)[None, :] >= starts[:, None])[:, None, None, :]
     logits = grouped_logits(q, k)
-    return masked_softmax_attention(logits, valid_mask(lengths, N), v)
+    return masked_softmax_attention(logits, mask, v)
 
 

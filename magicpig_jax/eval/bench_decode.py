@@ -98,7 +98,7 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
     from magicpig_jax.memory import drop_compiled_programs
     from magicpig_jax.models.cache import KVCache
 
-    spec = dataclasses.replace(decode_spec(model, method, cfg), **spec_options)
+    spec = dataclasses.replace(decode_spec(model, method, cfg, positions=state.cache.capacity), **spec_options)
     # One row decodes in the prefill's own cache, which gets back its prompt length after each
     # run (a step writes only at positions >= the row's length, so the prompt's keys and
     # values are untouched): no copy of the cache, as in a one-shot run. A batch decodes in

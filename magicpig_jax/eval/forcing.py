@@ -47,7 +47,8 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
         every error of :func:`~magicpig_jax.generation.decode`.
     """
     if spec is None:
-        spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh)
+        spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh,
+                           positions=state.cache.capacity)
     hooks = DecodeHooks(forced_tokens=forced_tokens, on_logits=logits_callback, then_sample=then_sample)
     return run_decode(model, state, spec, max_new_tokens, sampling or Sampling(), stop_on_eos=stop_on_eos,
                       progress=progress, hooks=hooks)

@@ -36,11 +36,12 @@ def host_exact_attention(
     k: Float[Array, "B Hkv N D"],
     v: Float[Array, "B Hkv N D"],
     lengths: Int[Array, " B"] | None = None,
+    starts: Int[Array, " B"] | None = None,
     *,
     impl: str = "auto",
     max_threads: int = 0,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
-    """Exact softmax attention of one decode step over the first ``lengths[b]`` keys, in the host op.
+    """Exact softmax attention of one decode step over keys ``starts[b] .. lengths[b] - 1``, in the host op.
 
     ``o = softmax(q K^T / sqrt(D)) V`` with GQA (query head h reads KV head ``h // G``),
     the same function as :func:`magicpig_jax.attention.dense_attention` (arXiv 2410.16179,
@@ -50,6 +51,8 @@ def host_exact_attention(
       q: float ``[B, Hq, D]`` (computed in float32).
       k, v: ``[B, Hkv, N, D]``, both float32 or both bfloat16 (read in place).
       lengths: int ``[B]`` valid keys per row (default N; clipped to ``[0, N]``).
+      starts: int ``[B]`` the first valid key per row (default 0; clipped to ``[0, lengths]``):
+        a sliding-window layer's window start. The op reads no key before it.
       impl: ``"auto"`` (AVX2/FMA where the CPU has it), ``"scalar"`` or ``"avx2"``.
       max_threads: cap on the op's worker threads (0: XLA's intra-op pool size).
 
@@ -62,7 +65,7 @@ def host_exact_attention(
     Raises:
       ValueError: mismatched shapes, Hq not a multiple of Hkv, ``G > MAX_GROUP``, unknown
         ``impl`` or negative ``max_threads``.
-      TypeError: k and v not both float32 or both bfloat16, or non-integer lengths.
+      TypeError: k and v not both float32 or both bfloat16, or non-integer lengths or starts.
       ImportError: the native extension is not built.
 
     Source: arXiv 2410.16179, Eq. (1); online softmax of Milakov & Gimelshein (2018).
@@ -75,11 +78,12 @@ def host_exact_attention(
     if Hq // Hkv > MAX_GROUP:
         raise ValueError(f"G = Hq / Hkv must be <= {MAX_GROUP}, got {Hq // Hkv}")
     lengths = check_lengths(lengths, B, N)
+    starts = jnp.zeros((B,), jnp.int32) if starts is None else check_lengths(starts, B, N, name="starts")
     ops()
     out, lse = jax.ffi.ffi_call(
         "magicpig_exact_attention",
         (jax.ShapeDtypeStruct((B, Hq, D), jnp.float32), jax.ShapeDtypeStruct((B, Hq), jnp.float32)),
         vmap_method="sequential",
-    )(q.astype(jnp.float32), k, v, lengths.astype(jnp.int32), impl=np.int64(code),
+    )(q.astype(jnp.float32), k, v, lengths.astype(jnp.int32), starts.astype(jnp.int32), impl=np.int64(code),
       max_threads=np.int64(max_threads))
     return out, lse

@@ -26,8 +26,10 @@ from magicpig_jax.models.config import LlamaConfig
 __all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "MARKER"]
 
 MARKER = "magicpig_model.json"
-FORMAT_VERSION = 2  # 1: also a float32 copy of the Q4_1/Q8_0 matrices (still readable)
-READABLE_VERSIONS = (1, 2)
+# 1: also a float32 copy of the Q4_1/Q8_0 matrices; 2: the config without ``sliding_layers``
+# (both still readable, except a model with a sliding window: which layers it covers is not recorded)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -114,12 +116,19 @@ def read_checkpoint_config(path: str | Path) -> LlamaConfig:
 
     Raises:
       FileNotFoundError: not a checkpoint directory.
-      ValueError: an unknown format version.
+      ValueError: an unknown format version, or an older one whose model has a sliding window.
     """
-    cfg = dict(_read_meta(Path(path).absolute())["config"])
+    meta = _read_meta(Path(path).absolute())
+    cfg = dict(meta["config"])
     if cfg.get("rope_scaling") is not None:
         cfg["rope_scaling"] = tuple(tuple(item) for item in cfg["rope_scaling"])
     cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
+    if "sliding_layers" not in cfg and cfg.get("sliding_window") is not None:
+        raise ValueError(f"checkpoint {path} (format_version {meta['format_version']}) has sliding_window "
+                         f"{cfg['sliding_window']} but does not record which layers it applies to: convert the "
+                         "model again (magicpig-jax convert)")
+    if cfg.get("sliding_layers") is not None:
+        cfg["sliding_layers"] = tuple(cfg["sliding_layers"])
     return LlamaConfig(**cfg)
 
 

@@ -45,10 +45,12 @@ class LlamaConfig:
       qkv_bias: q/k/v projections have biases (Qwen2; Llama/Qwen3 ``attention_bias``).
       o_bias: the output projection has a bias (Llama/Qwen3 ``attention_bias``).
       qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3), weights ``[D]``.
-      sliding_window: W, or None. Some layers attend only to the last W positions
-        (Mistral ``sliding_window``, Qwen ``use_sliding_window``). This package computes
-        full causal attention, which equals windowed attention for sequences of at most
-        W tokens: :meth:`check_positions` refuses longer ones.
+      sliding_window: W, or None. The layers of ``sliding_layers`` attend only to the last W
+        positions, their own included (Mistral ``sliding_window``, Qwen
+        ``use_sliding_window``; transformers' ``sliding_window_overlay``: a query at position
+        p sees keys ``p - W + 1 .. p``), in prefill and in decode (:meth:`layer_window`).
+      sliding_layers: the layers that attend through the window, or None for every layer
+        (Mistral's, and a GGUF's ``attention.sliding_window``); ignored without a window.
 
     Raises:
       ValueError: inconsistent sizes (e.g. Hq not a multiple of Hkv).
@@ -71,6 +73,7 @@ class LlamaConfig:
     o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -99,24 +102,25 @@ class LlamaConfig:
                                  "(LlamaConfig.from_hf_config fills them from max_position_embeddings)")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.sliding_layers is not None:
+            layers = self.sliding_layers
+            if not isinstance(layers, tuple) or any(
+                    isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in layers):
+                raise ValueError(f"sliding_layers must be a tuple of layer indices in [0, {self.num_layers}) or "
+                                 f"None, got {layers!r}")
 
-    def check_positions(self, num_positions: int) -> None:
-        """Refuse a sequence the model cannot compute exactly: more than ``sliding_window`` positions.
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window W of ``layer`` (it sees the last W positions), or None (every position)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers is None or layer in self.sliding_layers:
+            return self.sliding_window
+        return None
 
-        Call it with the largest sequence length a run will reach (prompt + new tokens).
-        Attention here is full causal attention; a model trained with a sliding window of W
-        attends to the last W positions only, which is the same for sequences of at most
-        W tokens and different beyond.
-
-        Raises:
-          ValueError: ``num_positions`` exceeds ``sliding_window`` (the message names it).
-        """
-        if self.sliding_window is not None and num_positions > self.sliding_window:
-            raise ValueError(
-                f"the sequence reaches {num_positions} positions, past this model's sliding_window of "
-                f"{self.sliding_window} tokens; sliding-window attention is not implemented, so only "
-                f"sequences of at most {self.sliding_window} tokens (prompt + new tokens) are computed exactly"
-            )
+    @property
+    def windowed_layers(self) -> tuple[int, ...]:
+        """The layers that attend through the sliding window (empty without one)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_window(i) is not None)
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> LlamaConfig:
@@ -191,6 +195,7 @@ class LlamaConfig:
         # always, no o bias; Mistral: none); Llama and Qwen3 put it on q, k, v and o.
         attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3")
         num_layers = int(get("num_hidden_layers"))
+        window, window_layers = _hf_sliding_window(cfg, model_type, num_layers)
         return cls(
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
@@ -208,7 +213,8 @@ class LlamaConfig:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias,
             qk_norm=model_type == "qwen3",
-            sliding_window=_hf_sliding_window(cfg, model_type, num_layers),
+            sliding_window=window,
+            sliding_layers=window_layers,
         )
 
 
@@ -289,39 +295,50 @@ def _hf_rope(cfg: Mapping) -> tuple[tuple | None, float | None]:
     return scaling, next(iter(thetas.values()), None)
 
 
-def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> int | None:
-    """The attention window of the model's windowed layers (None: every layer attends to all positions).
+def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """``(W, layers)``: the attention window and the layers it applies to (None: every layer),
+    or ``(None, None)`` when every layer attends to all positions.
 
     Mistral applies ``sliding_window`` to every layer when it is set (transformers' default
-    4096 when the field is absent). Qwen2/Qwen3 apply it only with ``use_sliding_window``, to
-    the layers marked ``sliding_attention`` in ``layer_types`` (default: layers from
-    ``max_window_layers`` on).
+    4096 when the field is absent; a ``layer_types`` with full-attention layers is refused:
+    ``MistralForCausalLM`` ignores it). Qwen2/Qwen3 apply it only with ``use_sliding_window``, to the layers
+    marked ``sliding_attention`` in ``layer_types`` (default: layers from
+    ``max_window_layers`` on), as transformers 5's configs do.
     """
     defaults = _HF_DEFAULTS[model_type]
     window = cfg.get("sliding_window", defaults.get("sliding_window"))
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
-        bad = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if not isinstance(layer_types, list):
+            raise ValueError(f"config.json 'layer_types' must be a list, got {layer_types!r}")
+        bad = sorted({str(t) for t in layer_types if t not in ("full_attention", "sliding_attention")})
         if bad:
             raise UnsupportedConfigError(f"config.json 'layer_types' has unsupported type(s) {bad}")
         if len(layer_types) != num_layers:
             raise ValueError(f"config.json 'layer_types' has {len(layer_types)} entries for {num_layers} layers")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"config.json 'sliding_window' must be a positive integer or null, got {window!r}")
     if model_type in ("llama",):
         if window is not None or (layer_types and "sliding_attention" in layer_types):
             raise UnsupportedConfigError("config.json 'sliding_window' on a llama model is not supported")
-        return None
+        return None, None
     if model_type == "mistral":
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            return None
-        return None if window is None else int(window)
+        if layer_types is not None and "full_attention" in layer_types:
+            # transformers' MistralForCausalLM ignores layer_types (a warning): every layer slides;
+            # its Ministral classes alternate. Which one the checkpoint means is not ours to guess.
+            raise UnsupportedConfigError(
+                "config.json 'layer_types' with 'full_attention' layers on a mistral model is not supported "
+                "(transformers' MistralForCausalLM ignores it and windows every layer)")
+        return (None, None) if window is None else (window, None)
     if not cfg.get("use_sliding_window", False) or window is None:
         # transformers' Qwen configs set no window when 'sliding_window' is null, even with
         # 'use_sliding_window': every layer attends to every position.
-        return None
+        return None, None
     if layer_types is None:
         start = int(cfg.get("max_window_layers", defaults["max_window_layers"]))
         layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
-    return int(window) if "sliding_attention" in layer_types else None
+    layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    return (window, layers) if layers else (None, None)
 
 
 _YARN_OPTIONAL = ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",

@@ -47,12 +47,14 @@ __all__ = [
     "hidden_to_logits",
 ]
 
-def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk):
+def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk, window: int | None = None):
     """Causal attention of a query chunk over the cache, block by block (online LSE merge).
 
     q ``[B, C, Hq, D]`` at positions ``chunk_start + 0..C-1``; k_cache, v_cache
     ``[B, Hkv, Nmax, D]`` already holding the chunk. Only key blocks up to the
-    chunk are visited, so the cost is causal, not ``O(C * Nmax)``.
+    chunk are visited, so the cost is causal, not ``O(C * Nmax)``. With a sliding
+    ``window`` W the query at position p sees keys ``p - W + 1 .. p`` only (transformers'
+    ``sliding_window_overlay``), and blocks wholly before the chunk's first window are skipped.
     """
     B, C, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -67,7 +69,10 @@ def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk):
         kb = jax.lax.dynamic_slice_in_dim(k_cache, start, chunk, axis=2).astype(jnp.float32)
         vb = jax.lax.dynamic_slice_in_dim(v_cache, start, chunk, axis=2).astype(jnp.float32)
         s = jnp.einsum("bhgcd,bhnd->bhgcn", qg, kb, precision=jax.lax.Precision.HIGHEST) * scale
-        mask = (start + jnp.arange(chunk, dtype=jnp.int32))[None, :] <= q_pos[:, None]  # [C, n]
+        k_pos = (start + jnp.arange(chunk, dtype=jnp.int32))[None, :]
+        mask = k_pos <= q_pos[:, None]  # [C, n]
+        if window is not None:
+            mask = mask & (k_pos > q_pos[:, None] - window)
         s = jnp.where(mask, s, -jnp.inf)
         m = jnp.max(s, axis=-1)
         m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -80,7 +85,8 @@ def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk):
 
     init = (jnp.zeros((B, Hkv, G, C, D), jnp.float32), jnp.full((B, Hkv, G, C), -jnp.inf, jnp.float32))
     n_blocks = chunk_start // chunk + 1
-    out, _ = jax.lax.fori_loop(0, n_blocks, body, init)
+    first = 0 if window is None else jnp.maximum(chunk_start - (window - 1), 0) // chunk
+    out, _ = jax.lax.fori_loop(first, n_blocks, body, init)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, C, Hq, D)
 
 
@@ -112,7 +118,7 @@ def prefill_chunk(graphdef, state, cache: KVCache, tokens, chunk_start, lengths)
         return new_k[i], new_v[i]
 
     def attend(i, q, k_cache, v_cache):
-        return _causal_block_attention(q, k_cache, v_cache, chunk_start, C)
+        return _causal_block_attention(q, k_cache, v_cache, chunk_start, C, model.config.layer_window(i))
 
     hidden = model.forward(tokens, positions, write_kv, attend)
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths.astype(jnp.int32))
@@ -249,6 +255,13 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     if unbuilt:
         raise ValueError(f"layers {unbuilt} are sparse in the step's spec but have no index: build the indices "
                          "with the spec the step is given (its dense_layers)")
+    windows = {i: model.config.layer_window(i) for i in range(len(cache.k))}
+    binding = sorted(i for i in sparse if windows[i] is not None and windows[i] < cache.capacity)
+    if binding:
+        raise ValueError(
+            f"layers {binding} attend through a sliding window of {model.config.sliding_window} tokens, shorter "
+            f"than this cache of {cache.capacity} positions: they decode exactly over their window, so keep "
+            "them in dense_layers (generation.decode_spec does)")
     counts = []
     new_kv = {}
 
@@ -266,8 +279,10 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
             out, lse, n = backend.attend(spec, q[:, 0], k_cache, v_cache, state, pos,
                                          jax.random.fold_in(key, 1000 + i))
             counts.append(n)
-        else:
+        elif windows[i] is None:
             out, lse = backend.attend_dense(q[:, 0], k_cache, v_cache, pos)
+        else:  # the query at position pos sees pos - W + 1 .. pos (itself merged below)
+            out, lse = backend.attend_dense(q[:, 0], k_cache, v_cache, pos, jnp.maximum(pos - (windows[i] - 1), 0))
         k_new, v_new = new_kv[i]
         self_out, self_lse = _self_attention(q[:, 0], k_new, v_new)
         out, _ = merge_attention(out, lse, self_out, self_lse)

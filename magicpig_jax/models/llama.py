@@ -201,8 +201,8 @@ class Llama(nnx.Module):
 
     Source: Touvron et al. 2023 (Llama), Dubey et al. 2024 (Llama 3 RoPE scaling);
     numerics match transformers' ``LlamaForCausalLM``, ``MistralForCausalLM``,
-    ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (within a sliding window, see
-    :meth:`LlamaConfig.check_positions`).
+    ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``, sliding-window layers included
+    (:meth:`LlamaConfig.layer_window`).
     """
 
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32,

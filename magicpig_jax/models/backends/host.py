@@ -97,11 +97,11 @@ def _prepare_host(spec, cache, states):
     return cache, states
 
 
-def _attend_dense_host(q, k, v, lengths):
+def _attend_dense_host(q, k, v, lengths, starts=None):
     from magicpig_jax.host import host_exact_attention
 
     # One pass over each KV head's keys for its G query heads, K/V read in place.
-    return host_exact_attention(q, k, v, lengths)
+    return host_exact_attention(q, k, v, lengths, starts)
 
 
 # ------------------------------------------------------------------------------------------

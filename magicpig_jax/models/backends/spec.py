@@ -310,7 +310,7 @@ BuildFn = Callable[["DecodeSpec", jax.Array, jax.Array, int, int], Any]  # (spec
 AttendFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]  # (spec, q, k, v, state, lengths, key)
 AfterStepFn = Callable[["DecodeSpec", Any, jax.Array, jax.Array], Any]  # (spec, state, k, lengths)
 PrepareFn = Callable[..., tuple[Any, tuple]]  # (spec, cache, states) -> (cache, states)
-DenseFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+DenseFn = Callable[..., tuple[jax.Array, jax.Array]]  # (q, k, v, lengths, starts=None)
 
 
 def _keep(spec, state, k, lengths):
@@ -343,7 +343,8 @@ class Backend:
         (``lengths`` counts it).
       prepare: ``(spec, cache, states) -> (cache, states)`` once after build, outside jit: the
         cache and per-layer states the decode steps use (the same objects, or re-placed ones).
-      attend_dense: ``(q, k, v, lengths) -> (out, lse)`` for the layers kept dense.
+      attend_dense: ``(q, k, v, lengths, starts=None) -> (out, lse)`` for the layers kept dense
+        (``starts``: a sliding-window layer's first visible key per row).
       validate: ``(spec) -> None``, raises ValueError for a configuration it cannot run.
       make_step: ``(graphdef, state_treedef, spec) -> step`` replacing the jitted decode step of
         :func:`~magicpig_jax.models.decoding.compiled_decode_step` (same call and results), or None.
