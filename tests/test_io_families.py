@@ -21,7 +21,7 @@ from tests.fixtures.gguf_convert import write_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 # family -> tokenizer.ggml.pre (None: SentencePiece)
-FAMILIES = {"llama3": "llama-bpe", "mistral": None, "qwen2": "qwen2", "qwen3": "qwen2"}
+FAMILIES = {"llama3": "llama-bpe", "mistral": None, "qwen2": "qwen2", "qwen3": "qwen2", "smollm3": "llama-bpe"}
 TOLERANCE = 1e-4
 
 

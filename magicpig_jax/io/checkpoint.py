@@ -129,6 +129,7 @@ def read_checkpoint_config(path: str | Path) -> LlamaConfig:
                          "model again (magicpig-jax convert)")
     if cfg.get("sliding_layers") is not None:
         cfg["sliding_layers"] = tuple(cfg["sliding_layers"])
+    cfg["nope_layers"] = tuple(cfg.get("nope_layers", ()))
     return LlamaConfig(**cfg)
 
 

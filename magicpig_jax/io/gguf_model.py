@@ -1,9 +1,11 @@
 """Read a Llama-family GGUF file with ``gguf``: config, dequantized weights, tokenizer metadata.
 
 Architectures (``general.architecture``): ``llama`` (Llama 1/2/3.x, Mistral, TinyLlama,
-SmolLM...), ``qwen2`` (Qwen2/2.5: q/k/v biases) and ``qwen3`` (per-head q/k RMSNorm).
-llama.cpp's converter permutes the q/k rows of ``llama`` models for its pairwise RoPE
-(undone here); ``qwen2``/``qwen3`` use NEOX-style RoPE and are stored unpermuted.
+SmolLM...), ``qwen2`` (Qwen2/2.5: q/k/v biases), ``qwen3`` (per-head q/k RMSNorm) and
+``smollm3`` (Llama's tensors; every 4th layer without RoPE, llama.cpp's fixed
+``n_no_rope_layer_step``). llama.cpp's converter permutes the q/k rows of ``llama`` and
+``smollm3`` models for its pairwise RoPE (undone here); ``qwen2``/``qwen3`` use NEOX-style RoPE
+and are stored unpermuted.
 
 Every ``<arch>.*`` metadata key and every tensor is either used or an error naming it
 (a key this reader does not know may change the computation); a missing required key
@@ -31,9 +33,11 @@ from magicpig_jax.models.config import (
 __all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "split_packed_key",
            "GGUFWeights", "GGUFMetadataError"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute)
-_PERMUTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
+# architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute; SmolLM3Model is one)
+_PERMUTED_ARCHITECTURES = ("llama", "smollm3")
+# llama.cpp's smollm3 skips RoPE where (layer + 1) % 4 == 0 (a constant there, no metadata key)
+_SMOLLM3_NOPE_STEP = 4
 
 
 class GGUFMetadataError(ValueError):
@@ -67,6 +71,7 @@ _ARCH_LAYER_NAMES = {
     # llama.cpp's qwen2 has q/k/v biases but no output bias (nor has transformers' Qwen2)
     "qwen2": {**_LAYER_NAMES, **{k: v for k, v in _BIAS_NAMES.items() if k != "attn_output.bias"}},
     "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
+    "smollm3": dict(_LAYER_NAMES),
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -243,7 +248,7 @@ def _check_keys(reader, arch: str, path) -> None:
 
 
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndarray | None]:
-    """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``).
+    """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``, ``smollm3``).
 
     The weights come in the Hugging Face ``(out, in)`` layout and naming
     (``model.layers.{i}.self_attn.q_proj.weight``...), as a :class:`GGUFWeights` mapping
@@ -392,6 +397,7 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         o_bias="attn_output.bias" in has,
         qk_norm="attn_q_norm.weight" in has,
         sliding_window=None if window is None or int(window) == 0 else int(window),
+        nope_layers=tuple(i for i in range(n_layers) if (i + 1) % _SMOLLM3_NOPE_STEP == 0) if arch == "smollm3" else (),
     ), tensors
 
 

@@ -17,7 +17,7 @@ import numpy as np
 __all__ = ["LlamaConfig", "rope_inv_freq", "rope_attention_factor", "default_dense_layers",
            "normalize_rope_scaling", "yarn_context_length", "HF_MODEL_TYPES", "UnsupportedConfigError"]
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 MAX_POSITIONS = 2**31 - 1  # positions are int32 in the decoder and the host ops
 
 
@@ -51,6 +51,8 @@ class LlamaConfig:
         p sees keys ``p - W + 1 .. p``), in prefill and in decode (:meth:`layer_window`).
       sliding_layers: the layers that attend through the window, or None for every layer
         (Mistral's, and a GGUF's ``attention.sliding_window``); ignored without a window.
+      nope_layers: layers whose q and k get no rotary embedding (SmolLM3's ``no_rope_layers``
+        zeros, every 4th layer: "NoPE").
 
     Raises:
       ValueError: inconsistent sizes (e.g. Hq not a multiple of Hkv).
@@ -74,6 +76,7 @@ class LlamaConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None
+    nope_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -102,12 +105,14 @@ class LlamaConfig:
                                  "(LlamaConfig.from_hf_config fills them from max_position_embeddings)")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
-        if self.sliding_layers is not None:
-            layers = self.sliding_layers
+        for name in ("sliding_layers", "nope_layers"):
+            layers = getattr(self, name)
+            if layers is None:
+                continue
             if not isinstance(layers, tuple) or any(
                     isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in layers):
-                raise ValueError(f"sliding_layers must be a tuple of layer indices in [0, {self.num_layers}) or "
-                                 f"None, got {layers!r}")
+                raise ValueError(f"{name} must be a tuple of layer indices in [0, {self.num_layers}), "
+                                 f"got {layers!r}")
 
     def layer_window(self, layer: int) -> int | None:
         """The attention window W of ``layer`` (it sees the last W positions), or None (every position)."""
@@ -117,6 +122,10 @@ class LlamaConfig:
             return self.sliding_window
         return None
 
+    def layer_uses_rope(self, layer: int) -> bool:
+        """Whether ``layer`` applies the rotary embedding to q and k (False for SmolLM3's NoPE layers)."""
+        return layer not in self.nope_layers
+
     @property
     def windowed_layers(self) -> tuple[int, ...]:
         """The layers that attend through the sliding window (empty without one)."""
@@ -124,7 +133,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3).
+        """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3, smollm3).
 
         Reads the RoPE scaling from either ``rope_scaling`` or ``rope_parameters``
         (transformers >= 5), with the type under ``rope_type`` or ``type``. Missing
@@ -193,9 +202,10 @@ class LlamaConfig:
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         # transformers' Qwen2 and Mistral attention ignore 'attention_bias' (Qwen2: q/k/v biases
         # always, no o bias; Mistral: none); Llama and Qwen3 put it on q, k, v and o.
-        attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3")
+        attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3", "smollm3")
         num_layers = int(get("num_hidden_layers"))
-        window, window_layers = _hf_sliding_window(cfg, model_type, num_layers)
+        nope = _hf_nope_layers(cfg, model_type, num_layers)
+        window, window_layers = _hf_sliding_window(cfg, model_type, num_layers, nope)
         return cls(
             vocab_size=int(get("vocab_size")),
             hidden_size=hidden,
@@ -215,6 +225,7 @@ class LlamaConfig:
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             sliding_layers=window_layers,
+            nope_layers=nope,
         )
 
 
@@ -224,7 +235,7 @@ _HF_HANDLED_KEYS = frozenset({
     "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
     "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "hidden_act", "attention_bias", "mlp_bias",
     "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
-    "quantization_config", "use_mrope",
+    "quantization_config", "use_mrope", "no_rope_layers", "no_rope_layer_interval",
 })
 # Fields that do not change the forward pass: ids, dtypes, training and generation settings, bookkeeping.
 # ``pretraining_tp`` only splits transformers' matmuls into slices (the same product).
@@ -255,6 +266,9 @@ _HF_DEFAULTS = {
     "qwen3": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
               "tie_word_embeddings": False, "num_key_value_heads": 32, "head_dim": 128, "sliding_window": 4096,
               "max_window_layers": 28},
+    "smollm3": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+                "tie_word_embeddings": True, "num_key_value_heads": 4, "rope_theta": 2000000.0,
+                "no_rope_layer_interval": 4},
 }
 
 
@@ -295,7 +309,27 @@ def _hf_rope(cfg: Mapping) -> tuple[tuple | None, float | None]:
     return scaling, next(iter(thetas.values()), None)
 
 
-def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+def _hf_nope_layers(cfg: Mapping, model_type: str, num_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: the zeros of ``no_rope_layers`` (one 0/1 per layer, at least
+    ``num_layers`` of them, as transformers indexes it), else every ``no_rope_layer_interval``-th
+    layer (transformers' default: layers 3, 7, 11, ...). Other model types have none."""
+    if model_type != "smollm3":
+        return ()
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", _HF_DEFAULTS["smollm3"]["no_rope_layer_interval"])
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"config.json 'no_rope_layer_interval' must be a positive integer, got {interval!r}")
+        return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
+    if not isinstance(flags, list) or len(flags) < num_layers or any(
+            isinstance(f, bool) or f not in (0, 1) for f in flags):
+        raise ValueError(f"config.json 'no_rope_layers' must be a list of at least {num_layers} values 0 or 1 "
+                         f"(1: the layer uses RoPE), got {flags!r}")
+    return tuple(i for i in range(num_layers) if flags[i] == 0)
+
+
+def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
+                       nope: tuple[int, ...] = ()) -> tuple[int | None, tuple[int, ...] | None]:
     """``(W, layers)``: the attention window and the layers it applies to (None: every layer),
     or ``(None, None)`` when every layer attends to all positions.
 
@@ -303,7 +337,8 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> tuple[
     4096 when the field is absent; a ``layer_types`` with full-attention layers is refused:
     ``MistralForCausalLM`` ignores it). Qwen2/Qwen3 apply it only with ``use_sliding_window``, to the layers
     marked ``sliding_attention`` in ``layer_types`` (default: layers from
-    ``max_window_layers`` on), as transformers 5's configs do.
+    ``max_window_layers`` on), as transformers 5's configs do. SmolLM3 likewise, its default
+    ``layer_types`` windowing the NoPE layers (``nope``).
     """
     defaults = _HF_DEFAULTS[model_type]
     window = cfg.get("sliding_window", defaults.get("sliding_window"))
@@ -330,11 +365,19 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int) -> tuple[
                 "config.json 'layer_types' with 'full_attention' layers on a mistral model is not supported "
                 "(transformers' MistralForCausalLM ignores it and windows every layer)")
         return (None, None) if window is None else (window, None)
+    if model_type == "smollm3" and not cfg.get("use_sliding_window", False) and window is not None \
+            and layer_types and "sliding_attention" in layer_types:
+        # transformers' SmolLM3 masks such layers by the window (the mask follows layer_types) while
+        # its attention module reads use_sliding_window: ambiguous, refused.
+        raise UnsupportedConfigError("config.json 'layer_types' has 'sliding_attention' layers while "
+                                     "'use_sliding_window' is false: not supported")
     if not cfg.get("use_sliding_window", False) or window is None:
         # transformers' Qwen configs set no window when 'sliding_window' is null, even with
         # 'use_sliding_window': every layer attends to every position.
         return None, None
-    if layer_types is None:
+    if layer_types is None and model_type == "smollm3":
+        layer_types = ["sliding_attention" if i in nope else "full_attention" for i in range(num_layers)]
+    elif layer_types is None:
         start = int(cfg.get("max_window_layers", defaults["max_window_layers"]))
         layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
     layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")

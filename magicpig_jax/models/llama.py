@@ -75,10 +75,11 @@ class Attention(nnx.Module):
     (``qk_norm``, Qwen3: ``q_norm``/``k_norm`` with weights ``[D]``).
     """
 
-    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32, layer: int = 0):
         H, D = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, D
         self.rope_scale = rope_attention_factor(config)  # a Python float: static under jit
+        self.use_rope = config.layer_uses_rope(layer)  # False on SmolLM3's NoPE layers (static)
         self.q_proj = _linear(H, config.num_heads * D, rngs, dtype)
         self.k_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
         self.v_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
@@ -114,7 +115,7 @@ class Attention(nnx.Module):
             proj.set_packed(None, None)
 
     def qkv(self, x: Float[Array, "B T H"], positions: Int[Array, "B T"], inv_freq: jax.Array):
-        """Return q ``[B, T, Hq, D]`` and k, v ``[B, T, Hkv, D]``, RoPE applied to q and k."""
+        """Return q ``[B, T, Hq, D]`` and k, v ``[B, T, Hkv, D]``, RoPE applied to q and k (not on a NoPE layer)."""
         B, T, _ = x.shape
         if self.qkv_packed is not None:
             nq, nk = self.q_proj.out_features, self.k_proj.out_features
@@ -131,6 +132,8 @@ class Attention(nnx.Module):
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if not self.use_rope:
+            return q, k, v
         scale = self.rope_scale
         return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
 
@@ -175,9 +178,9 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm Llama block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32, layer: int = 0):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, rngs, dtype)
+        self.self_attn = Attention(config, rngs, dtype, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, rngs, dtype)
 
@@ -210,7 +213,7 @@ class Llama(nnx.Module):
         self.config = config
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, rngs, dtype) for _ in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, rngs, dtype, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, rngs, dtype)
