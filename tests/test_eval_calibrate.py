@@ -86,6 +86,31 @@ def test_budget_checks():
         cal.calibrate(model, TEXT * 50, kl_budget=0.1, length=ctx + 1, forced_tokens=12, progress=False)
 
 
+def test_windowed_layers_stay_dense():
+    """A layer whose sliding window (64) is shorter than the calibration run keeps only the exact
+    choice, so the file's configs decode (decode_spec refuses such a layer sparse); a model whose
+    every layer has one is refused before any work."""
+    import dataclasses
+
+    from magicpig_jax.io.loader import LoadedModel
+    from tests._tiny import TINY, tiny_model
+
+    base = char_model()
+    for layers, ok in (((0,), True), (None, False)):
+        m = tiny_model(0, dataclasses.replace(TINY, sliding_window=64, sliding_layers=layers))
+        model = LoadedModel(m.module, m.config, base.tokenizer, m.source)
+        run = lambda model=model: cal.calibrate(model, TEXT, kl_budget=0.05, length=600, forced_tokens=12,  # noqa: E731
+                                                candidates=((4, 8),), num_local=16, probes=2, repeats=1,
+                                                max_evals=2, cost="bytes", progress=False)
+        if not ok:
+            with pytest.raises(ValueError, match="every layer of this model attends through a sliding window of 64"):
+                run()
+            continue
+        lc, report = run()
+        assert lc.config(0) == "dense" and set(report["per_layer"][0]["ms"]) == {"dense"}
+        assert set(report["per_layer"][1]["ms"]) == {"dense", "4x8"}
+
+
 def test_file_and_eval_check(calibrated, tmp_path):
     from magicpig_jax.eval.methods import parse_methods
     from magicpig_jax.eval.run import EvalSettings

@@ -366,12 +366,13 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     Raises:
       ValueError: a budget <= 0, a ``length`` past the model's context (``max_position_embeddings``:
         the teacher-forced tokens are decoded after the prefix, so all ``length`` positions must
-        be in it), a text shorter than ``length`` tokens, or bad sizes.
+        be in it), a text shorter than ``length`` tokens, bad sizes, or a model whose every layer
+        has a sliding window shorter than ``length`` (layers with one are kept dense).
     """
     from magicpig_jax.attention import MagicPIGConfig
     from magicpig_jax.eval.forcing import forced_decode
     from magicpig_jax.eval.likelihood import LogitsRecorder
-    from magicpig_jax.generation import prefill
+    from magicpig_jax.generation import cache_capacity, prefill
 
     if not kl_budget > 0:
         raise ValueError(f"--kl-budget must be > 0, got {kl_budget}")
@@ -389,6 +390,13 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     if len(ids) < length:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than --length {length}")
     ids = ids[:length]
+    # A layer whose sliding window is shorter than the run decodes exactly over it (decode_spec): dense.
+    window = model.config.sliding_window
+    positions = cache_capacity(model, length - forced_tokens, forced_tokens)  # the prefill's cache below
+    windowed = {i for i in model.config.windowed_layers if window < positions}
+    if len(windowed) == model.config.num_layers:
+        raise ValueError(f"every layer of this model attends through a sliding window of {window} tokens, "
+                         f"shorter than --length {length}: no layer can be sparse, nothing to calibrate")
     prefix_len = length - forced_tokens
     prefix, targets = ids[:prefix_len], ids[prefix_len:]
     t0 = time.perf_counter()
@@ -398,6 +406,10 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
                   max_new_tokens=forced_tokens, stop_on_eos=False)
     logp_dense = rec.logp
     per_layer = measure_layers(model, ids, prefix_len, candidates, base, probes, repeats, progress)
+    for i in windowed:  # only the exact choice for them
+        c = per_layer[i]
+        per_layer[i] = LayerCosts(*({DENSE: d[DENSE]} if DENSE in d else {} for d in
+                                    (c.ms, c.error, c.fraction, c.bytes, c.ms_fit)))
     order = assignments(per_layer, kind=cost)
     ms = {a: total_cost(per_layer, a, "ms") for a in order}  # the fit across layers, whatever ``cost`` is
     nbytes = {a: total_cost(per_layer, a, "bytes") for a in order}
