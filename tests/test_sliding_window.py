@@ -193,3 +193,46 @@ def test_gguf_and_checkpoint_keep_the_window(tmp_path):
     (out / MARKER).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="does not record which layers it applies to: convert the model again"):
         read_checkpoint_config(out)
+
+
+def test_eval_bench_and_cost_see_whether_a_window_binds(tmp_path):
+    """The eval checks and decodes with the run's positions: a window longer than the run (the
+    fixture's 4,096 against its context of 512) never binds, so MagicPIG runs on every layer there,
+    as generate() does; a binding one is refused before any work. The bytes a windowed layer reads
+    are at most its window. bench decode refuses before timing anything."""
+    from magicpig_jax.eval.bench_decode import main as bench_main
+    from magicpig_jax.eval.cost import step_bytes
+    from magicpig_jax.eval.methods import parse_methods
+    from magicpig_jax.eval.run import _check_before_writing, _method_spec
+    from magicpig_jax.eval.settings import EvalSettings
+
+    settings = EvalSettings(tasks=[], lengths=[200], samples=1, methods=parse_methods("dense,magicpig:2x4"),
+                            likelihood_tokens=16)
+    full = load_model(FIXTURES / "mistral")  # sliding_window 4096, context 512
+    _check_before_writing(full, settings, None)
+    assert _method_spec(full, settings, (), settings.methods[1], None, 256).dense_layers == ()
+    short = load_model(_folder("mistral_window", tmp_path))
+    with pytest.raises(ValueError, match="every layer of this model attends through a sliding window of 8"):
+        _check_before_writing(short, settings, None)
+    shape = dict(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, context=1000.0, dense_layers=(),
+                 fraction_per_layer={}, num_sink=4, num_local=64, kv_bytes=2)
+    assert step_bytes("dense", **shape, layer_windows={1: 8})["k"] == (1000 + 8) * 2 * 16 * 2
+    assert step_bytes("dense", **shape)["k"] == 2000 * 2 * 16 * 2
+    out = tmp_path / "bench"
+    with pytest.raises(ValueError, match="every layer of this model attends through a sliding window of 8"):
+        bench_main(["--model", str(_folder("mistral_window", tmp_path / "b")), "--lengths", "100", "--methods",
+                    "dense", "magicpig", "--steps", "3", "--repeats", "3", "--warmup", "0", "--out", str(out)])
+    assert not list(tmp_path.glob("bench*"))  # nothing timed, nothing written
+
+
+def test_windows_past_int32_positions_are_refused(tmp_path):
+    from magicpig_jax.models.config import LlamaConfig
+    from tests.test_io_families import _spm_vocab
+
+    base = json.loads((FIXTURES / "mistral" / "config.json").read_text())
+    with pytest.raises(ValueError, match="'sliding_window' must be a positive integer"):
+        LlamaConfig.from_hf_config({**base, "sliding_window": 2**31})
+    assert LlamaConfig.from_hf_config({**base, "sliding_window": 2**31 - 1}).sliding_window == 2**31 - 1
+    with pytest.raises(ValueError, match=r"llama.attention.sliding_window = 4294967295 must be in \[0, 2147483647\]"):
+        load_model(write_gguf(FIXTURES / "mistral", tmp_path / "w.gguf", spm_vocab=_spm_vocab(),
+                              metadata={"llama.attention.sliding_window": 2**32 - 1}))

@@ -267,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.peer and Path(model.source).suffix != ".gguf":
         p.error(f"--peer needs a .gguf --model (llama.cpp reads GGUF only), got {model.source}")
     cfg = MagicPIGConfig(K=args.K, L=args.L, layers_per_projection=args.layers_per_projection)
+    from magicpig_jax.generation import cache_capacity, decode_spec
+
+    for length in args.lengths:  # every method's spec (e.g. a sliding window) before any timing
+        n = length if args.allow_beyond_context else min(length, ctx - args.steps - 1)
+        for method in args.methods:
+            decode_spec(model, method, cfg, positions=cache_capacity(model, max(n, 1), args.steps + 1,
+                                                                      args.allow_beyond_context))
     rss = PeakRSS()
     results = []
     bar = tqdm(total=len(args.lengths) * len(args.batch) * (len(args.methods) + len(args.peer)), desc="bench decode")

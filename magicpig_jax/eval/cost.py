@@ -66,7 +66,8 @@ def _layer_kl(layer: int, per_layer_kl: Mapping | None, default: tuple[int, int]
 def step_bytes(backend: str, *, num_layers: int, num_heads: int, num_kv_heads: int, head_dim: int,
                context: float, dense_layers, fraction_per_layer: Mapping, num_sink: int, num_local: int,
                kv_bytes: int = 4, K: int | None = None, L: int | None = None,
-               layer_kl: Mapping | None = None, page_size: int = 16, unhashed_tail: float | None = None) -> dict:
+               layer_kl: Mapping | None = None, page_size: int = 16, unhashed_tail: float | None = None,
+               layer_windows: Mapping | None = None) -> dict:
     """Bytes of K, V, index and page metadata the attention of one decode step reads (one row).
 
     See the module docstring for the model of each method.
@@ -84,6 +85,8 @@ def step_bytes(backend: str, *, num_layers: int, num_heads: int, num_kv_heads: i
       layer_kl: optional layer -> ``(K, L)``.
       page_size: Quest's page.
       unhashed_tail: keys after the middle range (default ``num_local``: the prompt's local window).
+      layer_windows: optional layer -> sliding window W: such a layer, always dense (decode_spec),
+        reads at most W keys.
 
     Returns:
       ``{"k", "v", "index", "pages", "total"}`` in bytes (floats).
@@ -102,10 +105,12 @@ def step_bytes(backend: str, *, num_layers: int, num_heads: int, num_kv_heads: i
     m = max(n - s, 0.0)
     out = dict.fromkeys(BYTE_PARTS, 0.0)
     frac = {int(k): float(v) for k, v in fraction_per_layer.items()}
+    windows = {int(k): int(v) for k, v in (layer_windows or {}).items()}
     for layer in range(num_layers):
-        if layer in dense:
-            out["k"] += n * Hkv * D * e
-            out["v"] += n * Hkv * D * e
+        if layer in dense or layer in windows:
+            read = min(n, windows.get(layer, n))
+            out["k"] += read * Hkv * D * e
+            out["v"] += read * Hkv * D * e
             continue
         out["k"] += s * Hkv * D * e
         out["v"] += s * Hkv * D * e

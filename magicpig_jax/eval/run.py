@@ -187,7 +187,8 @@ def _record_fields(m: Method, stats: dict, prompt_tokens: int, model, settings: 
                         head_dim=cfg.head_dim, context=context, dense_layers=stats["dense_layers"],
                         fraction_per_layer=stats["sampled_fraction_per_layer"], num_sink=settings.num_sink,
                         num_local=settings.num_local, kv_bytes=kv_bytes, K=m.K or 10, L=m.L or 150,
-                        layer_kl=layer_kl, page_size=settings.page_size)
+                        layer_kl=layer_kl, page_size=settings.page_size,
+                        layer_windows={i: cfg.layer_window(i) for i in cfg.windowed_layers})
     return {"method": m.label, "backend": m.backend, "K": m.K, "L": m.L, "heavy": m.heavy,
             "config_file": m.config_file,
             "config_sha1": None if m.config_file is None else _file_sha1(m.config_file),
@@ -224,7 +225,7 @@ def _key(key: dict, label: str) -> tuple:
     return (key["kind"], key["task"], key["length"], key["index"], label, key["setup"])
 
 
-def _method_spec(model, s: EvalSettings, dense_layers, m: Method, budget):
+def _method_spec(model, s: EvalSettings, dense_layers, m: Method, budget, positions: int | None = None):
     """The :class:`~magicpig_jax.models.backends.DecodeSpec` of method ``m`` (validated)."""
     from magicpig_jax.attention import HybridConfig, MagicPIGConfig
     from magicpig_jax.generation import decode_spec
@@ -239,7 +240,7 @@ def _method_spec(model, s: EvalSettings, dense_layers, m: Method, budget):
         config = MagicPIGConfig(K=m.K or 10, L=m.L or 150, num_sink=s.num_sink, num_local=s.num_local,
                                 seed=s.seed, layers_per_projection=s.layers_per_projection)
         dense = dense_layers
-    spec = decode_spec(model, m.backend, config, dense, budget, s.page_size)
+    spec = decode_spec(model, m.backend, config, dense, budget, s.page_size, positions=positions)
     return dataclasses.replace(spec, host=False) if m.host is False else spec
 
 
@@ -256,16 +257,21 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
         K too large for the host index).
     """
     from magicpig_jax.eval.calibrate import check_config_for_eval
+    from magicpig_jax.generation import cache_capacity
 
     ctx_limit = model.config.max_position_embeddings
     for length in settings.lengths:
         if length > ctx_limit:
             raise ValueError(f"length {length} exceeds the model's context of {ctx_limit} tokens")
+    # a sample's prompt and its decoded tokens fill its length (RULER's sizing; the likelihood task's too)
+    positions = cache_capacity(model, max(settings.lengths), 1)
     for m in settings.methods:
         if m.config_file is not None:
             check_config_for_eval(m.config_file, model, settings)
-        # a budget measured per sample is unknown yet: any valid one checks the rest of the spec
-        _method_spec(model, settings, dense_layers, m, 1 if m.budgeted and m.budget is None else m.budget)
+        # a budget measured per sample is unknown yet: any valid one checks the rest of the spec; the
+        # positions of the longest run (sliding windows shorter than it make their layers dense)
+        _method_spec(model, settings, dense_layers, m, 1 if m.budgeted and m.budget is None else m.budget,
+                     positions)
 
 
 def _check_config_files_unchanged(store: ResultStore, settings: EvalSettings, out: Path) -> None:
@@ -304,9 +310,9 @@ class _Loop:
     def todo(self, key: dict) -> list[Method]:
         return [m for m in self.settings.methods if _key(key, m.label) not in self.store]
 
-    def spec(self, m: Method, budget):
-        """The :class:`~magicpig_jax.models.backends.DecodeSpec` of method ``m``."""
-        return _method_spec(self.model, self.settings, self.dense_layers, m, budget)
+    def spec(self, m: Method, budget, positions: int | None = None):
+        """The :class:`~magicpig_jax.models.backends.DecodeSpec` of method ``m`` for a cache of ``positions``."""
+        return _method_spec(self.model, self.settings, self.dense_layers, m, budget, positions)
 
     def decode(self, m: Method, state, n_new: int, key: dict, desc: str, forced=None, then_sample: bool = False):
         """Decode with method m; return (token ids, stats, budget fields).
@@ -324,7 +330,7 @@ class _Loop:
         budget, measured = m.budget, None
         if m.budgeted and budget is None:
             budget, measured = _budget_tokens(self.store.get(_key(key, self.ref_label)), s.page_size)
-        spec = self.spec(m, budget)
+        spec = self.spec(m, budget, state.cache.capacity)
         bar = tqdm(total=max(n_new - 1, 0), desc=desc, unit="tok", leave=False, disable=not self.progress)
         try:
             targets, recorder = forced if forced is not None else (None, None)

@@ -374,6 +374,9 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
     window = _field(reader, f"{arch}.attention.sliding_window")
+    if window is not None and not 0 <= int(window) <= MAX_POSITIONS:
+        raise GGUFMetadataError(f"{path}: {arch}.attention.sliding_window = {int(window)} must be in "
+                                f"[0, {MAX_POSITIONS}] (0: no window)")
     has = {name.split(".", 2)[2] for name in tensors if name.startswith("blk.0.")}
     if arch == "qwen2" and "attn_q.bias" not in has:
         raise UnsupportedConfigError(f"{path}: a qwen2 model needs q/k/v biases; blk.0.attn_q.bias is missing")

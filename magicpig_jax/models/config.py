@@ -103,8 +103,10 @@ class LlamaConfig:
             if missing:
                 raise ValueError(f"rope_scaling 'yarn' needs {' and '.join(map(repr, missing))} "
                                  "(LlamaConfig.from_hf_config fills them from max_position_embeddings)")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
+                self.sliding_window, int) or not 1 <= self.sliding_window <= MAX_POSITIONS):
+            raise ValueError(f"sliding_window must be an int in [1, {MAX_POSITIONS}] (int32 positions) or None, "
+                             f"got {self.sliding_window!r}")
         for name in ("sliding_layers", "nope_layers"):
             layers = getattr(self, name)
             if layers is None:
@@ -351,8 +353,10 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
             raise UnsupportedConfigError(f"config.json 'layer_types' has unsupported type(s) {bad}")
         if len(layer_types) != num_layers:
             raise ValueError(f"config.json 'layer_types' has {len(layer_types)} entries for {num_layers} layers")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"config.json 'sliding_window' must be a positive integer or null, got {window!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or not 1 <= window <= MAX_POSITIONS):
+        raise ValueError(f"config.json 'sliding_window' must be a positive integer (at most {MAX_POSITIONS}, "
+                         f"int32 positions) or null, got {window!r}")
     if model_type in ("llama",):
         if window is not None or (layer_types and "sliding_attention" in layer_types):
             raise UnsupportedConfigError("config.json 'sliding_window' on a llama model is not supported")
