@@ -473,13 +473,17 @@ def test_hf_sliding_window_is_recorded():
     types = ["sliding_attention" if i % 2 else "full_attention" for i in range(n)]
     cfg = LlamaConfig.from_hf_config({**qwen, "use_sliding_window": True, "layer_types": types})
     assert cfg.windowed_layers == tuple(range(1, n, 2))
+    # a sliding layer without a window in use: transformers 5.24 raises, so do we
+    for off in ({"use_sliding_window": False}, {"use_sliding_window": True, "sliding_window": None}):
+        with pytest.raises(ValueError, match="'sliding_attention' layers while 'use_sliding_window' is false"):
+            LlamaConfig.from_hf_config({**qwen, **off, "layer_types": types})
     # every layer below max_window_layers attends to everything: no window in use
     assert LlamaConfig.from_hf_config({**qwen, "use_sliding_window": True,
                                        "max_window_layers": CFG.num_layers}).sliding_window is None
     with pytest.raises(ValueError, match="sliding_window"):
         LlamaConfig.from_hf_config({**base, "sliding_window": 128})  # llama has none
     for bad in (0, -1, 2.5, "64", True):
-        with pytest.raises(ValueError, match="'sliding_window' must be a positive integer or null"):
+        with pytest.raises(ValueError, match="'sliding_window' must be a positive integer"):
             LlamaConfig.from_hf_config({**mistral, "sliding_window": bad})
     with pytest.raises(ValueError, match="sliding_layers"):
         dataclasses.replace(CFG, sliding_window=4, sliding_layers=(n,))

@@ -369,12 +369,12 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
                 "config.json 'layer_types' with 'full_attention' layers on a mistral model is not supported "
                 "(transformers' MistralForCausalLM ignores it and windows every layer)")
         return (None, None) if window is None else (window, None)
-    if model_type == "smollm3" and not cfg.get("use_sliding_window", False) and window is not None \
-            and layer_types and "sliding_attention" in layer_types:
-        # transformers' SmolLM3 masks such layers by the window (the mask follows layer_types) while
-        # its attention module reads use_sliding_window: ambiguous, refused.
+    if (not cfg.get("use_sliding_window", False) or window is None) and layer_types \
+            and "sliding_attention" in layer_types:
+        # Qwen: transformers 5.24 raises (no window for a sliding layer's mask); SmolLM3 masks such
+        # layers by the window while its attention module reads use_sliding_window. Refused.
         raise UnsupportedConfigError("config.json 'layer_types' has 'sliding_attention' layers while "
-                                     "'use_sliding_window' is false: not supported")
+                                     "'use_sliding_window' is false or 'sliding_window' is null: not supported")
     if not cfg.get("use_sliding_window", False) or window is None:
         # transformers' Qwen configs set no window when 'sliding_window' is null, even with
         # 'use_sliding_window': every layer attends to every position.
