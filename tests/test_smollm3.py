@@ -65,3 +65,17 @@ def test_gguf_and_checkpoint_keep_the_nope_layers(tmp_path):
         model = load_model(path)
         assert model.config.nope_layers == (3,) and read_model_config(path) == model.config
         assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE
+
+
+def test_gguf_window_covers_the_nope_layers(tmp_path):
+    """A smollm3 GGUF's ``attention.sliding_window`` windows its NoPE layers, as transformers'
+    default layer_types do: the logits of transformers with that window (``smollm3_window``).
+    (llama.cpp ignores the key for this architecture.)"""
+    from tests.fixtures.gguf_convert import write_gguf
+
+    ref = dict(np.load(FIXTURES / "smollm3_window_logits.npz"))
+    path = write_gguf(FIXTURES / "smollm3", tmp_path / "w.gguf", pre="llama-bpe",
+                      metadata={"smollm3.attention.sliding_window": 8})
+    model = load_model(path)
+    assert (model.config.sliding_window, model.config.windowed_layers) == (8, (3,))
+    assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE

@@ -396,7 +396,8 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     windowed = {i for i in model.config.windowed_layers if window < positions}
     if len(windowed) == model.config.num_layers:
         raise ValueError(f"every layer of this model attends through a sliding window of {window} tokens, "
-                         f"shorter than --length {length}: no layer can be sparse, nothing to calibrate")
+                         f"shorter than the run's cache of {positions} positions (--length {length}, rounded up): "
+                         "no layer can be sparse, nothing to calibrate")
     prefix_len = length - forced_tokens
     prefix, targets = ids[:prefix_len], ids[prefix_len:]
     t0 = time.perf_counter()

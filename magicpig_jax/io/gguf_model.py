@@ -374,6 +374,7 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
     window = _field(reader, f"{arch}.attention.sliding_window")
+    nope = tuple(i for i in range(n_layers) if (i + 1) % _SMOLLM3_NOPE_STEP == 0) if arch == "smollm3" else ()
     if window is not None and not 0 <= int(window) <= MAX_POSITIONS:
         raise GGUFMetadataError(f"{path}: {arch}.attention.sliding_window = {int(window)} must be in "
                                 f"[0, {MAX_POSITIONS}] (0: no window)")
@@ -400,7 +401,10 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         o_bias="attn_output.bias" in has,
         qk_norm="attn_q_norm.weight" in has,
         sliding_window=None if window is None or int(window) == 0 else int(window),
-        nope_layers=tuple(i for i in range(n_layers) if (i + 1) % _SMOLLM3_NOPE_STEP == 0) if arch == "smollm3" else (),
+        # a window covers every layer of a llama/qwen file (Mistral's rule: the key names no layer) and
+        # SmolLM3's NoPE layers (transformers' default layer_types); llama.cpp ignores the key here
+        sliding_layers=nope if arch == "smollm3" else None,
+        nope_layers=nope,
     ), tensors
 
 
