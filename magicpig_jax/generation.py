@@ -318,7 +318,7 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
     n_layers = model.config.num_layers
     dl = check_layer_indices("dense_layers", default_dense_layers(n_layers) if dense_layers is None else dense_layers,
                              n_layers)
-    windowed = _binding_windows(model, positions)
+    windowed = model.config.binding_windows(positions)
     if windowed and attention != "dense":
         # A sliding-window layer decodes exactly over its window (the window bounds its cost already).
         if len(windowed) == n_layers:
@@ -331,12 +331,6 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
                       page_size=page_size, mesh=mesh)
 
 
-def _binding_windows(model: LoadedModel, positions: int | None) -> tuple[int, ...]:
-    """The layers whose sliding window is shorter than ``positions`` (None: every windowed layer)."""
-    window = model.config.sliding_window
-    return tuple(i for i in model.config.windowed_layers if positions is None or window < positions)
-
-
 def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, page_size, mesh,
                   positions) -> DecodeSpec:
     """The spec of per-layer configs: each sparse layer its own (K, L), their dense layers."""
@@ -345,7 +339,7 @@ def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, 
                                                         model.config.num_layers) != config.dense_layers:
         raise ValueError(f"dense_layers {tuple(dense_layers)} differ from the layer configs' dense layers "
                          f"{config.dense_layers}; leave dense_layers unset")
-    sparse_windowed = sorted(set(_binding_windows(model, positions)) - set(config.dense_layers))
+    sparse_windowed = sorted(set(model.config.binding_windows(positions)) - set(config.dense_layers))
     if sparse_windowed:
         raise ValueError(f"layers {sparse_windowed} attend through a sliding window of {model.config.sliding_window} "
                          "tokens and decode exactly over it: make them 'dense' in the layer configs")

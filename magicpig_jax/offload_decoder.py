@@ -20,6 +20,7 @@ from flax import nnx
 from magicpig_jax import host, lsh
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.merge import merge_attention
+from magicpig_jax.models.config import first_visible_key
 
 __all__ = ["OffloadLayer", "OffloadDecodeStep", "place_decode_state"]
 
@@ -206,7 +207,7 @@ def _ring_write(st: OffloadLayer, k_new, v_new, pos) -> OffloadLayer:
 def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache, window: int | None = None):
     q, k, v = _qkv(layer, inv_freq, x, pos)
     # a sliding-window layer: the query at pos sees pos - W + 1 .. pos (itself merged below)
-    starts = None if window is None else jnp.maximum(pos - (window - 1), 0)
+    starts = None if window is None else first_visible_key(pos, window)
     out, lse = dense_attention(q, k_cache, v_cache, pos, starts)
     G = q.shape[1] // k.shape[1]
     self_lse = jnp.sum(q.astype(jnp.float32) * jnp.repeat(k.astype(jnp.float32), G, axis=1), axis=-1)
@@ -360,7 +361,7 @@ class OffloadDecodeStep:
 
         self._split(leaves)
         spec = self.spec
-        binding = [i for i in self.sparse if (self.config.layer_window(i) or cache.capacity) < cache.capacity]
+        binding = sorted(set(self.sparse) & set(self.config.binding_windows(cache.capacity)))
         if binding:
             raise ValueError(f"layers {binding} attend through a sliding window shorter than this cache of "
                              f"{cache.capacity} positions: keep them in dense_layers (generation.decode_spec does)")

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["LlamaConfig", "rope_inv_freq", "rope_attention_factor", "default_dense_layers",
@@ -123,6 +124,18 @@ class LlamaConfig:
         if self.sliding_layers is None or layer in self.sliding_layers:
             return self.sliding_window
         return None
+
+    def binding_windows(self, positions: int | None) -> tuple[int, ...]:
+        """The layers whose sliding window is shorter than a run of ``positions`` (the cache's
+        capacity; None: any length), i.e. where it excludes some key: a window at least as long
+        as the run never does."""
+        return tuple(i for i in self.windowed_layers if positions is None or self.sliding_window < positions)
+
+    def window_start(self, layer: int, pos):
+        """The first key the query at ``pos`` (int or int32 array) sees in ``layer``: ``pos - W + 1``
+        clipped at 0 with a window W, else None (every key)."""
+        window = self.layer_window(layer)
+        return None if window is None else first_visible_key(pos, window)
 
     def layer_uses_rope(self, layer: int) -> bool:
         """Whether ``layer`` applies the rotary embedding to q and k (False for SmolLM3's NoPE layers)."""
@@ -309,6 +322,12 @@ def _hf_rope(cfg: Mapping) -> tuple[tuple | None, float | None]:
             "'rope_scaling' is present (it then uses its default base): set 'rope_theta'")
     scaling = next(iter(normalized.values()), None)
     return scaling, next(iter(thetas.values()), None)
+
+
+def first_visible_key(pos, window: int):
+    """``max(pos - window + 1, 0)``: the first key position a query at ``pos`` sees through a sliding
+    window of ``window`` positions, its own included (transformers' ``sliding_window_overlay``)."""
+    return jnp.maximum(pos - (window - 1), 0)
 
 
 def _hf_nope_layers(cfg: Mapping, model_type: str, num_layers: int) -> tuple[int, ...]:

@@ -255,8 +255,7 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     if unbuilt:
         raise ValueError(f"layers {unbuilt} are sparse in the step's spec but have no index: build the indices "
                          "with the spec the step is given (its dense_layers)")
-    windows = {i: model.config.layer_window(i) for i in range(len(cache.k))}
-    binding = sorted(i for i in sparse if windows[i] is not None and windows[i] < cache.capacity)
+    binding = sorted(sparse & set(model.config.binding_windows(cache.capacity)))
     if binding:
         raise ValueError(
             f"layers {binding} attend through a sliding window of {model.config.sliding_window} tokens, shorter "
@@ -279,10 +278,8 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
             out, lse, n = backend.attend(spec, q[:, 0], k_cache, v_cache, state, pos,
                                          jax.random.fold_in(key, 1000 + i))
             counts.append(n)
-        elif windows[i] is None:
-            out, lse = backend.attend_dense(q[:, 0], k_cache, v_cache, pos)
-        else:  # the query at position pos sees pos - W + 1 .. pos (itself merged below)
-            out, lse = backend.attend_dense(q[:, 0], k_cache, v_cache, pos, jnp.maximum(pos - (windows[i] - 1), 0))
+        else:  # a sliding-window layer's query sees pos - W + 1 .. pos (itself merged below)
+            out, lse = backend.attend_dense(q[:, 0], k_cache, v_cache, pos, model.config.window_start(i, pos))
         k_new, v_new = new_kv[i]
         self_out, self_lse = _self_attention(q[:, 0], k_new, v_new)
         out, _ = merge_attention(out, lse, self_out, self_lse)
