@@ -28,6 +28,9 @@ def test_nope_layers_follow_transformers_config():
     cfg = LlamaConfig.from_hf_config({**BASE, "no_rope_layers": flags})
     assert cfg.nope_layers == (1, 4) and not cfg.layer_uses_rope(4) and cfg.layer_uses_rope(0)
     assert LlamaConfig.from_hf_config({**BASE, "model_type": "llama"}).nope_layers == ()
+    for key, value in (("no_rope_layers", [1] * 8), ("no_rope_layer_interval", 4)):  # not read there: refused
+        with pytest.raises(ValueError, match=f"'{key}' on a llama model is not supported"):
+            LlamaConfig.from_hf_config({**BASE, "model_type": "llama", key: value})
     for bad in ([1] * 7, [1, 2] * 4, "1111", [True] * 8):
         with pytest.raises(ValueError, match="'no_rope_layers' must be a list of at least 8 values 0 or 1"):
             LlamaConfig.from_hf_config({**BASE, "no_rope_layers": bad})

@@ -335,6 +335,10 @@ def _hf_nope_layers(cfg: Mapping, model_type: str, num_layers: int) -> tuple[int
     ``num_layers`` of them, as transformers indexes it), else every ``no_rope_layer_interval``-th
     layer (transformers' default: layers 3, 7, 11, ...). Other model types have none."""
     if model_type != "smollm3":
+        given = [k for k in ("no_rope_layers", "no_rope_layer_interval") if k in cfg]
+        if given:  # transformers reads them for SmolLM3 only: on another type, what was meant is unclear
+            raise UnsupportedConfigError(f"config.json {', '.join(map(repr, given))} on a {model_type} model "
+                                         "is not supported (NoPE layers are SmolLM3's)")
         return ()
     flags = cfg.get("no_rope_layers")
     if flags is None:
