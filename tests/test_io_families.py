@@ -21,7 +21,8 @@ from tests.fixtures.gguf_convert import write_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 # family -> tokenizer.ggml.pre (None: SentencePiece)
-FAMILIES = {"llama3": "llama-bpe", "mistral": None, "qwen2": "qwen2", "qwen3": "qwen2", "smollm3": "llama-bpe"}
+FAMILIES = {"llama3": "llama-bpe", "mistral": None, "qwen2": "qwen2", "qwen3": "qwen2", "smollm3": "llama-bpe",
+            "phi3": None}
 TOLERANCE = 1e-4
 
 

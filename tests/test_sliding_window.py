@@ -30,7 +30,7 @@ from tests.fixtures.gguf_convert import write_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 TOLERANCE = 1e-4
-CASES = {"mistral_window": "mistral", "qwen2_window": "qwen2", "smollm3_window": "smollm3"}
+CASES = {"mistral_window": "mistral", "qwen2_window": "qwen2", "smollm3_window": "smollm3", "phi3_window": "phi3"}
 
 
 def _ref(case: str) -> dict:

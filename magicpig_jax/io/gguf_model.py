@@ -3,9 +3,10 @@
 Architectures (``general.architecture``): ``llama`` (Llama 1/2/3.x, Mistral, TinyLlama,
 SmolLM...), ``qwen2`` (Qwen2/2.5: q/k/v biases), ``qwen3`` (per-head q/k RMSNorm) and
 ``smollm3`` (Llama's tensors; every 4th layer without RoPE, llama.cpp's fixed
-``n_no_rope_layer_step``). llama.cpp's converter permutes the q/k rows of ``llama`` and
-``smollm3`` models for its pairwise RoPE (undone here); ``qwen2``/``qwen3`` use NEOX-style RoPE
-and are stored unpermuted.
+``n_no_rope_layer_step``) and ``phi3`` (q/k/v fused in ``attn_qkv``, gate/up in ``ffn_up``:
+split here by rows; NEOX RoPE; LongRoPE's ``rope_factors_*`` refused). llama.cpp's converter
+permutes the q/k rows of ``llama`` and ``smollm3`` models for its pairwise RoPE (undone here);
+``qwen2``/``qwen3``/``phi3`` use NEOX-style RoPE and are stored unpermuted.
 
 Every ``<arch>.*`` metadata key and every tensor is either used or an error naming it
 (a key this reader does not know may change the computation); a missing required key
@@ -33,7 +34,7 @@ from magicpig_jax.models.config import (
 __all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "split_packed_key",
            "GGUFWeights", "GGUFMetadataError"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3")
 # architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute; SmolLM3Model is one)
 _PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp's smollm3 skips RoPE where (layer + 1) % 4 == 0 (a constant there, no metadata key)
@@ -72,6 +73,11 @@ _ARCH_LAYER_NAMES = {
     "qwen2": {**_LAYER_NAMES, **{k: v for k, v in _BIAS_NAMES.items() if k != "attn_output.bias"}},
     "qwen3": {**_LAYER_NAMES, **_QK_NORM_NAMES},
     "smollm3": dict(_LAYER_NAMES),
+    # fused: q/k/v rows in attn_qkv, gate then up rows in ffn_up (llama.cpp's swiglu splits it so)
+    "phi3": {**{k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                                                    "ffn_gate.weight", "ffn_up.weight")},
+             "attn_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+             "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -248,7 +254,7 @@ def _check_keys(reader, arch: str, path) -> None:
 
 
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndarray | None]:
-    """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``, ``smollm3``).
+    """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``, ``smollm3``, ``phi3``).
 
     The weights come in the Hugging Face ``(out, in)`` layout and naming
     (``model.layers.{i}.self_attn.q_proj.weight``...), as a :class:`GGUFWeights` mapping
@@ -379,6 +385,10 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         raise GGUFMetadataError(f"{path}: {arch}.attention.sliding_window = {int(window)} must be in "
                                 f"[0, {MAX_POSITIONS}] (0: no window)")
     has = {name.split(".", 2)[2] for name in tensors if name.startswith("blk.0.")}
+    longrope = sorted(n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in tensors)
+    if longrope:
+        raise UnsupportedConfigError(f"{path}: {' and '.join(longrope)}: LongRoPE (Phi-3 128K, Phi-3.5, Phi-4-mini) "
+                                     "is not implemented")
     if arch == "qwen2" and "attn_q.bias" not in has:
         raise UnsupportedConfigError(f"{path}: a qwen2 model needs q/k/v biases; blk.0.attn_q.bias is missing")
     if arch == "qwen3" and "attn_q_norm.weight" not in has:
@@ -519,6 +529,10 @@ def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple
             _, idx, rest = name.split(".", 2)
             if rest not in layer_names or not idx.isdigit() or int(idx) >= n_layers:
                 raise UnsupportedConfigError(f"unexpected tensor {name} in {path} for a {arch} model")
+            if isinstance(layer_names[rest], tuple):  # fused: one entry per part, by rows
+                entries.update(_fused_entries(t, [f"model.layers.{int(idx)}.{part}" for part in layer_names[rest]],
+                                              config, path))
+                continue
             key = f"model.layers.{int(idx)}.{layer_names[rest]}"
         elif name in _GLOBAL_NAMES:
             key = _GLOBAL_NAMES[name]
@@ -538,9 +552,35 @@ def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple
     return entries, freq_factors
 
 
+def _fused_entries(t, keys: list[str], config: LlamaConfig, path: Path) -> dict[str, _Entry]:
+    """The parts of a fused matrix (phi3's ``attn_qkv``, ``ffn_up``) as entries of consecutive rows.
+
+    Raises:
+      UnsupportedConfigError: the tensor is not a matrix of the rows its parts need (named).
+    """
+    D = config.head_dim
+    rows_of = {"q_proj": config.num_heads * D, "k_proj": config.num_kv_heads * D, "v_proj": config.num_kv_heads * D,
+               "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    sizes = [rows_of[key.rsplit(".", 2)[-2]] for key in keys]
+    shape = tuple(int(n) for n in reversed(t.shape))
+    if len(shape) != 2 or shape[0] != sum(sizes) or int(t.n_bytes) % shape[0]:
+        raise UnsupportedConfigError(f"{path}: tensor {t.name} has shape {shape}; {sum(sizes)} rows "
+                                     f"({' + '.join(map(str, sizes))}) of {config.hidden_size} expected")
+    qtype = t.tensor_type.name
+    blocks = qtype in QUANT_TYPES
+    row_bytes = int(t.n_bytes) // shape[0]
+    out, start = {}, 0
+    for key, rows in zip(keys, sizes, strict=True):
+        entry = _Entry(int(t.data_offset) + start * row_bytes, rows * row_bytes, qtype, (rows, shape[1]), None, blocks)
+        out[packed_key(key, qtype) if blocks else key] = entry
+        start += rows
+    return out
+
+
 def _check_tensors_present(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> None:
     """Refuse, from the header alone, a GGUF that lacks a tensor every layer of ``arch`` needs."""
-    per_layer = list(_LAYER_NAMES) + (list(_QK_NORM_NAMES) if arch == "qwen3" else [])
+    per_layer = list(_ARCH_LAYER_NAMES["phi3"]) if arch == "phi3" else list(_LAYER_NAMES)
+    per_layer += list(_QK_NORM_NAMES) if arch == "qwen3" else []
     needed = ["token_embd.weight", "output_norm.weight"]  # output.weight absent = tied embeddings
     needed += [f"blk.{i}.{rest}" for i in range(config.num_layers) for rest in per_layer]
     missing = [name for name in needed if name not in tensors]

@@ -1,4 +1,5 @@
-"""Read a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (llama, mistral, qwen2, qwen3)."""
+"""Read a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (llama, mistral, qwen2, qwen3,
+smollm3, phi3)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,10 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     ``consolidated.safetensors``, are not read when the standard ones exist. The stop ids of the
     config are those of ``config.json`` and ``generation_config.json`` together.
     Rotary ``inv_freq`` buffers (recomputed) are skipped; with tied embeddings an
-    ``lm_head.weight`` equal to the embedding is dropped, a different one refused.
+    ``lm_head.weight`` equal to the embedding is dropped, a different one refused. A phi3
+    checkpoint's fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` are split into the
+    Llama names by rows (q, k, v and gate, up, as transformers' ``Phi3Attention`` and
+    ``Phi3MLP`` slice them).
 
     Returns:
       ``(config, weights)``.
@@ -84,18 +88,21 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
         file that ``model.safetensors.index.json`` names.
       UnsupportedConfigError (a ValueError): the model type or a config field is not
         supported (see :meth:`LlamaConfig.from_hf_config`).
+      ValueError: a fused phi3 matrix does not have the rows its parts need (named).
     """
     folder = Path(folder)
     config = read_hf_config(folder)
+    fused = read_json_object(folder / "config.json").get("model_type") == "phi3"
     files = _weight_files(folder)
     raw = {}
     for file in files:
         for name, value in _tensors(file):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name in raw:
-                raise ValueError(f"weight {name!r} appears in more than one safetensors file of {folder}")
-            raw[name] = value
+            for key, part in (_split_fused(config, name, value) if fused else [(name, value)]):
+                if key in raw:
+                    raise ValueError(f"weight {key!r} appears in more than one safetensors file of {folder}")
+                raw[key] = part
     if config.tie_word_embeddings and "lm_head.weight" in raw:
         embed = raw.get("model.embed_tokens.weight")
         if embed is None or not _equal(embed, raw["lm_head.weight"]):
@@ -103,6 +110,29 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
                 f"{folder}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
         del raw["lm_head.weight"]
     return config, {key: value for name in list(raw) for key, value in [_held(name, raw.pop(name))]}
+
+
+def _split_fused(config: LlamaConfig, name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A phi3 weight under the Llama names: ``qkv_proj`` as q, k, v rows and ``gate_up_proj`` as
+    gate, up rows (views, no copy); any other weight as it is."""
+    D = config.head_dim
+    if name.endswith("self_attn.qkv_proj.weight"):
+        prefix, sizes = name[: -len("qkv_proj.weight")], {"q_proj": config.num_heads * D,
+                                                           "k_proj": config.num_kv_heads * D,
+                                                           "v_proj": config.num_kv_heads * D}
+    elif name.endswith("mlp.gate_up_proj.weight"):
+        prefix, sizes = name[: -len("gate_up_proj.weight")], {"gate_proj": config.intermediate_size,
+                                                              "up_proj": config.intermediate_size}
+    else:
+        return [(name, value)]
+    if value.ndim != 2 or value.shape[0] != sum(sizes.values()):
+        raise ValueError(f"weight {name!r} has shape {value.shape}; {' + '.join(map(str, sizes.values()))} = "
+                         f"{sum(sizes.values())} rows ({', '.join(sizes)}) expected")
+    out, start = [], 0
+    for part, rows in sizes.items():
+        out.append((f"{prefix}{part}.weight", value[start:start + rows]))
+        start += rows
+    return out
 
 
 # The pages of a mapped file that a read touches count in the resident memory until the mapping

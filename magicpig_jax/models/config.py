@@ -18,7 +18,7 @@ import numpy as np
 __all__ = ["LlamaConfig", "rope_inv_freq", "rope_attention_factor", "default_dense_layers",
            "normalize_rope_scaling", "yarn_context_length", "HF_MODEL_TYPES", "UnsupportedConfigError"]
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
 MAX_POSITIONS = 2**31 - 1  # positions are int32 in the decoder and the host ops
 
 
@@ -148,9 +148,11 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3, smollm3).
+        """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3, smollm3, phi3).
 
-        Reads the RoPE scaling from either ``rope_scaling`` or ``rope_parameters``
+        Phi-3 (``phi3``) is Llama with q/k/v and gate/up each fused in one matrix (split by the
+        loader) and Mistral's window rule; its LongRoPE scaling (the 128K models, Phi-3.5,
+        Phi-4-mini) is refused. Reads the RoPE scaling from either ``rope_scaling`` or ``rope_parameters``
         (transformers >= 5), with the type under ``rope_type`` or ``type``. Missing
         fields take transformers' defaults for the model type.
 
@@ -188,6 +190,11 @@ class LlamaConfig:
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedConfigError(f"config.json 'partial_rotary_factor' = {cfg['partial_rotary_factor']!r}: "
                                          "partial RoPE is not implemented")
+        if model_type == "phi3":
+            _check_phi3(cfg)
+        elif "original_max_position_embeddings" in cfg:
+            raise UnsupportedConfigError(f"config.json 'original_max_position_embeddings' at the top level of a "
+                                         f"{model_type} model is not supported (it is read for phi3 only)")
         if cfg.get("quantization_config") is not None:
             raise UnsupportedConfigError(
                 "config.json 'quantization_config': quantized HF checkpoints are not supported")
@@ -250,7 +257,7 @@ _HF_HANDLED_KEYS = frozenset({
     "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
     "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "hidden_act", "attention_bias", "mlp_bias",
     "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
-    "quantization_config", "use_mrope", "no_rope_layers", "no_rope_layer_interval",
+    "quantization_config", "use_mrope", "no_rope_layers", "no_rope_layer_interval", "original_max_position_embeddings",
 })
 # Fields that do not change the forward pass: ids, dtypes, training and generation settings, bookkeeping.
 # ``pretraining_tp`` only splits transformers' matmuls into slices (the same product).
@@ -266,7 +273,7 @@ _HF_IGNORED_KEYS = frozenset({
     "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "cross_attention_hidden_size",
-    "_attn_implementation_autoset", "model_max_length",
+    "_attn_implementation_autoset", "model_max_length", "resid_pdrop", "embd_pdrop",
 })
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' defaults for fields missing from config.json (transformers 5 configuration classes).
@@ -284,7 +291,34 @@ _HF_DEFAULTS = {
     "smollm3": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
                 "tie_word_embeddings": True, "num_key_value_heads": 4, "rope_theta": 2000000.0,
                 "no_rope_layer_interval": 4},
+    "phi3": {"hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+             "tie_word_embeddings": False, "num_key_value_heads": None, "sliding_window": None},
 }
+
+
+def _check_phi3(cfg: Mapping) -> None:
+    """Refuse what transformers' ``Phi3ForCausalLM`` computes and this package does not.
+
+    Its RoPE is the default one or LongRoPE (``rope_type`` "longrope", or "su"/"yarn", which
+    transformers renames to "longrope": not YaRN). LongRoPE picks its short or long factors
+    by the length of each forward call, so a cached key keeps the factors of the call that
+    wrote it; not implemented. ``original_max_position_embeddings`` is read by LongRoPE only.
+
+    Raises:
+      UnsupportedConfigError: a RoPE scaling other than the default one (named).
+      ValueError: ``original_max_position_embeddings`` is not a positive integer.
+    """
+    for key in ("rope_scaling", "rope_parameters"):
+        form = cfg.get(key)
+        if isinstance(form, Mapping):
+            kind = form.get("rope_type") or form.get("type") or "default"
+            if kind != "default":
+                raise UnsupportedConfigError(
+                    f"config.json {key!r} type {kind!r} of a phi3 model is LongRoPE (Phi-3 128K, Phi-3.5, "
+                    "Phi-4-mini), which is not implemented; supported: the default RoPE (Phi-3 4K, Phi-4)")
+    orig = cfg.get("original_max_position_embeddings")
+    if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig < 1):
+        raise ValueError(f"config.json 'original_max_position_embeddings' must be a positive integer, got {orig!r}")
 
 
 def _hf_rope(cfg: Mapping) -> tuple[tuple | None, float | None]:
@@ -358,12 +392,13 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
     """``(W, layers)``: the attention window and the layers it applies to (None: every layer),
     or ``(None, None)`` when every layer attends to all positions.
 
-    Mistral applies ``sliding_window`` to every layer when it is set (transformers' default
-    4096 when the field is absent; a ``layer_types`` with full-attention layers is refused:
-    ``MistralForCausalLM`` ignores it). Qwen2/Qwen3 apply it only with ``use_sliding_window``, to the layers
-    marked ``sliding_attention`` in ``layer_types`` (default: layers from
-    ``max_window_layers`` on), as transformers 5's configs do. SmolLM3 likewise, its default
-    ``layer_types`` windowing the NoPE layers (``nope``).
+    Mistral and Phi-3 apply ``sliding_window`` to every layer when it is set (Mistral:
+    transformers' default 4096 when the field is absent; Phi-3: none; a ``layer_types`` with
+    full-attention layers is refused: ``MistralForCausalLM`` and ``Phi3ForCausalLM`` ignore it).
+    Qwen2/Qwen3 apply it only with ``use_sliding_window``, to the layers marked
+    ``sliding_attention`` in ``layer_types`` (default: layers from ``max_window_layers`` on), as
+    transformers 5's configs do. SmolLM3 likewise, its default ``layer_types`` windowing the NoPE
+    layers (``nope``).
     """
     defaults = _HF_DEFAULTS[model_type]
     window = cfg.get("sliding_window", defaults.get("sliding_window"))
@@ -384,13 +419,13 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
         if window is not None or (layer_types and "sliding_attention" in layer_types):
             raise UnsupportedConfigError("config.json 'sliding_window' on a llama model is not supported")
         return None, None
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         if layer_types is not None and "full_attention" in layer_types:
             # transformers' MistralForCausalLM ignores layer_types (a warning): every layer slides;
             # its Ministral classes alternate. Which one the checkpoint means is not ours to guess.
             raise UnsupportedConfigError(
-                "config.json 'layer_types' with 'full_attention' layers on a mistral model is not supported "
-                "(transformers' MistralForCausalLM ignores it and windows every layer)")
+                f"config.json 'layer_types' with 'full_attention' layers on a {model_type} model is not supported "
+                "(transformers ignores it there and windows every layer)")
         return (None, None) if window is None else (window, None)
     if (not cfg.get("use_sliding_window", False) or window is None) and layer_types \
             and "sliding_attention" in layer_types:

@@ -1,0 +1,135 @@
+"""Phi-3 (``model_type`` phi3, GGUF ``phi3``): Llama with q/k/v fused in ``qkv_proj`` and gate/up in
+``gate_up_proj``, against transformers' logits (``fixtures/families/phi3*``, written by
+``fixtures/make_families.py phi3``) and transformers' config rules. The family's HF, GGUF and
+greedy-decoding checks are those of every family (``test_io_families.py``), its window's those of
+``test_sliding_window.py``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from magicpig_jax.generation import forward_logits
+from magicpig_jax.io.loader import convert_model, load_model, read_model_config
+from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
+from tests.fixtures.gguf_convert import write_gguf
+from tests.test_io_families import FIXTURES, TOLERANCE, _spm_vocab
+
+BASE = {"model_type": "phi3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_config_follows_transformers():
+    cfg = LlamaConfig.from_hf_config({**BASE, "original_max_position_embeddings": 4096, "resid_pdrop": 0.1})
+    assert (cfg.head_dim, cfg.max_position_embeddings, cfg.rms_norm_eps) == (8, 4096, 1e-5)  # Phi3Config defaults
+    assert cfg.sliding_window is None and not cfg.tie_word_embeddings
+    assert LlamaConfig.from_hf_config({k: v for k, v in BASE.items() if k != "num_key_value_heads"}).num_kv_heads == 4
+    # Phi-3-mini-4k's window: every layer, as Mistral's
+    assert LlamaConfig.from_hf_config({**BASE, "sliding_window": 2047}).windowed_layers == (0, 1)
+    with pytest.raises(UnsupportedConfigError, match="'layer_types' with 'full_attention' layers on a phi3 model"):
+        LlamaConfig.from_hf_config({**BASE, "sliding_window": 16,
+                                    "layer_types": ["full_attention", "sliding_attention"]})
+    # LongRoPE, under each name transformers reads as it ("yarn" too, which is not YaRN here)
+    for key in ("rope_scaling", "rope_parameters"):
+        for kind in ("longrope", "su", "yarn", "linear"):
+            scaling = {"type" if kind == "su" else "rope_type": kind, "short_factor": [1.0] * 4,
+                       "long_factor": [2.0] * 4, "factor": 2.0}
+            with pytest.raises(UnsupportedConfigError, match=f"type '{kind}' of a phi3 model is LongRoPE"):
+                LlamaConfig.from_hf_config({**BASE, key: scaling})
+    with pytest.raises(UnsupportedConfigError, match="partial RoPE is not implemented"):
+        LlamaConfig.from_hf_config({**BASE, "partial_rotary_factor": 0.75})  # Phi-4-mini
+    with pytest.raises(ValueError, match="'original_max_position_embeddings' must be a positive integer"):
+        LlamaConfig.from_hf_config({**BASE, "original_max_position_embeddings": 0})
+    # read for phi3 only: elsewhere an unknown top-level field, refused as before
+    with pytest.raises(UnsupportedConfigError, match="'original_max_position_embeddings' at the top level of a llama"):
+        LlamaConfig.from_hf_config({**BASE, "model_type": "llama", "original_max_position_embeddings": 4096})
+
+
+def test_fused_matrices_of_the_wrong_size_are_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "phi3"
+    shutil.copytree(FIXTURES / "phi3", folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["model.layers.1.mlp.gate_up_proj.weight"] = weights["model.layers.1.mlp.gate_up_proj.weight"][:-1]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.gate_up_proj.weight' has shape \(191, 64\); "
+                                         r"96 \+ 96 = 192 rows \(gate_proj, up_proj\) expected"):
+        load_model(folder)
+
+
+def test_quantized_gguf_splits_the_fused_rows(tmp_path):
+    """Q8_0 fused matrices (``attn_qkv``, ``ffn_up``) split by rows into packed q/k/v and gate/up:
+    the same logits as their float32 dequantization, and near transformers'; an orbax checkpoint
+    of it keeps them."""
+    ref = dict(np.load(FIXTURES / "phi3_logits.npz"))
+    path = write_gguf(FIXTURES / "phi3", tmp_path / "q8.gguf", spm_vocab=_spm_vocab(), qtype="Q8_0")
+    packed = load_model(path)
+    attn = packed.module.layers[0].self_attn
+    assert attn.qkv_qtype == "Q8_0" and packed.module.layers[0].mlp.gate_up_qtype == "Q8_0"
+    ids = ref["prompt_ids"].tolist()
+    got = forward_logits(packed, ids)
+    assert float(np.abs(got - forward_logits(load_model(path, packed_weights=False), ids)).max()) <= TOLERANCE
+    assert 1e-4 < float(np.abs(got - ref["logits"]).mean()) < 0.05  # Q8_0's rounding, nothing more
+    ckpt = convert_model(path, tmp_path / "ckpt")
+    assert read_model_config(ckpt) == packed.config
+    assert float(np.abs(forward_logits(load_model(ckpt), ids) - got).max()) <= TOLERANCE
+
+
+def test_gguf_longrope_and_bad_fused_tensors_are_refused(tmp_path):
+    import gguf
+
+    base = write_gguf(FIXTURES / "phi3", tmp_path / "p.gguf", spm_vocab=_spm_vocab())
+    reader = gguf.GGUFReader(str(base))
+
+    def rewrite(out, extra_tensor=None, drop=None, shrink=None):
+        w = gguf.GGUFWriter(str(out), "phi3")
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF.") or name == "general.architecture":
+                continue
+            value = field.contents()
+            if field.types[0] == gguf.GGUFValueType.ARRAY:
+                w.add_array(name, value)
+            else:
+                w.add_key_value(name, value, field.types[0])
+        for t in reader.tensors:
+            if t.name == drop:
+                continue
+            data = np.asarray(t.data)
+            if t.name == shrink:
+                data = data[:-16]
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+        if extra_tensor:
+            w.add_tensor(extra_tensor, np.ones(4, np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return out
+
+    with pytest.raises(UnsupportedConfigError, match="rope_factors_long.weight: LongRoPE .* is not implemented"):
+        load_model(rewrite(tmp_path / "long.gguf", extra_tensor="rope_factors_long.weight"))
+    with pytest.raises(UnsupportedConfigError, match=r"tensor blk.0.attn_qkv.weight has shape \(112, 64\); "
+                                                     r"128 rows \(64 \+ 32 \+ 32\) of 64 expected"):
+        load_model(rewrite(tmp_path / "short.gguf", shrink="blk.0.attn_qkv.weight"))
+    with pytest.raises(ValueError, match="lacks tensor.* blk.1.ffn_up.weight"):
+        load_model(rewrite(tmp_path / "missing.gguf", drop="blk.1.ffn_up.weight"))
+
+
+def test_window_is_applied_as_transformers_does(tmp_path):
+    """Phi-3-mini-4k's config sets a window (2047): transformers windows every layer, and so does a
+    GGUF's ``phi3.attention.sliding_window`` here (llama.cpp 0.3.36 ignores that key: measured, its
+    logits equal the window-free ones)."""
+    ref = dict(np.load(FIXTURES / "phi3_window_logits.npz"))
+    folder = tmp_path / "w"
+    shutil.copytree(FIXTURES / "phi3", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["sliding_window"] = 8
+    (folder / "config.json").write_text(json.dumps(cfg))
+    path = write_gguf(folder, tmp_path / "w.gguf", spm_vocab=_spm_vocab())
+    model = load_model(path)
+    assert model.config.windowed_layers == (0, 1)
+    assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE
