@@ -68,18 +68,64 @@ def test_template_errors_are_named(tokenizers):
             assert error["error"] == "Conversation roles must alternate user/assistant/user/assistant/..."
 
 
+ONE = [{"role": "user", "content": "x"}]
+
+
 def test_the_variables_transformers_passes():
     # bos_token / eos_token (issue 12, input 1: a template starting with {{ bos_token }})
-    assert render_chat_template("{{ bos_token }}x{{ eos_token }}", [], bos_token="<s>", eos_token="</s>") == "<s>x</s>"
-    assert render_chat_template("{{ bos_token }}x", []) == "x"  # a model without BOS: undefined renders empty
-    assert render_chat_template("{{ strftime_now('%Y') }}", []) == str(datetime.date.today().year)
-    assert render_chat_template("{{ tools is none }} {{ documents is none }} {{ add_generation_prompt }}", [],
+    assert render_chat_template("{{ bos_token }}x{{ eos_token }}", ONE, bos_token="<s>", eos_token="</s>") == "<s>x</s>"
+    assert render_chat_template("{{ bos_token }}x", ONE) == "x"  # a model without BOS: undefined renders empty
+    assert render_chat_template("{{ strftime_now('%Y') }}", ONE) == str(datetime.date.today().year)
+    assert render_chat_template("{{ tools is none }} {{ documents is none }} {{ add_generation_prompt }}", ONE,
                                 add_generation_prompt=False) == "True True False"
-    assert render_chat_template("{{ {'a': 'é<'} | tojson }}", []) == '{"a": "é<"}'  # no HTML escaping
+    assert render_chat_template("{{ {'a': 'é<'} | tojson }}", ONE) == '{"a": "é<"}'  # no HTML escaping
     assert render_chat_template(
         "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% break %}{% endfor %}",
         [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a"
-    assert render_chat_template("{% if enable_thinking is defined %}t{% endif %}", [], enable_thinking=False) == "t"
+    assert render_chat_template("{% if enable_thinking is defined %}t{% endif %}", ONE, enable_thinking=False) == "t"
+
+
+def test_inputs_are_prepared_as_transformers_prepares_them():
+    """What transformers 5.24's ``apply_chat_template`` renders for these inputs (measured with its
+    ``render_jinja_template`` after ``_normalize_chat_messages``; an independent review had found
+    each one rendered differently here)."""
+    import numpy as np
+
+    # a key whose value is None is absent (OpenAI-style content=None), not the text "None"
+    roles = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    assert render_chat_template(roles, [{"role": "user", "content": "hi"},
+                                        {"role": "assistant", "content": None}]) == "[user]hi[assistant]"
+    # reasoning under "reasoning" (or "thinking") is also reasoning_content and thinking
+    reasoning = "{% for m in messages %}{{ m.reasoning_content }}|{{ m.thinking }}|{{ m.content }}{% endfor %}"
+    assert render_chat_template(reasoning, [{"role": "assistant", "content": "4", "reasoning": "add"}]) == "add|add|4"
+    # arguments as plain values: NumPy's False is false
+    assert render_chat_template("{% if enable_thinking %}T{% else %}F{% endif %}", ONE,
+                                enable_thinking=np.bool_(False)) == "F"
+    assert render_chat_template("{{ messages[0].content }}", [{"role": "user", "content": np.float32(1.5)}]) == "1.5"
+    # the generation tag is a block of its own scope; namespace and dict as transformers' sandbox
+    assert render_chat_template("{% set x = 'out' %}{% generation %}{% set x = 'in' %}{{ x }}{% endgeneration %}"
+                                "{{ x }}", ONE) == "inout"
+    assert render_chat_template("{% set ns = namespace(a=1) %}{% set ns.b = 2 %}{{ ns.a }}{{ ns.b }}{{ dict(a=1) }}",
+                                ONE) == "12{'a': 1}"
+    with pytest.raises(ChatTemplateError, match="SecurityError.*'_a'"):
+        render_chat_template("{% set ns = namespace(_a=1) %}{{ ns._a }}", ONE)
+    with pytest.raises(ChatTemplateError, match="empty conversation"):  # transformers: a ValueError too
+        render_chat_template("{{ add_generation_prompt }}", [])
+    with pytest.raises(TypeError, match="chat messages must be dicts"):
+        render_chat_template(roles, ["hi"])
+
+
+def test_chat_template_file_takes_priority(tmp_path):
+    """transformers 5.24 reads ``chat_template.jinja`` before the template in ``tokenizer_config.json``."""
+    import shutil
+
+    from magicpig_jax.io.tokenizer import Tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(FIXTURES / "qwen2", folder)
+    assert Tokenizer.from_hf_dir(folder).chat_template == EXPECTED["chatml"]["template"]
+    (folder / "chat_template.jinja").write_text("{{ messages[0].content }}!", encoding="utf-8")
+    assert Tokenizer.from_hf_dir(folder).apply_chat_template(ONE) == "x!"
 
 
 @pytest.mark.parametrize(("template", "named"), [
@@ -87,11 +133,11 @@ def test_the_variables_transformers_passes():
     ("{% if %}", "TemplateSyntaxError"),
     ("{{ undefined_function() }}", "'undefined_function' is undefined"),
     ("{{ ''.__class__.__mro__ }}", "SecurityError"),
-    ("{{ messages[0]['content'] }}", "UndefinedError"),
+    ("{{ messages[1]['content'] }}", "UndefinedError"),
 ])
 def test_failing_templates_raise_a_named_error(template, named):
     with pytest.raises(ChatTemplateError, match=named):
-        render_chat_template(template, [])
+        render_chat_template(template, ONE)
 
 
 def test_cli_exits_2_naming_the_template_error(tmp_path, capsys):

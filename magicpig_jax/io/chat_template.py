@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -12,7 +13,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-__all__ = ["ChatTemplateError", "render_chat_template"]
+__all__ = ["ChatTemplateError", "render_chat_template", "chat_inputs"]
 
 
 class ChatTemplateError(ValueError):
@@ -20,13 +21,121 @@ class ChatTemplateError(ValueError):
 
 
 class _GenerationTag(jinja2.ext.Extension):
-    """transformers' ``{% generation %}...{% endgeneration %}`` tag: renders its body."""
+    """transformers' ``{% generation %}...{% endgeneration %}`` tag: renders its body as a call
+    block (its own scope: a ``set`` inside does not leak out, and a loop control inside is a
+    syntax error, as there)."""
 
     tags = {"generation"}
 
     def parse(self, parser):
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """The template's ``dict``: builds plain dicts, exposes nothing else (transformers' sandbox)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """The template's ``namespace``, refusing attributes whose name starts with an underscore
+    (transformers' sandbox: a ``SecurityError``)."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 - jinja2's Namespace takes ``self`` this way too
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template cannot set the underscore-prefixed namespace attribute {name!r}")
+
+
+# Names a message's reasoning may come under; the first is the one templates read (transformers).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _as_dicts(value):
+    """Dataclass and pydantic objects (and those inside lists, tuples and mappings) as dicts."""
+    if isinstance(value, Mapping):
+        return {k: _as_dicts(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_dicts(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _as_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _as_dicts(value.model_dump())
+    return value
+
+
+def _plain(value):
+    """``value`` rebuilt from JSON types, as the template sees it (transformers' ``_plain_template_data``):
+    subclasses of str/int/float and NumPy scalars become the base values, dataclasses and pydantic
+    models dicts, anything else the placeholder ``"<TypeName>"``."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "dtype") and hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return _plain(value.item())  # a NumPy scalar: np.bool_(False) must stay false
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):
+        return _plain(value.model_dump())
+    return f"<{type(value).__name__}>"
+
+
+def chat_inputs(messages, kwargs: Mapping) -> tuple[list[dict], dict]:
+    """The conversation and template arguments as transformers' ``apply_chat_template`` hands
+    them to the template: message objects as dicts, the keys whose value is None dropped from
+    each message (``content=None`` is a missing content, not the text "None"), everything
+    rebuilt from plain JSON types (:func:`_plain`), and a message's reasoning given under
+    ``reasoning`` or ``thinking`` also as ``reasoning_content`` (and as ``thinking``). Idempotent.
+
+    Raises:
+      ChatTemplateError (a ValueError): an empty conversation.
+      TypeError: a message that is not a mapping (or a dataclass / pydantic object).
+    """
+    messages = _as_dicts(list(getattr(messages, "messages", messages)))
+    if not messages:
+        raise ChatTemplateError("cannot apply a chat template to an empty conversation: give at least one message")
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise TypeError(f"chat messages must be dicts (or dataclass / pydantic objects), got {message!r}")
+        message = _plain({k: v for k, v in message.items() if v is not None})
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out, _plain(dict(kwargs))
 
 
 def _raise_template_error(message: str) -> None:
@@ -49,6 +158,8 @@ def _compile_template(source: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     try:
         return env.from_string(source)
     except jinja2.TemplateError as err:
@@ -60,24 +171,28 @@ def render_chat_template(source: str, messages: Sequence[Mapping], *, add_genera
     """Render a chat template as transformers' ``apply_chat_template`` does.
 
     A sandboxed Jinja2 environment (``trim_blocks``, ``lstrip_blocks``, loop controls,
-    the ``generation`` tag, transformers' ``tojson``) with the variables transformers
-    passes: ``messages``, ``tools`` (None), ``documents`` (None),
-    ``add_generation_prompt``, ``bos_token``/``eos_token`` (when the model has them),
-    ``raise_exception`` and ``strftime_now``; ``kwargs`` are passed on (e.g.
-    ``enable_thinking``).
+    the ``generation`` tag, transformers' ``tojson``, ``dict`` and ``namespace``) with the
+    variables transformers passes: ``messages`` and ``kwargs`` as :func:`chat_inputs` makes
+    them, ``tools`` (None), ``documents`` (None), ``add_generation_prompt``,
+    ``bos_token``/``eos_token`` (when the model has them), ``raise_exception`` and
+    ``strftime_now``; ``kwargs`` are passed on (e.g. ``enable_thinking``).
+
+    Source: transformers 5.24 ``apply_chat_template`` / ``render_jinja_template``.
 
     Raises:
-      ChatTemplateError (a ValueError): the template does not compile, raises
-        (``raise_exception``), or fails while rendering; the message names the error.
+      ChatTemplateError (a ValueError): an empty conversation; the template does not compile,
+        raises (``raise_exception``), or fails while rendering; the message names the error.
+      TypeError: a message that is not a mapping.
     """
     template = _compile_template(source)
+    messages, kwargs = chat_inputs(messages, kwargs)
     variables = {"tools": None, "documents": None, **kwargs}
     if bos_token is not None:
         variables.setdefault("bos_token", bos_token)
     if eos_token is not None:
         variables.setdefault("eos_token", eos_token)
     try:
-        return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as err:
         raise ChatTemplateError(f"the chat template failed: {type(err).__name__}: {err}") from err
     except Exception as err:  # a Python error inside the template (e.g. a method of a missing value)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from magicpig_jax.io.chat_template import ChatTemplateError, render_chat_template
+from magicpig_jax.io.chat_template import ChatTemplateError, chat_inputs, render_chat_template
 from magicpig_jax.io.gguf_tokenizer import EOG_TEXTS, PRE_TOKENIZERS, TokenizerMetadataError, gguf_tokenizer_parts
 from magicpig_jax.io.json_files import read_json_object
 
@@ -108,9 +108,9 @@ class Tokenizer:
     def from_hf_dir(cls, folder: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
         """Build from a Hugging Face directory: ``tokenizer.json`` plus ``tokenizer_config.json``.
 
-        The chat template comes from ``tokenizer_config.json`` (a string, or the
-        ``default`` of a list of named templates), else ``chat_template.jinja`` or
-        ``chat_template.json``. ``add_bos_token``/``add_eos_token`` come from
+        The chat template comes from ``chat_template.jinja`` (which transformers prefers), else
+        ``tokenizer_config.json`` (a string, or the ``default`` of a list of named templates),
+        else ``chat_template.json``. ``add_bos_token``/``add_eos_token`` come from
         ``tokenizer_config.json``, else from what the ``tokenizer.json``
         post-processor adds. Stop ids: ``eos_token_ids`` (from ``config.json`` and
         ``generation_config.json``) plus the ``eos_token`` of ``tokenizer_config.json``.
@@ -126,8 +126,8 @@ class Tokenizer:
         if isinstance(template, list):
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default")
-        if template is None and (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
+        if (folder / "chat_template.jinja").is_file():  # transformers: the file takes priority over the config
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         if template is None and (folder / "chat_template.json").is_file():
             template = read_json_object(folder / "chat_template.json").get("chat_template")
 
@@ -242,6 +242,8 @@ class Tokenizer:
           ValueError: the model has no chat template.
           ChatTemplateError (a ValueError): the template failed (named).
         """
+        # as the template will see them: strings inside message objects are then escaped too
+        messages, kwargs = chat_inputs(messages, kwargs)
         if parse_special or not self.special_tokens:
             ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
             return self._add_special(ids, eos=False)
