@@ -133,3 +133,26 @@ def test_window_is_applied_as_transformers_does(tmp_path):
     model = load_model(path)
     assert model.config.windowed_layers == (0, 1)
     assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE
+
+
+def test_gguf_chat_tokens_swallow_the_whitespace_after_them(tmp_path):
+    """llama.cpp gives a Phi-3 model's control and user-defined tokens RSTRIP, by its ``general.name``
+    (as Phi-3's tokenizer.json marks them; the GGUF has no field for it): ``<|end|>\\n`` is one token.
+    Expected ids: llama.cpp's (llama-cpp-python 0.3.36, ``tokenize(special=True)``) on these files."""
+    from tests.fixtures.gguf_convert import tokenizer_metadata
+
+    meta = tokenizer_metadata(FIXTURES / "phi3", None, 608, _spm_vocab())
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    for k, (text, kind) in enumerate([("<|endoftext|>", 3), ("<|assistant|>", 4), ("<|user|>", 4), ("<|end|>", 4),
+                                      ("<|system|>", 4)]):
+        tokens[607 - k], types[607 - k] = text, kind
+    chat = "<|user|>\nHello<|end|>\n<|assistant|>\n"
+    for name, ids in (("Phi-3-mini-4k-instruct", {chat: [605, 414, 482, 415, 359, 416, 604, 606],
+                                                  "</s>  a": [2, 261], "<|endoftext|> a": [607, 259, 418]}),
+                      ("Other model", {chat: [605, 414, 13, 482, 415, 359, 416, 604, 414, 13, 606, 414, 13]})):
+        path = write_gguf(FIXTURES / "phi3", tmp_path / f"{name}.gguf", spm_vocab=_spm_vocab(),
+                          metadata={"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+                                    "general.name": name})
+        tok = load_model(path).tokenizer
+        for text, want in ids.items():
+            assert tok.encode(text, parse_special=True, add_special_tokens=False) == want, (name, text)

@@ -282,7 +282,8 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
     arch = _architecture(reader, path)
     config, tensors = _config(reader, arch, path)
     entries, freq_factors = _entries(tensors, arch, config, path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    # the tokenizer's fields, and the model's name: llama.cpp sets some token attributes by it
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.") or k == "general.name"}
     return config, GGUFWeights(path, entries), meta, freq_factors
 
 

@@ -153,8 +153,27 @@ def _sentencepiece_backend(meta: Mapping, tokens: list[str], types: list[int],
     return backend
 
 
+def _rstrip_tokens(meta: Mapping, tokens: list[str], types: list[int]) -> set[int]:
+    """Ids of the added tokens that swallow the whitespace after them (``AddedToken(rstrip=True)``).
+
+    A GGUF does not record this attribute. llama.cpp (``llama_vocab::load``, "set attributes by
+    model name") gives it to every control, user-defined and unknown token of a model whose
+    ``general.name`` contains "phi-3" or "phi3" (case-insensitive), except ``<unk>``, ``<s>`` and
+    ``<|endoftext|>``, as Phi-3's ``tokenizer.json`` marks its chat tokens: ``<|end|>\n`` is one
+    token there. No other model gets it.
+    """
+    name = str(meta.get("general.name") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return set()
+    keep = {"<unk>", "<s>", "<|endoftext|>"}
+    return {i for i, t in enumerate(types)
+            if t in (_CONTROL, _USER_DEFINED, _UNKNOWN) and tokens[i] not in keep} | {
+        i for i, tok in enumerate(tokens) if tok == "</s>" and types[i] != _UNUSED}
+
+
 def gguf_tokenizer_parts(meta: Mapping) -> dict:
-    """The :class:`~magicpig_jax.io.tokenizer.Tokenizer` arguments built from GGUF ``tokenizer.*`` fields.
+    """The :class:`~magicpig_jax.io.tokenizer.Tokenizer` arguments built from GGUF ``tokenizer.*`` fields
+    (and ``general.name``, which selects llama.cpp's per-model token attributes: :func:`_rstrip_tokens`).
 
     Raises:
       TokenizerMetadataError (a ValueError): a needed key is missing (named, e.g.
@@ -191,9 +210,10 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
         raise TokenizerMetadataError(
             f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' (byte-level BPE), "
             "'llama' (SentencePiece)")
-    special = [AddedToken(tokens[i], special=True, normalized=False)
+    rstrip = _rstrip_tokens(meta, tokens, types)
+    special = [AddedToken(tokens[i], special=True, normalized=False, rstrip=i in rstrip)
                for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN)]
-    user = [AddedToken(tokens[i], special=False, normalized=False)
+    user = [AddedToken(tokens[i], special=False, normalized=False, rstrip=i in rstrip)
             for i, t in enumerate(types) if t == _USER_DEFINED]
     if special:
         backend.add_special_tokens(special)
