@@ -137,8 +137,7 @@ def _without_last_merge(tmp_path: Path, name: str) -> tuple[Path, dict, str]:
 @pytest.mark.parametrize(("pre", "name", "ignore_merges"), [
     ("llama-bpe", "llama-bpe.json", True), ("llama3", "llama-bpe.json", True), ("llama-v3", "llama-bpe.json", True),
     ("smaug-bpe", "llama-bpe.json", False), ("tekken", "tekken.json", True), ("qwen2", "qwen2.json", False),
-    ("deepseek-r1-qwen", "qwen2.json", False), ("smollm", "smollm.json", False), ("gpt-2", "gpt-2.json", False),
-    ("default", "gpt-2.json", False)])
+    ("deepseek-r1-qwen", "qwen2.json", False), ("smollm", "smollm.json", False), ("gpt-2", "gpt-2.json", False)])
 def test_ignore_merges_and_bos_of_each_family(tmp_path, pre, name, ignore_merges):
     """llama.cpp: Llama 3 and Tekken take a piece that is in the vocabulary as it is (their
     tokenizer.json's ``ignore_merges: true``); Smaug uses Llama 3's split but merges every piece,
@@ -160,7 +159,7 @@ def test_ignore_merges_and_bos_of_each_family(tmp_path, pre, name, ignore_merges
 
 
 PRE_FAMILY = {"llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3", "smaug-bpe": "smaug", "tekken": "tekken",
-              "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "smollm": "smollm", "gpt-2": "gpt2", "default": "gpt2"}
+              "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "smollm": "smollm", "gpt-2": "gpt2"}
 
 
 # -- gguf_tokenizer_parts: special and user tokens, stop ids, flags, messages ---------------------------
@@ -272,7 +271,7 @@ def test_gguf_tokenizer_messages():
                   "(reconvert the model with a current llama.cpp)")
     refused(_llama3_meta(**{"tokenizer.ggml.pre": "falcon"}),
             "unsupported tokenizer.ggml.pre 'falcon'; supported: llama-bpe, llama3, llama-v3, smaug-bpe, qwen2, "
-            "deepseek-r1-qwen, tekken, smollm, default, gpt-2")
+            "deepseek-r1-qwen, tekken, smollm, gpt-2")
     refused(_llama3_meta(**{"tokenizer.ggml.model": "bert"}),
             "unsupported tokenizer.ggml.model 'bert'; supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece)")
     refused(_llama3_meta(), "the GGUF file sets tokenizer.ggml.add_bos_token but has no 'tokenizer.ggml.bos_token_id'")

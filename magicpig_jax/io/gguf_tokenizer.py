@@ -44,7 +44,7 @@ PRE_TOKENIZERS: dict[str, str] = {
     "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
     "tekken": "tekken",
     "smollm": "smollm",
-    "default": "gpt2", "gpt-2": "gpt2",
+    "gpt-2": "gpt2",
 }
 _ADD_BOS_BY_DEFAULT = ("llama3", "tekken")  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
 # Control tokens that end generation whatever the metadata declares (llama.cpp's end-of-generation texts:
@@ -197,6 +197,12 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
             raise TokenizerMetadataError(
                 "the GGUF file has no 'tokenizer.ggml.pre' metadata key: its pre-tokenizer is unknown "
                 "(reconvert the model with a current llama.cpp)")
+        if pre == "default":
+            # llama.cpp splits a byte-level vocabulary marked "default" with its own DEFAULT
+            # expressions (punctuation runs, digits in threes), which are not GPT-2's
+            raise TokenizerMetadataError(
+                "tokenizer.ggml.pre 'default' on a byte-level BPE ('gpt2') vocabulary is not supported "
+                f"(llama.cpp's DEFAULT split); supported: {', '.join(PRE_TOKENIZERS)}")
         if pre not in PRE_TOKENIZERS:
             raise TokenizerMetadataError(
                 f"unsupported tokenizer.ggml.pre {pre!r}; supported: {', '.join(PRE_TOKENIZERS)}")
