@@ -211,7 +211,8 @@ def test_read_gguf_llama_weights_types_permutation_metadata_and_factors(tmp_path
                     "tokenizer.ggml.merges": ["Ġ t"], "tokenizer.ggml.token_type": [1] * (V - 1) + [3],
                     "tokenizer.ggml.eos_token_id": EOS, "tokenizer.ggml.eot_token_id": 9,
                     "tokenizer.ggml.eom_token_id": EOS, "tokenizer.chat_template": "{{ x }}",
-                    "tokenizer.chat_template.tool_use": "{{ y }}"}
+                    "tokenizer.chat_template.tool_use": "{{ y }}",
+                    "general.name": "tiny"}  # llama.cpp sets some token attributes by the model's name
     expected = {}
     for name, value in hf.items():
         qtype = _MIXED.get(name)

@@ -77,6 +77,8 @@ def test_row_sizes_round_trip(qtype, blocks):
 
 # -- chat_template -------------------------------------------------------------------------------
 
+_ONE = [{"role": "user", "content": "x"}]  # a conversation holds at least one message
+
 
 def test_chat_template_tojson_passes_its_arguments_to_json_dumps():
     import json
@@ -88,18 +90,18 @@ def test_chat_template_tojson_passes_its_arguments_to_json_dumps():
              ("sort_keys=true", {"sort_keys": True}), ("ensure_ascii=true", {"ensure_ascii": True})]
     for args, kw in cases:
         template = "{{ data | tojson(" + args + ") }}"
-        assert render_chat_template(template, [], data=data) == json.dumps(data, **{"ensure_ascii": False, **kw})
+        assert render_chat_template(template, _ONE, data=data) == json.dumps(data, **{"ensure_ascii": False, **kw})
 
 
 def test_chat_template_errors_name_the_error_type_and_message():
     from magicpig_jax.io.chat_template import ChatTemplateError, render_chat_template
 
     with pytest.raises(ChatTemplateError, match=_exact("the chat template failed: TemplateError: no system role")):
-        render_chat_template("{{ raise_exception('no system role') }}", [])
+        render_chat_template("{{ raise_exception('no system role') }}", _ONE)
     # a Python error while rendering (not a Jinja one) is named by its type too
     with pytest.raises(ChatTemplateError, match=_exact("the chat template failed: ZeroDivisionError: integer division "
                                                        "or modulo by zero")):
-        render_chat_template("{{ n // 0 }}", [], n=1)
+        render_chat_template("{{ n // 0 }}", _ONE, n=1)
 
 
 def test_chat_template_variables_and_the_generation_tag():
@@ -111,12 +113,12 @@ def test_chat_template_variables_and_the_generation_tag():
     assert render_chat_template(template, messages) == "2[a][b]True"
     assert render_chat_template(template, messages, add_generation_prompt=False) == "2[a][b]False"
     both = "{{ bos_token is defined }} {{ eos_token is defined }}"
-    assert render_chat_template(both, []) == "False False"
-    assert render_chat_template(both, [], bos_token="<s>") == "True False"
-    assert render_chat_template(both, [], eos_token="</s>") == "False True"
-    assert render_chat_template("{{ bos_token }}|{{ eos_token }}|{{ tools is none }}", [], bos_token="<s>",
+    assert render_chat_template(both, _ONE) == "False False"
+    assert render_chat_template(both, _ONE, bos_token="<s>") == "True False"
+    assert render_chat_template(both, _ONE, eos_token="</s>") == "False True"
+    assert render_chat_template("{{ bos_token }}|{{ eos_token }}|{{ tools is none }}", _ONE, bos_token="<s>",
                                 eos_token="</s>") == "<s>|</s>|True"
-    assert render_chat_template("{{ tools }} {{ documents }}", [], tools=[1]) == "[1] None"
+    assert render_chat_template("{{ tools }} {{ documents }}", _ONE, tools=[1]) == "[1] None"
 
 
 # -- hf_model ------------------------------------------------------------------------------------
@@ -360,8 +362,8 @@ def test_tokenizer_fields_special_ids_encode_decode_and_messages():
         tok.apply_chat_template([{"role": "user", "content": "a"}])
     chat = Tokenizer(backend, chat_template="{{ bos_token }}|{{ eos_token }}|{{ add_generation_prompt }}|{{ x }}",
                      eos_token_ids=(5,), bos_token_id=0)
-    assert chat.apply_chat_template([], x=3) == "<|begin_of_text|>|<|eot_id|>|True|3"
-    assert chat.apply_chat_template([], False, x=3) == "<|begin_of_text|>|<|eot_id|>|False|3"
+    assert chat.apply_chat_template(_ONE, x=3) == "<|begin_of_text|>|<|eot_id|>|True|3"
+    assert chat.apply_chat_template(_ONE, False, x=3) == "<|begin_of_text|>|<|eot_id|>|False|3"
 
 
 def test_tokenizer_content_helpers():
@@ -413,7 +415,11 @@ def test_tokenizer_from_hf_dir_templates_special_ids_and_flags(tmp_path):
     d = _hf_tok_dir(tmp_path / "a", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
                                      "chat_template": "T1"}, jinja="J")
     tok = Tokenizer.from_hf_dir(str(d), eos_token_ids=(1, 4))
-    assert fields(tok) == ("T1", 0, 5, (1, 4, 5), True, False)
+    # chat_template.jinja before tokenizer_config.json's template, as transformers 5.24 reads them
+    assert fields(tok) == ("J", 0, 5, (1, 4, 5), True, False)
+    d = _hf_tok_dir(tmp_path / "a2", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                                      "chat_template": "T1"}, template_json="K")
+    assert Tokenizer.from_hf_dir(str(d)).chat_template == "T1"
     assert tok.encode("a", add_special_tokens=True) == [0, 70]
     d = _hf_tok_dir(tmp_path / "b", {"bos_token": {"content": "<|begin_of_text|>"},
                                      "eos_token": {"content": "<|eot_id|>"},
