@@ -21,6 +21,7 @@ from magicpig_jax import host, lsh
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.merge import merge_attention
 from magicpig_jax.models.config import first_visible_key
+from magicpig_jax.models.llama import rope_frequencies
 
 __all__ = ["OffloadLayer", "OffloadDecodeStep", "place_decode_state"]
 
@@ -332,6 +333,7 @@ class OffloadDecodeStep:
         self.num_heads = model.config.num_heads
         self.config = model.config
         self.inv_freq = model.inv_freq[...]
+        self.inv_freq_long = None if model.inv_freq_long is None else model.inv_freq_long[...]
         n = len(self.layers)
         sparse = self.spec.sparse_layers(n)
         self.sparse = list(sparse)
@@ -370,9 +372,11 @@ class OffloadDecodeStep:
         pos_h = jax.device_put(pos, self.host)
         k_layers, v_layers, states = list(cache.k), list(cache.v), list(indices)
         x, pending, counts = tokens, None, []
+        # LongRoPE's factors by each row's position ([B, 1, D/2]); otherwise the one set [D/2]
+        inv_freq = rope_frequencies(self.config, self.inv_freq, self.inv_freq_long, pos[:, None])
         for a, dense, b, segment, parts in self.plan:
             x, pend_state, new_kv, res = segment(
-                parts, self.inv_freq, x, pos, pending, _accel_part(states[a] if a is not None else None),
+                parts, inv_freq, x, pos, pending, _accel_part(states[a] if a is not None else None),
                 tuple((k_layers[i], v_layers[i]) for i in dense), _accel_part(states[b] if b is not None else None))
             if a is not None:
                 states[a] = dataclasses.replace(pend_state, index=states[a].index)

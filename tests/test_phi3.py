@@ -1,8 +1,8 @@
 """Phi-3 (``model_type`` phi3, GGUF ``phi3``): Llama with q/k/v fused in ``qkv_proj`` and gate/up in
-``gate_up_proj``, against transformers' logits (``fixtures/families/phi3*``, written by
-``fixtures/make_families.py phi3``) and transformers' config rules. The family's HF, GGUF and
-greedy-decoding checks are those of every family (``test_io_families.py``), its window's those of
-``test_sliding_window.py``."""
+``gate_up_proj``, and LongRoPE (Phi-3 128K, Phi-3.5), against transformers' logits
+(``fixtures/families/phi3*``, written by ``fixtures/make_families.py phi3``) and transformers' config
+rules. The family's HF, GGUF and greedy-decoding checks are those of every family
+(``test_io_families.py``), its window's those of ``test_sliding_window.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from magicpig_jax.generation import forward_logits
 from magicpig_jax.io.loader import convert_model, load_model, read_model_config
-from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
+from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError, rope_attention_factor
 from tests.fixtures.gguf_convert import write_gguf
 from tests.test_io_families import FIXTURES, TOLERANCE, _spm_vocab
 
@@ -32,13 +32,26 @@ def test_config_follows_transformers():
     with pytest.raises(UnsupportedConfigError, match="'layer_types' with 'full_attention' layers on a phi3 model"):
         LlamaConfig.from_hf_config({**BASE, "sliding_window": 16,
                                     "layer_types": ["full_attention", "sliding_attention"]})
-    # LongRoPE, under each name transformers reads as it ("yarn" too, which is not YaRN here)
+    # LongRoPE, under each name transformers reads as it ("yarn" too, which is not YaRN here); the
+    # pretrained context is the top-level field (Phi3Config's default 4096), not the scaling's
     for key in ("rope_scaling", "rope_parameters"):
-        for kind in ("longrope", "su", "yarn", "linear"):
-            scaling = {"type" if kind == "su" else "rope_type": kind, "short_factor": [1.0] * 4,
-                       "long_factor": [2.0] * 4, "factor": 2.0}
-            with pytest.raises(UnsupportedConfigError, match=f"type '{kind}' of a phi3 model is LongRoPE"):
-                LlamaConfig.from_hf_config({**BASE, key: scaling})
+        for kind in ("longrope", "su", "yarn"):
+            scaling = {"type" if kind == "su" else "rope_type": kind, "short_factor": [1, 1.5, 2, 3],
+                       "long_factor": [2.0] * 4, "original_max_position_embeddings": 99}
+            cfg = LlamaConfig.from_hf_config({**BASE, key: scaling, "max_position_embeddings": 131072})
+            assert cfg.longrope_switch == 4096 and dict(cfg.rope_scaling)["short_factor"] == (1.0, 1.5, 2.0, 3.0)
+        with pytest.raises(UnsupportedConfigError, match="type 'linear' of a phi3 model is not supported"):
+            LlamaConfig.from_hf_config({**BASE, key: {"rope_type": "linear", "factor": 2.0}})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    assert LlamaConfig.from_hf_config({**BASE, "rope_scaling": longrope, "original_max_position_embeddings": 512,
+                                       "max_position_embeddings": 8192}).longrope_switch == 512
+    assert rope_attention_factor(LlamaConfig.from_hf_config(
+        {**BASE, "rope_scaling": longrope, "original_max_position_embeddings": 512,
+         "max_position_embeddings": 8192})) == pytest.approx(np.sqrt(1 + np.log(16) / np.log(512)))
+    with pytest.raises(ValueError, match="'short_factor' needs head_dim / 2 = 4 values, got 3"):
+        LlamaConfig.from_hf_config({**BASE, "rope_scaling": {**longrope, "short_factor": [1.0] * 3}})
+    with pytest.raises(ValueError, match="'long_factor' must be a list of finite numbers > 0"):
+        LlamaConfig.from_hf_config({**BASE, "rope_scaling": {**longrope, "long_factor": [1.0, 0.0, 1.0, 1.0]}})
     with pytest.raises(UnsupportedConfigError, match="partial RoPE is not implemented"):
         LlamaConfig.from_hf_config({**BASE, "partial_rotary_factor": 0.75})  # Phi-4-mini
     with pytest.raises(ValueError, match="'original_max_position_embeddings' must be a positive integer"):
@@ -110,7 +123,7 @@ def test_gguf_longrope_and_bad_fused_tensors_are_refused(tmp_path):
         w.close()
         return out
 
-    with pytest.raises(UnsupportedConfigError, match="rope_factors_long.weight: LongRoPE .* is not implemented"):
+    with pytest.raises(UnsupportedConfigError, match="rope_factors_long.weight are supported as the pair"):
         load_model(rewrite(tmp_path / "long.gguf", extra_tensor="rope_factors_long.weight"))
     with pytest.raises(UnsupportedConfigError, match=r"tensor blk.0.attn_qkv.weight has shape \(112, 64\); "
                                                      r"128 rows \(64 \+ 32 \+ 32\) of 64 expected"):
@@ -156,3 +169,59 @@ def test_gguf_chat_tokens_swallow_the_whitespace_after_them(tmp_path):
         tok = load_model(path).tokenizer
         for text, want in ids.items():
             assert tok.encode(text, parse_special=True, add_special_tokens=False) == want, (name, text)
+
+
+def _longrope_dir(tmp_path, ref):
+    folder = tmp_path / "longrope"
+    shutil.copytree(FIXTURES / "phi3", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(json.loads(str(ref["config_changes"])))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_longrope_follows_transformers(tmp_path, host):
+    """LongRoPE's factors as transformers applies them (``phi3_longrope``: pretrained context 16):
+    a 36-token prompt rotated with the long factors, a 12-token one with the short ones, and greedy
+    decoding from the 12 tokens through the cache, each step by its own position (the short
+    factors until position 15, the long ones after; the prompt's keys keep the short ones)."""
+    import dataclasses
+
+    from magicpig_jax.eval.forcing import forced_decode
+    from magicpig_jax.generation import decode_spec, prefill
+
+    ref = dict(np.load(FIXTURES / "phi3_longrope_logits.npz"))
+    model = load_model(_longrope_dir(tmp_path, ref))
+    ids, generated = ref["prompt_ids"].tolist(), ref["generated"].tolist()
+    assert model.config.longrope_switch == 16 and rope_attention_factor(model.config) == pytest.approx(1.5)
+    if host:  # the forward pass is the same for both
+        assert float(np.abs(forward_logits(model, ids) - ref["logits"]).max()) <= TOLERANCE
+        assert float(np.abs(forward_logits(model, ids[:12]) - ref["short_logits"]).max()) <= TOLERANCE
+    state = prefill(model, [ids[:12]], len(generated))
+    spec = dataclasses.replace(decode_spec(model, "dense", positions=state.cache.capacity), host=host)
+    steps = {}
+    forced_decode(model, state, forced_tokens=[generated], max_new_tokens=len(generated), spec=spec,
+                  stop_on_eos=False, logits_callback=lambda t, x: steps.setdefault(t, x[0].copy()))
+    got = np.stack([steps[t] for t in range(len(generated))])
+    assert float(np.abs(got - ref["step_logits"]).max()) <= TOLERANCE
+    # one forward pass over the same 32 tokens rotates them all with the long factors: far off
+    whole = forward_logits(model, ids[:12] + generated[:-1])[11:]
+    assert float(np.abs(whole - ref["step_logits"]).max()) > 0.01
+
+
+def test_longrope_gguf_and_checkpoint(tmp_path):
+    """llama.cpp's converter writes the factors as ``rope_factors_short/long`` tensors with
+    ``rope.scaling.attn_factor`` and ``original_context_length`` (llama.cpp 0.3.36 on such a file,
+    its context past 16: within 3e-5 of transformers' long-factor logits); read back as the same
+    LongRoPE, and kept by an orbax checkpoint."""
+    ref = dict(np.load(FIXTURES / "phi3_longrope_logits.npz"))
+    folder = _longrope_dir(tmp_path, ref)
+    path = write_gguf(folder, tmp_path / "lr.gguf", spm_vocab=_spm_vocab())
+    ckpt = convert_model(path, tmp_path / "ckpt")
+    ids = ref["prompt_ids"].tolist()
+    for p in (path, ckpt):
+        model = load_model(p)
+        assert model.config.longrope_switch == 16 and read_model_config(p) == model.config
+        assert float(np.abs(forward_logits(model, ids) - ref["logits"]).max()) <= TOLERANCE
+        assert float(np.abs(forward_logits(model, ids[:12]) - ref["short_logits"]).max()) <= TOLERANCE

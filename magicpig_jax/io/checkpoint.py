@@ -121,7 +121,9 @@ def read_checkpoint_config(path: str | Path) -> LlamaConfig:
     meta = _read_meta(Path(path).absolute())
     cfg = dict(meta["config"])
     if cfg.get("rope_scaling") is not None:
-        cfg["rope_scaling"] = tuple(tuple(item) for item in cfg["rope_scaling"])
+        # (key, value) pairs; LongRoPE's factor lists back to tuples (hashable, as the config holds them)
+        cfg["rope_scaling"] = tuple((key, tuple(value) if isinstance(value, list) else value)
+                                    for key, value in cfg["rope_scaling"])
     cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
     if "sliding_layers" not in cfg and cfg.get("sliding_window") is not None:
         raise ValueError(f"checkpoint {path} (format_version {meta['format_version']}) has sliding_window "

@@ -369,7 +369,9 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
     if rope_dims is not None and int(rope_dims) > head_dim:
         raise GGUFMetadataError(
             f"{path}: {arch}.rope.dimension_count = {rope_dims} exceeds the head dim {head_dim}")
-    scaling = _rope_scaling(reader, arch, path)
+    scaling = _longrope(reader, tensors, arch, path, head_dim)
+    if scaling is None:
+        scaling = _rope_scaling(reader, arch, path)
     context = int(_required(reader, f"{arch}.context_length", path))
     if not 1 <= context <= MAX_POSITIONS:
         raise GGUFMetadataError(f"{path}: {arch}.context_length = {context} must be in [1, {MAX_POSITIONS}]")
@@ -386,10 +388,6 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         raise GGUFMetadataError(f"{path}: {arch}.attention.sliding_window = {int(window)} must be in "
                                 f"[0, {MAX_POSITIONS}] (0: no window)")
     has = {name.split(".", 2)[2] for name in tensors if name.startswith("blk.0.")}
-    longrope = sorted(n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n in tensors)
-    if longrope:
-        raise UnsupportedConfigError(f"{path}: {' and '.join(longrope)}: LongRoPE (Phi-3 128K, Phi-3.5, Phi-4-mini) "
-                                     "is not implemented")
     if arch == "qwen2" and "attn_q.bias" not in has:
         raise UnsupportedConfigError(f"{path}: a qwen2 model needs q/k/v biases; blk.0.attn_q.bias is missing")
     if arch == "qwen3" and "attn_q_norm.weight" not in has:
@@ -417,6 +415,53 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         sliding_layers=nope if arch == "smollm3" else None,
         nope_layers=nope,
     ), tensors
+
+
+_LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
+
+
+def _longrope(reader, tensors: dict, arch: str, path: Path, head_dim: int) -> tuple | None:
+    """A phi3 file's LongRoPE (Phi-3 128K, Phi-3.5) as a normalized "longrope" scaling, or None.
+
+    llama.cpp's converter writes the short and long factors as the tensors
+    ``rope_factors_short``/``rope_factors_long`` (float ``[D/2]``), the pretrained context as
+    ``rope.scaling.original_context_length`` and transformers' attention factor as
+    ``rope.scaling.attn_factor``. Which factors a token uses follows transformers (by the
+    prompt's length, then each decode step's position: :func:`magicpig_jax.models.llama.rope_frequencies`);
+    llama.cpp picks one set for a whole run by its context size.
+
+    Raises:
+      UnsupportedConfigError: only one of the two tensors, or LongRoPE tensors in another
+        architecture, or together with another ``rope.scaling.type``.
+      GGUFMetadataError: factors that are not ``[D/2]`` finite values > 0, or no original context.
+    """
+    import gguf
+
+    present = [n for n in _LONGROPE_TENSORS if n in tensors]
+    if not present:
+        return None
+    if arch != "phi3" or len(present) != 2:
+        raise UnsupportedConfigError(f"{path}: LongRoPE tensor(s) {', '.join(present)} are supported as the pair "
+                                     "rope_factors_short/long of a phi3 model only")
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise UnsupportedConfigError(f"{path}: {arch}.rope.scaling.type = {kind!r} together with LongRoPE's factors")
+    factors = {}
+    for name in _LONGROPE_TENSORS:
+        t = tensors[name]
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+        if values.shape != (head_dim // 2,) or not (np.isfinite(values).all() and (values > 0).all()):
+            raise GGUFMetadataError(f"{path}: {name} must hold head dim / 2 = {head_dim // 2} finite values > 0")
+        factors[name.split("_")[2].split(".")[0] + "_factor"] = values.tolist()
+    orig = _number(reader, f"{arch}.rope.scaling.original_context_length", path)
+    if orig is None:
+        _required(reader, f"{arch}.rope.scaling.original_context_length", path)
+    attn = _number(reader, f"{arch}.rope.scaling.attn_factor", path)
+    try:
+        return normalize_rope_scaling({"rope_type": "longrope", **factors, "original_max_position_embeddings": orig,
+                                       "attention_factor": attn})
+    except ValueError as err:
+        raise GGUFMetadataError(f"{path}: {err}") from None
 
 
 # llama.cpp's YaRN constants for these architectures (``llama_cparams`` defaults): it reads
@@ -517,6 +562,8 @@ def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple
     entries: dict[str, _Entry] = {}
     freq_factors = None
     for name, t in tensors.items():
+        if name in _LONGROPE_TENSORS and config.longrope_switch is not None:
+            continue  # in the config's LongRoPE scaling (_longrope)
         if name == "rope_freqs.weight" and arch == "llama":
             freq_factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
             if freq_factors.shape != (config.head_dim // 2,):

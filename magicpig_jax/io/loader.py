@@ -80,6 +80,8 @@ def build_llama(config: LlamaConfig, weights: MutableMapping[str, np.ndarray], f
     """
     module = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), dtype=dtype, freq_factors=freq_factors))
     module.inv_freq.set_value(jnp.asarray(rope_inv_freq(config, freq_factors)))
+    if module.inv_freq_long is not None:  # LongRoPE's long factors
+        module.inv_freq_long.set_value(jnp.asarray(rope_inv_freq(config, freq_factors, long=True)))
     w = _WeightPlacer(weights, dtype, packed_weights, consume)
     blocks, qtype = w.rows("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
     if blocks is not None:

@@ -104,6 +104,15 @@ class LlamaConfig:
             if missing:
                 raise ValueError(f"rope_scaling 'yarn' needs {' and '.join(map(repr, missing))} "
                                  "(LlamaConfig.from_hf_config fills them from max_position_embeddings)")
+        if scaling.get("rope_type") == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(scaling.get(key) or ()) != self.head_dim // 2:
+                    raise ValueError(f"rope_scaling 'longrope' {key!r} needs head_dim / 2 = {self.head_dim // 2} "
+                                     f"values, got {len(scaling.get(key) or ())}")
+            if scaling.get("original_max_position_embeddings") is None or \
+                    int(scaling["original_max_position_embeddings"]) < 2:
+                raise ValueError("rope_scaling 'longrope' needs 'original_max_position_embeddings' >= 2 "
+                                 "(LlamaConfig.from_hf_config fills it as transformers does)")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
                 self.sliding_window, int) or not 1 <= self.sliding_window <= MAX_POSITIONS):
             raise ValueError(f"sliding_window must be an int in [1, {MAX_POSITIONS}] (int32 positions) or None, "
@@ -136,6 +145,15 @@ class LlamaConfig:
         clipped at 0 with a window W, else None (every key)."""
         window = self.layer_window(layer)
         return None if window is None else first_visible_key(pos, window)
+
+    @property
+    def longrope_switch(self) -> int | None:
+        """Under LongRoPE, the pretrained context past which the long factors apply (positions
+        ``>= original_max_position_embeddings``); None for every other RoPE."""
+        scaling = dict(self.rope_scaling or {})
+        if scaling.get("rope_type") != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
 
     def layer_uses_rope(self, layer: int) -> bool:
         """Whether ``layer`` applies the rotary embedding to q and k (False for SmolLM3's NoPE layers)."""
@@ -191,7 +209,7 @@ class LlamaConfig:
             raise UnsupportedConfigError(f"config.json 'partial_rotary_factor' = {cfg['partial_rotary_factor']!r}: "
                                          "partial RoPE is not implemented")
         if model_type == "phi3":
-            _check_phi3(cfg)
+            cfg = _check_phi3(cfg)
         elif "original_max_position_embeddings" in cfg:
             raise UnsupportedConfigError(f"config.json 'original_max_position_embeddings' at the top level of a "
                                          f"{model_type} model is not supported (it is read for phi3 only)")
@@ -220,6 +238,7 @@ class LlamaConfig:
         scaling, theta = _hf_rope(cfg)
         max_positions = int(get("max_position_embeddings"))
         scaling, max_positions = _complete_yarn(scaling, max_positions)
+        scaling = _complete_longrope(scaling, cfg, model_type, max_positions)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         # transformers' Qwen2 and Mistral attention ignore 'attention_bias' (Qwen2: q/k/v biases
@@ -296,29 +315,48 @@ _HF_DEFAULTS = {
 }
 
 
-def _check_phi3(cfg: Mapping) -> None:
-    """Refuse what transformers' ``Phi3ForCausalLM`` computes and this package does not.
+def _check_phi3(cfg: Mapping) -> dict:
+    """``cfg`` with Phi-3's RoPE type names as transformers reads them, or a refusal.
 
-    Its RoPE is the default one or LongRoPE (``rope_type`` "longrope", or "su"/"yarn", which
-    transformers renames to "longrope": not YaRN). LongRoPE picks its short or long factors
-    by the length of each forward call, so a cached key keeps the factors of the call that
-    wrote it; not implemented. ``original_max_position_embeddings`` is read by LongRoPE only.
+    transformers' ``Phi3Config`` renames the RoPE types "su" and "yarn" to "longrope" (LongRoPE,
+    not YaRN) and accepts only "default" and "longrope"; its ``original_max_position_embeddings``
+    (default 4096) is the pretrained context LongRoPE switches at.
 
     Raises:
-      UnsupportedConfigError: a RoPE scaling other than the default one (named).
+      UnsupportedConfigError: a RoPE type other than default and longrope (named).
       ValueError: ``original_max_position_embeddings`` is not a positive integer.
     """
+    cfg = dict(cfg)
     for key in ("rope_scaling", "rope_parameters"):
         form = cfg.get(key)
         if isinstance(form, Mapping):
             kind = form.get("rope_type") or form.get("type") or "default"
-            if kind != "default":
+            if kind in ("su", "yarn"):
+                form = {k: v for k, v in form.items() if k != "type"}
+                cfg[key] = form = {**form, "rope_type": "longrope"}
+                kind = "longrope"
+            if kind not in ("default", "longrope"):
                 raise UnsupportedConfigError(
-                    f"config.json {key!r} type {kind!r} of a phi3 model is LongRoPE (Phi-3 128K, Phi-3.5, "
-                    "Phi-4-mini), which is not implemented; supported: the default RoPE (Phi-3 4K, Phi-4)")
+                    f"config.json {key!r} type {kind!r} of a phi3 model is not supported (transformers' Phi3 "
+                    "takes 'default' and 'longrope')")
     orig = cfg.get("original_max_position_embeddings")
     if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig < 1):
         raise ValueError(f"config.json 'original_max_position_embeddings' must be a positive integer, got {orig!r}")
+    return cfg
+
+
+def _complete_longrope(scaling: tuple | None, cfg: Mapping, model_type: str, max_positions: int) -> tuple | None:
+    """A LongRoPE scaling's pretrained context as transformers sets it (``standardize_rope_params``):
+    a top-level ``original_max_position_embeddings`` wins (``Phi3Config`` always has one, 4096 by
+    default), else the scaling's own, else ``max_position_embeddings``."""
+    s = dict(scaling or {})
+    if s.get("rope_type") != "longrope":
+        return scaling
+    top = cfg.get("original_max_position_embeddings", 4096 if model_type == "phi3" else None)
+    if top is not None:
+        s["original_max_position_embeddings"] = int(top)
+    s.setdefault("original_max_position_embeddings", max_positions)
+    return tuple(sorted(s.items()))
 
 
 def _hf_rope(cfg: Mapping) -> tuple[tuple | None, float | None]:
@@ -477,9 +515,18 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
         if extra:
             raise UnsupportedConfigError(f"RoPE parameters {extra} with rope_type 'default' are not supported")
         return None
-    if kind not in ("llama3", "linear", "yarn"):
+    if kind not in ("llama3", "linear", "yarn", "longrope"):
         raise UnsupportedConfigError(
-            f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn")
+            f"unsupported RoPE scaling type {kind!r}; supported: default, linear, llama3, yarn, longrope")
+    if kind == "longrope":
+        items = {k: v for k, v in items.items() if v is not None or k in ("short_factor", "long_factor")}
+        for key in ("short_factor", "long_factor"):
+            value = items.get(key)
+            if not isinstance(value, (list, tuple)) or not value or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                    for x in value):
+                raise ValueError(f"RoPE scaling 'longrope' {key!r} must be a list of finite numbers > 0, got {value!r}")
+            items[key] = tuple(float(x) for x in value)
     if kind == "yarn":
         if "factor" not in items:  # transformers requires the key; null derives it (_complete_yarn)
             raise ValueError("RoPE scaling 'yarn' has no 'factor'")
@@ -492,11 +539,13 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
         items = {k: v for k, v in items.items() if v is not None}
     known = {"linear": {"factor"},
              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
-             "yarn": {"factor", *_YARN_OPTIONAL}}[kind]
+             "yarn": {"factor", *_YARN_OPTIONAL},
+             "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "factor",
+                          "attention_factor"}}[kind]
     extra = sorted(k for k in items if k not in known)
     if extra:
         raise UnsupportedConfigError(f"RoPE scaling {kind!r}: field(s) {extra} are not supported")
-    required = {"linear": {"factor"}, "llama3": known, "yarn": set()}[kind]
+    required = {"linear": {"factor"}, "llama3": known, "yarn": set(), "longrope": {"short_factor", "long_factor"}}[kind]
     missing = sorted(k for k in required if k not in items)
     if missing:
         # transformers 4 fails on a llama3 scaling without them and 5 fills some from other
@@ -504,6 +553,17 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
         raise ValueError(f"RoPE scaling {kind!r} has no {', '.join(map(repr, missing))}")
     if kind == "yarn":
         _check_yarn(items)
+    if kind == "longrope":
+        for key, low in (("factor", 0.0), ("attention_factor", 0.0)):
+            value = items.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= low):
+                raise ValueError(f"RoPE scaling 'longrope' {key!r} must be a finite number > 0, got {value!r}")
+        orig = items.get("original_max_position_embeddings")
+        if orig is not None and (isinstance(orig, bool) or not isinstance(orig, (int, float))
+                                 or not 1 <= orig <= MAX_POSITIONS or orig != int(orig)):
+            raise ValueError("RoPE scaling 'longrope' 'original_max_position_embeddings' must be a positive integer, "
+                             f"got {orig!r}")
     return tuple(sorted({**items, "rope_type": kind}.items()))
 
 
@@ -571,8 +631,13 @@ def yarn_context_length(scaling: Mapping, max_positions: int) -> int:
     return max(int(max_positions), int(extended))
 
 
-def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -> np.ndarray:
+def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None, long: bool = False) -> np.ndarray:
     """Inverse RoPE frequencies, float32 ``[D/2]`` (radians per position).
+
+    Under "longrope" (LongRoPE, Ding et al. 2024, arXiv 2402.13753; transformers'
+    ``_compute_longrope_parameters``): ``theta^(-2i/D) / short_factor[i]``, or ``/ long_factor[i]``
+    with ``long``; which applies where is :attr:`LlamaConfig.longrope_switch`'s rule
+    (:func:`magicpig_jax.models.llama.rope_frequencies`).
 
     ``theta^(-2i/D)``, then the configured scaling: "linear" divides by ``factor``;
     "llama3" applies Llama 3.1's wavelength-dependent scaling (as transformers'
@@ -602,6 +667,8 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None) -
         inv = inv / ff
     if not s:
         return inv.astype(np.float32)
+    if s["rope_type"] == "longrope":
+        return (inv / np.asarray(s["long_factor" if long else "short_factor"], np.float64)).astype(np.float32)
     factor = float(s["factor"])
     if s["rope_type"] == "linear":
         return (inv / factor).astype(np.float32)
@@ -644,7 +711,10 @@ def _yarn_inv_freq(inv: np.ndarray, config: LlamaConfig, s: Mapping) -> np.ndarr
 
 
 def rope_attention_factor(config: LlamaConfig) -> float:
-    """The factor RoPE's cos and sin are multiplied by (so q.k by its square): 1 but under YaRN.
+    """The factor RoPE's cos and sin are multiplied by (so q.k by its square): 1 but under YaRN
+    and LongRoPE (LongRoPE's ``attention_factor``, else ``sqrt(1 + ln(s) / ln(original))`` with
+    ``s`` its ``factor`` or ``max_position_embeddings / original``: transformers'
+    ``_compute_longrope_parameters``).
 
     YaRN's ``attention_factor`` when given, else ``mscale(factor, mscale) /
     mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor) = 0.1 ln(factor)
@@ -652,6 +722,14 @@ def rope_attention_factor(config: LlamaConfig) -> float:
     Eq. 22 and its DeepSeek variant); llama.cpp applies the same ``1 + 0.1 ln(factor)``.
     """
     s = dict(config.rope_scaling or {})
+    if s.get("rope_type") == "longrope":
+        # transformers: the given factor, else sqrt(1 + ln(s) / ln(original)) with s = the given
+        # 'factor' or max_position_embeddings / original (1 for s <= 1); for both factor sets
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        orig = float(s["original_max_position_embeddings"])
+        scale = float(s["factor"]) if s.get("factor") is not None else config.max_position_embeddings / orig
+        return 1.0 if scale <= 1.0 else float(math.sqrt(1.0 + math.log(scale) / math.log(orig)))
     if s.get("rope_type") != "yarn":
         return 1.0
     if s.get("attention_factor") is not None:

@@ -120,7 +120,7 @@ def prefill_chunk(graphdef, state, cache: KVCache, tokens, chunk_start, lengths)
     def attend(i, q, k_cache, v_cache):
         return _causal_block_attention(q, k_cache, v_cache, chunk_start, C, model.config.layer_window(i))
 
-    hidden = model.forward(tokens, positions, write_kv, attend)
+    hidden = model.forward(tokens, positions, write_kv, attend, lengths)
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths.astype(jnp.int32))
 
 

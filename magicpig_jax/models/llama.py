@@ -22,7 +22,7 @@ from magicpig_jax.models.config import LlamaConfig, rope_attention_factor, rope_
 from magicpig_jax.models.dequant import dequantize
 from magicpig_jax.models.linear import Linear, PackedWeight, dense_matmul, make_packed, packed_matmul
 
-__all__ = ["Llama", "RopeFrequencies", "apply_rope"]
+__all__ = ["Llama", "RopeFrequencies", "apply_rope", "rope_frequencies"]
 
 
 class RopeFrequencies(nnx.Variable):
@@ -48,6 +48,26 @@ def apply_rope(
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def rope_frequencies(config: LlamaConfig, short: Float[Array, " D2"], long: Float[Array, " D2"] | None,
+                     positions: Int[Array, "B T"], lengths: Int[Array, " B"] | None = None):
+    """The inverse RoPE frequencies each token rotates by: ``short`` ``[D/2]`` for every token, but
+    under LongRoPE ``[B, T, D/2]``: ``long`` where ``max(position, length - 1) >= switch``
+    (:attr:`LlamaConfig.longrope_switch`), else ``short``.
+
+    ``lengths`` are the rows' lengths of a prefill (its prompt), None in a decode step: as
+    transformers (``longrope_frequency_update``) picks the factors of a forward call by its
+    longest position, a prompt longer than the pretrained context is rotated with the long
+    factors throughout, a shorter one with the short ones, and each decode step by its own
+    position, so a cached key keeps the factors of the call that wrote it (one sequence per
+    call; transformers takes the longest row of a padded batch for every row).
+    """
+    switch = config.longrope_switch
+    if switch is None or long is None:
+        return short
+    reach = positions if lengths is None else jnp.maximum(positions, lengths[:, None] - 1)
+    return jnp.where((reach >= switch)[..., None], long, short)
 
 
 class RMSNorm(nnx.Module):
@@ -218,6 +238,9 @@ class Llama(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, rngs, dtype)
         self.inv_freq = RopeFrequencies(jnp.asarray(rope_inv_freq(config, freq_factors)))
+        # LongRoPE's long factors (None otherwise): rope_frequencies picks them per token
+        self.inv_freq_long = RopeFrequencies(jnp.asarray(rope_inv_freq(config, freq_factors, long=True))) \
+            if config.longrope_switch is not None else nnx.data(None)
         # The embedding table as GGUF rows [V, RB] (then embed_tokens is None); also the
         # output projection when it is tied.
         self.embed_packed: PackedWeight | None = nnx.data(None)
@@ -260,8 +283,12 @@ class Llama(nnx.Module):
         positions: Int[Array, "B T"],
         write_kv: WriteFn,
         attend: AttendFn,
+        lengths: Int[Array, " B"] | None = None,
     ) -> Float[Array, "B T H"]:
         """Run every block; return the final-normed hidden states ``[B, T, H]``.
+
+        ``lengths``: the rows' prompt lengths in a prefill (None in a decode step); only LongRoPE
+        reads them (:func:`rope_frequencies`).
 
         For each layer ``i``: ``k_cache, v_cache = write_kv(i, k, v)`` stores the
         new keys/values (``[B, T, Hkv, D]``) and returns the layer's cache, then
@@ -269,7 +296,8 @@ class Llama(nnx.Module):
         ``[B, T, Hq, D]`` for the queries ``q`` ``[B, T, Hq, D]``.
         """
         x = self.embed(tokens)
-        inv_freq = self.inv_freq[...]
+        long = None if self.inv_freq_long is None else self.inv_freq_long[...]
+        inv_freq = rope_frequencies(self.config, self.inv_freq[...], long, positions, lengths)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
             k_cache, v_cache = write_kv(i, k, v)
