@@ -48,17 +48,32 @@ def test_config_follows_transformers():
     assert rope_attention_factor(LlamaConfig.from_hf_config(
         {**BASE, "rope_scaling": longrope, "original_max_position_embeddings": 512,
          "max_position_embeddings": 8192})) == pytest.approx(np.sqrt(1 + np.log(16) / np.log(512)))
-    with pytest.raises(ValueError, match="'short_factor' needs head_dim / 2 = 4 values, got 3"):
+    with pytest.raises(ValueError, match="'short_factor' needs the rotated dims / 2 = 4 values, got 3"):
         LlamaConfig.from_hf_config({**BASE, "rope_scaling": {**longrope, "short_factor": [1.0] * 3}})
     with pytest.raises(ValueError, match="'long_factor' must be a list of finite numbers > 0"):
         LlamaConfig.from_hf_config({**BASE, "rope_scaling": {**longrope, "long_factor": [1.0, 0.0, 1.0, 1.0]}})
+    # Phi-4-mini's partial RoPE: the rope dict's fraction, else the top level's (transformers' Phi3Config)
+    assert LlamaConfig.from_hf_config({**BASE, "partial_rotary_factor": 0.5}).rotary_dim == 4
+    assert LlamaConfig.from_hf_config({**BASE, "partial_rotary_factor": 0.5, "rope_parameters": {
+        "rope_type": "default", "partial_rotary_factor": 1.0}}).rope_dim is None
+    with pytest.raises(UnsupportedConfigError, match="rotates 3 of the 8 dimensions"):
+        LlamaConfig.from_hf_config({**BASE, "partial_rotary_factor": 0.375})
     with pytest.raises(UnsupportedConfigError, match="partial RoPE is not implemented"):
-        LlamaConfig.from_hf_config({**BASE, "partial_rotary_factor": 0.75})  # Phi-4-mini
+        LlamaConfig.from_hf_config({**BASE, "model_type": "llama", "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match="'original_max_position_embeddings' must be a positive integer"):
         LlamaConfig.from_hf_config({**BASE, "original_max_position_embeddings": 0})
-    # read for phi3 only: elsewhere an unknown top-level field, refused as before
-    with pytest.raises(UnsupportedConfigError, match="'original_max_position_embeddings' at the top level of a llama"):
-        LlamaConfig.from_hf_config({**BASE, "model_type": "llama", "original_max_position_embeddings": 4096})
+    # read for phi3 only: elsewhere an unknown field, refused as before
+    for key, value in (("original_max_position_embeddings", 4096), ("full_attn_mod", 1)):
+        with pytest.raises(UnsupportedConfigError, match=f"field\\(s\\) '{key}' of this llama model are not"):
+            LlamaConfig.from_hf_config({**BASE, "model_type": "llama", key: value})
+    # Phi-4-mini's and Phi-3's published fields for their remote code: accepted at the values
+    # transformers' own Phi3 computes, refused otherwise
+    neutral = {"auto_map": {"AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"}, "full_attn_mod": 1,
+               "interpolate_factor": 1, "lm_head_bias": False}
+    assert LlamaConfig.from_hf_config({**BASE, **neutral}) == LlamaConfig.from_hf_config(BASE)
+    for key, value in (("full_attn_mod", 2), ("interpolate_factor", 4), ("lm_head_bias", True)):
+        with pytest.raises(UnsupportedConfigError, match=f"'{key}' = {value!r} is not supported"):
+            LlamaConfig.from_hf_config({**BASE, key: value})
 
 
 def test_fused_matrices_of_the_wrong_size_are_refused(tmp_path):
@@ -71,6 +86,13 @@ def test_fused_matrices_of_the_wrong_size_are_refused(tmp_path):
     save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=r"'model.layers.1.mlp.gate_up_proj.weight' has shape \(191, 64\); "
                                          r"96 \+ 96 = 192 rows \(gate_proj, up_proj\) expected"):
+        load_model(folder)
+    # Llama's unfused names in a phi3 checkpoint: transformers' Phi3 would leave its fused matrices random
+    gate_up = weights.pop("model.layers.1.mlp.gate_up_proj.weight")
+    weights["model.layers.1.mlp.gate_proj.weight"] = gate_up[:95]
+    weights["model.layers.1.mlp.up_proj.weight"] = gate_up[95:]
+    save_file(weights, str(folder / "model.safetensors"))
+    with pytest.raises(UnsupportedConfigError, match="'model.layers.1.mlp.gate_proj.weight': a phi3 checkpoint holds"):
         load_model(folder)
 
 
@@ -225,3 +247,18 @@ def test_longrope_gguf_and_checkpoint(tmp_path):
         assert model.config.longrope_switch == 16 and read_model_config(p) == model.config
         assert float(np.abs(forward_logits(model, ids) - ref["logits"]).max()) <= TOLERANCE
         assert float(np.abs(forward_logits(model, ids[:12]) - ref["short_logits"]).max()) <= TOLERANCE
+
+
+def test_partial_rope_follows_transformers(tmp_path):
+    """Phi-4-mini's layout: RoPE on the leading half of each head (``partial_rotary_factor`` 0.5), with
+    LongRoPE factors for those frequencies (``phi3_partial``); HF, GGUF (``rope.dimension_count`` 8 of
+    16, as llama.cpp's converter writes it) and orbax."""
+    ref = dict(np.load(FIXTURES / "phi3_partial_logits.npz"))
+    folder = _longrope_dir(tmp_path, ref)
+    ids = ref["prompt_ids"].tolist()
+    gguf = write_gguf(folder, tmp_path / "p.gguf", spm_vocab=_spm_vocab())
+    for path in (folder, gguf, convert_model(gguf, tmp_path / "ckpt")):
+        model = load_model(path)
+        assert (model.config.rope_dim, model.config.longrope_switch) == (8, 16)
+        assert float(np.abs(forward_logits(model, ids) - ref["logits"]).max()) <= TOLERANCE, path
+        assert float(np.abs(forward_logits(model, ids[:12]) - ref["short_logits"]).max()) <= TOLERANCE, path

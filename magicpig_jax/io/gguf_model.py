@@ -363,13 +363,17 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         raise UnsupportedConfigError(
             f"{path}: {arch}.attention.value_length = {value_length} differs from the key length {head_dim}")
     rope_dims = _field(reader, f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) < head_dim:
+    if rope_dims is not None and int(rope_dims) < head_dim and (arch != "phi3" or int(rope_dims) % 2
+                                                                or int(rope_dims) < 2):
+        # llama.cpp's phi3 rotates the leading rope.dimension_count dims (NEOX), as transformers' Phi3
         raise UnsupportedConfigError(
-            f"{path}: {arch}.rope.dimension_count = {rope_dims} < head dim {head_dim}: partial RoPE is not implemented")
+            f"{path}: {arch}.rope.dimension_count = {rope_dims} < head dim {head_dim}: partial RoPE is not implemented"
+            + (" (an even count of at least 2 is)" if arch == "phi3" else f" for {arch}"))
     if rope_dims is not None and int(rope_dims) > head_dim:
         raise GGUFMetadataError(
             f"{path}: {arch}.rope.dimension_count = {rope_dims} exceeds the head dim {head_dim}")
-    scaling = _longrope(reader, tensors, arch, path, head_dim)
+    rope_dim = int(rope_dims) if rope_dims is not None and int(rope_dims) < head_dim else None
+    scaling = _longrope(reader, tensors, arch, path, rope_dim or head_dim)
     if scaling is None:
         scaling = _rope_scaling(reader, arch, path)
     context = int(_required(reader, f"{arch}.context_length", path))
@@ -414,6 +418,7 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         # SmolLM3's NoPE layers (transformers' default layer_types); llama.cpp ignores the key here
         sliding_layers=nope if arch == "smollm3" else None,
         nope_layers=nope,
+        rope_dim=rope_dim,
     ), tensors
 
 
@@ -421,6 +426,7 @@ _LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 
 def _longrope(reader, tensors: dict, arch: str, path: Path, head_dim: int) -> tuple | None:
+    # head_dim: the dimensions RoPE rotates (rope.dimension_count under partial RoPE)
     """A phi3 file's LongRoPE (Phi-3 128K, Phi-3.5) as a normalized "longrope" scaling, or None.
 
     llama.cpp's converter writes the short and long factors as the tensors
@@ -451,7 +457,8 @@ def _longrope(reader, tensors: dict, arch: str, path: Path, head_dim: int) -> tu
         t = tensors[name]
         values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
         if values.shape != (head_dim // 2,) or not (np.isfinite(values).all() and (values > 0).all()):
-            raise GGUFMetadataError(f"{path}: {name} must hold head dim / 2 = {head_dim // 2} finite values > 0")
+            raise GGUFMetadataError(
+                f"{path}: {name} must hold the rotated dims / 2 = {head_dim // 2} finite values > 0")
         factors[name.split("_")[2].split(".")[0] + "_factor"] = values.tolist()
     orig = _number(reader, f"{arch}.rope.scaling.original_context_length", path)
     if orig is None:

@@ -88,7 +88,8 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
         file that ``model.safetensors.index.json`` names.
       UnsupportedConfigError (a ValueError): the model type or a config field is not
         supported (see :meth:`LlamaConfig.from_hf_config`).
-      ValueError: a fused phi3 matrix does not have the rows its parts need (named).
+      ValueError: a fused phi3 matrix does not have the rows its parts need (named); an unfused
+        q/k/v or gate/up matrix in a phi3 checkpoint (UnsupportedConfigError).
     """
     folder = Path(folder)
     config = read_hf_config(folder)
@@ -112,6 +113,10 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     return config, {key: value for name in list(raw) for key, value in [_held(name, raw.pop(name))]}
 
 
+_UNFUSED = tuple(f"{part}.weight" for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                "mlp.gate_proj", "mlp.up_proj"))
+
+
 def _split_fused(config: LlamaConfig, name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """A phi3 weight under the Llama names: ``qkv_proj`` as q, k, v rows and ``gate_up_proj`` as
     gate, up rows (views, no copy); any other weight as it is."""
@@ -123,6 +128,10 @@ def _split_fused(config: LlamaConfig, name: str, value: np.ndarray) -> list[tupl
     elif name.endswith("mlp.gate_up_proj.weight"):
         prefix, sizes = name[: -len("gate_up_proj.weight")], {"gate_proj": config.intermediate_size,
                                                               "up_proj": config.intermediate_size}
+    elif name.endswith(_UNFUSED):
+        # transformers' Phi3 reads only the fused matrices: it would initialise them at random here
+        raise UnsupportedConfigError(f"weight {name!r}: a phi3 checkpoint holds q/k/v as self_attn.qkv_proj and "
+                                     "gate/up as mlp.gate_up_proj (transformers' Phi3 does not read unfused ones)")
     else:
         return [(name, value)]
     if value.ndim != 2 or value.shape[0] != sum(sizes.values()):

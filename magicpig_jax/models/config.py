@@ -54,6 +54,8 @@ class LlamaConfig:
         (Mistral's, and a GGUF's ``attention.sliding_window``); ignored without a window.
       nope_layers: layers whose q and k get no rotary embedding (SmolLM3's ``no_rope_layers``
         zeros, every 4th layer: "NoPE").
+      rope_dim: the leading dimensions of each head that RoPE rotates (partial RoPE: Phi-3's
+        ``partial_rotary_factor``, a GGUF's ``rope.dimension_count``); None for all D.
 
     Raises:
       ValueError: inconsistent sizes (e.g. Hq not a multiple of Hkv).
@@ -78,6 +80,7 @@ class LlamaConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] | None = None
     nope_layers: tuple[int, ...] = ()
+    rope_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -91,6 +94,10 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_dim is not None and (isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int)
+                                          or self.rope_dim % 2 or not 2 <= self.rope_dim <= self.head_dim):
+            raise ValueError(f"rope_dim must be an even int in [2, head_dim = {self.head_dim}] or None, "
+                             f"got {self.rope_dim!r}")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -106,9 +113,9 @@ class LlamaConfig:
                                  "(LlamaConfig.from_hf_config fills them from max_position_embeddings)")
         if scaling.get("rope_type") == "longrope":
             for key in ("short_factor", "long_factor"):
-                if len(scaling.get(key) or ()) != self.head_dim // 2:
-                    raise ValueError(f"rope_scaling 'longrope' {key!r} needs head_dim / 2 = {self.head_dim // 2} "
-                                     f"values, got {len(scaling.get(key) or ())}")
+                if len(scaling.get(key) or ()) != self.rotary_dim // 2:
+                    raise ValueError(f"rope_scaling 'longrope' {key!r} needs the rotated dims / 2 = "
+                                     f"{self.rotary_dim // 2} values, got {len(scaling.get(key) or ())}")
             if scaling.get("original_max_position_embeddings") is None or \
                     int(scaling["original_max_position_embeddings"]) < 2:
                 raise ValueError("rope_scaling 'longrope' needs 'original_max_position_embeddings' >= 2 "
@@ -145,6 +152,11 @@ class LlamaConfig:
         clipped at 0 with a window W, else None (every key)."""
         window = self.layer_window(layer)
         return None if window is None else first_visible_key(pos, window)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head RoPE rotates: :attr:`rope_dim`, else ``head_dim``."""
+        return self.head_dim if self.rope_dim is None else self.rope_dim
 
     @property
     def longrope_switch(self) -> int | None:
@@ -184,7 +196,8 @@ class LlamaConfig:
         if model_type not in HF_MODEL_TYPES:
             raise UnsupportedConfigError(
                 f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(HF_MODEL_TYPES)}")
-        unknown = sorted(k for k in cfg if k not in _HF_HANDLED_KEYS and k not in _HF_IGNORED_KEYS)
+        unknown = sorted(k for k in cfg if k not in _HF_HANDLED_KEYS and k not in _HF_IGNORED_KEYS
+                         and k not in _HF_TYPE_KEYS.get(model_type, ()))
         if unknown:
             raise UnsupportedConfigError(
                 f"config.json field(s) {', '.join(map(repr, unknown))} of this {model_type} model are not "
@@ -205,14 +218,14 @@ class LlamaConfig:
         require("hidden_act", ("silu", "swish"), "only SwiGLU with silu (transformers' 'swish') is implemented")
         require("mlp_bias", (False, None), "MLP biases are not implemented")
         require("use_mrope", (False, None), "multimodal RoPE is not implemented")
+        rope_fraction = None
+        if model_type == "phi3":  # Phi-4-mini: RoPE on the leading fraction of each head (transformers' Phi3)
+            cfg, rope_fraction = _phi3_partial_rotary(cfg)
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedConfigError(f"config.json 'partial_rotary_factor' = {cfg['partial_rotary_factor']!r}: "
                                          "partial RoPE is not implemented")
         if model_type == "phi3":
             cfg = _check_phi3(cfg)
-        elif "original_max_position_embeddings" in cfg:
-            raise UnsupportedConfigError(f"config.json 'original_max_position_embeddings' at the top level of a "
-                                         f"{model_type} model is not supported (it is read for phi3 only)")
         if cfg.get("quantization_config") is not None:
             raise UnsupportedConfigError(
                 "config.json 'quantization_config': quantized HF checkpoints are not supported")
@@ -245,6 +258,14 @@ class LlamaConfig:
         # always, no o bias; Mistral: none); Llama and Qwen3 put it on q, k, v and o.
         attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3", "smollm3")
         num_layers = int(get("num_hidden_layers"))
+        head_dim = int(get("head_dim") or hidden // num_heads)
+        rope_dim = None
+        if rope_fraction is not None and rope_fraction != 1.0:
+            rope_dim = int(head_dim * rope_fraction)  # transformers: int(head_dim * partial_rotary_factor)
+            if rope_dim < 2 or rope_dim % 2:
+                raise UnsupportedConfigError(
+                    f"config.json 'partial_rotary_factor' = {rope_fraction!r} rotates {rope_dim} of the {head_dim} "
+                    "dimensions of a head: an even number of at least 2 is needed")
         nope = _hf_nope_layers(cfg, model_type, num_layers)
         window, window_layers = _hf_sliding_window(cfg, model_type, num_layers, nope)
         return cls(
@@ -254,7 +275,7 @@ class LlamaConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(get("num_key_value_heads") or num_heads),
-            head_dim=int(get("head_dim") or hidden // num_heads),
+            head_dim=head_dim,
             rope_theta=float(theta if theta is not None else 10000.0),
             rope_scaling=scaling,
             rms_norm_eps=float(get("rms_norm_eps")),
@@ -267,6 +288,7 @@ class LlamaConfig:
             sliding_window=window,
             sliding_layers=window_layers,
             nope_layers=nope,
+            rope_dim=rope_dim,
         )
 
 
@@ -276,8 +298,11 @@ _HF_HANDLED_KEYS = frozenset({
     "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
     "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "hidden_act", "attention_bias", "mlp_bias",
     "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
-    "quantization_config", "use_mrope", "no_rope_layers", "no_rope_layer_interval", "original_max_position_embeddings",
+    "quantization_config", "use_mrope", "no_rope_layers", "no_rope_layer_interval",
 })
+# Fields read for one model type only (refused as unknown elsewhere).
+_HF_TYPE_KEYS = {"phi3": frozenset({"original_max_position_embeddings", "full_attn_mod", "interpolate_factor",
+                                    "lm_head_bias"})}
 # Fields that do not change the forward pass: ids, dtypes, training and generation settings, bookkeeping.
 # ``pretraining_tp`` only splits transformers' matmuls into slices (the same product).
 _HF_IGNORED_KEYS = frozenset({
@@ -293,6 +318,9 @@ _HF_IGNORED_KEYS = frozenset({
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "cross_attention_hidden_size",
     "_attn_implementation_autoset", "model_max_length", "resid_pdrop", "embd_pdrop",
+    # the repository's own modeling code, which transformers runs only with trust_remote_code; its
+    # built-in class (what this package matches) ignores the field
+    "auto_map",
 })
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # transformers' defaults for fields missing from config.json (transformers 5 configuration classes).
@@ -327,6 +355,14 @@ def _check_phi3(cfg: Mapping) -> dict:
       ValueError: ``original_max_position_embeddings`` is not a positive integer.
     """
     cfg = dict(cfg)
+    # Phi-4-mini's config.json fields for its remote modeling code; transformers' Phi3 reads none of
+    # them, which is right only at these values (full attention in every layer, no extra
+    # interpolation, no output bias)
+    for key, neutral in (("full_attn_mod", 1), ("interpolate_factor", 1), ("lm_head_bias", False)):
+        value = cfg.pop(key, neutral)
+        if isinstance(value, bool) is not isinstance(neutral, bool) or value != neutral:
+            raise UnsupportedConfigError(f"config.json {key!r} = {value!r} is not supported "
+                                         f"(only {neutral!r}, which transformers' Phi3 computes)")
     for key in ("rope_scaling", "rope_parameters"):
         form = cfg.get(key)
         if isinstance(form, Mapping):
@@ -343,6 +379,27 @@ def _check_phi3(cfg: Mapping) -> dict:
     if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig < 1):
         raise ValueError(f"config.json 'original_max_position_embeddings' must be a positive integer, got {orig!r}")
     return cfg
+
+
+def _phi3_partial_rotary(cfg: Mapping) -> tuple[dict, float]:
+    """``(cfg without it, the fraction of each head RoPE rotates)`` as transformers' ``Phi3Config``
+    reads ``partial_rotary_factor``: from the RoPE dict in use (``rope_scaling``, else
+    ``rope_parameters``), else the top level, else 1.
+
+    Raises:
+      ValueError: a fraction that is not a number in (0, 1].
+    """
+    cfg = dict(cfg)
+    fraction = cfg.pop("partial_rotary_factor", 1.0)
+    used = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters" if cfg.get("rope_parameters") else None
+    if used is not None and isinstance(cfg[used], Mapping):
+        fraction = cfg[used].get("partial_rotary_factor", fraction)
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(cfg.get(key), Mapping):
+            cfg[key] = {k: v for k, v in cfg[key].items() if k != "partial_rotary_factor"}
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"config.json 'partial_rotary_factor' must be a number in (0, 1], got {fraction!r}")
+    return cfg, float(fraction)
 
 
 def _complete_longrope(scaling: tuple | None, cfg: Mapping, model_type: str, max_positions: int) -> tuple | None:
@@ -655,7 +712,7 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None, l
         with a "llama3" scaling (the factors are that scaling, precomputed); a
         "llama3" scaling lacks one of its keys.
     """
-    D = config.head_dim
+    D = config.rotary_dim  # partial RoPE: the frequencies of the rotated dimensions only
     inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
     s = dict(config.rope_scaling or {})
     if freq_factors is not None:
@@ -690,7 +747,7 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None, l
 
 def _yarn_inv_freq(inv: np.ndarray, config: LlamaConfig, s: Mapping) -> np.ndarray:
     """YaRN's frequencies ``[D/2]`` (float64) from the unscaled ones ``inv``."""
-    D, base = config.head_dim, config.rope_theta
+    D, base = config.rotary_dim, config.rope_theta
     orig = float(s.get("original_max_position_embeddings", config.max_position_embeddings))
     # transformers reads a beta of 0 or None as its default (``or``)
     beta_fast = float(s.get("beta_fast") or 32.0)

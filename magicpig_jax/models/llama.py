@@ -38,8 +38,14 @@ def apply_rope(
     ``x * cos + rotate_half(x) * sin`` with angles ``positions * inv_freq`` (Su et al.,
     RoFormer; matches transformers' ``apply_rotary_pos_emb``). ``scale`` multiplies cos and
     sin, as transformers' ``attention_scaling`` does: YaRN's attention factor
-    (:func:`magicpig_jax.models.config.rope_attention_factor`), 1 otherwise.
+    (:func:`magicpig_jax.models.config.rope_attention_factor`), 1 otherwise. With fewer
+    frequencies than ``D / 2`` (partial RoPE, ``inv_freq`` ``[R/2]``) the leading R dimensions
+    are rotated and the rest pass through, as transformers' Phi3 does.
     """
+    rotated_dims = 2 * inv_freq.shape[-1]
+    if rotated_dims < x.shape[-1]:
+        head = apply_rope(x[..., :rotated_dims], positions, inv_freq, scale)
+        return jnp.concatenate([head, x[..., rotated_dims:]], axis=-1)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
