@@ -376,7 +376,7 @@ def test_read_gguf_config_refusals_name_the_key(tmp_path):
     refused(UnsupportedConfigError, lambda p: f"{p}: llama.attention.value_length = 4 differs from the key length {D}",
             kv={"llama.attention.value_length": 4})
     refused(UnsupportedConfigError, lambda p: f"{p}: llama.rope.dimension_count = 4 < head dim {D}: partial RoPE is "
-                                              "not implemented", kv={"llama.rope.dimension_count": 4})
+                                              "not implemented for llama", kv={"llama.rope.dimension_count": 4})
     refused(UnsupportedConfigError, lambda p: f"{p}: llama.rope.scaling.type = 'longrope' is not implemented "
                                               "(supported: none, linear, yarn; Llama 3.1 scaling comes as the "
                                               "rope_freqs.weight tensor)",
