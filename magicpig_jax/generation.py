@@ -172,7 +172,11 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
     the state) and the logits at each prefix's last position. ``magicpig-jax eval`` uses it for
     RULER's two setups of one sample (the question inside the prefill, or decoded after the
     document). A decode from the prefix state overwrites the cached positions past the prefix
-    as it appends; nothing reads them before (every attention masks by the row lengths).
+    as it appends; nothing reads them before (every attention masks by the row lengths). Under
+    LongRoPE a prompt longer than the pretrained context is rotated with the long factors, a
+    prefix within it with the short ones (:func:`magicpig_jax.models.llama.rope_frequencies`):
+    when a row's prefix and prompt fall on two sides of it, the prefixes get a prefill of their
+    own (with room for the rest of the prompt and ``max_new_tokens``).
 
     Args:
       model, prompts, max_new_tokens, cache_dtype: as :func:`prefill` (capacity for the prompts).
@@ -189,6 +193,13 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
     for b, (n, p) in enumerate(zip(prefix_lengths, prompts, strict=True)):
         if not 1 <= int(n) <= len(p):
             raise ValueError(f"prefix_lengths[{b}] must be in [1, {len(p)}], got {n}")
+    switch = model.config.longrope_switch
+    if switch is not None and any(int(n) <= switch < len(p) for n, p in zip(prefix_lengths, prompts, strict=True)):
+        full = prefill(model, prompts, max_new_tokens, cache_dtype=cache_dtype)
+        extra = max(len(p) - int(n) for n, p in zip(prefix_lengths, prompts, strict=True)) + max_new_tokens
+        part = prefill(model, [list(p[:int(n)]) for n, p in zip(prefix_lengths, prompts, strict=True)], extra,
+                       cache_dtype=cache_dtype)
+        return full, part
     full, hidden = _prefill(model, prompts, max_new_tokens, False, cache_dtype, [int(n) for n in prefix_lengths])
     graphdef, params = nnx.split(model.module)
     prefix = np.asarray(prefix_lengths, np.int32)

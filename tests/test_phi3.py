@@ -262,3 +262,30 @@ def test_partial_rope_follows_transformers(tmp_path):
         assert (model.config.rope_dim, model.config.longrope_switch) == (8, 16)
         assert float(np.abs(forward_logits(model, ids) - ref["logits"]).max()) <= TOLERANCE, path
         assert float(np.abs(forward_logits(model, ids[:12]) - ref["short_logits"]).max()) <= TOLERANCE, path
+
+
+def test_longrope_prefix_states_and_bad_values(tmp_path):
+    """Review findings: a prefix within the pretrained context of a prompt past it is rotated with the
+    short factors (its own prefill; the shared one would carry the prompt's long factors); a GGUF
+    without ``rope.scaling.attn_factor`` scales by 1, as llama.cpp reads it; out-of-range contexts and
+    factors whose frequencies overflow float32 are refused at load."""
+    from magicpig_jax.generation import prefill_with_prefixes
+
+    ref = dict(np.load(FIXTURES / "phi3_longrope_logits.npz"))
+    folder = _longrope_dir(tmp_path, ref)
+    model = load_model(folder)
+    ids = ref["prompt_ids"].tolist()
+    full, part = prefill_with_prefixes(model, [ids], [12], 4)
+    assert float(np.abs(np.asarray(full.last_logits[0]) - ref["logits"][-1]).max()) <= TOLERANCE
+    assert float(np.abs(np.asarray(part.last_logits[0]) - ref["short_logits"][-1]).max()) <= TOLERANCE
+    assert part.cache.capacity >= 36 + 4 and list(part.prompt_lengths) == [12]
+    path = write_gguf(folder, tmp_path / "lr.gguf", spm_vocab=_spm_vocab(),
+                      metadata={"phi3.rope.scaling.attn_factor": None})
+    assert rope_attention_factor(load_model(path).config) == 1.0
+    cfg = json.loads((folder / "config.json").read_text())
+    for changes, message in (({"original_max_position_embeddings": 2**31}, "at most 2147483647"),
+                             ({"original_max_position_embeddings": None}, "must be a positive integer"),
+                             ({"rope_parameters": {**cfg["rope_parameters"], "short_factor": [1e-300] * 8}},
+                              "short_factor gives frequencies that overflow float32")):
+        with pytest.raises(ValueError, match=message):
+            LlamaConfig.from_hf_config({**cfg, **changes})

@@ -432,9 +432,10 @@ def _longrope(reader, tensors: dict, arch: str, path: Path, head_dim: int) -> tu
     llama.cpp's converter writes the short and long factors as the tensors
     ``rope_factors_short``/``rope_factors_long`` (float ``[D/2]``), the pretrained context as
     ``rope.scaling.original_context_length`` and transformers' attention factor as
-    ``rope.scaling.attn_factor``. Which factors a token uses follows transformers (by the
-    prompt's length, then each decode step's position: :func:`magicpig_jax.models.llama.rope_frequencies`);
-    llama.cpp picks one set for a whole run by its context size.
+    ``rope.scaling.attn_factor`` (absent: 1, as llama.cpp reads such a file). Which factors a
+    token uses follows transformers (by the prompt's length, then each decode step's position:
+    :func:`magicpig_jax.models.llama.rope_frequencies`); llama.cpp picks one set for a whole run
+    by its context size.
 
     Raises:
       UnsupportedConfigError: only one of the two tensors, or LongRoPE tensors in another
@@ -464,6 +465,8 @@ def _longrope(reader, tensors: dict, arch: str, path: Path, head_dim: int) -> tu
     if orig is None:
         _required(reader, f"{arch}.rope.scaling.original_context_length", path)
     attn = _number(reader, f"{arch}.rope.scaling.attn_factor", path)
+    if attn is None:  # llama.cpp then scales by 1 (transformers would derive one: the file says none)
+        attn = 1.0
     try:
         return normalize_rope_scaling({"rope_type": "longrope", **factors, "original_max_position_embeddings": orig,
                                        "attention_factor": attn})

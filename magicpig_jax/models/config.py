@@ -117,9 +117,15 @@ class LlamaConfig:
                     raise ValueError(f"rope_scaling 'longrope' {key!r} needs the rotated dims / 2 = "
                                      f"{self.rotary_dim // 2} values, got {len(scaling.get(key) or ())}")
             if scaling.get("original_max_position_embeddings") is None or \
-                    int(scaling["original_max_position_embeddings"]) < 2:
-                raise ValueError("rope_scaling 'longrope' needs 'original_max_position_embeddings' >= 2 "
-                                 "(LlamaConfig.from_hf_config fills it as transformers does)")
+                    not 2 <= int(scaling["original_max_position_embeddings"]) <= MAX_POSITIONS:
+                raise ValueError(f"rope_scaling 'longrope' needs 'original_max_position_embeddings' in [2, "
+                                 f"{MAX_POSITIONS}] (LlamaConfig.from_hf_config fills it as transformers does)")
+            for long in (False, True):  # a tiny factor overflows float32's 1 / (factor * theta^...)
+                with np.errstate(over="ignore"):
+                    finite = np.isfinite(rope_inv_freq(self, long=long)).all()
+                if not finite:
+                    raise ValueError(f"rope_scaling 'longrope' {'long' if long else 'short'}_factor gives "
+                                     "frequencies that overflow float32 (a factor too close to 0)")
         if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
                 self.sliding_window, int) or not 1 <= self.sliding_window <= MAX_POSITIONS):
             raise ValueError(f"sliding_window must be an int in [1, {MAX_POSITIONS}] (int32 positions) or None, "
@@ -375,9 +381,10 @@ def _check_phi3(cfg: Mapping) -> dict:
                 raise UnsupportedConfigError(
                     f"config.json {key!r} type {kind!r} of a phi3 model is not supported (transformers' Phi3 "
                     "takes 'default' and 'longrope')")
-    orig = cfg.get("original_max_position_embeddings")
-    if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig < 1):
-        raise ValueError(f"config.json 'original_max_position_embeddings' must be a positive integer, got {orig!r}")
+    orig = cfg.get("original_max_position_embeddings", 4096)
+    if isinstance(orig, bool) or not isinstance(orig, int) or not 1 <= orig <= MAX_POSITIONS:
+        raise ValueError(f"config.json 'original_max_position_embeddings' must be a positive integer at most "
+                         f"{MAX_POSITIONS} (int32 positions), got {orig!r}")
     return cfg
 
 
