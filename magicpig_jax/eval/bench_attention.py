@@ -43,7 +43,7 @@ class _CopyEvict:
     minutes)."""
 
     def __init__(self):
-        n = max(256 << 20, 4 * _llc_bytes()) // 8
+        n = _evict_bytes() // 8
         self.src = np.ones(n, np.float64)
         self.dst = np.empty_like(self.src)
         np.copyto(self.dst, self.src)  # fault the pages in
@@ -53,6 +53,11 @@ class _CopyEvict:
         t = time.perf_counter()
         np.copyto(self.dst, self.src)
         self.last_bytes_per_s = self.src.nbytes / (time.perf_counter() - t)
+
+
+def _evict_bytes() -> int:
+    """Bytes each cold call's copy moves: at least 256 MiB and 4x the largest CPU cache."""
+    return max(256 << 20, 4 * _llc_bytes())
 
 
 def _llc_bytes() -> int:
@@ -342,10 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_end = _copy_bandwidth()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     meta = {"reps": args.reps, "huge_pages": args.huge_pages, "llc_bytes": _llc_bytes(),
-            "timing": "op alone and op + static + merge interleaved, each call after a timed copy of 256 MiB "
-                      "(>= 4x the LLC: cold, as in a decode step); *_warm: the same calls back to back (the query's "
-                      "rows partly in L3); fraction_of_copy_bw: the cold median against the copy at the run's "
-                      "start; fraction_of_copy_bw_paired: median over the cold calls of each against the copy "
+            "timing": "op alone and op + static + merge interleaved, each call after a timed copy of "
+                      f"{_evict_bytes() >> 20} MiB (>= 4x the LLC and >= 256 MiB: cold, as in a decode step); "
+                      "*_warm: the same calls back to back (the query's rows partly in L3); "
+                      "fraction_of_copy_bw: the cold median against the copy at the run's start; "
+                      "fraction_of_copy_bw_paired: median over the cold calls of each against the copy "
                       "just before it"}
     with open(args.out + ".json", "w") as f:
         json.dump({"copy_GBps": copy_bw / 1e9, "copy_GBps_end": copy_end / 1e9, "meta": meta, "results": results},
