@@ -76,8 +76,10 @@ def _as_dicts(value):
     """Dataclass and pydantic objects (and those inside lists, tuples and mappings) as dicts."""
     if isinstance(value, Mapping):
         return {k: _as_dicts(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_as_dicts(v) for v in value)
+    if isinstance(value, list):
+        return [_as_dicts(v) for v in value]
+    if isinstance(value, tuple):  # a namedtuple too: a plain tuple of its fields, as transformers
+        return tuple(_as_dicts(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _as_dicts(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):

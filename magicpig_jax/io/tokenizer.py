@@ -222,8 +222,10 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass chat=False to use the raw prompt")
+        # a caller's bos_token / eos_token override the model's, as in transformers
+        bos, eos = kwargs.pop("bos_token", self.bos_token), kwargs.pop("eos_token", self.eos_token)
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token, **kwargs)
+                                    bos_token=bos, eos_token=eos, **kwargs)
 
     def encode_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
                     parse_special: bool = False, **kwargs) -> list[int]:
@@ -249,27 +251,56 @@ class Tokenizer:
             return self._add_special(ids, eos=False)
         specials = sorted(set(self.special_tokens), key=len, reverse=True)
         pattern = re.compile("|".join(re.escape(s) for s in specials))
-        # each special string in a content becomes a private-use character that nothing else contains
+        # Each special string in a caller's string becomes a private-use character that nothing
+        # else contains; so do the characters at a string's ends that could complete a special
+        # with the caller's next string (a suffix of a special at its start, a prefix at its end):
+        # "hi<|im_" + "end|>" from two content blocks must stay text. (Templates compare strings
+        # such as a block's type "text": those are left as they are.)
         used = set("".join(_strings([messages, kwargs]))) | set(self.chat_template or "")
-        marks = {}
         code = 0xF0000
-        for s in specials:
+
+        def fresh() -> str:
+            nonlocal code
             while chr(code) in used:
                 code += 1
-            marks[s] = chr(code)
             code += 1
+            return chr(code - 1)
+
+        marks = {s: fresh() for s in specials}
         originals = {m: s for s, m in marks.items()}
+        piece_marks: dict[str, str] = {}  # a character at a string's end -> its mark
+
+        def mark_chars(part: str) -> str:
+            for ch in part:
+                if ch not in piece_marks:
+                    piece_marks[ch] = fresh()
+            return "".join(piece_marks[ch] for ch in part)
+
+        def edge(text: str, at_start: bool) -> int:
+            """Length of the longest proper suffix (at_start) / prefix of a special that ``text``
+            starts / ends with."""
+            best = 0
+            for s in specials:
+                for k in range(min(len(s) - 1, len(text)), best, -1):
+                    if (text.startswith(s[-k:]) if at_start else text.endswith(s[:k])):
+                        best = k
+                        break
+            return best
+
         def escape(text: str) -> str:
-            return pattern.sub(lambda x: marks[x.group(0)], text)
+            head, tail = edge(text, True), edge(text, False)
+            if head + tail >= len(text):
+                return mark_chars(text)
+            middle = pattern.sub(lambda x: marks[x.group(0)], text[head:len(text) - tail])
+            return mark_chars(text[:head]) + middle + mark_chars(text[len(text) - tail:])
 
         rendered = self.apply_chat_template(_map_strings(list(messages), escape), add_generation_prompt,
                                             **_map_strings(kwargs, escape))
-        if not any(m in rendered for m in originals):
-            return self._add_special(self.encode(rendered), eos=False)
-        # the real text, and where the users' special strings are in it
+        pieces = {m: ch for ch, m in piece_marks.items()}
+        # the real text, and where the callers' special strings and marked characters are in it
         text_parts, user_spans, pos = [], [], 0
         for ch in rendered:
-            s = originals.get(ch)
+            s = originals.get(ch) or pieces.get(ch)
             if s is None:
                 text_parts.append(ch)
                 pos += 1
@@ -280,6 +311,11 @@ class Tokenizer:
         text = "".join(text_parts)
         enc = self.backend.encode(text, add_special_tokens=False)
         special_ids = {self.backend.token_to_id(s) for s in specials}
+        if not any(m in rendered for m in originals) and not any(
+                tok in special_ids and any(a < ue and us < b for us, ue in user_spans)
+                for tok, (a, b) in zip(enc.ids, enc.offsets, strict=True)):
+            # no caller's string holds or completes a special: the text as a whole, as before
+            return self._add_special(self.encode(text), eos=False)
         ids: list[int] = []
         start = 0
         for tok, (a, b) in zip(enc.ids, enc.offsets, strict=True):
