@@ -4,7 +4,8 @@ Architectures (``general.architecture``): ``llama`` (Llama 1/2/3.x, Mistral, Tin
 SmolLM...), ``qwen2`` (Qwen2/2.5: q/k/v biases), ``qwen3`` (per-head q/k RMSNorm) and
 ``smollm3`` (Llama's tensors; every 4th layer without RoPE, llama.cpp's fixed
 ``n_no_rope_layer_step``) and ``phi3`` (q/k/v fused in ``attn_qkv``, gate/up in ``ffn_up``:
-split here by rows; NEOX RoPE; LongRoPE's ``rope_factors_*`` refused). llama.cpp's converter
+split here by rows; NEOX RoPE; LongRoPE from ``rope_factors_short/long``; partial RoPE from
+``rope.dimension_count``). llama.cpp's converter
 permutes the q/k rows of ``llama`` and ``smollm3`` models for its pairwise RoPE (undone here);
 ``qwen2``/``qwen3``/``phi3`` use NEOX-style RoPE and are stored unpermuted.
 

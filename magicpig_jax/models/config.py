@@ -187,9 +187,9 @@ class LlamaConfig:
         """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3, smollm3, phi3).
 
         Phi-3 (``phi3``) is Llama with q/k/v and gate/up each fused in one matrix (split by the
-        loader) and Mistral's window rule; its LongRoPE scaling (the 128K models, Phi-3.5,
-        Phi-4-mini) is refused. Reads the RoPE scaling from either ``rope_scaling`` or ``rope_parameters``
-        (transformers >= 5), with the type under ``rope_type`` or ``type``. Missing
+        loader), Mistral's window rule, LongRoPE (:func:`_check_phi3`) and partial RoPE
+        (:func:`_phi3_partial_rotary`). Reads the RoPE scaling from either ``rope_scaling`` or
+        ``rope_parameters`` (transformers >= 5), with the type under ``rope_type`` or ``type``. Missing
         fields take transformers' defaults for the model type.
 
         Raises:
@@ -227,11 +227,10 @@ class LlamaConfig:
         rope_fraction = None
         if model_type == "phi3":  # Phi-4-mini: RoPE on the leading fraction of each head (transformers' Phi3)
             cfg, rope_fraction = _phi3_partial_rotary(cfg)
+            cfg = _check_phi3(cfg)
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedConfigError(f"config.json 'partial_rotary_factor' = {cfg['partial_rotary_factor']!r}: "
                                          "partial RoPE is not implemented")
-        if model_type == "phi3":
-            cfg = _check_phi3(cfg)
         if cfg.get("quantization_config") is not None:
             raise UnsupportedConfigError(
                 "config.json 'quantization_config': quantized HF checkpoints are not supported")
@@ -350,15 +349,17 @@ _HF_DEFAULTS = {
 
 
 def _check_phi3(cfg: Mapping) -> dict:
-    """``cfg`` with Phi-3's RoPE type names as transformers reads them, or a refusal.
+    """``cfg`` with Phi-3's RoPE type names as transformers reads them, Phi-4-mini's remote-code
+    fields checked and dropped, or a refusal.
 
     transformers' ``Phi3Config`` renames the RoPE types "su" and "yarn" to "longrope" (LongRoPE,
     not YaRN) and accepts only "default" and "longrope"; its ``original_max_position_embeddings``
     (default 4096) is the pretrained context LongRoPE switches at.
 
     Raises:
-      UnsupportedConfigError: a RoPE type other than default and longrope (named).
-      ValueError: ``original_max_position_embeddings`` is not a positive integer.
+      UnsupportedConfigError: a RoPE type other than default and longrope, or a remote-code field
+        at another value than its neutral one (named).
+      ValueError: ``original_max_position_embeddings`` is not a positive integer within int32.
     """
     cfg = dict(cfg)
     # Phi-4-mini's config.json fields for its remote modeling code; transformers' Phi3 reads none of
