@@ -282,6 +282,9 @@ def test_longrope_prefix_states_and_bad_values(tmp_path):
     path = write_gguf(folder, tmp_path / "lr.gguf", spm_vocab=_spm_vocab(),
                       metadata={"phi3.rope.scaling.attn_factor": None})
     assert rope_attention_factor(load_model(path).config) == 1.0
+    path = write_gguf(folder, tmp_path / "lin.gguf", spm_vocab=_spm_vocab(), metadata={"phi3.rope.scaling.factor": 2.0})
+    with pytest.raises(ValueError, match="phi3.rope.scaling.factor = 2.0 together with LongRoPE's factors"):
+        load_model(path)
     cfg = json.loads((folder / "config.json").read_text())
     for changes, message in (({"original_max_position_embeddings": 2**31}, "at most 2147483647"),
                              ({"original_max_position_embeddings": None}, "must be a positive integer"),

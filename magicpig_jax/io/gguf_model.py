@@ -454,6 +454,9 @@ def _longrope(reader, tensors: dict, arch: str, path: Path, head_dim: int) -> tu
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
         raise UnsupportedConfigError(f"{path}: {arch}.rope.scaling.type = {kind!r} together with LongRoPE's factors")
+    key, linear = _first_number(reader, (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"), path)
+    if linear is not None and float(linear) not in (0.0, 1.0):  # llama.cpp would scale on top: not read here
+        raise UnsupportedConfigError(f"{path}: {key} = {linear!r} together with LongRoPE's factors is not supported")
     factors = {}
     for name in _LONGROPE_TENSORS:
         t = tensors[name]
