@@ -121,36 +121,6 @@ def test_runner_resumes_without_loss_or_duplicates(tmp_path):
         run_eval(model, _settings(seed=5), out, progress=False)
 
 
-# --- the real command on the embedded model ---------------------------------------------------
-
-@pytest.mark.slow
-def test_real_model_small_eval(tmp_path, capsys):
-    out = tmp_path / "real"
-    # a fixed TopK budget keeps this to one TopK compilation (the measured budget is tested above)
-    rc = cli.main(["eval", "--tasks", "niah_single", "--lengths", "512", "--samples", "1",
-                   "--methods", "dense,magicpig:10x150,topk:32", "--likelihood-tokens", "6", "--setups", "A",
-                   "--likelihood-samples", "1",
-                   "--max-new-tokens", "8", "--haystack", HAY, "--out", str(out), "--no-progress"])
-    assert rc == 0
-    printed = capsys.readouterr().out
-    assert "### Context 512 tokens" in printed and "| magicpig:10x150 |" in printed
-    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert len(recs) == 6
-    task = {r["method"]: r for r in recs if r["kind"] == "task"}
-    lik = {r["method"]: r for r in recs if r["kind"] == "likelihood"}
-    assert task["dense"]["score"] == 1.0  # SmolLM2 finds one needle in 512 tokens of license text
-    assert task["dense"]["outputs"][0] in task["dense"]["prediction"]
-    for r in recs:
-        assert 400 <= r["prompt_tokens"] <= 512
-        assert r["sampled_fraction"] == 1.0 if r["method"] == "dense" else 0 < r["sampled_fraction"] < 0.2
-    mp = task["magicpig:10x150"]
-    assert set(map(int, mp["sampled_fraction_per_layer"])) == set(range(30)) - {0, 15}
-    assert lik["dense"]["kl"] == 0.0 and lik["dense"]["top1"] == 1.0
-    assert 0 < lik["magicpig:10x150"]["kl"] < 1 and 0 < lik["topk:32"]["kl"] < 1
-    assert all(1 < r["ppl"] < 1000 for r in lik.values())
-    assert (out / "accuracy_vs_cost.png").is_file() and (out / "kl_vs_cost.png").is_file()
-
-
 def test_question_split_finds_the_last_line():
     from magicpig_jax.eval.run import prompt_ids, question_split
 

@@ -90,9 +90,30 @@ def _check_generate_checkpoint(out: str, cwd: Path) -> None:
 
 
 def _check_bench_attention(out: str, cwd: Path) -> None:
+    # what the JSON's figures imply for the shape and N the command names
     rows = _json(cwd / "runs" / "bench_attention.json")["results"]
     assert [(r["shape"], r["N"]) for r in rows] == [("smollm2-135m", 2048)]
-    assert rows[0]["host_attention_ms"] > 0 and 0 < rows[0]["sampled_fraction"] < 1
+    (r,) = rows
+    assert r["host_attention_ms"] > 0
+    assert (r["K"], r["L"], r["Hq"], r["Hkv"], r["D"]) == (10, 150, 9, 3, 64)
+    # bf16 K and V rows: 2 * D * 2 bytes; the index: 2L (ids) + 2L(2^K + 1)/CH (offsets) + 2L*OPEN/C per token
+    # with one chunk CH = C = 2048 and the open chunk of 512 (docs/host_op.md), plus the 12 bytes of bounds
+    assert r["kv_bytes_per_token_per_kv_head"] == 256
+    L, K, C = 150, 10, 2048
+    per_token = 2 * L + 2 * L * (2**K + 1) / C + 2 * L * 512 / C + 12 / (C * 3)
+    assert r["index_bytes_per_token_per_kv_head"] == pytest.approx(per_token, rel=1e-9)
+    assert r["index_to_kv_ratio"] == pytest.approx(r["index_bytes_per_token_per_kv_head"] / 256)
+    hashed = 2048 - 4 - 64
+    assert r["sampled_fraction"] == pytest.approx(r["mean_sampled_per_head"] / hashed)
+    assert 0 < r["sampled_fraction"] < 0.2
+    assert r["speedup_vs_dense"] == pytest.approx(r["dense_ms"] / r["host_attention_ms"])
+    # the paired fraction: each cold call against the copy timed just before it, so it lies between
+    # the ratios of the extremes of the op's times and the copies' bandwidths
+    op, cp = r["host_op_only_spread_ms"], r["copy_GBps_paired"]
+    lo = r["bytes_touched"] / (1e-3 * op["max"]) / (1e9 * cp["max"])
+    hi = r["bytes_touched"] / (1e-3 * op["min"]) / (1e9 * cp["min"])
+    assert 0 < cp["min"] <= cp["median"] <= cp["max"]
+    assert lo * (1 - 1e-9) <= r["fraction_of_copy_bw_paired"] <= hi * (1 + 1e-9)
     assert (cwd / "runs" / "bench_attention.png").is_file()
 
 
@@ -111,7 +132,22 @@ def _check_eval(out: str, cwd: Path) -> None:
     summary = _json(cwd / "runs" / "eval" / "summary.json")
     assert set(summary) == {"setups", "equal_ms", "1024"} and summary["setups"] == ["A"]
     assert {"dense", "magicpig:10x150", "topk"} <= set(summary["1024"])
+    assert "### Context 1024 tokens" in out and "| magicpig:10x150 |" in out
     assert (cwd / "runs" / "eval" / "summary.md").is_file()
+    # the records: SmolLM2 finds one needle in 1K tokens of license text; each method's sampled
+    # fraction, per-layer fractions (the default dense layers 0 and 15 excluded), KL, PPL, top-1
+    recs = [json.loads(x) for x in (cwd / "runs" / "eval" / "results.jsonl").read_text().splitlines()]
+    assert len(recs) == 6
+    task = {r["method"]: r for r in recs if r["kind"] == "task"}
+    lik = {r["method"]: r for r in recs if r["kind"] == "likelihood"}
+    assert task["dense"]["score"] == 1.0 and task["dense"]["outputs"][0] in task["dense"]["prediction"]
+    for r in recs:
+        assert 800 <= r["prompt_tokens"] <= 1024
+        assert r["sampled_fraction"] == 1.0 if r["method"] == "dense" else 0 < r["sampled_fraction"] < 0.2
+    assert set(map(int, task["magicpig:10x150"]["sampled_fraction_per_layer"])) == set(range(30)) - {0, 15}
+    assert lik["dense"]["kl"] == 0.0 and lik["dense"]["top1"] == 1.0
+    assert 0 < lik["magicpig:10x150"]["kl"] < 1 and 0 < lik["topk"]["kl"] < 1
+    assert all(1 < r["ppl"] < 1000 for r in lik.values())
 
 
 # A substring identifying each README command -> its check of (stdout + stderr, scratch dir).

@@ -83,40 +83,14 @@ def test_cli_sampling_and_kv_dtype_equal_the_python_api(model, tmp_path):
     prompt = "Write a haiku about hashing."
     kw = dict(attention="dense", max_new_tokens=12, temperature=0.9, top_p=0.95, seed=3)
     api = {d: magicpig_jax.generate(model, prompt, kv_dtype=d, **kw).token_ids for d in ("float32", "bfloat16")}
-    # the bfloat16 cache changes the sampled tokens here, so the CLI's --kv-dtype is observable
+    # the bfloat16 cache changes the sampled tokens here, so the CLI's --kv-dtype is observable: the
+    # CLI's run with float32 (not its default bfloat16) equals the API's float32 run, not its bfloat16 one
     assert api["float32"] != api["bfloat16"]
-    for dtype in ("bfloat16", "float32"):
-        _cli("generate", "--prompt", prompt, "--attention", "dense", "--max-new-tokens", "12", "--temperature", "0.9",
-             "--top-p", "0.95", "--seed", "3", "--kv-dtype", dtype, "--json", f"{dtype}.json", cwd=tmp_path)
-        cli = json.loads((tmp_path / f"{dtype}.json").read_text())["results"]["dense"]["token_ids"]
-        assert cli == api[dtype], dtype
+    _cli("generate", "--prompt", prompt, "--attention", "dense", "--max-new-tokens", "12", "--temperature", "0.9",
+         "--top-p", "0.95", "--seed", "3", "--kv-dtype", "float32", "--json", "f32.json", cwd=tmp_path)
+    assert json.loads((tmp_path / "f32.json").read_text())["results"]["dense"]["token_ids"] == api["float32"]
     # sampling, not greedy: another seed gives other tokens
     assert magicpig_jax.generate(model, prompt, kv_dtype="float32", **(kw | {"seed": 4})).token_ids != api["float32"]
-
-
-def test_cli_bench_attention_reports_what_its_shapes_imply(tmp_path):
-    _cli("bench", "attention", "--n", "2048", "--shapes", "smollm2-135m", "--reps", "2", "--out", "runs/ba",
-         cwd=tmp_path)
-    (r,) = json.loads((tmp_path / "runs" / "ba.json").read_text())["results"]
-    assert (r["shape"], r["N"], r["K"], r["L"], r["Hq"], r["Hkv"], r["D"]) == ("smollm2-135m", 2048, 10, 150, 9, 3, 64)
-    # bf16 K and V rows: 2 * D * 2 bytes; the index: 2L (ids) + 2L(2^K + 1)/CH (offsets) + 2L*OPEN/C per token
-    # with one chunk CH = C = 2048 and the open chunk of 512 (docs/host_op.md), plus the 12 bytes of bounds
-    assert r["kv_bytes_per_token_per_kv_head"] == 256
-    L, K, C = 150, 10, 2048
-    per_token = 2 * L + 2 * L * (2**K + 1) / C + 2 * L * 512 / C + 12 / (C * 3)
-    assert r["index_bytes_per_token_per_kv_head"] == pytest.approx(per_token, rel=1e-9)
-    assert r["index_to_kv_ratio"] == pytest.approx(r["index_bytes_per_token_per_kv_head"] / 256)
-    hashed = 2048 - 4 - 64
-    assert r["sampled_fraction"] == pytest.approx(r["mean_sampled_per_head"] / hashed)
-    assert 0 < r["sampled_fraction"] < 0.2
-    assert r["speedup_vs_dense"] == pytest.approx(r["dense_ms"] / r["host_attention_ms"])
-    # the paired fraction: each cold call against the copy timed just before it, so it lies between
-    # the ratios of the extremes of the op's times and the copies' bandwidths
-    op, cp = r["host_op_only_spread_ms"], r["copy_GBps_paired"]
-    lo = r["bytes_touched"] / (1e-3 * op["max"]) / (1e9 * cp["max"])
-    hi = r["bytes_touched"] / (1e-3 * op["min"]) / (1e9 * cp["min"])
-    assert 0 < cp["min"] <= cp["median"] <= cp["max"]
-    assert lo * (1 - 1e-9) <= r["fraction_of_copy_bw_paired"] <= hi * (1 + 1e-9)
 
 
 def test_cli_bench_decode_tiny_model_decodes_greedy_tokens(tmp_path):
