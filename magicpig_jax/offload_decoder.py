@@ -21,7 +21,7 @@ from magicpig_jax import host, lsh
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.merge import merge_attention
 from magicpig_jax.models.config import first_visible_key
-from magicpig_jax.models.llama import rope_frequencies
+from magicpig_jax.models.llama import rope_tables
 
 __all__ = ["OffloadLayer", "OffloadDecodeStep", "place_decode_state"]
 
@@ -118,8 +118,7 @@ def _qkv(layer, inv_freq, x, pos):
 
 def _finish(layer, x, out):
     B = x.shape[0]
-    x = x + layer.self_attn.output(out.reshape(B, 1, -1).astype(x.dtype))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return layer.add_mlp(layer.add_attention(x, out.reshape(B, 1, -1)))
 
 
 def _write_rows(cache, x, pos):
@@ -334,6 +333,7 @@ class OffloadDecodeStep:
         self.config = model.config
         self.inv_freq = model.inv_freq[...]
         self.inv_freq_long = None if model.inv_freq_long is None else model.inv_freq_long[...]
+        self.inv_freq_local = None if model.inv_freq_local is None else model.inv_freq_local[...]
         n = len(self.layers)
         sparse = self.spec.sparse_layers(n)
         self.sparse = list(sparse)
@@ -372,8 +372,8 @@ class OffloadDecodeStep:
         pos_h = jax.device_put(pos, self.host)
         k_layers, v_layers, states = list(cache.k), list(cache.v), list(indices)
         x, pending, counts = tokens, None, []
-        # LongRoPE's factors by each row's position ([B, 1, D/2]); otherwise the one set [D/2]
-        inv_freq = rope_frequencies(self.config, self.inv_freq, self.inv_freq_long, pos[:, None])
+        # (the model's frequencies, LongRoPE's by each row's position [B, 1, D/2]; the local ones or None)
+        inv_freq = rope_tables(self.config, self.inv_freq, self.inv_freq_long, self.inv_freq_local, pos[:, None])
         for a, dense, b, segment, parts in self.plan:
             x, pend_state, new_kv, res = segment(
                 parts, inv_freq, x, pos, pending, _accel_part(states[a] if a is not None else None),

@@ -1,5 +1,5 @@
 """Read a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (llama, mistral, qwen2, qwen3,
-smollm3, phi3)."""
+smollm3, phi3, gemma3_text)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     ``lm_head.weight`` equal to the embedding is dropped, a different one refused. A phi3
     checkpoint's fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` are split into the
     Llama names by rows (q, k, v and gate, up, as transformers' ``Phi3Attention`` and
-    ``Phi3MLP`` slice them).
+    ``Phi3MLP`` slice them). A gemma3_text checkpoint's norms are renamed and held as ``1 + w``
+    (:func:`_gemma3_weight`).
 
     Returns:
       ``(config, weights)``.
@@ -93,14 +94,16 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     """
     folder = Path(folder)
     config = read_hf_config(folder)
-    fused = read_json_object(folder / "config.json").get("model_type") == "phi3"
+    model_type = read_json_object(folder / "config.json").get("model_type")
     files = _weight_files(folder)
     raw = {}
     for file in files:
         for name, value in _tensors(file):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            for key, part in (_split_fused(config, name, value) if fused else [(name, value)]):
+            if model_type == "gemma3_text":
+                name, value = _gemma3_weight(name, value)
+            for key, part in (_split_fused(config, name, value) if model_type == "phi3" else [(name, value)]):
                 if key in raw:
                     raise ValueError(f"weight {key!r} appears in more than one safetensors file of {folder}")
                 raw[key] = part
@@ -111,6 +114,30 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
                 f"{folder}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
         del raw["lm_head.weight"]
     return config, {key: value for name in list(raw) for key, value in [_held(name, raw.pop(name))]}
+
+
+# Gemma 3's norms -> the names the loader places them under (DecoderLayer's docstring): its
+# post_attention_layernorm normalises the attention's output, its pre_feedforward_layernorm is the
+# norm Llama calls post_attention_layernorm
+_GEMMA3_NORMS = {"input_layernorm.weight": "input_layernorm.weight",
+                 "post_attention_layernorm.weight": "attn_output_norm.weight",
+                 "pre_feedforward_layernorm.weight": "post_attention_layernorm.weight",
+                 "post_feedforward_layernorm.weight": "mlp_output_norm.weight",
+                 "self_attn.q_norm.weight": "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight": "self_attn.k_norm.weight"}
+
+
+def _gemma3_weight(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
+    """A Gemma 3 weight under the loader's names; a norm's weight ``w`` as the ``1 + w`` it scales by
+    (float32, as transformers' ``Gemma3RMSNorm`` computes ``1.0 + weight.float()``)."""
+    if name == "model.norm.weight":
+        return name, 1.0 + np.asarray(value, np.float32)
+    head, sep, tail = name.partition(".layers.")
+    if sep:
+        layer, _, part = tail.partition(".")
+        if part in _GEMMA3_NORMS:
+            return f"{head}.layers.{layer}.{_GEMMA3_NORMS[part]}", 1.0 + np.asarray(value, np.float32)
+    return name, value
 
 
 _UNFUSED = tuple(f"{part}.weight" for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",

@@ -82,6 +82,8 @@ def build_llama(config: LlamaConfig, weights: MutableMapping[str, np.ndarray], f
     module.inv_freq.set_value(jnp.asarray(rope_inv_freq(config, freq_factors)))
     if module.inv_freq_long is not None:  # LongRoPE's long factors
         module.inv_freq_long.set_value(jnp.asarray(rope_inv_freq(config, freq_factors, long=True)))
+    if module.inv_freq_local is not None:  # Gemma 3's sliding-window layers
+        module.inv_freq_local.set_value(jnp.asarray(rope_inv_freq(config, local=True)))
     w = _WeightPlacer(weights, dtype, packed_weights, consume)
     blocks, qtype = w.rows("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
     if blocks is not None:
@@ -121,6 +123,9 @@ def _place_layer(w: _WeightPlacer, layer, p: str) -> None:
     if attn.q_norm is not None:
         w.set_param(attn.q_norm.weight, p + "self_attn.q_norm.weight")
         w.set_param(attn.k_norm.weight, p + "self_attn.k_norm.weight")
+    if layer.attn_output_norm is not None:  # Gemma's sandwich norms
+        w.set_param(layer.attn_output_norm.weight, p + "attn_output_norm.weight")
+        w.set_param(layer.mlp_output_norm.weight, p + "mlp_output_norm.weight")
 
 
 def _shown(key: str) -> str:

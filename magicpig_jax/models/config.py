@@ -18,7 +18,8 @@ import numpy as np
 __all__ = ["LlamaConfig", "rope_inv_freq", "rope_attention_factor", "default_dense_layers",
            "normalize_rope_scaling", "yarn_context_length", "HF_MODEL_TYPES", "UnsupportedConfigError"]
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3_text")
+HIDDEN_ACTS = ("silu", "gelu_tanh")  # SwiGLU (Llama) and GeGLU with the tanh GELU (Gemma)
 MAX_POSITIONS = 2**31 - 1  # positions are int32 in the decoder and the host ops
 
 
@@ -56,6 +57,15 @@ class LlamaConfig:
         zeros, every 4th layer: "NoPE").
       rope_dim: the leading dimensions of each head that RoPE rotates (partial RoPE: Phi-3's
         ``partial_rotary_factor``, a GGUF's ``rope.dimension_count``); None for all D.
+      hidden_act: the gated MLP's activation, one of :data:`HIDDEN_ACTS`: "silu" (SwiGLU) or
+        "gelu_tanh" (GELU's tanh approximation, Gemma's ``gelu_pytorch_tanh``).
+      sandwich_norms: the attention and MLP outputs are RMS-normed before their residual add
+        (Gemma 2/3's ``post_attention_layernorm`` and ``post_feedforward_layernorm``).
+      embedding_scale: the embeddings are multiplied by it (Gemma: ``sqrt(hidden_size)``), or None.
+      query_scale: the attention's scale of ``q . k`` (Gemma: ``query_pre_attn_scalar ** -0.5``), or
+        None for ``1 / sqrt(head_dim)``.
+      local_rope_theta: the RoPE base of the sliding-window layers, unscaled (Gemma 3's local base,
+        ``rope_local_base_freq``), or None: every layer uses ``rope_theta`` and ``rope_scaling``.
 
     Raises:
       ValueError: inconsistent sizes (e.g. Hq not a multiple of Hkv).
@@ -81,6 +91,11 @@ class LlamaConfig:
     sliding_layers: tuple[int, ...] | None = None
     nope_layers: tuple[int, ...] = ()
     rope_dim: int | None = None
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None
+    query_scale: float | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -98,10 +113,16 @@ class LlamaConfig:
                                           or self.rope_dim % 2 or not 2 <= self.rope_dim <= self.head_dim):
             raise ValueError(f"rope_dim must be an even int in [2, head_dim = {self.head_dim}] or None, "
                              f"got {self.rope_dim!r}")
-        for name in ("rope_theta", "rms_norm_eps"):
+        for name in ("rope_theta", "rms_norm_eps", "embedding_scale", "query_scale", "local_rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+            if value is None and name not in ("rope_theta", "rms_norm_eps"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                optional = "" if name in ("rope_theta", "rms_norm_eps") else " or None"
+                raise ValueError(f"{name} must be a finite number > 0{optional}, got {value!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got {self.hidden_act!r}")
         if self.max_position_embeddings > MAX_POSITIONS:
             raise ValueError(f"max_position_embeddings must be at most {MAX_POSITIONS} (int32 positions), "
                              f"got {self.max_position_embeddings}")
@@ -173,6 +194,11 @@ class LlamaConfig:
             return None
         return int(scaling["original_max_position_embeddings"])
 
+    def layer_uses_local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates by the local RoPE base (:attr:`local_rope_theta`): Gemma 3's
+        sliding-window layers."""
+        return self.local_rope_theta is not None and self.layer_window(layer) is not None
+
     def layer_uses_rope(self, layer: int) -> bool:
         """Whether ``layer`` applies the rotary embedding to q and k (False for SmolLM3's NoPE layers)."""
         return layer not in self.nope_layers
@@ -221,7 +247,11 @@ class LlamaConfig:
             if value not in allowed:
                 raise UnsupportedConfigError(f"config.json {key!r} = {value!r} is not supported ({what})")
 
-        require("hidden_act", ("silu", "swish"), "only SwiGLU with silu (transformers' 'swish') is implemented")
+        extra = {}
+        if model_type == "gemma3_text":  # Gemma 3: its own fields, RoPE per layer type and activation
+            cfg, extra = _check_gemma3(cfg)
+        else:
+            require("hidden_act", ("silu", "swish"), "only SwiGLU with silu (transformers' 'swish') is implemented")
         require("mlp_bias", (False, None), "MLP biases are not implemented")
         require("use_mrope", (False, None), "multimodal RoPE is not implemented")
         rope_fraction = None
@@ -261,7 +291,8 @@ class LlamaConfig:
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         # transformers' Qwen2 and Mistral attention ignore 'attention_bias' (Qwen2: q/k/v biases
         # always, no o bias; Mistral: none); Llama and Qwen3 put it on q, k, v and o.
-        attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3", "smollm3")
+        attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3", "smollm3",
+                                                                                   "gemma3_text")
         num_layers = int(get("num_hidden_layers"))
         head_dim = int(get("head_dim") or hidden // num_heads)
         rope_dim = None
@@ -289,11 +320,12 @@ class LlamaConfig:
             eos_token_ids=eos_ids,
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=window,
             sliding_layers=window_layers,
             nope_layers=nope,
             rope_dim=rope_dim,
+            **({**extra, "embedding_scale": math.sqrt(hidden)} if extra else {}),
         )
 
 
@@ -307,7 +339,11 @@ _HF_HANDLED_KEYS = frozenset({
 })
 # Fields read for one model type only (refused as unknown elsewhere).
 _HF_TYPE_KEYS = {"phi3": frozenset({"original_max_position_embeddings", "full_attn_mod", "interpolate_factor",
-                                    "lm_head_bias"})}
+                                    "lm_head_bias"}),
+                 "gemma3_text": frozenset({"hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping",
+                                           "attn_logit_softcapping", "use_bidirectional_attention",
+                                           "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
+                                           "cache_implementation"})}
 # Fields that do not change the forward pass: ids, dtypes, training and generation settings, bookkeeping.
 # ``pretraining_tp`` only splits transformers' matmuls into slices (the same product).
 _HF_IGNORED_KEYS = frozenset({
@@ -345,7 +381,83 @@ _HF_DEFAULTS = {
                 "no_rope_layer_interval": 4},
     "phi3": {"hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
              "tie_word_embeddings": False, "num_key_value_heads": None, "sliding_window": None},
+    "gemma3_text": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+                    "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096},
 }
+
+
+def _check_gemma3(cfg: Mapping) -> tuple[dict, dict]:
+    """``(cfg, fields)`` of a Gemma 3 text config (transformers' ``Gemma3TextConfig``): ``cfg`` with its
+    full-attention RoPE as a flat ``rope_parameters`` (what the other types carry), and the
+    :class:`LlamaConfig` fields only Gemma sets (activation, sandwich norms, query scale, local RoPE base;
+    ``from_hf_config`` adds the embedding scale ``sqrt(hidden_size)``).
+
+    As transformers 5 reads it: ``rope_parameters`` maps ``full_attention`` and ``sliding_attention``
+    to their RoPE; a legacy ``rope_scaling`` applies to the full-attention layers; their base is
+    ``rope_theta`` (default 1e6), the sliding layers' ``rope_local_base_freq`` (default 1e4), unless
+    ``rope_parameters`` gives its own. The attention scale is ``query_pre_attn_scalar ** -0.5``
+    (default 256).
+
+    Raises:
+      UnsupportedConfigError: logit soft-capping, bidirectional attention, an activation other
+        than ``gelu_pytorch_tanh``, a RoPE scaling on the sliding layers, or a full-attention one
+        other than default and linear (each named).
+      ValueError: ``query_pre_attn_scalar`` or a RoPE base is not a number > 0, or
+        ``rope_parameters`` does not map the layer types.
+    """
+    cfg = dict(cfg)
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        value = cfg.pop(key, None)
+        if value is not None:
+            raise UnsupportedConfigError(f"config.json {key!r} = {value!r}: logit soft-capping is not "
+                                         "implemented (Gemma 3 has none: null)")
+    if cfg.pop("use_bidirectional_attention", False):
+        raise UnsupportedConfigError("config.json 'use_bidirectional_attention' = true is not supported "
+                                     "(a causal decoder only)")
+    act = cfg.pop("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedConfigError(f"config.json 'hidden_activation' = {act!r} is not supported "
+                                     "(only 'gelu_pytorch_tanh', Gemma 3's)")
+    if "hidden_act" in cfg:  # transformers' Gemma3 reads hidden_activation only
+        raise UnsupportedConfigError("config.json 'hidden_act' on a gemma3_text model is not supported "
+                                     "(transformers ignores it there and uses 'hidden_activation')")
+
+    def number(value, what):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"config.json {what} must be a finite number > 0, got {value!r}")
+        return float(value)
+
+    scalar = number(cfg.pop("query_pre_attn_scalar", 256), "'query_pre_attn_scalar'")
+    params = cfg.pop("rope_parameters", None)
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping) or not set(params) <= {"full_attention", "sliding_attention"} or any(
+            v is not None and not isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("config.json 'rope_parameters' of a gemma3_text model must map 'full_attention' and "
+                         f"'sliding_attention' to their RoPE parameters, got {params!r}")
+    full = dict(params.get("full_attention") or {"rope_type": "default"})
+    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+    legacy = cfg.pop("rope_scaling", None)
+    if legacy is not None:
+        if not isinstance(legacy, Mapping):
+            raise UnsupportedConfigError(f"config.json 'rope_scaling' must be an object, got {legacy!r}")
+        full.update(legacy)
+    full.setdefault("rope_theta", cfg.pop("rope_theta", 1_000_000.0))
+    local.setdefault("rope_theta", cfg.pop("rope_local_base_freq", 10_000.0))
+    cfg.pop("rope_theta", None)
+    cfg.pop("rope_local_base_freq", None)
+    kind = full.get("rope_type") or full.get("type") or "default"
+    if kind not in ("default", "linear"):
+        raise UnsupportedConfigError(f"config.json RoPE type {kind!r} of the full-attention layers of a gemma3_text "
+                                     "model is not supported ('default' and 'linear', Gemma 3's)")
+    if (local.get("rope_type") or local.get("type") or "default") != "default" or set(local) - {
+            "rope_type", "type", "rope_theta"}:
+        raise UnsupportedConfigError(f"config.json RoPE of the sliding-window layers {local!r} is not supported "
+                                     "(only the default RoPE with its base)")
+    cfg["rope_parameters"] = full
+    fields = dict(hidden_act="gelu_tanh", sandwich_norms=True, query_scale=scalar ** -0.5,
+                  local_rope_theta=number(local["rope_theta"], "sliding-window RoPE base"))
+    return cfg, fields
 
 
 def _check_phi3(cfg: Mapping) -> dict:
@@ -518,6 +630,17 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
                                or not 1 <= window <= MAX_POSITIONS):
         raise ValueError(f"config.json 'sliding_window' must be a positive integer (at most {MAX_POSITIONS}, "
                          f"int32 positions) or null, got {window!r}")
+    if model_type == "gemma3_text":
+        if layer_types is None:  # transformers: every sliding_window_pattern-th layer is full (default 6)
+            pattern = cfg.get("sliding_window_pattern", 6)
+            if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+                raise ValueError(f"config.json 'sliding_window_pattern' must be a positive integer, got {pattern!r}")
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        if layers and window is None:
+            raise UnsupportedConfigError("config.json 'sliding_window' is null while 'layer_types' has "
+                                         "'sliding_attention' layers: not supported")
+        return (window, layers) if layers else (None, None)
     if model_type in ("llama",):
         if window is not None or (layer_types and "sliding_attention" in layer_types):
             raise UnsupportedConfigError("config.json 'sliding_window' on a llama model is not supported")
@@ -696,8 +819,12 @@ def yarn_context_length(scaling: Mapping, max_positions: int) -> int:
     return max(int(max_positions), int(extended))
 
 
-def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None, long: bool = False) -> np.ndarray:
+def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None, long: bool = False,
+                  local: bool = False) -> np.ndarray:
     """Inverse RoPE frequencies, float32 ``[D/2]`` (radians per position).
+
+    With ``local``: the sliding-window layers' ``local_rope_theta^(-2i/D)``, unscaled (Gemma 3's local
+    RoPE, transformers' default RoPE of the ``sliding_attention`` layer type).
 
     Under "longrope" (LongRoPE, Ding et al. 2024, arXiv 2402.13753; transformers'
     ``_compute_longrope_parameters``): ``theta^(-2i/D) / short_factor[i]``, or ``/ long_factor[i]``
@@ -721,6 +848,10 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None, l
         "llama3" scaling lacks one of its keys.
     """
     D = config.rotary_dim  # partial RoPE: the frequencies of the rotated dimensions only
+    if local:
+        if config.local_rope_theta is None:
+            raise ValueError("local=True needs a config with local_rope_theta")
+        return (1.0 / (config.local_rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))).astype(np.float32)
     inv = 1.0 / (config.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
     s = dict(config.rope_scaling or {})
     if freq_factors is not None:

@@ -22,7 +22,7 @@ from magicpig_jax.models.config import LlamaConfig, rope_attention_factor, rope_
 from magicpig_jax.models.dequant import dequantize
 from magicpig_jax.models.linear import Linear, PackedWeight, dense_matmul, make_packed, packed_matmul
 
-__all__ = ["Llama", "RopeFrequencies", "apply_rope", "rope_frequencies"]
+__all__ = ["Llama", "RopeFrequencies", "apply_rope", "rope_frequencies", "rope_tables"]
 
 
 class RopeFrequencies(nnx.Variable):
@@ -76,6 +76,15 @@ def rope_frequencies(config: LlamaConfig, short: Float[Array, " D2"], long: Floa
     return jnp.where((reach >= switch)[..., None], long, short)
 
 
+def rope_tables(config: LlamaConfig, short: Float[Array, " D2"], long: Float[Array, " D2"] | None,
+                local: Float[Array, " D2"] | None, positions: Int[Array, "B T"],
+                lengths: Int[Array, " B"] | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """``(global, local)``: the frequencies of the layers with the model's RoPE
+    (:func:`rope_frequencies` of ``short``/``long``) and of its sliding-window layers with their own
+    base (Gemma 3's ``local`` ``[D/2]``, else None). Each layer picks one (:meth:`Attention.qkv`)."""
+    return rope_frequencies(config, short, long, positions, lengths), local
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm in float32: ``x / sqrt(mean(x^2) + eps) * weight`` (Zhang & Sennrich 2019)."""
 
@@ -97,8 +106,12 @@ class Attention(nnx.Module):
     """GQA projections of one layer; the attention itself is supplied by the caller.
 
     Optional parts, per :class:`LlamaConfig`: biases of q/k/v (``qkv_bias``, Qwen2) and of
-    the output projection (``o_bias``), and per-head RMSNorm of q and k before RoPE
-    (``qk_norm``, Qwen3: ``q_norm``/``k_norm`` with weights ``[D]``).
+    the output projection (``o_bias``), per-head RMSNorm of q and k before RoPE
+    (``qk_norm``, Qwen3 and Gemma 3: ``q_norm``/``k_norm`` with weights ``[D]``), the local RoPE
+    base on a sliding-window layer (Gemma 3) and a query scale other than ``1 / sqrt(D)``
+    (Gemma's ``query_pre_attn_scalar``: q is multiplied by ``query_scale * sqrt(D)`` after RoPE, so
+    that every attention backend's ``1 / sqrt(D)`` gives the model's scale; SimHash codes, which
+    depend on q's direction only, are unchanged).
     """
 
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32, layer: int = 0):
@@ -106,6 +119,9 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, D
         self.rope_scale = rope_attention_factor(config)  # a Python float: static under jit
         self.use_rope = config.layer_uses_rope(layer)  # False on SmolLM3's NoPE layers (static)
+        self.local_rope = config.layer_uses_local_rope(layer)  # Gemma 3's sliding layers (static)
+        # a Python float (static): 1 unless the model's attention scale is not 1 / sqrt(D)
+        self.q_rescale = 1.0 if config.query_scale is None else float(config.query_scale * np.sqrt(D))
         self.q_proj = _linear(H, config.num_heads * D, rngs, dtype)
         self.k_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
         self.v_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
@@ -140,8 +156,14 @@ class Attention(nnx.Module):
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             proj.set_packed(None, None)
 
-    def qkv(self, x: Float[Array, "B T H"], positions: Int[Array, "B T"], inv_freq: jax.Array):
-        """Return q ``[B, T, Hq, D]`` and k, v ``[B, T, Hkv, D]``, RoPE applied to q and k (not on a NoPE layer)."""
+    def qkv(self, x: Float[Array, "B T H"], positions: Int[Array, "B T"], inv_freq):
+        """Return q ``[B, T, Hq, D]`` and k, v ``[B, T, Hkv, D]``, RoPE applied to q and k (not on a NoPE layer).
+
+        ``inv_freq``: the frequencies, or :func:`rope_tables`' ``(global, local)`` pair, of which the
+        layer takes its own.
+        """
+        if isinstance(inv_freq, tuple):
+            inv_freq = inv_freq[1] if self.local_rope else inv_freq[0]
         B, T, _ = x.shape
         if self.qkv_packed is not None:
             nq, nk = self.q_proj.out_features, self.k_proj.out_features
@@ -158,10 +180,12 @@ class Attention(nnx.Module):
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not self.use_rope:
-            return q, k, v
-        scale = self.rope_scale
-        return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
+        if self.use_rope:
+            q = apply_rope(q, positions, inv_freq, self.rope_scale)
+            k = apply_rope(k, positions, inv_freq, self.rope_scale)
+        if self.q_rescale != 1.0:
+            q = (q * self.q_rescale).astype(q.dtype)
+        return q, k, v
 
     def output(self, o: Float[Array, "B T HqD"]) -> Float[Array, "B T H"]:
         """The output projection of the attention result (``o_proj``, plus its bias if any)."""
@@ -170,9 +194,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))``, ``act`` SiLU (SwiGLU, Llama) or GELU's tanh
+    approximation (GeGLU, Gemma's ``gelu_pytorch_tanh``) per :attr:`LlamaConfig.hidden_act`."""
 
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gelu = config.hidden_act == "gelu_tanh"
         self.gate_proj = _linear(config.hidden_size, config.intermediate_size, rngs, dtype)
         self.up_proj = _linear(config.hidden_size, config.intermediate_size, rngs, dtype)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, rngs, dtype)
@@ -198,17 +224,41 @@ class MLP(nnx.Module):
             gate, up = y[..., :self.gate_proj.out_features], y[..., self.gate_proj.out_features:]
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm Llama block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm Llama block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    With :attr:`LlamaConfig.sandwich_norms` (Gemma 3), the attention and MLP outputs are normed
+    too before each add: ``x + norm(attn(norm(x)))``, ``x + norm(mlp(norm(x)))``.
+    ``post_attention_layernorm`` is the norm before the MLP, as Llama names it (Gemma's
+    ``pre_feedforward_layernorm``); ``attn_output_norm`` and ``mlp_output_norm`` are Gemma's
+    ``post_attention_layernorm`` and ``post_feedforward_layernorm``.
+    """
 
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32, layer: int = 0):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, rngs, dtype, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, rngs, dtype)
+        if config.sandwich_norms:
+            self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        else:
+            self.attn_output_norm = self.mlp_output_norm = None
+
+    def add_attention(self, x: Float[Array, "B T H"], o: Float[Array, "B T HqD"]) -> Float[Array, "B T H"]:
+        """The residual stream after the attention: ``x`` plus the output projection of ``o`` (normed
+        first with sandwich norms)."""
+        y = self.self_attn.output(o.astype(x.dtype))
+        return x + (y if self.attn_output_norm is None else self.attn_output_norm(y))
+
+    def add_mlp(self, x: Float[Array, "B T H"]) -> Float[Array, "B T H"]:
+        """The residual stream after the MLP: ``x + mlp(norm(x))`` (its output normed with sandwich norms)."""
+        y = self.mlp(self.post_attention_layernorm(x))
+        return x + (y if self.mlp_output_norm is None else self.mlp_output_norm(y))
 
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -219,8 +269,9 @@ class Llama(nnx.Module):
     """A Llama-family decoder (Flax NNX): embeddings, ``num_layers`` blocks, final norm, LM head.
 
     Supports GQA, tied or untied output embeddings, RoPE with "linear" or Llama 3.1
-    "llama3" scaling (or llama.cpp ``rope_freqs`` factors), attention biases (Qwen2) and
-    per-head q/k RMSNorm (Qwen3).
+    "llama3" scaling (or llama.cpp ``rope_freqs`` factors), attention biases (Qwen2),
+    per-head q/k RMSNorm (Qwen3), and Gemma 3's sandwich norms, GeGLU, embedding and query
+    scales and local RoPE base.
 
     Args:
       config: the :class:`LlamaConfig`.
@@ -230,7 +281,7 @@ class Llama(nnx.Module):
 
     Source: Touvron et al. 2023 (Llama), Dubey et al. 2024 (Llama 3 RoPE scaling);
     numerics match transformers' ``LlamaForCausalLM``, ``MistralForCausalLM``,
-    ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``, sliding-window layers included
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and ``Gemma3ForCausalLM``, sliding-window layers included
     (:meth:`LlamaConfig.layer_window`).
     """
 
@@ -247,6 +298,9 @@ class Llama(nnx.Module):
         # LongRoPE's long factors (None otherwise): rope_frequencies picks them per token
         self.inv_freq_long = RopeFrequencies(jnp.asarray(rope_inv_freq(config, freq_factors, long=True))) \
             if config.longrope_switch is not None else nnx.data(None)
+        # Gemma 3's sliding-window layers: their own RoPE base (None otherwise)
+        self.inv_freq_local = RopeFrequencies(jnp.asarray(rope_inv_freq(config, local=True))) \
+            if config.local_rope_theta is not None else nnx.data(None)
         # The embedding table as GGUF rows [V, RB] (then embed_tokens is None); also the
         # output projection when it is tied.
         self.embed_packed: PackedWeight | None = nnx.data(None)
@@ -277,11 +331,21 @@ class Llama(nnx.Module):
         return self.embed_qtype if self.lm_head is None else None
 
     def embed(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T H"]:
-        """Embeddings of ``tokens`` (gathered rows of the table, dequantized if held as GGUF rows)."""
+        """Embeddings of ``tokens`` (gathered rows of the table, dequantized if held as GGUF rows), times
+        :attr:`LlamaConfig.embedding_scale` if set (Gemma: ``sqrt(H)`` in the embeddings' dtype, as
+        transformers' ``Gemma3TextScaledWordEmbedding``)."""
         if self.embed_packed is not None:
-            rows = jnp.take(self.embed_packed[...], tokens, axis=0)
-            return dequantize(rows, self.embed_qtype)
-        return self.embed_tokens(tokens)
+            x = dequantize(jnp.take(self.embed_packed[...], tokens, axis=0), self.embed_qtype)
+        else:
+            x = self.embed_tokens(tokens)
+        scale = self.config.embedding_scale
+        return x if scale is None else x * jnp.asarray(scale, x.dtype)
+
+    def rope(self, positions: Int[Array, "B T"], lengths: Int[Array, " B"] | None = None):
+        """:func:`rope_tables` of this model's frequencies for ``positions`` (``lengths``: a prefill's)."""
+        long = None if self.inv_freq_long is None else self.inv_freq_long[...]
+        local = None if self.inv_freq_local is None else self.inv_freq_local[...]
+        return rope_tables(self.config, self.inv_freq[...], long, local, positions, lengths)
 
     def forward(
         self,
@@ -302,15 +366,13 @@ class Llama(nnx.Module):
         ``[B, T, Hq, D]`` for the queries ``q`` ``[B, T, Hq, D]``.
         """
         x = self.embed(tokens)
-        long = None if self.inv_freq_long is None else self.inv_freq_long[...]
-        inv_freq = rope_frequencies(self.config, self.inv_freq[...], long, positions, lengths)
+        inv_freq = self.rope(positions, lengths)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
             k_cache, v_cache = write_kv(i, k, v)
             o = attend(i, q, k_cache, v_cache)
             B, T = o.shape[:2]
-            x = x + layer.self_attn.output(o.reshape(B, T, -1).astype(x.dtype))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.add_mlp(layer.add_attention(x, o.reshape(B, T, -1)))
         return self.norm(x)
 
     def logits(self, h: Float[Array, "... H"]) -> Float[Array, "... V"]:

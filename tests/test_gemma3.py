@@ -1,0 +1,158 @@
+"""Gemma 3 text models (``model_type`` gemma3_text: Gemma-3-1B, and the language model of the larger
+ones saved as text-only) against transformers' logits (``fixtures/families/gemma3*``, written by
+``fixtures/make_families.py gemma3``) and transformers' config rules.
+
+The fixture has what sets Gemma 3 apart from Llama: norms stored as ``w`` for ``1 + w``, sandwich
+norms, GeGLU (tanh GELU), embeddings times ``sqrt(hidden)``, q/k norms, a query scale from
+``query_pre_attn_scalar`` (24, not the head dim 16), sliding-window layers (0 and 2, window 8) with
+their own RoPE base, and a full-attention layer (1) with the global base and linear scaling. Its
+offload-decoder run is in ``test_offload.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from magicpig_jax.attention import MagicPIGConfig
+from magicpig_jax.eval.forcing import forced_decode
+from magicpig_jax.generation import decode, decode_spec, forward_logits, prefill
+from magicpig_jax.io.loader import convert_model, load_model, read_model_config
+from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
+from tests.test_io_families import FIXTURES, TOLERANCE
+
+FOLDER = FIXTURES / "gemma3"
+
+# google/gemma-3-1b-it's config.json as published (transformers 4.50 format)
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144,
+}
+
+
+def _ref(name: str = "gemma3") -> dict:
+    return dict(np.load(FIXTURES / f"{name}_logits.npz"))
+
+
+def _with_config(tmp_path, **changes):
+    folder = tmp_path / "gemma3"
+    shutil.copytree(FOLDER, folder, dirs_exist_ok=True)
+    cfg = json.loads((FOLDER / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_config_follows_transformers():
+    cfg = LlamaConfig.from_hf_config(GEMMA3_1B)
+    # every 6th layer full (5, 11, ...), the rest slide over 512 positions with the local base
+    assert cfg.windowed_layers == tuple(i for i in range(26) if (i + 1) % 6) and cfg.sliding_window == 512
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (1e6, 1e4, None)
+    assert cfg.query_scale == 256 ** -0.5 and cfg.embedding_scale == math.sqrt(1152)
+    assert cfg.qk_norm and cfg.sandwich_norms and cfg.hidden_act == "gelu_tanh" and cfg.tie_word_embeddings
+    assert cfg.eos_token_ids == (1, 106) and (cfg.head_dim, cfg.num_kv_heads) == (256, 1)
+    assert cfg.layer_uses_local_rope(0) and not cfg.layer_uses_local_rope(5)
+    # Gemma-3-4B's language model: linear scaling on the full-attention layers only (legacy form)
+    four_b = LlamaConfig.from_hf_config({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert dict(four_b.rope_scaling) == {"rope_type": "linear", "factor": 8.0} and four_b.local_rope_theta == 1e4
+    # transformers 5's form: a base per layer type
+    nested = {k: v for k, v in GEMMA3_1B.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    nested["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}
+    cfg = LlamaConfig.from_hf_config(nested)
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (5e5, 2e4)
+    assert LlamaConfig.from_hf_config({**GEMMA3_1B, "query_pre_attn_scalar": 168}).query_scale == 168 ** -0.5
+    layer_types = ["full_attention"] * 25 + ["sliding_attention"]
+    assert LlamaConfig.from_hf_config({**GEMMA3_1B, "layer_types": layer_types}).windowed_layers == (25,)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"final_logit_softcapping": 30.0}, "'final_logit_softcapping' = 30.0: logit soft-capping is not implemented"),
+    ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping' = 50.0"),
+    ({"use_bidirectional_attention": True}, "'use_bidirectional_attention' = true is not supported"),
+    ({"hidden_activation": "gelu"}, "'hidden_activation' = 'gelu' is not supported"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "'hidden_act' on a gemma3_text model is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn' of the full-attention layers"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 8.0}}, "must map 'full_attention' and 'sliding_attention'"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "RoPE of the sliding-window layers"),
+    ({"sliding_window": None}, "'sliding_window' is null while 'layer_types' has 'sliding_attention' layers"),
+    ({"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar' must be a finite number > 0"),
+    ({"model_type": "gemma3"}, "unsupported model_type 'gemma3'"),
+    ({"model_type": "gemma2"}, "unsupported model_type 'gemma2'"),
+])
+def test_what_is_not_implemented_is_refused(changes, match):
+    with pytest.raises(ValueError, match=match) as info:
+        LlamaConfig.from_hf_config({**GEMMA3_1B, **changes})
+    # a field or value we do not implement is UnsupportedConfigError; a malformed one a plain ValueError
+    assert isinstance(info.value, UnsupportedConfigError) == ("must" not in match)
+
+
+def test_logits_match_transformers(tmp_path):
+    ref = _ref()
+    model = load_model(FOLDER)
+    assert model.config.windowed_layers == (0, 2) and model.config.query_scale == 24 ** -0.5
+    assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE
+    # each of the query scale, the local base and the global scaling changes the logits: the
+    # fixture exercises them (a model without them is far off)
+    for changes in ({"query_pre_attn_scalar": 16},
+                    {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+                    {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}):
+        other = load_model(_with_config(tmp_path, **changes))
+        assert float(np.abs(forward_logits(other, ref["prompt_ids"].tolist()) - ref["logits"]).max()) > 0.01, changes
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_decode_through_the_window_matches_transformers(host):
+    """Greedy decoding past the window equals transformers' forward-pass greedy continuation, and
+    every step's logits (teacher-forced) equal its logits of the whole sequence (host op and pure JAX)."""
+    import dataclasses
+
+    ref = _ref("gemma3_window")
+    model = load_model(FOLDER)
+    prompt, generated = ref["prompt_ids"].tolist(), ref["generated"].tolist()
+    state = prefill(model, [prompt], len(generated))
+    spec = dataclasses.replace(decode_spec(model, "dense", positions=state.cache.capacity), host=host)
+    steps = {}
+    forced_decode(model, state, forced_tokens=[generated], max_new_tokens=len(generated), spec=spec,
+                  stop_on_eos=False, logits_callback=lambda t, x: steps.setdefault(t, x[0].copy()))
+    got = np.stack([steps[t] for t in range(len(generated))])
+    assert float(np.abs(got - ref["sequence_logits"][len(prompt) - 1:-1]).max()) <= TOLERANCE
+    tokens, _ = decode(model, state, attention="dense", max_new_tokens=len(generated), stop_on_eos=False)
+    assert tokens[0] == generated
+
+
+def test_magicpig_host_op_samples_what_the_reference_samples():
+    """On the full-attention layer (the windowed ones stay dense), the host op and the pure-JAX
+    reference sample the same keys: the same tokens and sampled fraction, over a prompt that the
+    static set does not cover."""
+    model = load_model(FOLDER)
+    rng = np.random.default_rng(1)
+    state = prefill(model, [rng.integers(3, 600, 300).tolist()], 8)
+    cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
+    runs = {att: decode(model, state, attention=att, config=cfg, max_new_tokens=8, dense_layers=(),
+                        stop_on_eos=False) for att in ("magicpig", "magicpig-ref")}
+    (host, h_stats), (ref, r_stats) = runs["magicpig"], runs["magicpig-ref"]
+    assert host == ref and h_stats["dense_layers"] == [0, 2]
+    assert h_stats["sampled_fraction"] == pytest.approx(r_stats["sampled_fraction"], rel=1e-6)
+    assert 0 < h_stats["sampled_fraction"] < 1
+
+
+def test_checkpoint_keeps_the_architecture(tmp_path):
+    ref = _ref()
+    out = convert_model(FOLDER, tmp_path / "ckpt")
+    assert read_model_config(out) == load_model(FOLDER).config
+    logits = forward_logits(load_model(out), ref["prompt_ids"].tolist())
+    assert float(np.abs(logits - ref["logits"]).max()) <= TOLERANCE
