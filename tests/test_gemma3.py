@@ -156,3 +156,90 @@ def test_checkpoint_keeps_the_architecture(tmp_path):
     assert read_model_config(out) == load_model(FOLDER).config
     logits = forward_logits(load_model(out), ref["prompt_ids"].tolist())
     assert float(np.abs(logits - ref["logits"]).max()) <= TOLERANCE
+
+
+# --- GGUF (llama.cpp's gemma3) ----------------------------------------------------------------
+
+
+def _gguf(folder, out, **kw):
+    from tests.fixtures.gguf_convert import write_gguf
+    from tests.test_io_families import _spm_vocab
+
+    return write_gguf(folder, out, spm_vocab=_spm_vocab(), **kw)
+
+
+def test_gguf_matches_transformers(tmp_path):
+    """The 6-layer fixture in transformers' default pattern (what llama.cpp's gemma3 holds: every 6th
+    layer full, the query scale 1/sqrt(head_dim)) as a GGUF written under llama.cpp's converter
+    conventions (norms stored as 1 + w), F16 and Q8_0 matrices; and the same layers as the HF dir."""
+    ref = _ref("gemma3_default")
+    hf = load_model(FIXTURES / "gemma3_default")
+    gguf_model = load_model(_gguf(FIXTURES / "gemma3_default", tmp_path / "g.gguf"))
+    for key in ("windowed_layers", "sliding_window", "local_rope_theta", "rope_theta", "rope_scaling", "query_scale",
+                "embedding_scale", "hidden_act", "sandwich_norms", "qk_norm", "tie_word_embeddings"):
+        assert getattr(gguf_model.config, key) == getattr(hf.config, key), key
+    assert gguf_model.config.windowed_layers == (0, 1, 2, 3, 4)
+    for model in (hf, gguf_model):
+        assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE
+    # Q8_0 rows held as they are: their float32 dequantization's logits, near transformers'
+    path = _gguf(FIXTURES / "gemma3_default", tmp_path / "q8.gguf", qtype="Q8_0")
+    ids = ref["prompt_ids"].tolist()
+    q8 = forward_logits(load_model(path), ids)
+    assert float(np.abs(q8 - forward_logits(load_model(path, packed_weights=False), ids)).max()) <= TOLERANCE
+    # Q8_0 rounding only: small beside the logits (their std is about 13)
+    assert 1e-4 < float(np.abs(q8 - ref["logits"]).mean()) < 0.02 * float(ref["logits"].std())
+
+
+def _random_gemma3_dir(folder, layers: int):
+    """A tiny random gemma3_text HF directory of ``layers`` layers (hidden 16, 2 heads of 4, 1 KV head),
+    its query_pre_attn_scalar hidden / heads (Gemma-3-27B's rule) and the fixture's tokenizer."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FOLDER / name, folder / name)
+    H, F, V, D = 16, 24, 608, 4
+    cfg = {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": H, "intermediate_size": F,
+           "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": D,
+           "query_pre_attn_scalar": H // 2, "sliding_window": 8, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 512, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(layers)
+    shapes = {"self_attn.q_proj.weight": (2 * D, H), "self_attn.k_proj.weight": (D, H),
+              "self_attn.v_proj.weight": (D, H), "self_attn.o_proj.weight": (H, 2 * D),
+              "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
+              "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+              "pre_feedforward_layernorm.weight": (H,), "post_feedforward_layernorm.weight": (H,),
+              "self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,)}
+    # float16 values (a GGUF stores the matrices as F16), held as float32
+    weights = {f"model.layers.{i}.{k}": (0.3 * rng.standard_normal(s)).astype(np.float16).astype(np.float32)
+               for i in range(layers) for k, s in shapes.items()}
+    weights["model.embed_tokens.weight"] = (0.5 * rng.standard_normal((V, H))).astype(np.float16).astype(np.float32)
+    weights["model.norm.weight"] = (0.1 * rng.standard_normal(H)).astype(np.float32)
+    save_file(weights, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_gguf_query_scale_follows_llama_cpp(tmp_path):
+    """llama.cpp's gemma3 scales q . k by 1/sqrt(hidden / heads) at 62 layers (Gemma-3-27B, whose
+    query_pre_attn_scalar is hidden / heads), else by 1/sqrt(head_dim): at 62 layers the GGUF gives
+    the HF directory's logits; at 61 the GGUF's scale is the head dim's."""
+    from magicpig_jax.io.loader import read_model_config
+
+    big = _random_gemma3_dir(tmp_path / "l62", 62)
+    gguf_config = read_model_config(_gguf(big, tmp_path / "l62.gguf"))
+    assert gguf_config.query_scale == pytest.approx(8 ** -0.5) and gguf_config.windowed_layers == tuple(
+        i for i in range(62) if (i + 1) % 6)
+    ids = list(range(3, 40))
+    diff = np.abs(forward_logits(load_model(big), ids) - forward_logits(load_model(tmp_path / "l62.gguf"), ids))
+    assert float(diff.max()) <= TOLERANCE
+    small = _random_gemma3_dir(tmp_path / "l61", 61)
+    assert read_model_config(_gguf(small, tmp_path / "l61.gguf")).query_scale == 4 ** -0.5  # 1/sqrt(head_dim)
+
+
+def test_gguf_without_what_gemma3_needs_is_refused(tmp_path):
+    from magicpig_jax.io.gguf_model import GGUFMetadataError
+
+    with pytest.raises(GGUFMetadataError, match="a gemma3 model needs gemma3.attention.sliding_window > 0"):
+        load_model(_gguf(FIXTURES / "gemma3_default", tmp_path / "nw.gguf",
+                         metadata={"gemma3.attention.sliding_window": 0}))

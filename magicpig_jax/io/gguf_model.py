@@ -5,7 +5,11 @@ SmolLM...), ``qwen2`` (Qwen2/2.5: q/k/v biases), ``qwen3`` (per-head q/k RMSNorm
 ``smollm3`` (Llama's tensors; every 4th layer without RoPE, llama.cpp's fixed
 ``n_no_rope_layer_step``) and ``phi3`` (q/k/v fused in ``attn_qkv``, gate/up in ``ffn_up``:
 split here by rows; NEOX RoPE; LongRoPE from ``rope_factors_short/long``; partial RoPE from
-``rope.dimension_count``). llama.cpp's converter
+``rope.dimension_count``) and ``gemma3`` (Gemma 3 text: sandwich norms ``post_attention_norm`` /
+``post_ffw_norm``, GeGLU, q/k norms; as llama.cpp hard-codes it, every 6th layer attends to every
+position and the others through ``attention.sliding_window`` with the local RoPE base 10000
+unscaled, embeddings times sqrt(hidden), and the query scale 1/sqrt(head dim) but for the 62-layer
+27B's 1/sqrt(hidden / heads); the converter stores the norms' ``1 + w``). llama.cpp's converter
 permutes the q/k rows of ``llama`` and ``smollm3`` models for its pairwise RoPE (undone here);
 ``qwen2``/``qwen3``/``phi3`` use NEOX-style RoPE and are stored unpermuted.
 
@@ -35,11 +39,14 @@ from magicpig_jax.models.config import (
 __all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "split_packed_key",
            "GGUFWeights", "GGUFMetadataError"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma3")
 # architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute; SmolLM3Model is one)
 _PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp's smollm3 skips RoPE where (layer + 1) % 4 == 0 (a constant there, no metadata key)
 _SMOLLM3_NOPE_STEP = 4
+# llama.cpp's gemma3 (constants there, no metadata key): every 6th layer full attention, the others
+# sliding with this RoPE base and no scaling; the query scale 1/sqrt(hidden / heads) at 62 layers (27B)
+_GEMMA3_FULL_EVERY, _GEMMA3_LOCAL_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
 
 
 class GGUFMetadataError(ValueError):
@@ -79,6 +86,9 @@ _ARCH_LAYER_NAMES = {
                                                                     "ffn_gate.weight", "ffn_up.weight")},
              "attn_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
              "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
+    # ffn_norm is the pre-MLP norm; the sandwich norms normalise the attention's and the MLP's outputs
+    "gemma3": {**_LAYER_NAMES, **_QK_NORM_NAMES, "post_attention_norm.weight": "attn_output_norm.weight",
+               "post_ffw_norm.weight": "mlp_output_norm.weight"},
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -255,7 +265,8 @@ def _check_keys(reader, arch: str, path) -> None:
 
 
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndarray | None]:
-    """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``, ``smollm3``, ``phi3``).
+    """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``, ``smollm3``, ``phi3``,
+    ``gemma3``).
 
     The weights come in the Hugging Face ``(out, in)`` layout and naming
     (``model.layers.{i}.self_attn.q_proj.weight``...), as a :class:`GGUFWeights` mapping
@@ -397,6 +408,14 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         raise UnsupportedConfigError(f"{path}: a qwen2 model needs q/k/v biases; blk.0.attn_q.bias is missing")
     if arch == "qwen3" and "attn_q_norm.weight" not in has:
         raise UnsupportedConfigError(f"{path}: a qwen3 model needs q/k norms; blk.0.attn_q_norm.weight is missing")
+    gemma = {}
+    if arch == "gemma3":
+        if window is None or int(window) == 0:  # llama.cpp requires the key
+            raise GGUFMetadataError(f"{path}: a gemma3 model needs {arch}.attention.sliding_window > 0")
+        gemma = dict(hidden_act="gelu_tanh", sandwich_norms=True, embedding_scale=math.sqrt(hidden),
+                     query_scale=(hidden / n_head if n_layers == _GEMMA3_27B_LAYERS else head_dim) ** -0.5,
+                     local_rope_theta=_GEMMA3_LOCAL_BASE,
+                     sliding_layers=tuple(i for i in range(n_layers) if (i + 1) % _GEMMA3_FULL_EVERY))
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -416,10 +435,12 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         qk_norm="attn_q_norm.weight" in has,
         sliding_window=None if window is None or int(window) == 0 else int(window),
         # a window covers every layer of a llama/qwen file (Mistral's rule: the key names no layer) and
-        # SmolLM3's NoPE layers (transformers' default layer_types); llama.cpp ignores the key here
-        sliding_layers=nope if arch == "smollm3" else None,
+        # SmolLM3's NoPE layers (transformers' default layer_types); llama.cpp ignores the key there;
+        # gemma3: the layers llama.cpp slides
+        sliding_layers=nope if arch == "smollm3" else gemma.pop("sliding_layers", None),
         nope_layers=nope,
         rope_dim=rope_dim,
+        **gemma,
     ), tensors
 
 
@@ -641,7 +662,7 @@ def _fused_entries(t, keys: list[str], config: LlamaConfig, path: Path) -> dict[
 
 def _check_tensors_present(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> None:
     """Refuse, from the header alone, a GGUF that lacks a tensor every layer of ``arch`` needs."""
-    per_layer = list(_ARCH_LAYER_NAMES["phi3"]) if arch == "phi3" else list(_LAYER_NAMES)
+    per_layer = list(_ARCH_LAYER_NAMES[arch]) if arch in ("phi3", "gemma3") else list(_LAYER_NAMES)
     per_layer += list(_QK_NORM_NAMES) if arch == "qwen3" else []
     needed = ["token_embd.weight", "output_norm.weight"]  # output.weight absent = tied embeddings
     needed += [f"blk.{i}.{rest}" for i in range(config.num_layers) for rest in per_layer]

@@ -121,7 +121,8 @@ class Attention(nnx.Module):
         self.use_rope = config.layer_uses_rope(layer)  # False on SmolLM3's NoPE layers (static)
         self.local_rope = config.layer_uses_local_rope(layer)  # Gemma 3's sliding layers (static)
         # a Python float (static): 1 unless the model's attention scale is not 1 / sqrt(D)
-        self.q_rescale = 1.0 if config.query_scale is None else float(config.query_scale * np.sqrt(D))
+        rescale = 1.0 if config.query_scale is None else float(config.query_scale * np.sqrt(D))
+        self.q_rescale = 1.0 if abs(rescale - 1.0) < 1e-12 else rescale  # 1/sqrt(D) given explicitly
         self.q_proj = _linear(H, config.num_heads * D, rngs, dtype)
         self.k_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
         self.v_proj = _linear(H, config.num_kv_heads * D, rngs, dtype)
