@@ -210,7 +210,11 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3, smollm3, phi3).
+        """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3, smollm3, phi3,
+        gemma3_text).
+
+        Gemma 3 (``gemma3_text``): :func:`_check_gemma3` reads its own fields (activation, query
+        scale, RoPE per layer type); its layer pattern is :func:`_hf_sliding_window`'s.
 
         Phi-3 (``phi3``) is Llama with q/k/v and gate/up each fused in one matrix (split by the
         loader), Mistral's window rule, LongRoPE (:func:`_check_phi3`) and partial RoPE
