@@ -117,3 +117,20 @@ def test_gguf_weights_are_read_when_accessed(q4km):
     assert key not in weights and len(weights) == n - 1
     with pytest.raises(TypeError, match="read-only"):
         weights[key] = rows
+
+
+def test_gemma3_shaped_random_gguf_loads_as_rows_and_decodes(tmp_path):
+    """The tool's gemma3 shape (what bench runs use for Gemma-3-1B): its Q4_K_M rows held as they
+    are, the layers llama.cpp slides windowed, and its rows compute what their float32
+    dequantization computes (the sandwich and q/k norms included)."""
+    path = _tool().write_random_gguf(tmp_path / "g.gguf", "gemma3-tiny", "Q4_K_M", seed=1)
+    rows, floats = load_model(path), load_model(path, packed_weights=False)
+    assert _float32_matrices(rows.module) == [] and rows.config.windowed_layers == (0, 1, 2, 3, 4)
+    assert rows.config.sandwich_norms and rows.config.hidden_act == "gelu_tanh"
+    ids = list(range(5, 60))
+    states = [prefill(m, [ids], 4) for m in (rows, floats)]
+    np.testing.assert_allclose(np.asarray(states[0].last_logits), np.asarray(states[1].last_logits),
+                               atol=1e-4, rtol=0)
+    (t_rows, lg_rows), (t_float, lg_float) = (_decode_logits(m, states[1]) for m in (rows, floats))
+    assert t_rows == t_float and np.isfinite(lg_rows).all()
+    np.testing.assert_allclose(lg_rows, lg_float, atol=1e-4, rtol=0)

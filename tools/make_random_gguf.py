@@ -8,7 +8,9 @@ vocab 128256, untied output), ``llama3-1b`` (Llama-3.2-1B: 16 layers, hidden 204
 of 64, FFN 8192, tied), ``smollm2-135m`` (the embedded model's shapes: 30 layers, hidden 576,
 9/3 heads of 64, FFN 1536, vocab 49152, tied, 8K context; for timing where the file cannot
 travel), ``tiny`` (2 layers, hidden 256, 4/2 heads of 64, FFN 512, vocab 320,
-untied; for tests). Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays it out (Q4_K
+untied; for tests), ``gemma3-1b`` (Gemma-3-1B, architecture ``gemma3``: 26 layers, hidden 1152,
+4/1 heads of 256, FFN 6912, vocab 262144, tied, window 512 on 5 layers in 6) and ``gemma3-tiny``
+(6 layers of hidden 256, window 16; for tests). Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays it out (Q4_K
 everywhere, Q6_K for ``output.weight`` and for ``attn_v``/``ffn_down`` of the layers where
 llama.cpp's ``use_more_bits`` holds: the first and last eighth of the layers and every third
 one between, i.e. half of them), ``Q5_K_M`` (the same with Q5_K), or one type for every
@@ -45,6 +47,8 @@ class Shape:
     tied: bool
     context: int = 131072
     rope_theta: float = 500000.0
+    arch: str = "llama"  # or "gemma3": q/k norms, sandwich norms, a sliding window on 5 layers in 6
+    window: int = 0  # gemma3's attention.sliding_window
 
 
 SHAPES = {
@@ -52,6 +56,10 @@ SHAPES = {
     "llama3-1b": Shape(16, 2048, 32, 8, 64, 8192, 128256, tied=True),
     "smollm2-135m": Shape(30, 576, 9, 3, 64, 1536, 49152, tied=True, context=8192, rope_theta=100000.0),
     "tiny": Shape(2, 256, 4, 2, 64, 512, 320, tied=False, context=4096, rope_theta=10000.0),
+    "gemma3-1b": Shape(26, 1152, 4, 1, 256, 6912, 262144, tied=True, context=32768, rope_theta=1e6, arch="gemma3",
+                       window=512),
+    "gemma3-tiny": Shape(6, 256, 4, 1, 64, 512, 320, tied=True, context=4096, rope_theta=1e6, arch="gemma3",
+                         window=16),
 }
 
 # byte offsets of the float16 scales in each type's block, and their magnitude for weights ~ 0.02
@@ -109,6 +117,10 @@ def tensor_plan(shape: Shape, layout: str) -> list[tuple[str, str, int, int]]:
                  t("ffn_gate.weight", s.ffn, s.hidden),
                  t("ffn_up.weight", s.ffn, s.hidden),
                  t("ffn_down.weight", s.hidden, s.ffn)]
+        if s.arch == "gemma3":
+            plan += [(f"blk.{i}.{name}", "F32", n, 0) for name, n in (
+                ("attn_q_norm.weight", s.head_dim), ("attn_k_norm.weight", s.head_dim),
+                ("post_attention_norm.weight", s.hidden), ("post_ffw_norm.weight", s.hidden))]
     plan.append(("output_norm.weight", "F32", s.hidden, 0))
     if not s.tied:
         plan.append(("output.weight", tensor_type("output.weight", None, s, layout), s.vocab, s.hidden))
@@ -139,8 +151,10 @@ def write_random_gguf(path: str | Path, shape: Shape | str = "tiny", layout: str
     shape = SHAPES[shape] if isinstance(shape, str) else shape
     path = Path(path)
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
     s = shape
+    w = gguf.GGUFWriter(str(path), s.arch)
+    if s.arch == "gemma3":
+        w.add_sliding_window(s.window)
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
