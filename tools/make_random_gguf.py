@@ -10,11 +10,13 @@ of 64, FFN 8192, tied), ``smollm2-135m`` (the embedded model's shapes: 30 layers
 travel), ``tiny`` (2 layers, hidden 256, 4/2 heads of 64, FFN 512, vocab 320,
 untied; for tests), ``gemma3-1b`` (Gemma-3-1B, architecture ``gemma3``: 26 layers, hidden 1152,
 4/1 heads of 256, FFN 6912, vocab 262144, tied, window 512 on 5 layers in 6) and ``gemma3-tiny``
-(6 layers of hidden 256, window 16; for tests). Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays it out (Q4_K
-everywhere, Q6_K for ``output.weight`` and for ``attn_v``/``ffn_down`` of the layers where
+(6 layers of hidden 256, window 16; for tests). Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays
+it out (Q4_K everywhere, Q6_K for ``output.weight`` and for ``attn_v``/``ffn_down`` of the layers where
 llama.cpp's ``use_more_bits`` holds: the first and last eighth of the layers and every third
-one between, i.e. half of them), ``Q5_K_M`` (the same with Q5_K), or one type for every
-matrix (``Q8_0``, ``Q4_0``, ``F16``, ... any of :data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES`).
+one between, i.e. half of them; rows that are no whole number of 256-weight blocks fall back
+to Q5_0, Q5_1 or Q8_0 for Q4_K, Q5_K or Q6_K, as llama.cpp's quantizer does), ``Q5_K_M`` (the
+same with Q5_K), or one type for every matrix (``Q8_0``, ``Q4_0``, ``F16``, ... any of
+:data:`magicpig_jax.io.gguf_blocks.QUANT_TYPES`).
 Norms are F32 ones.
 
 Blocks are random bytes with finite float16 scales drawn so that weights are of order 0.02
@@ -72,15 +74,22 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def tensor_type(name: str, layer: int | None, shape: Shape, layout: str) -> str:
+# llama.cpp's quantizer falls back to these for rows that are no whole number of 256-weight K blocks
+_K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def tensor_type(name: str, layer: int | None, shape: Shape, layout: str, cols: int | None = None) -> str:
+    """The GGUF type of a matrix with ``cols`` weights per row under ``layout``."""
+    kind = layout
     if layout in ("Q4_K_M", "Q5_K_M"):
-        base = layout[:4]
+        kind = layout[:4]
         if name == "output.weight":
-            return "Q6_K"
-        if name in ("attn_v.weight", "ffn_down.weight") and use_more_bits(layer, shape.layers):
-            return "Q6_K"
-        return base
-    return layout
+            kind = "Q6_K"
+        elif name in ("attn_v.weight", "ffn_down.weight") and use_more_bits(layer, shape.layers):
+            kind = "Q6_K"
+    if cols is not None and cols % 256 and kind in _K_FALLBACK:
+        kind = _K_FALLBACK[kind]
+    return kind
 
 
 def random_tensor(rng: np.random.Generator, qtype: str, rows: int, cols: int) -> np.ndarray:
@@ -104,10 +113,10 @@ def random_tensor(rng: np.random.Generator, qtype: str, rows: int, cols: int) ->
 def tensor_plan(shape: Shape, layout: str) -> list[tuple[str, str, int, int]]:
     """``(gguf name, type, rows, cols)`` of every tensor (cols 0: a 1-D F32 norm of ``rows``)."""
     s = shape
-    plan = [("token_embd.weight", tensor_type("token_embd.weight", None, s, layout), s.vocab, s.hidden)]
+    plan = [("token_embd.weight", tensor_type("token_embd.weight", None, s, layout, s.hidden), s.vocab, s.hidden)]
     for i in range(s.layers):
         def t(name, rows, cols, i=i):
-            return (f"blk.{i}.{name}", tensor_type(name, i, s, layout), rows, cols)
+            return (f"blk.{i}.{name}", tensor_type(name, i, s, layout, cols), rows, cols)
         plan += [(f"blk.{i}.attn_norm.weight", "F32", s.hidden, 0),
                  t("attn_q.weight", s.heads * s.head_dim, s.hidden),
                  t("attn_k.weight", s.kv_heads * s.head_dim, s.hidden),
@@ -123,7 +132,7 @@ def tensor_plan(shape: Shape, layout: str) -> list[tuple[str, str, int, int]]:
                 ("post_attention_norm.weight", s.hidden), ("post_ffw_norm.weight", s.hidden))]
     plan.append(("output_norm.weight", "F32", s.hidden, 0))
     if not s.tied:
-        plan.append(("output.weight", tensor_type("output.weight", None, s, layout), s.vocab, s.hidden))
+        plan.append(("output.weight", tensor_type("output.weight", None, s, layout, s.hidden), s.vocab, s.hidden))
     return plan
 
 
