@@ -72,6 +72,8 @@ def test_config_follows_transformers():
     cfg = LlamaConfig.from_hf_config(nested)
     assert (cfg.rope_theta, cfg.local_rope_theta) == (5e5, 2e4)
     assert LlamaConfig.from_hf_config({**GEMMA3_1B, "query_pre_attn_scalar": 168}).query_scale == 168 ** -0.5
+    # no eos_token_id: Gemma3TextConfig's default, 1 (<eos>)
+    assert LlamaConfig.from_hf_config({k: v for k, v in GEMMA3_1B.items() if k != "eos_token_id"}).eos_token_ids == (1,)
     layer_types = ["full_attention"] * 25 + ["sliding_attention"]
     assert LlamaConfig.from_hf_config({**GEMMA3_1B, "layer_types": layer_types}).windowed_layers == (25,)
 

@@ -291,7 +291,7 @@ class LlamaConfig:
         max_positions = int(get("max_position_embeddings"))
         scaling, max_positions = _complete_yarn(scaling, max_positions)
         scaling = _complete_longrope(scaling, cfg, model_type, max_positions)
-        eos = cfg.get("eos_token_id")
+        eos = cfg.get("eos_token_id", defaults.get("eos_token_id"))  # Gemma3TextConfig's default: 1
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         # transformers' Qwen2 and Mistral attention ignore 'attention_bias' (Qwen2: q/k/v biases
         # always, no o bias; Mistral: none); Llama and Qwen3 put it on q, k, v and o.
@@ -386,7 +386,7 @@ _HF_DEFAULTS = {
     "phi3": {"hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
              "tie_word_embeddings": False, "num_key_value_heads": None, "sliding_window": None},
     "gemma3_text": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "tie_word_embeddings": True,
-                    "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096},
+                    "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096, "eos_token_id": 1},
 }
 
 
