@@ -849,7 +849,8 @@ def rope_inv_freq(config: LlamaConfig, freq_factors: np.ndarray | None = None, l
     Raises:
       ValueError: ``freq_factors`` is not ``[D/2]`` of finite values > 0, or comes
         with a "llama3" scaling (the factors are that scaling, precomputed); a
-        "llama3" scaling lacks one of its keys.
+        "llama3" scaling lacks one of its keys; ``local`` for a config without
+        ``local_rope_theta``.
     """
     D = config.rotary_dim  # partial RoPE: the frequencies of the rotated dimensions only
     if local:

@@ -80,8 +80,10 @@ def rope_tables(config: LlamaConfig, short: Float[Array, " D2"], long: Float[Arr
                 local: Float[Array, " D2"] | None, positions: Int[Array, "B T"],
                 lengths: Int[Array, " B"] | None = None) -> tuple[jax.Array, jax.Array | None]:
     """``(global, local)``: the frequencies of the layers with the model's RoPE
-    (:func:`rope_frequencies` of ``short``/``long``) and of its sliding-window layers with their own
-    base (Gemma 3's ``local`` ``[D/2]``, else None). Each layer picks one (:meth:`Attention.qkv`)."""
+    (:func:`rope_frequencies` of ``short``/``long``: float32 ``[D/2]``, or ``[B, T, D/2]`` under
+    LongRoPE) and of its sliding-window layers with their own base (Gemma 3's ``local`` float32
+    ``[D/2]``, else None). Each layer picks one (:meth:`Attention.qkv`), as transformers'
+    ``Gemma3RotaryEmbedding`` keeps a table per layer type."""
     return rope_frequencies(config, short, long, positions, lengths), local
 
 
