@@ -245,3 +245,7 @@ def test_gguf_without_what_gemma3_needs_is_refused(tmp_path):
     with pytest.raises(GGUFMetadataError, match="a gemma3 model needs gemma3.attention.sliding_window > 0"):
         load_model(_gguf(FIXTURES / "gemma3_default", tmp_path / "nw.gguf",
                          metadata={"gemma3.attention.sliding_window": 0}))
+    with pytest.raises(UnsupportedConfigError, match="rope.scaling.type 'yarn' is not supported for gemma3"):
+        load_model(_gguf(FIXTURES / "gemma3_default", tmp_path / "yarn.gguf",
+                         metadata={"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 4.0,
+                                   "gemma3.rope.scaling.original_context_length": 128}))

@@ -412,6 +412,10 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
     if arch == "gemma3":
         if window is None or int(window) == 0:  # llama.cpp requires the key
             raise GGUFMetadataError(f"{path}: a gemma3 model needs {arch}.attention.sliding_window > 0")
+        kind = dict(scaling or {}).get("rope_type", "default")
+        if kind not in ("default", "linear"):  # what Gemma 3 ships; transformers' Gemma 3 takes no other here
+            raise UnsupportedConfigError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported for gemma3 "
+                                         "(none or linear, on the full-attention layers)")
         gemma = dict(hidden_act="gelu_tanh", sandwich_norms=True, embedding_scale=math.sqrt(hidden),
                      query_scale=(hidden / n_head if n_layers == _GEMMA3_27B_LAYERS else head_dim) ** -0.5,
                      local_rope_theta=_GEMMA3_LOCAL_BASE,
