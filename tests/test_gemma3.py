@@ -192,23 +192,23 @@ def test_gguf_matches_transformers(tmp_path):
     assert 1e-4 < float(np.abs(q8 - ref["logits"]).mean()) < 0.02 * float(ref["logits"].std())
 
 
-def _random_gemma3_dir(folder, layers: int):
-    """A tiny random gemma3_text HF directory of ``layers`` layers (hidden 16, 2 heads of 4, 1 KV head),
-    its query_pre_attn_scalar hidden / heads (Gemma-3-27B's rule) and the fixture's tokenizer."""
+def _random_gemma3_dir(folder, layers: int, H: int = 16, heads: int = 2):
+    """A tiny random gemma3_text HF directory of ``layers`` layers (hidden ``H``, ``heads`` heads of 4,
+    1 KV head), its query_pre_attn_scalar ``H // heads`` (Gemma-3-27B's rule) and the fixture's tokenizer."""
     from safetensors.numpy import save_file
 
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FOLDER / name, folder / name)
-    H, F, V, D = 16, 24, 608, 4
+    F, V, D = 24, 608, 4
     cfg = {"model_type": "gemma3_text", "vocab_size": V, "hidden_size": H, "intermediate_size": F,
-           "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": D,
-           "query_pre_attn_scalar": H // 2, "sliding_window": 8, "rms_norm_eps": 1e-6,
+           "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 1, "head_dim": D,
+           "query_pre_attn_scalar": H // heads, "sliding_window": 8, "rms_norm_eps": 1e-6,
            "max_position_embeddings": 512, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "eos_token_id": 2}
     (folder / "config.json").write_text(json.dumps(cfg))
     rng = np.random.default_rng(layers)
-    shapes = {"self_attn.q_proj.weight": (2 * D, H), "self_attn.k_proj.weight": (D, H),
-              "self_attn.v_proj.weight": (D, H), "self_attn.o_proj.weight": (H, 2 * D),
+    shapes = {"self_attn.q_proj.weight": (heads * D, H), "self_attn.k_proj.weight": (D, H),
+              "self_attn.v_proj.weight": (D, H), "self_attn.o_proj.weight": (H, heads * D),
               "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
               "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
               "pre_feedforward_layernorm.weight": (H,), "post_feedforward_layernorm.weight": (H,),
@@ -237,6 +237,29 @@ def test_gguf_query_scale_follows_llama_cpp(tmp_path):
     assert float(diff.max()) <= TOLERANCE
     small = _random_gemma3_dir(tmp_path / "l61", 61)
     assert read_model_config(_gguf(small, tmp_path / "l61.gguf")).query_scale == 4 ** -0.5  # 1/sqrt(head_dim)
+    # hidden / heads is llama.cpp's integer division (20 // 3 = 6)
+    odd = _random_gemma3_dir(tmp_path / "l62odd", 62, H=20, heads=3)
+    assert read_model_config(_gguf(odd, tmp_path / "l62odd.gguf")).query_scale == 6 ** -0.5
+
+
+def test_gguf_sliding_layers_base_is_read(tmp_path):
+    """``gemma3.rope.freq_base_swa`` (llama.cpp's converter writes the sliding layers' base there; 10000
+    without it): a checkpoint with another local base gives the same logits as its HF directory, and
+    other logits than with 10000."""
+    cfg = json.loads((FIXTURES / "gemma3_default" / "config.json").read_text())
+    cfg["rope_parameters"]["sliding_attention"]["rope_theta"] = 50000.0
+    folder = tmp_path / "base5e4"
+    shutil.copytree(FIXTURES / "gemma3_default", folder)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ids = _ref("gemma3_default")["prompt_ids"].tolist()
+    path = _gguf(folder, tmp_path / "base5e4.gguf")
+    model = load_model(path)
+    assert model.config.local_rope_theta == 50000.0
+    hf = forward_logits(load_model(folder), ids)
+    assert float(np.abs(forward_logits(model, ids) - hf).max()) <= TOLERANCE
+    without = load_model(_gguf(folder, tmp_path / "nobase.gguf", metadata={"gemma3.rope.freq_base_swa": None}))
+    assert without.config.local_rope_theta == 10000.0
+    assert float(np.abs(forward_logits(without, ids) - hf).max()) > 0.01
 
 
 def test_gguf_without_what_gemma3_needs_is_refused(tmp_path):
@@ -245,6 +268,9 @@ def test_gguf_without_what_gemma3_needs_is_refused(tmp_path):
     with pytest.raises(GGUFMetadataError, match="a gemma3 model needs gemma3.attention.sliding_window > 0"):
         load_model(_gguf(FIXTURES / "gemma3_default", tmp_path / "nw.gguf",
                          metadata={"gemma3.attention.sliding_window": 0}))
+    with pytest.raises(UnsupportedConfigError, match="only one integer window for the model is supported"):
+        load_model(_gguf(FIXTURES / "gemma3_default", tmp_path / "arr.gguf",
+                         metadata={"gemma3.attention.sliding_window": [8] * 6}))
     with pytest.raises(UnsupportedConfigError, match="rope.scaling.type 'yarn' is not supported for gemma3"):
         load_model(_gguf(FIXTURES / "gemma3_default", tmp_path / "yarn.gguf",
                          metadata={"gemma3.rope.scaling.type": "yarn", "gemma3.rope.scaling.factor": 4.0,

@@ -7,9 +7,10 @@ SmolLM...), ``qwen2`` (Qwen2/2.5: q/k/v biases), ``qwen3`` (per-head q/k RMSNorm
 split here by rows; NEOX RoPE; LongRoPE from ``rope_factors_short/long``; partial RoPE from
 ``rope.dimension_count``) and ``gemma3`` (Gemma 3 text: sandwich norms ``post_attention_norm`` /
 ``post_ffw_norm``, GeGLU, q/k norms; as llama.cpp hard-codes it, every 6th layer attends to every
-position and the others through ``attention.sliding_window`` with the local RoPE base 10000
-unscaled, embeddings times sqrt(hidden), and the query scale 1/sqrt(head dim) but for the 62-layer
-27B's 1/sqrt(hidden / heads); the converter stores the norms' ``1 + w``). llama.cpp's converter
+position and the others through ``attention.sliding_window`` with the local RoPE base
+``rope.freq_base_swa`` (10000 without it) unscaled, embeddings times sqrt(hidden), and the query
+scale 1/sqrt(head dim) but for the 62-layer 27B's 1/sqrt(hidden // heads); the converter stores
+the norms' ``1 + w``). llama.cpp's converter
 permutes the q/k rows of ``llama`` and ``smollm3`` models for its pairwise RoPE (undone here);
 ``qwen2``/``qwen3``/``phi3`` use NEOX-style RoPE and are stored unpermuted.
 
@@ -45,7 +46,8 @@ _PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp's smollm3 skips RoPE where (layer + 1) % 4 == 0 (a constant there, no metadata key)
 _SMOLLM3_NOPE_STEP = 4
 # llama.cpp's gemma3 (constants there, no metadata key): every 6th layer full attention, the others
-# sliding with this RoPE base and no scaling; the query scale 1/sqrt(hidden / heads) at 62 layers (27B)
+# sliding with no scaling and this RoPE base unless rope.freq_base_swa gives one (its converter writes
+# it); the query scale 1/sqrt(hidden // heads) at 62 layers (27B)
 _GEMMA3_FULL_EVERY, _GEMMA3_LOCAL_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
 
 
@@ -107,6 +109,8 @@ _ARCH_KEYS = {
     "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_attn_factor", "rope.scaling.attn_factor",
     "expert_count", "expert_used_count", "tensor_data_layout",
 }
+# keys read for one architecture only (refused as unknown elsewhere): gemma3's sliding layers' RoPE base
+_ARCH_ONLY_KEYS = {"gemma3": {"rope.freq_base_swa"}}
 # tokenizer keys Tokenizer.from_gguf_metadata reads, or that do not change the token ids
 _TOKENIZER_KEYS = {
     "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -249,7 +253,7 @@ def _check_keys(reader, arch: str, path) -> None:
         if key.startswith("GGUF."):
             continue
         if key.startswith(f"{arch}."):
-            if key[len(arch) + 1:] not in _ARCH_KEYS:
+            if key[len(arch) + 1:] not in _ARCH_KEYS and key[len(arch) + 1:] not in _ARCH_ONLY_KEYS.get(arch, ()):
                 unknown.append(key)
         elif key.startswith("tokenizer."):
             if key not in _TOKENIZER_KEYS and not key.startswith("tokenizer.chat_template."):
@@ -400,6 +404,9 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
             eos_ids.append(int(value))
     window = _field(reader, f"{arch}.attention.sliding_window")
     nope = tuple(i for i in range(n_layers) if (i + 1) % _SMOLLM3_NOPE_STEP == 0) if arch == "smollm3" else ()
+    if window is not None and (isinstance(window, (bool, str, list)) or int(window) != window):
+        raise UnsupportedConfigError(f"{path}: {arch}.attention.sliding_window = {window!r}: only one integer "
+                                     "window for the model is supported (not one per layer)")
     if window is not None and not 0 <= int(window) <= MAX_POSITIONS:
         raise GGUFMetadataError(f"{path}: {arch}.attention.sliding_window = {int(window)} must be in "
                                 f"[0, {MAX_POSITIONS}] (0: no window)")
@@ -410,15 +417,21 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         raise UnsupportedConfigError(f"{path}: a qwen3 model needs q/k norms; blk.0.attn_q_norm.weight is missing")
     gemma = {}
     if arch == "gemma3":
-        if window is None or int(window) == 0:  # llama.cpp requires the key
+        if window is None or int(window) == 0:
+            # every Gemma 3 checkpoint has a window; llama.cpp would run such a file with full attention
+            # in every layer, which is no Gemma 3 that transformers computes: refused
             raise GGUFMetadataError(f"{path}: a gemma3 model needs {arch}.attention.sliding_window > 0")
         kind = dict(scaling or {}).get("rope_type", "default")
         if kind not in ("default", "linear"):  # what Gemma 3 ships; transformers' Gemma 3 takes no other here
             raise UnsupportedConfigError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported for gemma3 "
                                          "(none or linear, on the full-attention layers)")
+        # llama.cpp: 1/sqrt(float(n_embd / n_head)) with integer division at 62 layers (Gemma-3-27B:
+        # 5376 / 32 = 168, its query_pre_attn_scalar), else 1/sqrt(head dim)
         gemma = dict(hidden_act="gelu_tanh", sandwich_norms=True, embedding_scale=math.sqrt(hidden),
-                     query_scale=(hidden / n_head if n_layers == _GEMMA3_27B_LAYERS else head_dim) ** -0.5,
-                     local_rope_theta=_GEMMA3_LOCAL_BASE,
+                     query_scale=(hidden // n_head if n_layers == _GEMMA3_27B_LAYERS else head_dim) ** -0.5,
+                     local_rope_theta=float(_number(reader, f"{arch}.rope.freq_base_swa", path)
+                                            if _field(reader, f"{arch}.rope.freq_base_swa") is not None
+                                            else _GEMMA3_LOCAL_BASE),
                      sliding_layers=tuple(i for i in range(n_layers) if (i + 1) % _GEMMA3_FULL_EVERY))
     return LlamaConfig(
         vocab_size=vocab,
