@@ -119,11 +119,11 @@ class Attention(nnx.Module):
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, dtype=jnp.float32, layer: int = 0):
         H, D = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, D
-        # a Python float (static under jit); 1 on a layer with the local base (unscaled, as llama.cpp's
-        # sliding layers rotate with freq_scale 1)
-        self.rope_scale = 1.0 if config.layer_uses_local_rope(layer) else rope_attention_factor(config)
         self.use_rope = config.layer_uses_rope(layer)  # False on SmolLM3's NoPE layers (static)
         self.local_rope = config.layer_uses_local_rope(layer)  # Gemma 3's sliding layers (static)
+        # a Python float (static under jit); 1 on a layer with the local base (unscaled, as llama.cpp's
+        # sliding layers rotate with freq_scale 1)
+        self.rope_scale = 1.0 if self.local_rope else rope_attention_factor(config)
         # a Python float (static): 1 unless the model's attention scale is not 1 / sqrt(D)
         rescale = 1.0 if config.query_scale is None else float(config.query_scale * np.sqrt(D))
         self.q_rescale = 1.0 if abs(rescale - 1.0) < 1e-12 else rescale  # 1/sqrt(D) given explicitly
