@@ -43,6 +43,9 @@ using magicpig::Load;
 using magicpig::ReadyFuture;
 using magicpig::RunParallel;
 using magicpig::Shape;
+using magicpig::SoftCap;
+using magicpig::SoftCapInPlace;
+using magicpig::CheckSoftcap;
 
 constexpr int64_t kBlock = 128;   // keys per online-softmax block
 constexpr int64_t kSpan = 2048;   // keys per work item when there are enough of them
@@ -161,7 +164,7 @@ __attribute__((target("avx2,fma"))) void ExpShiftAvx2(float* x, int64_t n, float
 // (acc zeroed and m = -inf on entry). Online softmax over blocks of kBlock keys.
 template <typename T>
 void PartialKvHead(const float* q, const T* k, const T* v, int64_t n, int64_t G, int64_t D, bool avx2,
-                   float* acc, float* m, double* sum) {
+                   float softcap, float* acc, float* m, double* sum) {
   thread_local std::vector<float> logit;
   logit.resize(G * kBlock);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -190,10 +193,13 @@ void PartialKvHead(const float* q, const T* k, const T* v, int64_t n, int64_t G,
       float* lg = &logit[g * kBlock];
       bool nan = false;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
-      const float bm = avx2 ? ScaleMaxAvx2(lg, nb, scale, &nan) : ScaleMaxScalar(lg, nb, scale, &nan);
+      const float bm_raw = avx2 ? ScaleMaxAvx2(lg, nb, scale, &nan) : ScaleMaxScalar(lg, nb, scale, &nan);
 #else
-      const float bm = ScaleMaxScalar(lg, nb, scale, &nan);
+      const float bm_raw = ScaleMaxScalar(lg, nb, scale, &nan);
 #endif
+      // Soft-capping is monotone: the capped maximum is the maximum's cap (and +inf stays +inf).
+      const float bm = softcap > 0.0f ? SoftCap(bm_raw, softcap) : bm_raw;
+      if (softcap > 0.0f) SoftCapInPlace(lg, nb, softcap);
       const float nm = m[g] < bm ? bm : m[g];
       if (nan || nm == INFINITY) {  // a NaN or +inf logit (non-finite q or k): poison the sum, the merge gives NaN
         m[g] = 0.0f;
@@ -281,7 +287,7 @@ void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const floa
 ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> starts,
                                ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t impl,
-                               int64_t max_threads) {
+                               int64_t max_threads, float softcap) {
   const auto qd = q.dimensions();
   if (qd.size() != 3) return ReadyFuture(InvalidArg("q must be float32 [B, Hq, D], got " + Shape(qd)));
   const int64_t B = qd[0], Hq = qd[1], D = qd[2];
@@ -314,6 +320,7 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   }
   if (impl < 0 || impl > 2) return ReadyFuture(InvalidArg("impl must be 0 (auto), 1 (scalar) or 2 (avx2)"));
   if (impl == 2 && !CpuHasAvx2()) return ReadyFuture(InvalidArg("impl=avx2 requested but the CPU lacks AVX2/FMA"));
+  if (auto e = CheckSoftcap(softcap); !e.success()) return ReadyFuture(e);
   if (B == 0 || Hq == 0) return ReadyFuture(ffi::Error::Success());
   const bool avx2 = impl != 1 && CpuHasAvx2();
   const bool bf16 = k.element_type() == ffi::BF16;
@@ -360,10 +367,10 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     if (j1 > j0) {
       if (bf16) {
         PartialKvHead(qh, static_cast<const uint16_t*>(kp) + row, static_cast<const uint16_t*>(vp) + row, j1 - j0,
-                      G, D, avx2, acc, m, sum);
+                      G, D, avx2, softcap, acc, m, sum);
       } else {
         PartialKvHead(qh, static_cast<const float*>(kp) + row, static_cast<const float*>(vp) + row, j1 - j0, G, D,
-                      avx2, acc, m, sum);
+                      avx2, softcap, acc, m, sum);
       }
     }
     if (part->done.fetch_add(1, std::memory_order_acq_rel) == items - 1) {
@@ -389,4 +396,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigExactAttention, ExactAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<float>("softcap"));

@@ -36,6 +36,23 @@ inline ffi::Error InvalidArg(const std::string& msg) {
 // A score or logit that only a non-finite q or k gives (NaN, +inf).
 inline bool Corrupt(float score) { return score != score || score == INFINITY; }
 
+// Gemma 2's attention logit soft-capping (transformers' attn_logit_softcapping): c * tanh(x / c) for a
+// finite logit x, x itself for +-inf and NaN (so a non-finite q or k still poisons the head). c > 0.
+inline float SoftCap(float x, float c) { return std::isfinite(x) ? c * std::tanh(x / c) : x; }
+
+inline void SoftCapInPlace(float* x, int64_t n, float c) {
+  for (int64_t j = 0; j < n; ++j) x[j] = SoftCap(x[j], c);
+}
+
+// The softcap attribute: 0 (none) or c in [1e-3, 1e6] (SOFTCAP_RANGE of attention/_common.py: c, x / c
+// and c * tanh(x / c) stay normal float32 numbers).
+inline ffi::Error CheckSoftcap(float c) {
+  if (!(c == 0.0f || (c >= 1e-3f && c <= 1e6f))) {
+    return InvalidArg("softcap must be 0 (none) or in [0.001, 1e6], got " + std::to_string(c));
+  }
+  return ffi::Error::Success();
+}
+
 // The result of a head that read a non-finite q or key: out and lse NaN, never a finite or
 // empty-looking head (as dense attention gives).
 inline void Poison(float* out, int64_t D, float* lse) {

@@ -49,6 +49,8 @@ using magicpig::PrefetchL2;
 using magicpig::ReadyFuture;
 using magicpig::RunParallel;
 using magicpig::Shape;
+using magicpig::SoftCapInPlace;
+using magicpig::CheckSoftcap;
 #ifdef MAGICPIG_HAVE_AVX2_PATH
 using magicpig::Hsum;
 using magicpig::Load8;
@@ -623,6 +625,7 @@ struct AttendArgs {
   const int32_t* lengths = nullptr;  // [B]
   int64_t window = 0;                // tail positions left to the caller
   bool sinks = false;                // also attend the sinks [0, start) exactly (else the caller does)
+  float softcap = 0.0f;              // logit soft-capping c (SoftCap), 0 for none
   const double* table = nullptr;     // log-u table, T + 1 entries
   int64_t T = 0;
   bool avx2 = false;
@@ -949,7 +952,8 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::U32> table,
                           ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           ffi::Result<ffi::Buffer<ffi::S32>> nsamp, ffi::Result<ffi::Buffer<ffi::U8>> mask,
-                          int64_t K, int64_t window, int64_t sinks, int64_t impl, int64_t max_threads) {
+                          int64_t K, int64_t window, int64_t sinks, int64_t impl, int64_t max_threads,
+                          float softcap) {
   Geometry g;
   if (auto e = IndexGeometry(K, ids.dimensions(), offsets.dimensions(), open.dimensions(),
                              bounds.dimensions(), &g);
@@ -1009,6 +1013,7 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   }
   if (impl < 0 || impl > 2) return ReadyFuture(InvalidArg("impl must be 0 (auto), 1 (scalar) or 2 (avx2)"));
   if (impl == 2 && !CpuHasAvx2()) return ReadyFuture(InvalidArg("impl=avx2 requested but the CPU lacks AVX2/FMA"));
+  if (auto e = CheckSoftcap(softcap); !e.success()) return ReadyFuture(e);
   const bool avx2 = (impl == 0 || impl == 2) && CpuHasAvx2();
   const bool bf16 = k.element_type() == ffi::BF16;
   AttendArgs a;
@@ -1028,6 +1033,7 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   a.lengths = lengths.typed_data();
   a.window = window;
   a.sinks = sinks != 0;
+  a.softcap = softcap;
   a.table = reinterpret_cast<const double*>(table.untyped_data());
   a.T = TT;
   a.avx2 = avx2;
@@ -1160,7 +1166,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigAttention, AttentionImpl,
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("sinks")
                                   .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<float>("softcap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigLogU, LogUImpl,
                               ffi::Ffi::Bind()

@@ -61,6 +61,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from magicpig_jax import host
+from magicpig_jax.attention._common import check_softcap
 from magicpig_jax.attention.config import MagicPIGConfig
 from magicpig_jax.host._ext import impl_code
 from magicpig_jax.host.validate import check_config, check_index, check_int
@@ -316,11 +317,11 @@ def sharded_append(
     return _append(index, k_new, counts, mesh=mesh, max_threads=max_threads)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "config", "static_window", "impl", "max_threads"))
-def _attention(q, k, v, index, lengths, *, mesh, config, static_window, impl, max_threads):
+@functools.partial(jax.jit, static_argnames=("mesh", "config", "static_window", "impl", "max_threads", "softcap"))
+def _attention(q, k, v, index, lengths, *, mesh, config, static_window, impl, max_threads, softcap=None):
     def local(q, k, v, index, lengths):
         return host.host_magicpig_attention(q, k, v, index, config, lengths, static_window=static_window,
-                                            impl=impl, max_threads=max_threads)
+                                            impl=impl, max_threads=max_threads, softcap=softcap)
 
     return jax.shard_map(
         local, mesh=mesh,
@@ -341,6 +342,7 @@ def sharded_magicpig_attention(
     static_window: int | None = None,
     impl: str = "auto",
     max_threads: int = 0,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decode step of :func:`magicpig_jax.host.host_magicpig_attention`, each device on its shard.
 
@@ -357,7 +359,7 @@ def sharded_magicpig_attention(
         :func:`shard_host_index`).
       config: the :class:`MagicPIGConfig` the index was built with.
       lengths: int ``[B]`` valid keys per row (default N).
-      static_window, impl, max_threads: as for ``host_magicpig_attention``.
+      static_window, impl, max_threads, softcap: as for ``host_magicpig_attention``.
 
     Returns:
       ``(out float32 [B, Hq, D], lse float32 [B, Hq], num_sampled int32 [B, Hq])``,
@@ -380,6 +382,7 @@ def sharded_magicpig_attention(
         static_window = config.static_window()
     static_window = check_int("static_window", static_window, 0, 2**31 - 1)
     impl_code(impl)
+    softcap = check_softcap(softcap)
     lengths = jnp.full((B,), N, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)
     return _attention(q, k, v, host_index, lengths, mesh=mesh, config=config, static_window=static_window,
-                      impl=impl, max_threads=max_threads)
+                      impl=impl, max_threads=max_threads, softcap=softcap)

@@ -317,8 +317,9 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
       TypeError: dense layers that are not integers.
       ValueError: unknown attention, dense layers outside ``[0, num_layers)``, a budgeted
         backend without a budget, a budget for a backend that takes none, a configuration
-        the backend cannot run (e.g. a HybridConfig's heavy threshold outside 'hybrid'), or a
-        sparse backend where every layer's sliding window binds (no layer would be sparse).
+        the backend cannot run (e.g. a HybridConfig's heavy threshold outside 'hybrid', or a
+        backend without attention logit soft-capping on a Gemma 2 model), or a sparse backend
+        where every layer's sliding window binds (no layer would be sparse).
     """
     if attention not in BACKENDS:
         raise ValueError(f"attention must be one of {BACKENDS}, got {attention!r}")
@@ -339,7 +340,7 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
                 "sparse method would run on no layer: use attention 'dense'")
         dl = tuple(sorted(set(dl) | set(windowed)))
     return DecodeSpec(backend=attention, magicpig=config or MagicPIGConfig(), dense_layers=dl, budget=budget,
-                      page_size=page_size, mesh=mesh)
+                      page_size=page_size, mesh=mesh, logit_softcap=model.config.attn_logit_softcap)
 
 
 def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, page_size, mesh,
@@ -355,7 +356,7 @@ def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, 
         raise ValueError(f"layers {sparse_windowed} attend through a sliding window of {model.config.sliding_window} "
                          "tokens and decode exactly over it: make them 'dense' in the layer configs")
     return DecodeSpec(backend=attention, magicpig=config.base(), dense_layers=config.dense_layers, budget=budget,
-                      page_size=page_size, mesh=mesh, layers=config)
+                      page_size=page_size, mesh=mesh, layers=config, logit_softcap=model.config.attn_logit_softcap)
 
 
 def _page_size(attention: str, page_size: int | None) -> int:

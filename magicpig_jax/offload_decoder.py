@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from magicpig_jax import host, lsh
+from magicpig_jax.attention._common import softcap_logits
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.merge import merge_attention
 from magicpig_jax.models.config import first_visible_key
@@ -178,9 +179,9 @@ def _down_layout(Hq: int, D: int):
     return (("float32", (Hq, D)), ("float32", (Hq,)), ("int32", ()))
 
 
-def _static_attention(q, k_new, v_new, st: OffloadLayer, pos):
+def _static_attention(q, k_new, v_new, st: OffloadLayer, pos, softcap: float | None = None):
     """Exact attention over the sinks, the ring's positions ``[max(end, pos - W), pos)`` and the new
-    token itself (one softmax over ``S + W + 1`` keys)."""
+    token itself (one softmax over ``S + W + 1`` keys; logits soft-capped by ``softcap``)."""
     from magicpig_jax.attention._common import grouped_logits, masked_softmax_attention
 
     B, S, W = q.shape[0], st.sink_k.shape[2], st.ring_k.shape[2]
@@ -193,7 +194,7 @@ def _static_attention(q, k_new, v_new, st: OffloadLayer, pos):
     vals = jnp.concatenate([st.sink_v.astype(jnp.float32), st.ring_v.astype(jnp.float32),
                             v_new[:, :, None].astype(jnp.float32)], axis=2)
     mask = jnp.concatenate([sink_ok, ring_ok, jnp.ones((B, 1), bool)], axis=1)[:, None, None, :]
-    return masked_softmax_attention(grouped_logits(q, keys), mask, vals)
+    return masked_softmax_attention(grouped_logits(q, keys, softcap), mask, vals)
 
 
 def _ring_write(st: OffloadLayer, k_new, v_new, pos) -> OffloadLayer:
@@ -204,20 +205,21 @@ def _ring_write(st: OffloadLayer, k_new, v_new, pos) -> OffloadLayer:
                                ring_v=st.ring_v.at[rows, heads, slot].set(v_new.astype(st.ring_v.dtype)))
 
 
-def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache, window: int | None = None):
+def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache, window: int | None = None,
+                 softcap: float | None = None):
     q, k, v = _qkv(layer, inv_freq, x, pos)
     # a sliding-window layer: the query at pos sees pos - W + 1 .. pos (itself merged below)
     starts = None if window is None else first_visible_key(pos, window)
-    out, lse = dense_attention(q, k_cache, v_cache, pos, starts)
+    out, lse = dense_attention(q, k_cache, v_cache, pos, starts, softcap=softcap)
     G = q.shape[1] // k.shape[1]
     self_lse = jnp.sum(q.astype(jnp.float32) * jnp.repeat(k.astype(jnp.float32), G, axis=1), axis=-1)
-    self_lse = self_lse / jnp.sqrt(jnp.float32(q.shape[-1]))
+    self_lse = softcap_logits(self_lse / jnp.sqrt(jnp.float32(q.shape[-1])), softcap)
     out, _ = merge_attention(out, lse, jnp.repeat(v.astype(jnp.float32), G, axis=1), self_lse)
     return _finish(layer, x, out), _write_rows(k_cache, k, pos), _write_rows(v_cache, v, pos)
 
 
 def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, next_state, *, K: int, L: int,
-             windows: tuple = ()):
+             windows: tuple = (), softcap: float | None = None):
     """One run of accelerator work between two host calls.
 
     ``plan = (graphdef of the embedding or None, graphdef of the sparse layer being finished or None,
@@ -226,7 +228,7 @@ def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, ne
     sparse layer (merge its host part with its static part, output projection, MLP; write its token
     into its ring), run the dense layers, then either the next sparse layer's queries, codes and
     static attention, or the final norm and logits (last segment). ``windows``: each dense layer's
-    sliding window or None.
+    sliding window or None; ``softcap``: the model's attention logit soft-capping (Gemma 2) or None.
     """
     g_embed, g_pending, g_dense, g_next, g_head = plan
     p_embed, p_pending, p_dense, p_next, p_head = parts
@@ -240,12 +242,12 @@ def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, ne
         pending_state = dataclasses.replace(_ring_write(pending_state, k_new, v_new, pos), end=end)
     new_kv = []
     for g, p, (k_c, v_c), window in zip(g_dense, p_dense, dense_kv, windows or (None,) * len(g_dense), strict=True):
-        x, k_c, v_c = _dense_layer(nnx.merge(g, p), inv_freq, x, pos, k_c, v_c, window)
+        x, k_c, v_c = _dense_layer(nnx.merge(g, p), inv_freq, x, pos, k_c, v_c, window, softcap)
         new_kv.append((k_c, v_c))
     if g_next is not None:
         q, k_new, v_new = _qkv(nnx.merge(g_next, p_next), inv_freq, x, pos)
         codes = lsh.simhash_codes(q, next_state.projections, K, L)
-        out_s, lse_s = _static_attention(q, k_new, v_new, next_state, pos)
+        out_s, lse_s = _static_attention(q, k_new, v_new, next_state, pos, softcap)
         return x, pending_state, tuple(new_kv), (_pack(q, codes, k_new, v_new), k_new, v_new, out_s, lse_s)
     head = nnx.merge(g_head, p_head)
     logits = head.logits(head.norm(x)[:, 0])
@@ -262,7 +264,8 @@ def _host_layer(up, pos, k_cache, v_cache, index, *, spec, num_heads: int):
 
     _, Hkv, _, D = k_cache.shape
     q, codes, k_new, v_new = _unpack(up, _up_layout(num_heads, Hkv, D, spec.magicpig.L))
-    out, lse, ns = host.host_sampled_attention(q, codes, k_cache, v_cache, index, pos, window=spec.static_window)
+    out, lse, ns = host.host_sampled_attention(q, codes, k_cache, v_cache, index, pos, window=spec.static_window,
+                                               softcap=spec.logit_softcap)
     # The barrier orders the cache writes after the op's reads, so XLA updates the donated cache in place.
     out, lse, ns, k_cache, v_cache = jax.lax.optimization_barrier((out, lse, ns, k_cache, v_cache))
     k_cache, v_cache = _write_rows(k_cache, k_new, pos), _write_rows(v_cache, v_new, pos)
@@ -293,9 +296,9 @@ def _accel_part(st: OffloadLayer | None) -> OffloadLayer | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_fn(structure, K: int, L: int, windows: tuple = ()):
+def _segment_fn(structure, K: int, L: int, windows: tuple = (), softcap: float | None = None):
     """The jitted :func:`_segment` of one structure (cached: every decode run of a model reuses it)."""
-    return jax.jit(functools.partial(_segment, structure, K=K, L=L, windows=windows),
+    return jax.jit(functools.partial(_segment, structure, K=K, L=L, windows=windows, softcap=softcap),
                    donate_argnames=("dense_kv", "pending_state"))
 
 
@@ -331,6 +334,8 @@ class OffloadDecodeStep:
         self.embed = self.head = nnx.split(_shell(model))
         self.num_heads = model.config.num_heads
         self.config = model.config
+        self.spec = self.spec.with_softcap(model.config.attn_logit_softcap)  # Gemma 2's, for the host op
+        softcap = self.spec.logit_softcap
         self.inv_freq = model.inv_freq[...]
         self.inv_freq_long = None if model.inv_freq_long is None else model.inv_freq_long[...]
         self.inv_freq_local = None if model.inv_freq_local is None else model.inv_freq_local[...]
@@ -350,7 +355,7 @@ class OffloadDecodeStep:
                          self.head[0] if b is None else None)
             windows = tuple(model.config.layer_window(i) for i in dense)
             if (structure, windows) not in fns:
-                fns[structure, windows] = _segment_fn(structure, K, L, windows)
+                fns[structure, windows] = _segment_fn(structure, K, L, windows, softcap)
             parts = (self.embed[1] if a is None else None, self.layers[a][1] if a is not None else None,
                      tuple(self.layers[i][1] for i in dense), self.layers[b][1] if b is not None else None,
                      self.head[1] if b is None else None)

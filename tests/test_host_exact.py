@@ -20,11 +20,12 @@ from magicpig_jax.models.decoding import build_indices, decode_step
 from magicpig_jax.models.llama import Llama
 
 IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
-_exact = jax.jit(host_exact_attention, static_argnames=("impl", "max_threads"))
+_exact = jax.jit(host_exact_attention, static_argnames=("impl", "max_threads", "softcap"))
 
 
-def reference(q, k, v, lengths, starts=None):
-    """float64 softmax attention with GQA over keys starts[b] .. lengths[b] - 1 (starts default 0): (out, lse)."""
+def reference(q, k, v, lengths, starts=None, softcap=None):
+    """float64 softmax attention with GQA over keys starts[b] .. lengths[b] - 1 (starts default 0), each
+    logit s soft-capped to ``c tanh(s / c)`` with ``softcap`` c (Gemma 2): (out, lse)."""
     q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
     B, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -38,6 +39,7 @@ def reference(q, k, v, lengths, starts=None):
             continue
         for h in range(Hq):
             s = k[b, h // G, first:n] @ q[b, h] / np.sqrt(D)
+            s = s if softcap is None else softcap * np.tanh(s / softcap)
             m = s.max()
             e = np.exp(s - m)
             out[b, h] = e @ v[b, h // G, first:n] / e.sum()
@@ -57,20 +59,21 @@ def problems(draw):
     # a sliding-window start per row, or none (every key from 0); past lengths is an empty row
     starts = draw(st.none() | st.lists(st.integers(-3, N + 3), min_size=B, max_size=B))
     seed = draw(st.integers(0, 2**31 - 1))
-    return B, Hkv * G, Hkv, N, D, dtype, lengths, starts, seed
+    softcap = draw(st.none() | st.sampled_from([0.05, 1.5, 50.0]))  # Gemma 2's attention logit soft-capping
+    return B, Hkv * G, Hkv, N, D, dtype, lengths, starts, seed, softcap
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @given(problems())
 def test_matches_float64_reference(impl, p):
-    B, Hq, Hkv, N, D, dtype, lengths, starts, seed = p
+    B, Hq, Hkv, N, D, dtype, lengths, starts, seed, softcap = p
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, Hq, D)) * 2, jnp.float32)
     k = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
     v = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
     first = None if starts is None else jnp.asarray(starts, jnp.int32)
-    out, lse = _exact(q, k, v, jnp.asarray(lengths, jnp.int32), first, impl=impl)
-    ref_out, ref_lse = reference(q, k, v, lengths, starts)
+    out, lse = _exact(q, k, v, jnp.asarray(lengths, jnp.int32), first, impl=impl, softcap=softcap)
+    ref_out, ref_lse = reference(q, k, v, lengths, starts, softcap)
     assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=2e-5, rtol=1e-4)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(ref_lse))

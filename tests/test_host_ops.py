@@ -23,7 +23,7 @@ IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
 # Jitted entry points: one compile per shape instead of op-by-op dispatch (keeps the file fast).
 _host_attn = jax.jit(
     host.host_magicpig_attention,
-    static_argnames=("config", "static_window", "impl", "return_mask", "max_threads"),
+    static_argnames=("config", "static_window", "impl", "return_mask", "max_threads", "softcap"),
 )
 _build = jax.jit(
     host.host_build_index,
@@ -34,9 +34,9 @@ _append = jax.jit(host.host_append)
 _key_codes = jax.jit(host.host_key_codes)
 
 
-@jax.jit(static_argnames=("cfg",))
-def _reference(q, k, v, ri, lengths, cfg):
-    out, lse, ns = magicpig_attention(q, k, v, ri, cfg, lengths)
+@jax.jit(static_argnames=("cfg", "softcap"))
+def _reference(q, k, v, ri, lengths, cfg, softcap=None):
+    out, lse, ns = magicpig_attention(q, k, v, ri, cfg, lengths, softcap=softcap)
     sampled, _, _ = sampled_mask_and_log_u(q, k, ri, cfg, jnp.clip(lengths, 0, k.shape[2]))
     return out, lse, ns, sampled.reshape(q.shape[0], q.shape[1], k.shape[2])
 
@@ -63,15 +63,15 @@ def assert_close(out_h, lse_h, out_r, lse_r, tol=1e-5):
     assert not np.isnan(out_h).any() and not np.isnan(lse_h).any()
 
 
-def reference(q, k, v, cfg, proj, lengths, ref_index=None):
+def reference(q, k, v, cfg, proj, lengths, ref_index=None, softcap=None):
     ri = _ref_build(k, proj, cfg, lengths) if ref_index is None else ref_index
-    out, lse, ns, sampled = _reference(q, k, v, ri, lengths, cfg=cfg)
+    out, lse, ns, sampled = _reference(q, k, v, ri, lengths, cfg=cfg, softcap=softcap)
     return out, lse, ns, np.asarray(sampled)
 
 
 def check_against_reference(q, k, v, cfg, proj, lengths, hidx, ref_index=None, impl="auto", **kw):
     out_h, lse_h, ns_h, mask_h = _host_attn(q, k, v, hidx, cfg, lengths, impl=impl, return_mask=True, **kw)
-    out_r, lse_r, ns_r, mask_r = reference(q, k, v, cfg, proj, lengths, ref_index)
+    out_r, lse_r, ns_r, mask_r = reference(q, k, v, cfg, proj, lengths, ref_index, kw.get("softcap"))
     np.testing.assert_array_equal(np.asarray(ns_h), np.asarray(ns_r))
     np.testing.assert_array_equal(np.asarray(mask_h), mask_r)
     assert_close(out_h, lse_h, out_r, lse_r)
@@ -379,14 +379,15 @@ def cases(draw):
     extra = draw(st.lists(st.one_of(st.just(N + T), st.integers(0, 8)), min_size=B, max_size=B))
     seed = draw(st.integers(0, 2**16))
     impl = draw(st.sampled_from(IMPLS))
-    return preset, lengths, grow, extra, seed, impl
+    softcap = draw(st.none() | st.sampled_from([0.1, 2.0]))  # Gemma 2's attention logit soft-capping
+    return preset, lengths, grow, extra, seed, impl, softcap
 
 
 @settings(max_examples=min(48, settings.default.max_examples), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fuzz_against_reference(case):
-    preset, lengths, grow, extra, seed, impl = case
+    preset, lengths, grow, extra, seed, impl, softcap = case
     B, Hkv, G, N, D, K, L, num_sink, num_local, chunk, open_cap, window, T = preset
     cap = N + T
     cfg, q, k, v, proj, lens_build = make_case(B, G * Hkv, Hkv, cap, D, K, L, lengths, num_sink=num_sink,
@@ -399,7 +400,8 @@ def test_fuzz_against_reference(case):
     hidx = _append(hidx, k_new, jnp.asarray(counts))
     ri = _reference_after_append(k, proj, cfg, lens_build, hidx, [k_new], [counts])
     lens = jnp.asarray(np.minimum(end + counts + np.asarray(extra), cap), jnp.int32)
-    check_against_reference(q, k, v, cfg, proj, lens, hidx, ref_index=ri, static_window=window, impl=impl)
+    check_against_reference(q, k, v, cfg, proj, lens, hidx, ref_index=ri, static_window=window, impl=impl,
+                            softcap=softcap)
 
 
 def test_advise_huge_pages_keeps_values_and_results():

@@ -400,8 +400,8 @@ def test_hf_config_fields_that_change_the_model_are_refused(tmp_path):
     from magicpig_jax.models.config import LlamaConfig
 
     base = _hf_config()
-    with pytest.raises(ValueError, match="unsupported model_type 'gemma2'"):
-        LlamaConfig.from_hf_config({**base, "model_type": "gemma2"})
+    with pytest.raises(ValueError, match="unsupported model_type 'gemma'"):
+        LlamaConfig.from_hf_config({**base, "model_type": "gemma"})
     with pytest.raises(ValueError, match="'logit_scale'"):
         LlamaConfig.from_hf_config({**base, "logit_scale": 0.5})
     with pytest.raises(ValueError, match="'hidden_act' = 'gelu'"):

@@ -369,7 +369,7 @@ def test_read_gguf_config_refusals_name_the_key(tmp_path):
     refused(GGUFMetadataError, lambda p: f"{p} has no 'general.architecture' metadata key",
             skip=["general.architecture"])
     refused(UnsupportedConfigError, lambda p: f"unsupported GGUF architecture 'gpt2' in {p}; supported: llama, qwen2, "
-                                              "qwen3, smollm3, phi3, gemma3", arch="gpt2")
+                                              "qwen3, smollm3, phi3, gemma2, gemma3", arch="gpt2")
     refused(UnsupportedConfigError, lambda p: f"{p} has no token_embd.weight tensor", embd=False)
     refused(GGUFMetadataError, lambda p: f"{p}: llama.vocab_size = 300 but token_embd.weight has {V} rows",
             kv={"llama.vocab_size": 300})

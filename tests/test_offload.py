@@ -279,18 +279,21 @@ _DECODER = textwrap.dedent(r'''
             pass
         R["windowed"][name] = run.outputs
     # Gemma 3 (the transformers fixture): sandwich norms, the local RoPE base on its windowed
-    # layers 0 and 2 (dense here: their window of 8 binds), the query scale on the sparse layer 1
+    # layers 0 and 2 (dense here: their window of 8 binds), the query scale on the sparse layer 1;
+    # Gemma 2: attention logit soft-capping in the host op, the static part and the dense layers 0
+    # and 2, final logit soft-capping, the sparse layers 1 and 3
     from magicpig_jax.io.loader import load_model
-    gemma = load_model(os.path.join(os.environ["ROOT"], "tests", "fixtures", "families", "gemma3"))
-    state = prefill(gemma, [[int(t) for t in rng.integers(3, 600, 300)]], 12)
-    base = dict(backend="magicpig", magicpig=cfg, dense_layers=(0, 2), generation_buffer=8)
-    R["gemma3"] = {}
-    for name, spec in (("one_device", DecodeSpec(**base)),
-                       ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
-        run = start_decode(gemma, state, spec, 12, Sampling())
-        for _ in run:
-            pass
-        R["gemma3"][name] = [run.outputs, run.stats()["sampled_fraction"]]
+    for family in ("gemma3", "gemma2"):
+        gemma = load_model(os.path.join(os.environ["ROOT"], "tests", "fixtures", "families", family))
+        state = prefill(gemma, [[int(t) for t in rng.integers(3, 600, 300)]], 12)
+        base = dict(backend="magicpig", magicpig=cfg, dense_layers=(0, 2), generation_buffer=8)
+        R[family] = {}
+        for name, spec in (("one_device", DecodeSpec(**base)),
+                           ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
+            run = start_decode(gemma, state, spec, 12, Sampling())
+            for _ in run:
+                pass
+            R[family][name] = [run.outputs, run.stats()["sampled_fraction"]]
     R["auto_on_cpu"] = backend_for(DecodeSpec(backend="magicpig")).name
     print("RESULT " + json.dumps(R))
 ''')
@@ -327,10 +330,12 @@ def test_offload_decoder_keeps_kv_and_index_on_the_host(decoder_results, dtype):
     assert all(end > n - 8 for end, n in zip(r["index_end"], r["prompt_lengths"], strict=True))
 
 
-def test_offload_decoder_runs_gemma3(decoder_results):
-    """Gemma 3's layer structure (sandwich norms, per-layer RoPE bases, query scale) in the offload
-    segments: the one-device step's tokens (checked against transformers in test_gemma3), sampling."""
-    (one, frac_one), (off, frac_off) = decoder_results["gemma3"]["one_device"], decoder_results["gemma3"]["offload"]
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_offload_decoder_runs_gemma(decoder_results, family):
+    """Gemma 3's layer structure (sandwich norms, per-layer RoPE bases, query scale) and Gemma 2's
+    soft-capping in the offload segments and its host layer: the one-device step's tokens (checked
+    against transformers in test_gemma3 / test_gemma2), sampling."""
+    (one, frac_one), (off, frac_off) = decoder_results[family]["one_device"], decoder_results[family]["offload"]
     assert off == one and len(off[0]) == 12
     assert frac_off == pytest.approx(frac_one, rel=1e-6) and 0 < frac_off < 1
 

@@ -9,9 +9,12 @@ of 64, FFN 8192, tied), ``smollm2-135m`` (the embedded model's shapes: 30 layers
 9/3 heads of 64, FFN 1536, vocab 49152, tied, 8K context; for timing where the file cannot
 travel), ``tiny`` (2 layers, hidden 256, 4/2 heads of 64, FFN 512, vocab 320,
 untied; for tests), ``gemma3-1b`` (Gemma-3-1B, architecture ``gemma3``: 26 layers, hidden 1152,
-4/1 heads of 256, FFN 6912, vocab 262144, tied, window 512 on 5 layers in 6) and ``gemma3-tiny``
-(6 layers of hidden 256, window 16; for tests). Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays
-it out (Q4_K everywhere, Q6_K for ``output.weight`` and for ``attn_v``/``ffn_down`` of the layers where
+4/1 heads of 256, FFN 6912, vocab 262144, tied, window 512 on 5 layers in 6), ``gemma3-tiny``
+(6 layers of hidden 256, window 16; for tests) and ``gemma2-2b`` (Gemma-2-2B, architecture
+``gemma2``: 26 layers, hidden 2304, 8/4 heads of 256, FFN 9216, vocab 256000, tied, 8K context,
+window 4096 on every other layer, attention and output logits soft-capped at 50 and 30).
+Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays it out (Q4_K everywhere, Q6_K for
+``output.weight`` and for ``attn_v``/``ffn_down`` of the layers where
 llama.cpp's ``use_more_bits`` holds: the first and last eighth of the layers and every third
 one between, i.e. half of them; rows that are no whole number of 256-weight blocks fall back
 to Q5_0, Q5_1 or Q8_0 for Q4_K, Q5_K or Q6_K, as llama.cpp's quantizer does), ``Q5_K_M`` (the
@@ -49,8 +52,9 @@ class Shape:
     tied: bool
     context: int = 131072
     rope_theta: float = 500000.0
-    arch: str = "llama"  # or "gemma3": q/k norms, sandwich norms, a sliding window on 5 layers in 6
-    window: int = 0  # gemma3's attention.sliding_window
+    arch: str = "llama"  # or "gemma3": q/k norms, sandwich norms, a sliding window on 5 layers in 6;
+    # or "gemma2": sandwich norms, a sliding window on every other layer, logit soft-capping
+    window: int = 0  # gemma2's and gemma3's attention.sliding_window
 
 
 SHAPES = {
@@ -62,6 +66,8 @@ SHAPES = {
                        window=512),
     "gemma3-tiny": Shape(6, 256, 4, 1, 64, 512, 320, tied=True, context=4096, rope_theta=1e6, arch="gemma3",
                          window=16),
+    "gemma2-2b": Shape(26, 2304, 8, 4, 256, 9216, 256000, tied=True, context=8192, rope_theta=10000.0,
+                       arch="gemma2", window=4096),
 }
 
 # byte offsets of the float16 scales in each type's block, and their magnitude for weights ~ 0.02
@@ -130,6 +136,9 @@ def tensor_plan(shape: Shape, layout: str) -> list[tuple[str, str, int, int]]:
             plan += [(f"blk.{i}.{name}", "F32", n, 0) for name, n in (
                 ("attn_q_norm.weight", s.head_dim), ("attn_k_norm.weight", s.head_dim),
                 ("post_attention_norm.weight", s.hidden), ("post_ffw_norm.weight", s.hidden))]
+        if s.arch == "gemma2":
+            plan += [(f"blk.{i}.{name}", "F32", s.hidden, 0) for name in ("post_attention_norm.weight",
+                                                                          "post_ffw_norm.weight")]
     plan.append(("output_norm.weight", "F32", s.hidden, 0))
     if not s.tied:
         plan.append(("output.weight", tensor_type("output.weight", None, s, layout, s.hidden), s.vocab, s.hidden))
@@ -162,8 +171,11 @@ def write_random_gguf(path: str | Path, shape: Shape | str = "tiny", layout: str
     rng = np.random.default_rng(seed)
     s = shape
     w = gguf.GGUFWriter(str(path), s.arch)
-    if s.arch == "gemma3":
+    if s.arch in ("gemma2", "gemma3"):
         w.add_sliding_window(s.window)
+    if s.arch == "gemma2":  # Gemma 2's values, as its converter writes them
+        w.add_float32("gemma2.attn_logit_softcapping", 50.0)
+        w.add_float32("gemma2.final_logit_softcapping", 30.0)
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)

@@ -47,15 +47,49 @@ def check_lengths(lengths: jax.Array | np.ndarray | None, B: int, N: int, name: 
     return jnp.clip(lengths, 0, N).astype(jnp.int32)  # clip first: a uint32 past int32 must not wrap
 
 
-def grouped_logits(q: jax.Array, k: jax.Array) -> jax.Array:
-    """``q·k / sqrt(D)`` in float32, shape ``[B, Hkv, G, N]`` (query head h reads KV head h // G)."""
+# The soft-capping values accepted: far around Gemma 2's 50 and 30, and such that c, s / c and
+# c tanh(s / c) stay normal float32 numbers (the host ops take c as a float32 attribute).
+SOFTCAP_RANGE = (1e-3, 1e6)
+
+
+def check_softcap(softcap, name: str = "softcap") -> float | None:
+    """``softcap`` as a float, or None: it must be None or a number in :data:`SOFTCAP_RANGE`.
+
+    Raises:
+      ValueError: anything else (``name`` and the allowed values named).
+    """
+    if softcap is None:
+        return None
+    lo, hi = SOFTCAP_RANGE
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
+            or not lo <= float(softcap) <= hi:
+        raise ValueError(f"{name} must be None or a number in [{lo:g}, {hi:g}], got {softcap!r}")
+    return float(softcap)
+
+
+def softcap_logits(logits: jax.Array, softcap: float | None) -> jax.Array:
+    """Gemma 2's attention logit soft-capping: ``c * tanh(s / c)`` for a finite logit s, s itself for
+    ``±inf`` and NaN (a non-finite q or k stays visible as such), identity for ``softcap=None``.
+
+    Source: transformers' ``Gemma2Attention`` (``attn_logit_softcapping``, applied to the scaled
+    ``q·k`` before the mask); the host ops compute the same (``SoftCap`` in ``host_ops/ffi_util.h``).
+    """
+    if softcap is None:
+        return logits
+    c = jnp.float32(softcap)
+    return jnp.where(jnp.isfinite(logits), c * jnp.tanh(logits / c), logits)
+
+
+def grouped_logits(q: jax.Array, k: jax.Array, softcap: float | None = None) -> jax.Array:
+    """``q·k / sqrt(D)`` in float32, shape ``[B, Hkv, G, N]`` (query head h reads KV head h // G),
+    soft-capped by :func:`softcap_logits` when ``softcap`` is set."""
     B, Hq, D = q.shape
     Hkv = k.shape[1]
     qg = q.astype(jnp.float32).reshape(B, Hkv, Hq // Hkv, D)
     logits = jnp.einsum(
         "bhgd,bhnd->bhgn", qg, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
-    return logits / jnp.float32(math.sqrt(D))
+    return softcap_logits(logits / jnp.float32(math.sqrt(D)), softcap)
 
 
 def selected_weighted_sum(w: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Array:

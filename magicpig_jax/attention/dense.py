@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int
 from magicpig_jax.attention._common import (
     check_lengths,
     check_qkv,
+    check_softcap,
     grouped_logits,
     masked_softmax_attention,
     valid_mask,
@@ -22,6 +23,8 @@ def dense_attention(
     v: Float[Array, "B Hkv N D"],
     lengths: Int[Array, " B"] | None = None,
     starts: Int[Array, " B"] | None = None,
+    *,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Exact softmax attention of one decode step, with GQA.
 
@@ -38,6 +41,8 @@ def dense_attention(
         V rows past them are never used (NaN there leaves the result unchanged).
       starts: int ``[B]``, the first valid key per row (default 0; clipped to [0, N]); keys
         before it are never used, as those past ``lengths``.
+      softcap: None, or c > 0: each logit s becomes ``c * tanh(s / c)`` (Gemma 2's
+        ``attn_logit_softcapping``, :func:`~magicpig_jax.attention._common.softcap_logits`).
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``; lse float32 ``[B, Hq]``, the
@@ -45,16 +50,17 @@ def dense_attention(
       ``out = 0``, ``lse = -inf``.
 
     Raises:
-      ValueError: mismatched shapes, or Hq not a multiple of Hkv.
+      ValueError: mismatched shapes, Hq not a multiple of Hkv, or a softcap not None nor > 0.
       TypeError: non-float q/k/v or non-integer lengths.
     """
+    softcap = check_softcap(softcap)
     B, _, _, N, _ = check_qkv(q, k, v)
     lengths = check_lengths(lengths, B, N)
     mask = valid_mask(lengths, N)
     if starts is not None:
         starts = check_lengths(starts, B, N, name="starts")
         mask = mask & (jnp.arange(N, dtype=jnp.int32)[None, :] >= starts[:, None])[:, None, None, :]
-    logits = grouped_logits(q, k)
+    logits = grouped_logits(q, k, softcap)
     return masked_softmax_attention(logits, mask, v)
 
 

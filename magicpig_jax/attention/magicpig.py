@@ -20,6 +20,7 @@ from magicpig_jax import lsh
 from magicpig_jax.attention._common import (
     check_lengths,
     check_qkv,
+    check_softcap,
     grouped_logits,
     masked_softmax_attention,
 )
@@ -181,6 +182,8 @@ def magicpig_attention(
     index: LSHIndex,
     config: MagicPIGConfig,
     lengths: Int[Array, " B"] | None = None,
+    *,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"], Int[Array, "B Hq"]]:
     """One decode step of MagicPIG attention (pure-JAX reference).
 
@@ -200,6 +203,9 @@ def magicpig_attention(
       config: the :class:`MagicPIGConfig` the index was built with.
       lengths: int ``[B]``, valid keys per row (default N; clipped into ``[0, N]``); may
         exceed the length the index was built at (appended keys are static).
+      softcap: None, or c > 0: every logit ``s = q·k/sqrt(D)`` becomes ``c * tanh(s / c)``
+        before ``log u`` is subtracted (Gemma 2's ``attn_logit_softcapping``: the capped
+        score is the attention's weight; the sampling, by angle, is unchanged).
 
     Returns:
       ``(out, lse, num_sampled)``: out float32 ``[B, Hq, D]``; lse float32
@@ -210,17 +216,19 @@ def magicpig_attention(
 
     Raises:
       ValueError / TypeError: bad shapes or dtypes, or an index that does not fit (its
-        shapes, or a ``num_sink`` / ``num_local`` other than ``config``'s: :func:`check_index_fits`).
+        shapes, or a ``num_sink`` / ``num_local`` other than ``config``'s: :func:`check_index_fits`),
+        or a softcap not None nor > 0.
 
     Source: arXiv 2410.16179, Eq. (4) and (9), Sections 4.2-4.3.
     """
+    softcap = check_softcap(softcap)
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     if not isinstance(config, MagicPIGConfig):
         raise TypeError(f"config must be a MagicPIGConfig, got {type(config).__name__}")
     check_index_fits(index, config, B, Hkv, N, D)
     lengths = check_lengths(lengths, B, N)
     sampled, static, log_u = sampled_mask_and_log_u(q, k, index, config, lengths)
-    logits = grouped_logits(q, k)
+    logits = grouped_logits(q, k, softcap)
     logits = jnp.where(sampled, logits - log_u, logits)
     out, lse = masked_softmax_attention(logits, sampled | static, v)
     num_sampled = jnp.sum(sampled, axis=-1, dtype=jnp.int32).reshape(B, Hq)

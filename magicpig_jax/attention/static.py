@@ -15,7 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.attention._common import check_lengths, check_qkv, grouped_logits, masked_softmax_attention
+from magicpig_jax.attention._common import (
+    check_lengths,
+    check_qkv,
+    check_softcap,
+    grouped_logits,
+    masked_softmax_attention,
+)
 from magicpig_jax.attention.merge import merge_attention
 
 __all__ = ["static_attention"]
@@ -31,6 +37,7 @@ def static_attention(
     *,
     num_sink: int,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Exact softmax attention over the static keys: the sinks ``[0, min(start, num_sink))`` and the
     tail ``[max(end, lengths - window), lengths)``.
@@ -52,6 +59,7 @@ def static_attention(
       num_sink: static bound on the sinks, ``>= 0``: they are read from the first ``num_sink``
         positions (with or without ``window``), so ``start`` beyond it counts as ``num_sink``.
       window: static int ``>= 0`` or None (see above).
+      softcap: None, or c > 0: logits soft-capped to ``c * tanh(s / c)`` (Gemma 2).
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``, natural-log LSE float32 ``[B, Hq]``;
@@ -59,13 +67,14 @@ def static_attention(
 
     Raises:
       ValueError: bad shapes (``start``, ``end`` or ``lengths`` not ``[B]``), a negative
-        ``num_sink`` or ``window``.
+        ``num_sink`` or ``window``, a softcap not None nor > 0.
       TypeError: ``start``, ``end`` or ``lengths`` not integers, ``num_sink`` or ``window``
         not a Python or NumPy int (named).
 
     Source: arXiv 2410.16179, Section 5 (the static set) and Eq. (4) (the parts merged by LSE).
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
+    softcap = check_softcap(softcap)
     for name, value in (("num_sink", num_sink), ("window", window)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | np.integer)):
             raise TypeError(f"{name} must be a static int, got {value!r}")
@@ -85,13 +94,14 @@ def static_attention(
     end = jnp.maximum(end, start)
     if window is None:
         mask = (pos < start[:, None]) | ((pos >= end[:, None]) & (pos < lengths[:, None]))
-        return masked_softmax_attention(grouped_logits(q, k), mask[:, None, None, :], v)
+        return masked_softmax_attention(grouped_logits(q, k, softcap), mask[:, None, None, :], v)
     out = jnp.zeros((B, Hq, D), jnp.float32)
     lse = jnp.full((B, Hq), -jnp.inf, jnp.float32)
     ns = min(num_sink, N)
     if ns > 0:
         sink = pos[:, :ns] < start[:, None]
-        o_s, l_s = masked_softmax_attention(grouped_logits(q, k[:, :, :ns]), sink[:, None, None, :], v[:, :, :ns])
+        o_s, l_s = masked_softmax_attention(grouped_logits(q, k[:, :, :ns], softcap), sink[:, None, None, :],
+                                            v[:, :, :ns])
         out, lse = merge_attention(out, lse, o_s, l_s)
     W = min(window, N)
     if W > 0:
@@ -101,6 +111,6 @@ def static_attention(
         vt = jax.vmap(lambda x, st: jax.lax.dynamic_slice_in_dim(x, st, W, axis=1))(v, s)
         j = pos[:, :W] + s[:, None]
         tail = (j >= jnp.maximum(end, lengths - W)[:, None]) & (j < lengths[:, None])
-        o_t, l_t = masked_softmax_attention(grouped_logits(q, kt), tail[:, None, None, :], vt)
+        o_t, l_t = masked_softmax_attention(grouped_logits(q, kt, softcap), tail[:, None, None, :], vt)
         out, lse = merge_attention(out, lse, o_t, l_t)
     return out, lse

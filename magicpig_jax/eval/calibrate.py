@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -247,11 +248,14 @@ def measure_layers(model, ids: Sequence[int], prefix_len: int, candidates: Seque
     q_all = _probe_queries(model, state, ids, positions)  # [P, layers, 1, Hq, D]
     D = model.config.head_dim
     build_len = jnp.asarray([prefix_len], jnp.int32)
-    attend = jax.jit(magicpig_attention, static_argnames="config")
+    # Gemma 2's attention logit soft-capping, in every estimator as in the decoder
+    cap = model.config.attn_logit_softcap
+    attend = jax.jit(functools.partial(magicpig_attention, softcap=cap), static_argnames="config")
     build = jax.jit(build_lsh_index, static_argnames="config")
-    dense = jax.jit(dense_attention)
-    host_attend = jax.jit(host_magicpig_attention, static_argnames=("config", "static_window"))
-    host_dense = jax.jit(host_exact_attention)
+    dense = jax.jit(functools.partial(dense_attention, softcap=cap))
+    host_attend = jax.jit(functools.partial(host_magicpig_attention, softcap=cap),
+                          static_argnames=("config", "static_window"))
+    host_dense = jax.jit(functools.partial(host_exact_attention, softcap=cap))
     configs = {f"{K}x{L}": dataclasses.replace(base, K=K, L=L) for K, L in candidates}
     out = []
     n_layers = model.config.num_layers

@@ -35,11 +35,22 @@ def capture_qkv(model: LoadedModel, text: str, max_tokens: int | None = None) ->
       RoPE applied, and values), ``num_tokens``.
 
     Raises:
-      ValueError: an empty prompt or one longer than the model's context.
+      ValueError: an empty prompt or one longer than the model's context; a model the study's
+        estimators would misread (before the prefill): attention logit soft-capping (Gemma 2), or
+        a sliding window shorter than the prompt (its layers do not attend to every captured key).
     """
+    if model.config.attn_logit_softcap is not None:
+        raise ValueError(f"capture: this model soft-caps its attention logits (attn_logit_softcap = "
+                         f"{model.config.attn_logit_softcap}), which the attention study's estimators do not "
+                         "implement")
     ids = model.tokenizer.encode(text)
     if max_tokens is not None:
         ids = ids[:max_tokens]
+    binding = model.config.binding_windows(len(ids))
+    if binding:
+        raise ValueError(f"capture: layers {list(binding)} attend through a sliding window of "
+                         f"{model.config.sliding_window} tokens, shorter than this prompt of {len(ids)}: the study "
+                         "would attend to keys those layers never see (pass a shorter --max-tokens)")
     state = prefill(model, [ids], 1)
     graphdef, params = nnx.split(model.module)
     nxt = jnp.argmax(state.last_logits, -1).astype(jnp.int32)

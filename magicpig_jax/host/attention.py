@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
-from magicpig_jax.attention._common import check_qkv
+from magicpig_jax.attention._common import check_qkv, check_softcap
 from magicpig_jax.attention.config import MagicPIGConfig
 from magicpig_jax.attention.merge import merge_attention
 from magicpig_jax.attention.static import static_attention
@@ -48,6 +48,7 @@ def host_sampled_attention(
     impl: str = "auto",
     return_mask: bool = False,
     max_threads: int = 0,
+    softcap: float | None = None,
 ):
     """The FFI op alone: attention over the LSH-sampled keys (and unhashed keys before the window).
 
@@ -65,6 +66,8 @@ def host_sampled_attention(
       sinks: attend the sinks ``[0, start)`` too (else they are left to the caller).
       impl: ``"auto"``, ``"scalar"`` or ``"avx2"``; max_threads: ``[0, 4096]`` (0 = XLA's pool).
       return_mask: also return the sampled keys.
+      softcap: None, or c > 0: every logit ``q·k/sqrt(D)`` is soft-capped to ``c * tanh(. / c)``
+        before ``log u`` is subtracted (Gemma 2).
 
     Returns:
       ``(out f32 [B, Hq, D], lse f32 [B, Hq] natural log, num_sampled int32 [B, Hq])``
@@ -72,10 +75,11 @@ def host_sampled_attention(
       gives out 0, lse -inf.
 
     Raises:
-      TypeError / ValueError: bad ``impl``, ``window``, ``max_threads``, shapes or dtypes.
+      TypeError / ValueError: bad ``impl``, ``window``, ``max_threads``, ``softcap``, shapes or dtypes.
       ImportError: the native extension is not built.
     """
     code = impl_code(impl)
+    softcap = check_softcap(softcap)
     window = check_int("window", window, 0, 2**31 - 1)
     max_threads = check_int("max_threads", max_threads, 0, 4096)
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
@@ -95,7 +99,7 @@ def host_sampled_attention(
         q.astype(jnp.float32), q_codes, k, v, index.ids, index.offsets, index.open_codes, index.bounds,
         index.mean, lengths.astype(jnp.int32), table,
         K=np.int64(index.K), window=np.int64(window), sinks=np.int64(bool(sinks)), impl=np.int64(code),
-        max_threads=np.int64(max_threads),
+        max_threads=np.int64(max_threads), softcap=np.float32(softcap or 0.0),
     )
     if return_mask:
         return out, lse, ns, mask.astype(bool)
@@ -114,6 +118,7 @@ def host_magicpig_attention(
     impl: str = "auto",
     return_mask: bool = False,
     max_threads: int = 0,
+    softcap: float | None = None,
 ):
     """One decode step of MagicPIG attention with the sampled part on the host (drop-in for
     :func:`magicpig_jax.attention.magicpig_attention`).
@@ -142,6 +147,8 @@ def host_magicpig_attention(
       impl: ``"auto"`` (AVX2 if the CPU has it), ``"scalar"`` or ``"avx2"``.
       return_mask: also return the bool ``[B, Hq, N]`` mask of the sampled keys.
       max_threads: cap on the op's worker threads (0 = XLA's intra-op pool size).
+      softcap: None, or c > 0: Gemma 2's logit soft-capping ``c * tanh(s / c)`` of every score,
+        in the op and in the static part alike.
 
     Returns:
       ``(out, lse, num_sampled)`` (+ ``mask``): out float32 ``[B, Hq, D]``, lse float32
@@ -154,6 +161,7 @@ def host_magicpig_attention(
     Source: arXiv 2410.16179, Eq. (4) and (9), Sections 4.2-4.3.
     """
     check_config(config)
+    softcap = check_softcap(softcap)
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_kv_dtypes(k, v)
     check_index(host_index, config, B, Hkv, D)
@@ -166,14 +174,14 @@ def host_magicpig_attention(
         # Nothing is left to JAX: the op attends the sinks and the whole unhashed tail itself (one
         # softmax, no static part and no merge in the step: fewer XLA ops per layer).
         return host_sampled_attention(q, q_codes, k, v, host_index, lengths, window=0, sinks=True, impl=impl,
-                                      return_mask=return_mask, max_threads=max_threads)
+                                      return_mask=return_mask, max_threads=max_threads, softcap=softcap)
     res = host_sampled_attention(q, q_codes, k, v, host_index, lengths, window=static_window, impl=impl,
-                                 return_mask=return_mask, max_threads=max_threads)
+                                 return_mask=return_mask, max_threads=max_threads, softcap=softcap)
     # The static set: sinks [0, start) (start <= num_sink by construction) and the last
     # static_window positions of the tail, read as slices so the cost does not grow with N.
     start = jnp.minimum(host_index.start, lengths)
     o_s, l_s = static_attention(q, k, v, start, host_index.end, lengths, num_sink=config.num_sink,
-                                window=static_window)
+                                window=static_window, softcap=softcap)
     out, lse = merge_attention(res[0], res[1], o_s, l_s)
     if return_mask:
         return out, lse, res[2], res[3]

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.attention._common import check_lengths, check_qkv
+from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.validate import check_kv_dtypes
 
@@ -40,6 +40,7 @@ def host_exact_attention(
     *,
     impl: str = "auto",
     max_threads: int = 0,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Exact softmax attention of one decode step over keys ``starts[b] .. lengths[b] - 1``, in the host op.
 
@@ -55,6 +56,8 @@ def host_exact_attention(
         a sliding-window layer's window start. The op reads no key before it.
       impl: ``"auto"`` (AVX2/FMA where the CPU has it), ``"scalar"`` or ``"avx2"``.
       max_threads: cap on the op's worker threads (0: XLA's intra-op pool size).
+      softcap: None, or c > 0: each logit s becomes ``c * tanh(s / c)`` (Gemma 2's
+        ``attn_logit_softcapping``, as :func:`~magicpig_jax.attention._common.softcap_logits`).
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``; lse float32 ``[B, Hq]``, the natural-log
@@ -64,13 +67,14 @@ def host_exact_attention(
 
     Raises:
       ValueError: mismatched shapes, Hq not a multiple of Hkv, ``G > MAX_GROUP``, unknown
-        ``impl`` or negative ``max_threads``.
+        ``impl``, negative ``max_threads``, or a softcap not None nor > 0.
       TypeError: k and v not both float32 or both bfloat16, or non-integer lengths or starts.
       ImportError: the native extension is not built.
 
     Source: arXiv 2410.16179, Eq. (1); online softmax of Milakov & Gimelshein (2018).
     """
     code = impl_code(impl)
+    softcap = check_softcap(softcap)
     if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 0:
         raise ValueError(f"max_threads must be an int >= 0, got {max_threads!r}")
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
@@ -85,5 +89,5 @@ def host_exact_attention(
         (jax.ShapeDtypeStruct((B, Hq, D), jnp.float32), jax.ShapeDtypeStruct((B, Hq), jnp.float32)),
         vmap_method="sequential",
     )(q.astype(jnp.float32), k, v, lengths.astype(jnp.int32), starts.astype(jnp.int32), impl=np.int64(code),
-      max_threads=np.int64(max_threads))
+      max_threads=np.int64(max_threads), softcap=np.float32(softcap or 0.0))
     return out, lse

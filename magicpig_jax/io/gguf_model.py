@@ -10,7 +10,9 @@ split here by rows; NEOX RoPE; LongRoPE from ``rope_factors_short/long``; partia
 position and the others through ``attention.sliding_window`` with the local RoPE base
 ``rope.freq_base_swa`` (10000 without it) unscaled, embeddings times sqrt(hidden), and the query
 scale 1/sqrt(head dim) but for the 62-layer 27B's 1/sqrt(hidden // heads); the converter stores
-the norms' ``1 + w``). llama.cpp's converter
+the norms' ``1 + w``) and ``gemma2`` (Gemma 2: gemma3's layout without q/k norms, every other layer
+sliding from the first, ``attn_logit_softcapping`` and ``final_logit_softcapping``, the 27B's query
+scale at 46 layers). llama.cpp's converter
 permutes the q/k rows of ``llama`` and ``smollm3`` models for its pairwise RoPE (undone here);
 ``qwen2``/``qwen3``/``phi3`` use NEOX-style RoPE and are stored unpermuted.
 
@@ -31,6 +33,7 @@ import numpy as np
 from magicpig_jax.io.gguf_blocks import QUANT_TYPES
 from magicpig_jax.models.config import (
     MAX_POSITIONS,
+    SOFTCAP_RANGE,
     LlamaConfig,
     UnsupportedConfigError,
     normalize_rope_scaling,
@@ -40,7 +43,7 @@ from magicpig_jax.models.config import (
 __all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "split_packed_key",
            "GGUFWeights", "GGUFMetadataError"]
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
 # architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute; SmolLM3Model is one)
 _PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp's smollm3 skips RoPE where (layer + 1) % 4 == 0 (a constant there, no metadata key)
@@ -49,6 +52,10 @@ _SMOLLM3_NOPE_STEP = 4
 # sliding with no scaling and this RoPE base unless rope.freq_base_swa gives one (its converter writes
 # it); the query scale 1/sqrt(hidden // heads) at 62 layers (27B)
 _GEMMA3_FULL_EVERY, _GEMMA3_LOCAL_BASE, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
+# llama.cpp's gemma2: every other layer sliding (the first one), a window of 4096 and soft-capping of
+# the attention logits at 50 and of the output logits at 30 unless the file gives them; the query
+# scale 1/sqrt(hidden // heads) at 46 layers (27B)
+_GEMMA2_WINDOW, _GEMMA2_ATTN_SOFTCAP, _GEMMA2_FINAL_SOFTCAP, _GEMMA2_27B_LAYERS = 4096, 50.0, 30.0, 46
 
 
 class GGUFMetadataError(ValueError):
@@ -89,6 +96,8 @@ _ARCH_LAYER_NAMES = {
              "attn_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
              "ffn_up.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")},
     # ffn_norm is the pre-MLP norm; the sandwich norms normalise the attention's and the MLP's outputs
+    "gemma2": {**_LAYER_NAMES, "post_attention_norm.weight": "attn_output_norm.weight",
+               "post_ffw_norm.weight": "mlp_output_norm.weight"},
     "gemma3": {**_LAYER_NAMES, **_QK_NORM_NAMES, "post_attention_norm.weight": "attn_output_norm.weight",
                "post_ffw_norm.weight": "mlp_output_norm.weight"},
 }
@@ -110,7 +119,8 @@ _ARCH_KEYS = {
     "expert_count", "expert_used_count", "tensor_data_layout",
 }
 # keys read for one architecture only (refused as unknown elsewhere): gemma3's sliding layers' RoPE base
-_ARCH_ONLY_KEYS = {"gemma3": {"rope.freq_base_swa"}}
+_ARCH_ONLY_KEYS = {"gemma3": {"rope.freq_base_swa"},
+                   "gemma2": {"attn_logit_softcapping", "final_logit_softcapping"}}
 # tokenizer keys Tokenizer.from_gguf_metadata reads, or that do not change the token ids
 _TOKENIZER_KEYS = {
     "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -270,7 +280,7 @@ def _check_keys(reader, arch: str, path) -> None:
 
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndarray | None]:
     """Parse a GGUF file of a Llama-family model (``llama``, ``qwen2``, ``qwen3``, ``smollm3``, ``phi3``,
-    ``gemma3``).
+    ``gemma2``, ``gemma3``).
 
     The weights come in the Hugging Face ``(out, in)`` layout and naming
     (``model.layers.{i}.self_attn.q_proj.weight``...), as a :class:`GGUFWeights` mapping
@@ -433,6 +443,8 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
                                             if _field(reader, f"{arch}.rope.freq_base_swa") is not None
                                             else _GEMMA3_LOCAL_BASE),
                      sliding_layers=tuple(i for i in range(n_layers) if (i + 1) % _GEMMA3_FULL_EVERY))
+    if arch == "gemma2":
+        window, gemma = _gemma2_fields(reader, path, window, scaling, hidden, n_head, n_layers, head_dim)
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -459,6 +471,42 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         rope_dim=rope_dim,
         **gemma,
     ), tensors
+
+
+def _gemma2_fields(reader, path: Path, window, scaling, hidden: int, n_head: int, n_layers: int,
+                   head_dim: int) -> tuple[int, dict]:
+    """``(window, LlamaConfig fields)`` of a gemma2 file, as llama.cpp reads it: the window (4096 without
+    the key), every other layer sliding from the first, the attention and output logits soft-capped
+    (50 and 30 without the keys), norms stored as ``1 + w`` by the converter, embeddings times
+    sqrt(hidden), and the query scale 1/sqrt(head dim) but 1/sqrt(hidden // heads) at 46 layers (27B).
+
+    Raises:
+      GGUFMetadataError: a window of 0 (llama.cpp would mask every key of the sliding layers) or a
+        soft-capping value outside :data:`~magicpig_jax.attention._common.SOFTCAP_RANGE`.
+      UnsupportedConfigError: a RoPE scaling other than none and linear.
+    """
+    arch = "gemma2"
+    window = _GEMMA2_WINDOW if window is None else int(window)
+    if window == 0:
+        raise GGUFMetadataError(f"{path}: a gemma2 model needs {arch}.attention.sliding_window > 0")
+    kind = dict(scaling or {}).get("rope_type", "default")
+    if kind not in ("default", "linear"):
+        raise UnsupportedConfigError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported for gemma2 "
+                                     "(none or linear)")
+    caps = {}
+    for key, default in (("attn_logit_softcapping", _GEMMA2_ATTN_SOFTCAP),
+                         ("final_logit_softcapping", _GEMMA2_FINAL_SOFTCAP)):
+        value = _field(reader, f"{arch}.{key}")
+        value = default if value is None else _number(reader, f"{arch}.{key}", path)
+        lo, hi = SOFTCAP_RANGE
+        if not lo <= value <= hi:  # NaN included
+            raise GGUFMetadataError(f"{path}: {arch}.{key} = {value!r} must be a number in [{lo:g}, {hi:g}]")
+        caps[key] = float(value)
+    return window, dict(hidden_act="gelu_tanh", sandwich_norms=True, embedding_scale=math.sqrt(hidden),
+                        query_scale=(hidden // n_head if n_layers == _GEMMA2_27B_LAYERS else head_dim) ** -0.5,
+                        attn_logit_softcap=caps["attn_logit_softcapping"],
+                        final_logit_softcap=caps["final_logit_softcapping"],
+                        sliding_layers=tuple(range(0, n_layers, 2)))
 
 
 _LONGROPE_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
@@ -679,7 +727,7 @@ def _fused_entries(t, keys: list[str], config: LlamaConfig, path: Path) -> dict[
 
 def _check_tensors_present(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> None:
     """Refuse, from the header alone, a GGUF that lacks a tensor every layer of ``arch`` needs."""
-    per_layer = list(_ARCH_LAYER_NAMES[arch]) if arch in ("phi3", "gemma3") else list(_LAYER_NAMES)
+    per_layer = list(_ARCH_LAYER_NAMES[arch]) if arch in ("phi3", "gemma2", "gemma3") else list(_LAYER_NAMES)
     per_layer += list(_QK_NORM_NAMES) if arch == "qwen3" else []
     needed = ["token_embd.weight", "output_norm.weight"]  # output.weight absent = tied embeddings
     needed += [f"blk.{i}.{rest}" for i in range(config.num_layers) for rest in per_layer]

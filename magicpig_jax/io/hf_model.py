@@ -1,5 +1,5 @@
 """Read a Hugging Face model directory: ``config.json`` + ``*.safetensors`` (llama, mistral, qwen2, qwen3,
-smollm3, phi3, gemma3_text)."""
+smollm3, phi3, gemma2, gemma3_text)."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
     ``lm_head.weight`` equal to the embedding is dropped, a different one refused. A phi3
     checkpoint's fused ``self_attn.qkv_proj`` and ``mlp.gate_up_proj`` are split into the
     Llama names by rows (q, k, v and gate, up, as transformers' ``Phi3Attention`` and
-    ``Phi3MLP`` slice them). A gemma3_text checkpoint's norms are renamed and held as ``1 + w``
-    (:func:`_gemma3_weight`).
+    ``Phi3MLP`` slice them). A gemma2 or gemma3_text checkpoint's norms are renamed and held as
+    ``1 + w`` (:func:`_gemma3_weight`).
 
     Returns:
       ``(config, weights)``.
@@ -101,7 +101,7 @@ def read_hf_dir(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray]]
         for name, value in _tensors(file):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            if model_type == "gemma3_text":
+            if model_type in ("gemma2", "gemma3_text"):
                 name, value = _gemma3_weight(name, value)
             for key, part in (_split_fused(config, name, value) if model_type == "phi3" else [(name, value)]):
                 if key in raw:

@@ -15,10 +15,13 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LlamaConfig", "rope_inv_freq", "rope_attention_factor", "default_dense_layers",
-           "normalize_rope_scaling", "yarn_context_length", "HF_MODEL_TYPES", "UnsupportedConfigError"]
+from magicpig_jax.attention._common import SOFTCAP_RANGE, check_softcap
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma3_text")
+__all__ = ["LlamaConfig", "rope_inv_freq", "rope_attention_factor", "default_dense_layers",
+           "normalize_rope_scaling", "yarn_context_length", "HF_MODEL_TYPES", "UnsupportedConfigError",
+           "SOFTCAP_RANGE"]
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3_text")
 HIDDEN_ACTS = ("silu", "gelu_tanh")  # SwiGLU (Llama) and GeGLU with the tanh GELU (Gemma)
 MAX_POSITIONS = 2**31 - 1  # positions are int32 in the decoder and the host ops
 
@@ -66,6 +69,11 @@ class LlamaConfig:
         None for ``1 / sqrt(head_dim)``.
       local_rope_theta: the RoPE base of the sliding-window layers, unscaled (Gemma 3's local base,
         ``rope_local_base_freq``), or None: every layer uses ``rope_theta`` and ``rope_scaling``.
+      attn_logit_softcap: c, or None: every attention logit s (the scaled ``q . k``) becomes
+        ``c * tanh(s / c)`` before the softmax, in every layer, in prefill and in every decode
+        backend that implements it (Gemma 2's ``attn_logit_softcapping``).
+      final_logit_softcap: c, or None: the output logits become ``c * tanh(x / c)`` (Gemma 2's
+        ``final_logit_softcapping``).
 
     Raises:
       ValueError: inconsistent sizes (e.g. Hq not a multiple of Hkv).
@@ -96,6 +104,8 @@ class LlamaConfig:
     embedding_scale: float | None = None
     query_scale: float | None = None
     local_rope_theta: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -113,6 +123,8 @@ class LlamaConfig:
                                           or self.rope_dim % 2 or not 2 <= self.rope_dim <= self.head_dim):
             raise ValueError(f"rope_dim must be an even int in [2, head_dim = {self.head_dim}] or None, "
                              f"got {self.rope_dim!r}")
+        for name in ("attn_logit_softcap", "final_logit_softcap"):
+            check_softcap(getattr(self, name), name)
         for name in ("rope_theta", "rms_norm_eps", "embedding_scale", "query_scale", "local_rope_theta"):
             value = getattr(self, name)
             if value is None and name not in ("rope_theta", "rms_norm_eps"):
@@ -211,10 +223,12 @@ class LlamaConfig:
     @classmethod
     def from_hf_config(cls, cfg: Mapping) -> LlamaConfig:
         """From a Hugging Face ``config.json`` dict (``model_type`` llama, mistral, qwen2, qwen3, smollm3, phi3,
-        gemma3_text).
+        gemma2, gemma3_text).
 
         Gemma 3 (``gemma3_text``): :func:`_check_gemma3` reads its own fields (activation, query
-        scale, RoPE per layer type); its layer pattern is :func:`_hf_sliding_window`'s.
+        scale, RoPE per layer type); Gemma 2 (``gemma2``): :func:`_check_gemma2` (activation, query
+        scale, attention and final logit soft-capping). Their layer patterns are
+        :func:`_hf_sliding_window`'s.
 
         Phi-3 (``phi3``) is Llama with q/k/v and gate/up each fused in one matrix (split by the
         loader), Mistral's window rule, LongRoPE (:func:`_check_phi3`) and partial RoPE
@@ -254,6 +268,8 @@ class LlamaConfig:
         extra = {}
         if model_type == "gemma3_text":  # Gemma 3: its own fields, RoPE per layer type and activation
             cfg, extra = _check_gemma3(cfg)
+        elif model_type == "gemma2":  # Gemma 2: its own fields, activation and logit soft-capping
+            cfg, extra = _check_gemma2(cfg)
         else:
             require("hidden_act", ("silu", "swish"), "only SwiGLU with silu (transformers' 'swish') is implemented")
         require("mlp_bias", (False, None), "MLP biases are not implemented")
@@ -296,7 +312,7 @@ class LlamaConfig:
         # transformers' Qwen2 and Mistral attention ignore 'attention_bias' (Qwen2: q/k/v biases
         # always, no o bias; Mistral: none); Llama and Qwen3 put it on q, k, v and o.
         attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3", "smollm3",
-                                                                                   "gemma3_text")
+                                                                                   "gemma2", "gemma3_text")
         num_layers = int(get("num_hidden_layers"))
         head_dim = int(get("head_dim") or hidden // num_heads)
         rope_dim = None
@@ -347,7 +363,10 @@ _HF_TYPE_KEYS = {"phi3": frozenset({"original_max_position_embeddings", "full_at
                  "gemma3_text": frozenset({"hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping",
                                            "attn_logit_softcapping", "use_bidirectional_attention",
                                            "rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern",
-                                           "cache_implementation"})}
+                                           "cache_implementation"}),
+                 "gemma2": frozenset({"hidden_activation", "query_pre_attn_scalar", "final_logit_softcapping",
+                                      "attn_logit_softcapping", "use_bidirectional_attention",
+                                      "cache_implementation", "sliding_window_size"})}
 # Fields that do not change the forward pass: ids, dtypes, training and generation settings, bookkeeping.
 # ``pretraining_tp`` only splits transformers' matmuls into slices (the same product).
 _HF_IGNORED_KEYS = frozenset({
@@ -385,6 +404,8 @@ _HF_DEFAULTS = {
                 "no_rope_layer_interval": 4},
     "phi3": {"hidden_act": "silu", "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
              "tie_word_embeddings": False, "num_key_value_heads": None, "sliding_window": None},
+    "gemma2": {"rms_norm_eps": 1e-6, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+               "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096, "eos_token_id": 1},
     "gemma3_text": {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "tie_word_embeddings": True,
                     "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096, "eos_token_id": 1},
 }
@@ -413,8 +434,8 @@ def _check_gemma3(cfg: Mapping) -> tuple[dict, dict]:
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         value = cfg.pop(key, None)
         if value is not None:
-            raise UnsupportedConfigError(f"config.json {key!r} = {value!r}: logit soft-capping is not "
-                                         "implemented (Gemma 3 has none: null)")
+            raise UnsupportedConfigError(f"config.json {key!r} = {value!r} is not supported on a gemma3_text model "
+                                         "(Gemma 3 has no logit soft-capping: null; Gemma 2's is model_type gemma2)")
     if cfg.pop("use_bidirectional_attention", False):
         raise UnsupportedConfigError("config.json 'use_bidirectional_attention' = true is not supported "
                                      "(a causal decoder only)")
@@ -461,6 +482,60 @@ def _check_gemma3(cfg: Mapping) -> tuple[dict, dict]:
     cfg["rope_parameters"] = full
     fields = dict(hidden_act="gelu_tanh", sandwich_norms=True, query_scale=scalar ** -0.5,
                   local_rope_theta=number(local["rope_theta"], "sliding-window RoPE base"))
+    return cfg, fields
+
+
+def _check_gemma2(cfg: Mapping) -> tuple[dict, dict]:
+    """``(cfg, fields)`` of a Gemma 2 config (transformers' ``Gemma2Config``): ``cfg`` without Gemma's own
+    fields, and the :class:`LlamaConfig` fields only Gemma sets (activation, sandwich norms, query
+    scale, attention and final logit soft-capping; ``from_hf_config`` adds the embedding scale
+    ``sqrt(hidden_size)``). Its RoPE is read as the other types' (one base for every layer, default
+    10000).
+
+    As transformers 5 reads it: ``attn_logit_softcapping`` (default 50) caps every attention logit,
+    ``final_logit_softcapping`` (default 30) the output logits (null: none); the attention scale is
+    ``query_pre_attn_scalar ** -0.5`` (default 256); the MLP's activation is ``hidden_activation``
+    (``Gemma2MLP`` reads no other field: a ``hidden_act`` that names another one is refused).
+
+    Raises:
+      UnsupportedConfigError: bidirectional attention, or an activation other than
+        ``gelu_pytorch_tanh`` (named).
+      ValueError: ``query_pre_attn_scalar`` that is not a number > 0, or a soft-capping value outside
+        :data:`~magicpig_jax.attention._common.SOFTCAP_RANGE` (named).
+    """
+    cfg = dict(cfg)
+    if cfg.pop("use_bidirectional_attention", False):
+        raise UnsupportedConfigError("config.json 'use_bidirectional_attention' = true is not supported "
+                                     "(a causal decoder only)")
+    for key in ("hidden_activation", "hidden_act"):
+        act = cfg.pop(key, "gelu_pytorch_tanh")
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedConfigError(f"config.json {key!r} = {act!r} is not supported on a gemma2 model "
+                                         "(only 'gelu_pytorch_tanh', Gemma 2's)")
+
+    def number(key, default):
+        value = cfg.pop(key, default)
+        if value is None and key != "query_pre_attn_scalar":
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"config.json {key!r} must be a finite number > 0"
+                             f"{'' if key == 'query_pre_attn_scalar' else ' or null'}, got {value!r}")
+        if key != "query_pre_attn_scalar":
+            check_softcap(value, f"config.json {key!r}")
+        return float(value)
+
+    fields = dict(hidden_act="gelu_tanh", sandwich_norms=True,
+                  query_scale=number("query_pre_attn_scalar", 256) ** -0.5,
+                  attn_logit_softcap=number("attn_logit_softcapping", 50.0),
+                  final_logit_softcap=number("final_logit_softcapping", 30.0))
+    cfg.pop("cache_implementation", None)
+    # Gemma-2-9B's and -27B's config.json repeat the window as 'sliding_window_size' (transformers reads
+    # 'sliding_window' only): accepted when the two agree
+    size = cfg.pop("sliding_window_size", None)
+    window = cfg.get("sliding_window", _HF_DEFAULTS["gemma2"]["sliding_window"])
+    if size is not None and size != window:
+        raise UnsupportedConfigError(f"config.json 'sliding_window_size' = {size!r} differs from 'sliding_window' = "
+                                     f"{window!r}: not supported (transformers reads 'sliding_window' only)")
     return cfg, fields
 
 
@@ -634,9 +709,10 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
                                or not 1 <= window <= MAX_POSITIONS):
         raise ValueError(f"config.json 'sliding_window' must be a positive integer (at most {MAX_POSITIONS}, "
                          f"int32 positions) or null, got {window!r}")
-    if model_type == "gemma3_text":
-        if layer_types is None:  # transformers: every sliding_window_pattern-th layer is full (default 6)
-            pattern = cfg.get("sliding_window_pattern", 6)
+    if model_type in ("gemma2", "gemma3_text"):
+        if layer_types is None:  # transformers: every sliding_window_pattern-th layer is full (Gemma 3: 6,
+            # Gemma 2: every other layer, the first one sliding)
+            pattern = cfg.get("sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
             if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
                 raise ValueError(f"config.json 'sliding_window_pattern' must be a positive integer, got {pattern!r}")
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention import dense_attention, merge_attention
+from magicpig_jax.attention._common import softcap_logits
 from magicpig_jax.models.backends import (
     BACKENDS,
     DecodeSpec,
@@ -47,7 +48,8 @@ __all__ = [
     "hidden_to_logits",
 ]
 
-def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk, window: int | None = None):
+def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk, window: int | None = None,
+                            softcap: float | None = None):
     """Causal attention of a query chunk over the cache, block by block (online LSE merge).
 
     q ``[B, C, Hq, D]`` at positions ``chunk_start + 0..C-1``; k_cache, v_cache
@@ -55,6 +57,7 @@ def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk, window: int
     chunk are visited, so the cost is causal, not ``O(C * Nmax)``. With a sliding
     ``window`` W the query at position p sees keys ``p - W + 1 .. p`` only (transformers'
     ``sliding_window_overlay``), and blocks wholly before the chunk's first window are skipped.
+    ``softcap`` c caps each logit to ``c * tanh(s / c)`` before the mask (Gemma 2).
     """
     B, C, Hq, D = q.shape
     Hkv = k_cache.shape[1]
@@ -68,7 +71,8 @@ def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk, window: int
         start = j * chunk
         kb = jax.lax.dynamic_slice_in_dim(k_cache, start, chunk, axis=2).astype(jnp.float32)
         vb = jax.lax.dynamic_slice_in_dim(v_cache, start, chunk, axis=2).astype(jnp.float32)
-        s = jnp.einsum("bhgcd,bhnd->bhgcn", qg, kb, precision=jax.lax.Precision.HIGHEST) * scale
+        s = softcap_logits(jnp.einsum("bhgcd,bhnd->bhgcn", qg, kb, precision=jax.lax.Precision.HIGHEST) * scale,
+                           softcap)
         k_pos = (start + jnp.arange(chunk, dtype=jnp.int32))[None, :]
         mask = k_pos <= q_pos[:, None]  # [C, n]
         if window is not None:
@@ -118,7 +122,8 @@ def prefill_chunk(graphdef, state, cache: KVCache, tokens, chunk_start, lengths)
         return new_k[i], new_v[i]
 
     def attend(i, q, k_cache, v_cache):
-        return _causal_block_attention(q, k_cache, v_cache, chunk_start, C, model.config.layer_window(i))
+        return _causal_block_attention(q, k_cache, v_cache, chunk_start, C, model.config.layer_window(i),
+                                       model.config.attn_logit_softcap)
 
     hidden = model.forward(tokens, positions, write_kv, attend, lengths)
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths.astype(jnp.int32))
@@ -245,6 +250,7 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
       S = number of sparse layers (0 for dense).
     """
     model = nnx.merge(graphdef, state)
+    spec = spec.with_softcap(model.config.attn_logit_softcap)  # Gemma 2: refused by a backend without it
     backend = backend_for(spec)
     B = tokens.shape[0]
     pos = cache.lengths
@@ -279,9 +285,10 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
                                          jax.random.fold_in(key, 1000 + i))
             counts.append(n)
         else:  # a sliding-window layer's query sees pos - W + 1 .. pos (itself merged below)
-            out, lse = backend.attend_dense(q[:, 0], k_cache, v_cache, pos, model.config.window_start(i, pos))
+            out, lse = backend.attend_dense(q[:, 0], k_cache, v_cache, pos, model.config.window_start(i, pos),
+                                            softcap=spec.logit_softcap)
         k_new, v_new = new_kv[i]
-        self_out, self_lse = _self_attention(q[:, 0], k_new, v_new)
+        self_out, self_lse = _self_attention(q[:, 0], k_new, v_new, spec.logit_softcap)
         out, _ = merge_attention(out, lse, self_out, self_lse)
         return out[:, None]
 
@@ -418,13 +425,14 @@ def _write_token(cache_layer, x, pos):
     return cache_layer
 
 
-def _self_attention(q, k_new, v_new):
-    """Attention of each query head ``[B, Hq, D]`` over its own token's key/value ``[B, Hkv, D]`` alone."""
+def _self_attention(q, k_new, v_new, softcap: float | None = None):
+    """Attention of each query head ``[B, Hq, D]`` over its own token's key/value ``[B, Hkv, D]`` alone
+    (its logit soft-capped by ``softcap``, Gemma 2)."""
     B, Hq, D = q.shape
     G = Hq // k_new.shape[1]
     k_rep = jnp.repeat(k_new.astype(jnp.float32), G, axis=1)
     v_rep = jnp.repeat(v_new.astype(jnp.float32), G, axis=1)
-    lse = jnp.sum(q.astype(jnp.float32) * k_rep, axis=-1) / jnp.float32(math.sqrt(D))
+    lse = softcap_logits(jnp.sum(q.astype(jnp.float32) * k_rep, axis=-1) / jnp.float32(math.sqrt(D)), softcap)
     return v_rep, lse
 
 
@@ -449,8 +457,10 @@ def decode_queries(graphdef, state, cache: KVCache, tokens):
 
     def attend(i, q, k_cache, v_cache):
         queries.append(q[:, 0].astype(jnp.float32))
-        out, lse = dense_attention(q[:, 0], k_cache, v_cache, pos)
-        self_out, self_lse = _self_attention(q[:, 0], *new_kv[i])
+        softcap = model.config.attn_logit_softcap
+        # a sliding-window layer's query sees pos - W + 1 .. pos (itself merged below), as in decode
+        out, lse = dense_attention(q[:, 0], k_cache, v_cache, pos, model.config.window_start(i, pos), softcap=softcap)
+        self_out, self_lse = _self_attention(q[:, 0], *new_kv[i], softcap)
         return merge_attention(out, lse, self_out, self_lse)[0][:, None]
 
     model.forward(tokens[:, None], pos[:, None], write_kv, attend)

@@ -381,10 +381,15 @@ class Llama(nnx.Module):
         return self.norm(x)
 
     def logits(self, h: Float[Array, "... H"]) -> Float[Array, "... V"]:
-        """Next-token logits (float32) from final hidden states."""
+        """Next-token logits (float32) from final hidden states, soft-capped to ``c * tanh(x / c)`` with
+        ``config.final_logit_softcap`` c (Gemma 2's ``final_logit_softcapping``, as transformers)."""
         if self.lm_head is None:
             if self.embed_packed is not None:
-                return packed_matmul(h.astype(jnp.float32), self.embed_packed[...], self.embed_qtype)
-            return dense_matmul(h.astype(jnp.float32), self.embed_tokens.embedding[...].astype(jnp.float32),
-                                transposed=False)
-        return self.lm_head(h).astype(jnp.float32)
+                logits = packed_matmul(h.astype(jnp.float32), self.embed_packed[...], self.embed_qtype)
+            else:
+                logits = dense_matmul(h.astype(jnp.float32), self.embed_tokens.embedding[...].astype(jnp.float32),
+                                      transposed=False)
+        else:
+            logits = self.lm_head(h).astype(jnp.float32)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))

@@ -65,7 +65,7 @@ def _build_host(spec, k, lengths, layer, capacity):
 
 
 def _attend_host(spec, q, k, v, state, lengths, key):
-    return _ops_of(spec).attention(q, k, v, state, spec.magicpig, lengths)
+    return _ops_of(spec).attention(q, k, v, state, spec.magicpig, lengths, softcap=spec.logit_softcap)
 
 
 def append_due(spec, index, k, lengths):
@@ -97,11 +97,11 @@ def _prepare_host(spec, cache, states):
     return cache, states
 
 
-def _attend_dense_host(q, k, v, lengths, starts=None):
+def _attend_dense_host(q, k, v, lengths, starts=None, *, softcap=None):
     from magicpig_jax.host import host_exact_attention
 
     # One pass over each KV head's keys for its G query heads, K/V read in place.
-    return host_exact_attention(q, k, v, lengths, starts)
+    return host_exact_attention(q, k, v, lengths, starts, softcap=softcap)
 
 
 # ------------------------------------------------------------------------------------------
@@ -196,14 +196,16 @@ ENTRIES: dict[str, Backend] = {
     # Dense decoding on the CPU backend: every layer through the host exact op, which reads a
     # bfloat16 cache in place (XLA's dense attention converted the whole cache to float32 each step).
     "dense-host": Backend("dense (host exact op)", build=_no_sparse_layer, attend=_no_sparse_layer,
-                          attend_dense=_attend_dense_host),
+                          attend_dense=_attend_dense_host, softcap=True),
     "magicpig-host": Backend("magicpig (host op)", build=_build_host, attend=_attend_host, after_step=append_due,
-                             prepare=_prepare_host, attend_dense=_attend_dense_host, validate=_validate_host),
+                             prepare=_prepare_host, attend_dense=_attend_dense_host, validate=_validate_host,
+                             softcap=True),
     "magicpig-host-sharded": Backend("magicpig (host op, sharded)", build=_build_host, attend=_attend_host,
-                                     after_step=append_due, prepare=_prepare_host, validate=_validate_host),
+                                     after_step=append_due, prepare=_prepare_host, validate=_validate_host,
+                                     softcap=True),
     "magicpig-offload": Backend("magicpig (offload: KV cache and index in host memory, host op)",
                                 build=_build_offload, attend=_attend_offload, prepare=_prepare_offload,
-                                validate=_validate_host, make_step=_make_offload_step),
+                                validate=_validate_host, make_step=_make_offload_step, softcap=True),
     "topk-host": Backend("topk (host op)", build=_build_range, attend=_attend_topk_host,
                          after_step=_after_step_range, prepare=_prepare_host, attend_dense=_attend_dense_host),
     "quest-host": Backend("quest (host op)", build=_build_quest_host, attend=_attend_quest_host,

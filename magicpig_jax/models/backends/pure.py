@@ -30,7 +30,7 @@ def _build_reference(spec, k, lengths, layer, capacity):
 
 
 def _attend_reference(spec, q, k, v, state: LSHIndex, lengths, key):
-    return magicpig_attention(q, k, v, state, spec.magicpig, lengths)
+    return magicpig_attention(q, k, v, state, spec.magicpig, lengths, softcap=spec.logit_softcap)
 
 
 # ------------------------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def _attend_hybrid(spec, q, k, v, state: LSHIndex, lengths, key):
 
 
 ENTRIES: dict[str, Backend] = {
-    "magicpig-ref": Backend("magicpig-ref", build=_build_reference, attend=_attend_reference),
+    "magicpig-ref": Backend("magicpig-ref", build=_build_reference, attend=_attend_reference, softcap=True),
     "topk": Backend("topk", build=build_range, attend=functools.partial(_attend_range, "topk")),
     "quest": Backend("quest", build=build_range, attend=functools.partial(_attend_range, "quest")),
     "oracle": Backend("oracle", build=build_range, attend=functools.partial(_attend_range, "oracle")),

@@ -61,6 +61,10 @@ class DecodeSpec:
       layers: optional :class:`~magicpig_jax.attention.LayerConfigs` (``magicpig``,
         ``magicpig-ref``, ``hybrid``): each layer's own config or ``"dense"``; then ``magicpig``
         must be ``layers.base()`` and ``dense_layers`` its dense layers.
+      logit_softcap: the model's attention logit soft-capping c (Gemma 2's
+        ``attn_logit_softcapping``: each logit s becomes ``c * tanh(s / c)``), or None. The
+        decode step sets it from the model's config (:meth:`with_softcap`); a backend that does
+        not implement it (:attr:`Backend.softcap`) refuses the spec.
 
     Raises:
       ValueError: unknown backend, a budgeted backend without a budget, or a configuration
@@ -78,6 +82,7 @@ class DecodeSpec:
     offload: bool | None = None
     host_device: jax.Device | None = None
     layers: LayerConfigs | None = None
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -115,9 +120,23 @@ class DecodeSpec:
         if self.host is None:
             object.__setattr__(self, "host", self.backend in HOST_BACKENDS and not self.offload
                                and jax.default_backend() == "cpu")
+        from magicpig_jax.attention._common import check_softcap
         from magicpig_jax.models.backends.table import backend_for
 
-        backend_for(self).validate(self)
+        object.__setattr__(self, "logit_softcap", check_softcap(self.logit_softcap))
+        entry = backend_for(self)
+        entry.validate(self)
+        if self.logit_softcap is not None and not entry.softcap:
+            raise ValueError(f"attention backend {self.backend!r} does not implement attention "
+                             f"logit soft-capping (this model's attn_logit_softcap = {self.logit_softcap}, Gemma 2's "
+                             "attn_logit_softcapping): use 'dense' or 'magicpig'")
+
+    def with_softcap(self, softcap: float | None) -> DecodeSpec:
+        """This spec for a model whose attention logit soft-capping is ``softcap`` (its config's
+        ``attn_logit_softcap``); raises ValueError where the backend does not implement it."""
+        if softcap == self.logit_softcap:
+            return self
+        return dataclasses.replace(self, logit_softcap=softcap)
 
     @property
     def uses_host(self) -> bool:
@@ -310,7 +329,7 @@ BuildFn = Callable[["DecodeSpec", jax.Array, jax.Array, int, int], Any]  # (spec
 AttendFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]  # (spec, q, k, v, state, lengths, key)
 AfterStepFn = Callable[["DecodeSpec", Any, jax.Array, jax.Array], Any]  # (spec, state, k, lengths)
 PrepareFn = Callable[..., tuple[Any, tuple]]  # (spec, cache, states) -> (cache, states)
-DenseFn = Callable[..., tuple[jax.Array, jax.Array]]  # (q, k, v, lengths, starts=None)
+DenseFn = Callable[..., tuple[jax.Array, jax.Array]]  # (q, k, v, lengths, starts=None, *, softcap=None)
 
 
 def _keep(spec, state, k, lengths):
@@ -343,11 +362,13 @@ class Backend:
         (``lengths`` counts it).
       prepare: ``(spec, cache, states) -> (cache, states)`` once after build, outside jit: the
         cache and per-layer states the decode steps use (the same objects, or re-placed ones).
-      attend_dense: ``(q, k, v, lengths, starts=None) -> (out, lse)`` for the layers kept dense
-        (``starts``: a sliding-window layer's first visible key per row).
+      attend_dense: ``(q, k, v, lengths, starts=None, *, softcap=None) -> (out, lse)`` for the
+        layers kept dense (``starts``: a sliding-window layer's first visible key per row;
+        ``softcap``: the spec's :attr:`DecodeSpec.logit_softcap`).
       validate: ``(spec) -> None``, raises ValueError for a configuration it cannot run.
       make_step: ``(graphdef, state_treedef, spec) -> step`` replacing the jitted decode step of
         :func:`~magicpig_jax.models.decoding.compiled_decode_step` (same call and results), or None.
+      softcap: whether ``attend`` and ``attend_dense`` implement :attr:`DecodeSpec.logit_softcap`.
     """
 
     name: str
@@ -358,5 +379,6 @@ class Backend:
     attend_dense: DenseFn = dense_attention
     validate: Callable[[DecodeSpec], None] = _accept
     make_step: Callable | None = None
+    softcap: bool = False
 
 

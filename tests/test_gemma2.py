@@ -1,0 +1,319 @@
+"""Gemma 2 models (``model_type`` gemma2, GGUF ``gemma2``) against transformers' logits
+(``fixtures/families/gemma2*``, written by ``fixtures/make_families.py gemma2``) and its config rules;
+attention logit soft-capping in every decode path against the pure-JAX reference.
+
+What sets Gemma 2 apart from Gemma 3 here: attention logit soft-capping (each scaled ``q . k`` becomes
+``c tanh(s / c)``) and final logit soft-capping, no q/k norms, one RoPE base, and every other layer
+sliding from the first. The fixture's caps (2 and 15) bind on its random weights (Gemma 2 ships 50
+and 30): a decoder without them is far off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, dense_attention, magicpig_attention
+from magicpig_jax.eval.forcing import forced_decode
+from magicpig_jax.generation import decode, decode_spec, forward_logits, prefill
+from magicpig_jax.io.loader import convert_model, load_model, read_model_config
+from magicpig_jax.models.backends import DecodeSpec, layer_projections
+from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
+from tests.test_io_families import FIXTURES, TOLERANCE
+
+FOLDER = FIXTURES / "gemma2"
+
+# google/gemma-2-2b-it's config.json as published (transformers 4.42 format)
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 107],
+    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304, "initializer_range": 0.02,
+    "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 8,
+    "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+    "transformers_version": "4.42.4", "use_cache": True, "vocab_size": 256000,
+}
+
+
+def _ref(name: str = "gemma2") -> dict:
+    return dict(np.load(FIXTURES / f"{name}_logits.npz"))
+
+
+def _with_config(tmp_path, name: str = "gemma2", **changes):
+    folder = tmp_path / name
+    shutil.copytree(FIXTURES / name, folder, dirs_exist_ok=True)
+    cfg = json.loads((FIXTURES / name / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_config_follows_transformers():
+    cfg = LlamaConfig.from_hf_config(GEMMA2_2B)
+    # every other layer slides over 4096 positions, the first one included
+    assert cfg.windowed_layers == tuple(range(0, 26, 2)) and cfg.sliding_window == 4096
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == (50.0, 30.0)
+    assert cfg.query_scale == 256 ** -0.5 and cfg.embedding_scale == math.sqrt(2304)
+    assert not cfg.qk_norm and cfg.sandwich_norms and cfg.hidden_act == "gelu_tanh" and cfg.tie_word_embeddings
+    assert cfg.local_rope_theta is None and cfg.rope_theta == 10000.0 and cfg.eos_token_ids == (1, 107)
+    # Gemma2Config's defaults: caps 50 and 30, eos 1; a null cap is none
+    bare = {k: v for k, v in GEMMA2_2B.items() if k not in ("attn_logit_softcapping", "final_logit_softcapping",
+                                                             "eos_token_id")}
+    cfg = LlamaConfig.from_hf_config(bare)
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.eos_token_ids) == (50.0, 30.0, (1,))
+    # Gemma-2-9B's and -27B's config.json repeat the window as sliding_window_size
+    assert LlamaConfig.from_hf_config({**GEMMA2_2B, "sliding_window_size": 4096}).sliding_window == 4096
+    cfg = LlamaConfig.from_hf_config({**GEMMA2_2B, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (cfg.attn_logit_softcap, cfg.final_logit_softcap) == (None, None)
+    # Gemma-2-27B: query_pre_attn_scalar = hidden / heads = 144
+    assert LlamaConfig.from_hf_config({**GEMMA2_2B, "query_pre_attn_scalar": 144}).query_scale == 144 ** -0.5
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"use_bidirectional_attention": True}, "'use_bidirectional_attention' = true is not supported"),
+    ({"hidden_activation": "gelu"}, "'hidden_activation' = 'gelu' is not supported on a gemma2 model"),
+    ({"hidden_act": "silu"}, "'hidden_act' = 'silu' is not supported on a gemma2 model"),
+    ({"attn_logit_softcapping": 0}, "'attn_logit_softcapping' must be a finite number > 0 or null"),
+    ({"final_logit_softcapping": -30.0}, "'final_logit_softcapping' must be a finite number > 0 or null"),
+    # c, s / c and c tanh(s / c) must stay normal float32 numbers (the host ops' attribute is float32)
+    ({"attn_logit_softcapping": 1e-40}, "'attn_logit_softcapping' must be None or a number in \\[0.001, 1e\\+06\\]"),
+    ({"final_logit_softcapping": 3e38}, "'final_logit_softcapping' must be None or a number in \\[0.001, 1e\\+06\\]"),
+    ({"sliding_window_size": 2048}, "'sliding_window_size' = 2048 differs from 'sliding_window' = 4096"),
+    ({"query_pre_attn_scalar": None}, "'query_pre_attn_scalar' must be a finite number > 0, got None"),
+    ({"rope_local_base_freq": 10000}, "field\\(s\\) 'rope_local_base_freq' of this gemma2 model are not implemented"),
+    ({"sliding_window": None}, "'sliding_window' is null while 'layer_types' has 'sliding_attention' layers"),
+])
+def test_what_is_not_implemented_is_refused(changes, match):
+    with pytest.raises(ValueError, match=match) as info:
+        LlamaConfig.from_hf_config({**GEMMA2_2B, **changes})
+    assert isinstance(info.value, UnsupportedConfigError) == ("must" not in match)
+
+
+def test_logits_match_transformers(tmp_path):
+    ref = _ref()
+    model = load_model(FOLDER)
+    assert model.config.windowed_layers == (0, 2) and model.config.query_scale == 24 ** -0.5
+    assert (model.config.attn_logit_softcap, model.config.final_logit_softcap) == (2.0, 15.0)
+    assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE
+    # each cap changes the logits: the fixture exercises both (a model without one is far off)
+    for changes in ({"attn_logit_softcapping": None}, {"final_logit_softcapping": None}):
+        other = load_model(_with_config(tmp_path, **changes))
+        assert float(np.abs(forward_logits(other, ref["prompt_ids"].tolist()) - ref["logits"]).max()) > 0.1, changes
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_decode_through_the_window_matches_transformers(host):
+    """Greedy decoding past the window equals transformers' forward-pass greedy continuation, and
+    every step's logits (teacher-forced) equal its logits of the whole sequence (host exact op and
+    pure JAX, both soft-capping)."""
+    ref = _ref("gemma2_window")
+    model = load_model(FOLDER)
+    prompt, generated = ref["prompt_ids"].tolist(), ref["generated"].tolist()
+    state = prefill(model, [prompt], len(generated))
+    spec = dataclasses.replace(decode_spec(model, "dense", positions=state.cache.capacity), host=host)
+    assert spec.logit_softcap == 2.0
+    steps = {}
+    forced_decode(model, state, forced_tokens=[generated], max_new_tokens=len(generated), spec=spec,
+                  stop_on_eos=False, logits_callback=lambda t, x: steps.setdefault(t, x[0].copy()))
+    got = np.stack([steps[t] for t in range(len(generated))])
+    assert float(np.abs(got - ref["sequence_logits"][len(prompt) - 1:-1]).max()) <= TOLERANCE
+    tokens, _ = decode(model, state, attention="dense", max_new_tokens=len(generated), stop_on_eos=False)
+    assert tokens[0] == generated
+
+
+def test_magicpig_host_op_samples_what_the_reference_samples():
+    """On the full-attention layers (the windowed ones stay dense), the host op and the pure-JAX
+    reference, both soft-capping, give the same tokens and sampled fraction over a prompt the static
+    set does not cover."""
+    model = load_model(FOLDER)
+    rng = np.random.default_rng(1)
+    state = prefill(model, [rng.integers(3, 600, 300).tolist()], 8)
+    cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
+    runs = {att: decode(model, state, attention=att, config=cfg, max_new_tokens=8, dense_layers=(),
+                        stop_on_eos=False) for att in ("magicpig", "magicpig-ref")}
+    (host, h_stats), (ref, r_stats) = runs["magicpig"], runs["magicpig-ref"]
+    assert host == ref and h_stats["dense_layers"] == [0, 2]
+    assert h_stats["sampled_fraction"] == pytest.approx(r_stats["sampled_fraction"], rel=1e-6)
+    assert 0 < h_stats["sampled_fraction"] < 1
+
+
+def test_backends_without_soft_capping_are_refused():
+    """TopK, Quest, oracle and hybrid do not implement soft-capping: refused by name, before any
+    prefill, never run without it."""
+    model = load_model(FOLDER)
+    for attention, budget in (("topk", 0.1), ("quest", 0.1), ("oracle", 0.1)):
+        with pytest.raises(ValueError, match=f"attention backend '{attention}' does not implement attention "
+                                             "logit soft-capping"):
+            decode_spec(model, attention, budget=budget)
+    with pytest.raises(ValueError, match="does not implement attention logit soft-capping"):
+        DecodeSpec(backend="topk", budget=0.1, host=False, logit_softcap=2.0)
+    with pytest.raises(ValueError, match="softcap must be None or a number in"):
+        DecodeSpec(backend="magicpig", logit_softcap=-1.0)
+
+
+def test_checkpoint_keeps_the_architecture(tmp_path):
+    ref = _ref()
+    out = convert_model(FOLDER, tmp_path / "ckpt")
+    assert read_model_config(out) == load_model(FOLDER).config
+    logits = forward_logits(load_model(out), ref["prompt_ids"].tolist())
+    assert float(np.abs(logits - ref["logits"]).max()) <= TOLERANCE
+
+
+# --- soft-capping in the attention functions and the host ops ------------------------------------
+
+
+@settings(deadline=None, max_examples=25)
+@given(seed=st.integers(0, 2**31 - 1), cap=st.sampled_from([None, 0.3, 2.0, 50.0]), bf16=st.booleans(),
+       n=st.integers(1, 300))
+def test_host_ops_soft_cap_as_the_reference_does(seed, cap, bf16, n):
+    """The host exact op and the MagicPIG host op equal dense_attention and magicpig_attention with the
+    same cap (float64 NumPy for dense), float32 and bfloat16 caches, rows of different lengths."""
+    from magicpig_jax import host
+
+    rng = np.random.default_rng(seed)
+    B, Hq, Hkv, N, D = 2, 4, 2, 320, 16
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32) * 3
+    k = rng.normal(size=(B, Hkv, N, D)).astype(np.float32) * 2
+    v = rng.normal(size=(B, Hkv, N, D)).astype(np.float32)
+    lengths = np.array([n, max(1, n // 2)], np.int32)
+    kv = (jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16)) if bf16 else (jnp.asarray(k), jnp.asarray(v))
+    kf, vf = (np.asarray(x, np.float64) for x in kv)
+    # float64 NumPy: softmax of c tanh(q.k / sqrt(D) / c)
+    s = np.einsum("bhgd,bhnd->bhgn", q.astype(np.float64).reshape(B, Hkv, Hq // Hkv, D), kf) / math.sqrt(D)
+    s = s if cap is None else cap * np.tanh(s / cap)
+    s = np.where(np.arange(N)[None, None, None, :] < lengths[:, None, None, None], s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = (np.einsum("bhgn,bhnd->bhgd", w, vf) / w.sum(-1)[..., None]).reshape(B, Hq, D)
+    for out, _ in (dense_attention(jnp.asarray(q), *kv, jnp.asarray(lengths), softcap=cap),
+                   host.host_exact_attention(jnp.asarray(q), *kv, jnp.asarray(lengths), softcap=cap),
+                   host.host_exact_attention(jnp.asarray(q), *kv, jnp.asarray(lengths), softcap=cap, impl="scalar")):
+        np.testing.assert_allclose(np.asarray(out), want, atol=2e-5, rtol=1e-4)
+    cfg = MagicPIGConfig(K=4, L=12, num_sink=2, num_local=8)
+    proj = layer_projections(cfg, 0, D)
+    built = jnp.asarray(lengths)
+    o_ref, l_ref, n_ref = magicpig_attention(jnp.asarray(q), *kv, build_lsh_index(kv[0], proj, cfg, built), cfg,
+                                             built, softcap=cap)
+    hidx = host.host_build_index(kv[0], proj, cfg, built, capacity=N)
+    for window in (None, 0):
+        o, lse, num = host.host_magicpig_attention(jnp.asarray(q), *kv, hidx, cfg, built, softcap=cap,
+                                                   static_window=window)
+        np.testing.assert_array_equal(np.asarray(num), np.asarray(n_ref))
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(l_ref), atol=2e-5, rtol=1e-5)
+
+
+def test_soft_capping_keeps_non_finite_logits_visible():
+    """A NaN or infinite key still gives NaN (not a capped, finite logit), in the host op as in JAX."""
+    from magicpig_jax import host
+
+    q = jnp.ones((1, 2, 8), jnp.float32)
+    k = jnp.ones((1, 1, 16, 8), jnp.float32).at[0, 0, 3].set(jnp.inf)
+    v = jnp.ones((1, 1, 16, 8), jnp.float32)
+    for out, lse in (dense_attention(q, k, v, softcap=5.0), host.host_exact_attention(q, k, v, softcap=5.0)):
+        assert bool(jnp.isnan(lse).all()) and bool(jnp.isnan(out).all())
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf"), 1e-40, 1e39, True, "50"])
+def test_bad_softcap_is_refused(bad):
+    from magicpig_jax import host
+
+    q, k = jnp.ones((1, 2, 8)), jnp.ones((1, 1, 4, 8))
+    for fn in (dense_attention, host.host_exact_attention):
+        # a non-number is a TypeError under the suite's runtime type checks, else this ValueError
+        with pytest.raises((ValueError, TypeError), match="softcap"):
+            fn(q, k, k, softcap=bad)
+
+
+# --- GGUF (llama.cpp's gemma2) ----------------------------------------------------------------
+
+
+def _gguf(folder, out, **kw):
+    from tests.fixtures.gguf_convert import write_gguf
+    from tests.test_io_families import _spm_vocab
+
+    return write_gguf(folder, out, spm_vocab=_spm_vocab(), **kw)
+
+
+def test_gguf_matches_transformers(tmp_path):
+    """The fixture with the query scale 1/sqrt(head_dim) (what llama.cpp's gemma2 holds below 46
+    layers) as a GGUF written under llama.cpp's converter conventions: the HF directory's config and
+    transformers' logits; without the soft-capping keys llama.cpp's defaults (50, 30) and window (4096)."""
+    from magicpig_jax.io.gguf_model import GGUFMetadataError
+
+    ref = _ref("gemma2_default")
+    hf = load_model(FIXTURES / "gemma2_default")
+    gguf_model = load_model(_gguf(FIXTURES / "gemma2_default", tmp_path / "g.gguf"))
+    for key in ("windowed_layers", "sliding_window", "local_rope_theta", "rope_theta", "rope_scaling", "query_scale",
+                "embedding_scale", "hidden_act", "sandwich_norms", "qk_norm", "tie_word_embeddings",
+                "attn_logit_softcap", "final_logit_softcap"):
+        assert getattr(gguf_model.config, key) == getattr(hf.config, key), key
+    for model in (hf, gguf_model):
+        assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE
+    bare = read_model_config(_gguf(FIXTURES / "gemma2_default", tmp_path / "bare.gguf", metadata={
+        "gemma2.attn_logit_softcapping": None, "gemma2.final_logit_softcapping": None,
+        "gemma2.attention.sliding_window": None}))
+    assert (bare.attn_logit_softcap, bare.final_logit_softcap, bare.sliding_window) == (50.0, 30.0, 4096)
+    with pytest.raises(GGUFMetadataError, match="gemma2.attn_logit_softcapping = 0.0 must be a number in"):
+        read_model_config(_gguf(FIXTURES / "gemma2_default", tmp_path / "z.gguf",
+                                metadata={"gemma2.attn_logit_softcapping": 0.0}))
+    with pytest.raises(GGUFMetadataError, match="a gemma2 model needs gemma2.attention.sliding_window > 0"):
+        read_model_config(_gguf(FIXTURES / "gemma2_default", tmp_path / "w0.gguf",
+                                metadata={"gemma2.attention.sliding_window": 0}))
+    # gemma3's key is not gemma2's
+    with pytest.raises(UnsupportedConfigError, match="gemma2.rope.freq_base_swa"):
+        read_model_config(_gguf(FIXTURES / "gemma2_default", tmp_path / "swa.gguf",
+                                metadata={"gemma2.rope.freq_base_swa": 10000.0}))
+
+
+# --- the study's queries ------------------------------------------------------------------------
+
+
+def test_decode_queries_see_only_the_window():
+    """``decode_queries`` (the queries of calibrate and of the study's capture) attends through each
+    layer's window, as the decoder does: keys before every window may hold anything without changing
+    a query. Before, it attended to every key, and the queries past layer 0 were another model's."""
+    import jax
+    from flax import nnx
+
+    from magicpig_jax.models.cache import KVCache
+    from magicpig_jax.models.decoding import decode_queries
+    from tests._tiny import TINY, tiny_model
+
+    model = tiny_model(0, dataclasses.replace(TINY, sliding_window=16, sliding_layers=None))
+    state = prefill(model, [list(range(3, 93))], 1)
+    graphdef, params = nnx.split(model.module)
+    token = jnp.asarray([5], jnp.int32)
+    q = decode_queries(graphdef, params, state.cache, token)
+    # the next query (position 90) sees 75 .. 90: overwrite 0 .. 74 of every layer
+    noise = [x.at[:, :, :75].set(jax.random.normal(jax.random.key(i), x[:, :, :75].shape, x.dtype))
+             for i, x in enumerate(state.cache.k)]
+    q_noise = decode_queries(graphdef, params, KVCache(k=tuple(noise), v=state.cache.v, lengths=state.cache.lengths),
+                             token)
+    np.testing.assert_allclose(np.asarray(q_noise), np.asarray(q), atol=1e-6)
+    unwindowed = tiny_model(0)  # the same weights without the window: other queries past layer 0
+    q_full = decode_queries(*nnx.split(unwindowed.module), state.cache, token)
+    assert float(jnp.abs(q_full[1:] - q[1:]).max()) > 1e-3
+
+
+def test_capture_refuses_what_the_study_would_misread():
+    """The study's estimators attend to every captured key without soft-capping: a Gemma 2 model, and
+    a model whose sliding window is shorter than the prompt (Gemma 3's fixture: window 8), are refused
+    before the prefill; a prompt within the window is captured."""
+    from magicpig_jax.eval.capture import capture_qkv
+
+    with pytest.raises(ValueError, match="soft-caps its attention logits"):
+        capture_qkv(load_model(FOLDER), "some text")
+    gemma3 = load_model(FIXTURES / "gemma3")
+    text = "This program is free software: you can redistribute it and/or modify it."
+    with pytest.raises(ValueError, match="layers \\[0, 2\\] attend through a sliding window of 8 tokens"):
+        capture_qkv(gemma3, text)
+    assert capture_qkv(gemma3, text, max_tokens=8)["k"].shape[2] == 8
