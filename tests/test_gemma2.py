@@ -5,7 +5,8 @@ attention logit soft-capping in every decode path against the pure-JAX reference
 What sets Gemma 2 apart from Gemma 3 here: attention logit soft-capping (each scaled ``q . k`` becomes
 ``c tanh(s / c)``) and final logit soft-capping, no q/k norms, one RoPE base, and every other layer
 sliding from the first. The fixture's caps (2 and 15) bind on its random weights (Gemma 2 ships 50
-and 30): a decoder without them is far off.
+and 30): a decoder without them is far off. Its decoding through the window (host op and pure JAX,
+against transformers) is in ``test_gemma_decode.py``, its offload-decoder run in ``test_offload.py``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, dense_attention, magicpig_attention
-from magicpig_jax.eval.forcing import forced_decode
-from magicpig_jax.generation import decode, decode_spec, forward_logits, prefill
-from magicpig_jax.io.loader import convert_model, load_model, read_model_config
+from magicpig_jax.generation import decode_spec, forward_logits, prefill
+from magicpig_jax.io.loader import load_model, read_model_config
 from magicpig_jax.models.backends import DecodeSpec, layer_projections
 from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 from tests.test_io_families import FIXTURES, TOLERANCE
@@ -110,42 +110,6 @@ def test_logits_match_transformers(tmp_path):
         assert float(np.abs(forward_logits(other, ref["prompt_ids"].tolist()) - ref["logits"]).max()) > 0.1, changes
 
 
-@pytest.mark.parametrize("host", [True, False])
-def test_decode_through_the_window_matches_transformers(host):
-    """Greedy decoding past the window equals transformers' forward-pass greedy continuation, and
-    every step's logits (teacher-forced) equal its logits of the whole sequence (host exact op and
-    pure JAX, both soft-capping)."""
-    ref = _ref("gemma2_window")
-    model = load_model(FOLDER)
-    prompt, generated = ref["prompt_ids"].tolist(), ref["generated"].tolist()
-    state = prefill(model, [prompt], len(generated))
-    spec = dataclasses.replace(decode_spec(model, "dense", positions=state.cache.capacity), host=host)
-    assert spec.logit_softcap == 2.0
-    steps = {}
-    forced_decode(model, state, forced_tokens=[generated], max_new_tokens=len(generated), spec=spec,
-                  stop_on_eos=False, logits_callback=lambda t, x: steps.setdefault(t, x[0].copy()))
-    got = np.stack([steps[t] for t in range(len(generated))])
-    assert float(np.abs(got - ref["sequence_logits"][len(prompt) - 1:-1]).max()) <= TOLERANCE
-    tokens, _ = decode(model, state, attention="dense", max_new_tokens=len(generated), stop_on_eos=False)
-    assert tokens[0] == generated
-
-
-def test_magicpig_host_op_samples_what_the_reference_samples():
-    """On the full-attention layers (the windowed ones stay dense), the host op and the pure-JAX
-    reference, both soft-capping, give the same tokens and sampled fraction over a prompt the static
-    set does not cover."""
-    model = load_model(FOLDER)
-    rng = np.random.default_rng(1)
-    state = prefill(model, [rng.integers(3, 600, 300).tolist()], 8)
-    cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
-    runs = {att: decode(model, state, attention=att, config=cfg, max_new_tokens=8, dense_layers=(),
-                        stop_on_eos=False) for att in ("magicpig", "magicpig-ref")}
-    (host, h_stats), (ref, r_stats) = runs["magicpig"], runs["magicpig-ref"]
-    assert host == ref and h_stats["dense_layers"] == [0, 2]
-    assert h_stats["sampled_fraction"] == pytest.approx(r_stats["sampled_fraction"], rel=1e-6)
-    assert 0 < h_stats["sampled_fraction"] < 1
-
-
 def test_backends_without_soft_capping_are_refused():
     """TopK, Quest, oracle and hybrid do not implement soft-capping: refused by name, before any
     prefill, never run without it."""
@@ -160,18 +124,10 @@ def test_backends_without_soft_capping_are_refused():
         DecodeSpec(backend="magicpig", logit_softcap=-1.0)
 
 
-def test_checkpoint_keeps_the_architecture(tmp_path):
-    ref = _ref()
-    out = convert_model(FOLDER, tmp_path / "ckpt")
-    assert read_model_config(out) == load_model(FOLDER).config
-    logits = forward_logits(load_model(out), ref["prompt_ids"].tolist())
-    assert float(np.abs(logits - ref["logits"]).max()) <= TOLERANCE
-
-
 # --- soft-capping in the attention functions and the host ops ------------------------------------
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=12)
 @given(seed=st.integers(0, 2**31 - 1), cap=st.sampled_from([None, 0.3, 2.0, 50.0]), bf16=st.booleans(),
        n=st.integers(1, 300))
 def test_host_ops_soft_cap_as_the_reference_does(seed, cap, bf16, n):

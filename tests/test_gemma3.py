@@ -6,7 +6,7 @@ The fixture has what sets Gemma 3 apart from Llama: norms stored as ``w`` for ``
 norms, GeGLU (tanh GELU), embeddings times ``sqrt(hidden)``, q/k norms, a query scale from
 ``query_pre_attn_scalar`` (24, not the head dim 16), sliding-window layers (0 and 2, window 8) with
 their own RoPE base, and a full-attention layer (1) with the global base and linear scaling. Its
-offload-decoder run is in ``test_offload.py``.
+decoding is in ``test_gemma_decode.py``, its offload-decoder run in ``test_offload.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import shutil
 import numpy as np
 import pytest
 
-from magicpig_jax.attention import MagicPIGConfig
-from magicpig_jax.eval.forcing import forced_decode
-from magicpig_jax.generation import decode, decode_spec, forward_logits, prefill
-from magicpig_jax.io.loader import convert_model, load_model, read_model_config
+from magicpig_jax.generation import forward_logits
+from magicpig_jax.io.loader import load_model, read_model_config
 from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 from tests.test_io_families import FIXTURES, TOLERANCE
 
@@ -115,50 +113,6 @@ def test_logits_match_transformers(tmp_path):
         assert float(np.abs(forward_logits(other, ref["prompt_ids"].tolist()) - ref["logits"]).max()) > 0.01, changes
 
 
-@pytest.mark.parametrize("host", [True, False])
-def test_decode_through_the_window_matches_transformers(host):
-    """Greedy decoding past the window equals transformers' forward-pass greedy continuation, and
-    every step's logits (teacher-forced) equal its logits of the whole sequence (host op and pure JAX)."""
-    import dataclasses
-
-    ref = _ref("gemma3_window")
-    model = load_model(FOLDER)
-    prompt, generated = ref["prompt_ids"].tolist(), ref["generated"].tolist()
-    state = prefill(model, [prompt], len(generated))
-    spec = dataclasses.replace(decode_spec(model, "dense", positions=state.cache.capacity), host=host)
-    steps = {}
-    forced_decode(model, state, forced_tokens=[generated], max_new_tokens=len(generated), spec=spec,
-                  stop_on_eos=False, logits_callback=lambda t, x: steps.setdefault(t, x[0].copy()))
-    got = np.stack([steps[t] for t in range(len(generated))])
-    assert float(np.abs(got - ref["sequence_logits"][len(prompt) - 1:-1]).max()) <= TOLERANCE
-    tokens, _ = decode(model, state, attention="dense", max_new_tokens=len(generated), stop_on_eos=False)
-    assert tokens[0] == generated
-
-
-def test_magicpig_host_op_samples_what_the_reference_samples():
-    """On the full-attention layer (the windowed ones stay dense), the host op and the pure-JAX
-    reference sample the same keys: the same tokens and sampled fraction, over a prompt that the
-    static set does not cover."""
-    model = load_model(FOLDER)
-    rng = np.random.default_rng(1)
-    state = prefill(model, [rng.integers(3, 600, 300).tolist()], 8)
-    cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
-    runs = {att: decode(model, state, attention=att, config=cfg, max_new_tokens=8, dense_layers=(),
-                        stop_on_eos=False) for att in ("magicpig", "magicpig-ref")}
-    (host, h_stats), (ref, r_stats) = runs["magicpig"], runs["magicpig-ref"]
-    assert host == ref and h_stats["dense_layers"] == [0, 2]
-    assert h_stats["sampled_fraction"] == pytest.approx(r_stats["sampled_fraction"], rel=1e-6)
-    assert 0 < h_stats["sampled_fraction"] < 1
-
-
-def test_checkpoint_keeps_the_architecture(tmp_path):
-    ref = _ref()
-    out = convert_model(FOLDER, tmp_path / "ckpt")
-    assert read_model_config(out) == load_model(FOLDER).config
-    logits = forward_logits(load_model(out), ref["prompt_ids"].tolist())
-    assert float(np.abs(logits - ref["logits"]).max()) <= TOLERANCE
-
-
 # --- GGUF (llama.cpp's gemma3) ----------------------------------------------------------------
 
 
@@ -225,7 +179,6 @@ def test_gguf_query_scale_follows_llama_cpp(tmp_path):
     """llama.cpp's gemma3 scales q . k by 1/sqrt(hidden / heads) at 62 layers (Gemma-3-27B, whose
     query_pre_attn_scalar is hidden / heads), else by 1/sqrt(head_dim): at 62 layers the GGUF gives
     the HF directory's logits; at 61 the GGUF's scale is the head dim's."""
-    from magicpig_jax.io.loader import read_model_config
 
     big = _random_gemma3_dir(tmp_path / "l62", 62)
     gguf_config = read_model_config(_gguf(big, tmp_path / "l62.gguf"))

@@ -379,16 +379,17 @@ def cases(draw):
     extra = draw(st.lists(st.one_of(st.just(N + T), st.integers(0, 8)), min_size=B, max_size=B))
     seed = draw(st.integers(0, 2**16))
     impl = draw(st.sampled_from(IMPLS))
-    softcap = draw(st.none() | st.sampled_from([0.1, 2.0]))  # Gemma 2's attention logit soft-capping
-    return preset, lengths, grow, extra, seed, impl, softcap
+    return preset, lengths, grow, extra, seed, impl
 
 
 @settings(max_examples=min(48, settings.default.max_examples), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_fuzz_against_reference(case):
-    preset, lengths, grow, extra, seed, impl, softcap = case
+    preset, lengths, grow, extra, seed, impl = case
     B, Hkv, G, N, D, K, L, num_sink, num_local, chunk, open_cap, window, T = preset
+    # Gemma 2's attention logit soft-capping on every other preset (one compilation per preset)
+    softcap = (None, 2.0)[PRESETS.index(preset) % 2]
     cap = N + T
     cfg, q, k, v, proj, lens_build = make_case(B, G * Hkv, Hkv, cap, D, K, L, lengths, num_sink=num_sink,
                                                num_local=num_local, seed=seed)
