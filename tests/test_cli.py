@@ -23,6 +23,22 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def run_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``magicpig-jax ARGS`` as :func:`magicpig_jax.cli.main` in this process (what the entry point
+    calls; an exception it lets through fails the test as a traceback would): the argument checks
+    without an interpreter and a JAX import per case. :func:`test_the_entry_point_exits_2_with_one_line`
+    runs a few of them as processes."""
+    from magicpig_jax.cli import main
+
+    capsys.readouterr()
+    try:
+        status = main(list(args))
+    except SystemExit as exit_:
+        status = exit_.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), status, out.out, out.err)
+
+
 def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -73,11 +89,11 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     (["--document", "/dev/null"], "--document /dev/null is empty"),
     (["--document", "README.md", "--json", "README.md"], "--json README.md would overwrite the --document input"),
 ])
-def test_bad_arguments_fail_before_the_model_loads(args, expected):
+def test_bad_arguments_fail_before_the_model_loads(capsys, args, expected):
     start = time.perf_counter()
     # a model path that does not exist: loading it would be a different error
-    one_line_error(run("generate", "--model", "/nonexistent.gguf", *args), expected)
-    assert time.perf_counter() - start < 30  # interpreter start-up, no load or prefill
+    one_line_error(run_here(capsys, "generate", "--model", "/nonexistent.gguf", *args), expected)
+    assert time.perf_counter() - start < 30  # no load or prefill
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -134,7 +150,18 @@ def test_bad_arguments_fail_before_the_model_loads(args, expected):
      "--candidates 17x150: K must be in [1, 16] (the host index)"),
     (["calibrate", "--kl-budget", "0.01", "--out", "/proc/never.json"], "--out /proc/never.json cannot be written"),
 ])
-def test_argument_errors_are_one_line_without_the_usage(args, expected):
+def test_argument_errors_are_one_line_without_the_usage(capsys, args, expected):
+    one_line_error(run_here(capsys, *args), expected)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["generate", "--model", "/nonexistent.gguf", "--seed", "-2"], "--seed must be >= 0, got -2"),
+    (["generate", "--attention", "foo"], "generate: argument --attention: takes a comma-separated subset"),
+    (["bench", "decode", "--K", "20"], "bench decode: --K must be in [1, 16] (the host index), got 20"),
+    (["eval", "--seed", "-1", "--out", "runs/never"], "--seed must be >= 0, got -1"),
+])
+def test_the_entry_point_exits_2_with_one_line(args, expected):
+    # the installed command's process: its exit status and stderr, as a shell sees them
     one_line_error(run(*args), expected)
 
 
@@ -144,8 +171,8 @@ def test_argument_errors_are_one_line_without_the_usage(args, expected):
     (["bench", "decode"], ["--steps STEPS decode steps per run (the first is not timed) (default:"]),
     (["bench", "attention"], ["--no-huge-pages leave the buffers on 4 KiB pages (to measure what huge pages give)"]),
 ])
-def test_help_shows_each_default_once(args, shown):
-    out = " ".join(run(*args, "--help").stdout.split())
+def test_help_shows_each_default_once(capsys, args, shown):
+    out = " ".join(run_here(capsys, *args, "--help").stdout.split())
     # (default: True) would read as a --no-x flag being on
     assert "(default: None)" not in out and "(default: False)" not in out and "(default: True)" not in out
     # a default the help text already names is not appended a second time
@@ -156,23 +183,23 @@ def test_help_shows_each_default_once(args, shown):
 
 @pytest.mark.parametrize("args", [[], ["generate"], ["convert"], ["bench", "attention"], ["bench", "decode"],
                                   ["study", "attention"], ["calibrate"], ["eval"]])
-def test_help_reads_as_plain_text_in_80_columns(args):
+def test_help_reads_as_plain_text_in_80_columns(capsys, monkeypatch, args):
     """Descriptions show names, not Sphinx roles or double backquotes, and every line fits a
     terminal of 80 columns (argparse wraps the options to $COLUMNS; the descriptions are ours)."""
-    env = {**os.environ, "COLUMNS": "80"}
-    out = subprocess.run([*CLI, *args, "--help"], capture_output=True, text=True, timeout=120, env=env).stdout
+    monkeypatch.setenv("COLUMNS", "80")
+    out = run_here(capsys, *args, "--help").stdout
     assert out.startswith("usage: magicpig-jax"), out
     assert ":mod:`" not in out and ":func:`" not in out and ":class:`" not in out and "``" not in out, out
     assert "**" not in out, out
     assert [ln for ln in out.splitlines() if len(ln) > 80] == []
 
 
-def test_generate_help_lists_the_backends():
+def test_generate_help_lists_the_backends(capsys):
     from magicpig_jax.cli import GENERATE_BACKENDS
     from magicpig_jax.models.backends import BACKENDS
 
     assert GENERATE_BACKENDS.split(", ") == [b for b in BACKENDS if b != "hybrid"]
-    assert GENERATE_BACKENDS in " ".join(run("generate", "--help").stdout.split())
+    assert GENERATE_BACKENDS in " ".join(run_here(capsys, "generate", "--help").stdout.split())
 
 
 def test_plain_text_keeps_the_names():
@@ -258,8 +285,8 @@ def test_convert_names_its_missing_argument(tmp_path):
 
 
 @pytest.mark.parametrize("what", ["bench", "study"])
-def test_group_help_prints_help(what):
-    proc = run(what, "--help")
+def test_group_help_prints_help(capsys, what):
+    proc = run_here(capsys, what, "--help")
     assert proc.returncode == 0 and f"usage: magicpig-jax {what}" in proc.stdout and "--help" in proc.stdout
     assert "rest" not in proc.stdout  # the options passed on to WHAT are not a positional of the group
 
@@ -278,16 +305,16 @@ def test_top_level_help_lists_each_subcommand_once():
                               "--num-sink NUM_SINK sink tokens kept exactly"]),
     (["eval"], ["(default: dense,magicpig:10x150,magicpig:11x300,hybrid:10x150x8,topk,quest,oracle)"]),
 ])
-def test_help_shows_defaults_as_typed_and_every_option_explained(args, shown):
+def test_help_shows_defaults_as_typed_and_every_option_explained(capsys, args, shown):
     # a list longer than the line breaks after a comma: joined again without the break, as typed
-    out = re.sub(r", (?=\S)", ",", " ".join(run(*args, "--help").stdout.split()))
+    out = re.sub(r", (?=\S)", ",", " ".join(run_here(capsys, *args, "--help").stdout.split()))
     assert "(default: [" not in out and "(default: ((" not in out and "(default: (0" not in out, out
     for text in shown:
         assert text in out, text
 
 
-def test_generate_help_shows_defaults_and_checkpoints():
-    out = " ".join(run("generate", "--help").stdout.split())
+def test_generate_help_shows_defaults_and_checkpoints(capsys):
+    out = " ".join(run_here(capsys, "generate", "--help").stdout.split())
     assert "(default: 48)" in out and "orbax checkpoint directory" in out and "--parse-special" in out
 
 
