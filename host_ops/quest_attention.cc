@@ -22,7 +22,9 @@
 // [B, Hq] (natural log); no key gives out = 0, lse = -inf; a NaN or +inf page bound or logit (a
 // non-finite q or k) gives out and lse NaN for the head.
 // Attributes: page_size (>= 1), with_static (0 or 1), impl (0 auto, 1 scalar, 2 avx2),
-// max_threads (0: the pool).
+// max_threads (0: the pool), softcap (float32: 0 for none, or c in [0.001, 1e6]: each kept logit
+// becomes c tanh(logit / c), Gemma 2's attention logit soft-capping; the pages are ranked by the
+// uncapped bound, which the monotone cap orders the same way).
 // Every shape is validated; bad input returns an ffi::Error (never a crash or a stray read).
 
 #include <algorithm>
@@ -61,8 +63,8 @@ inline float PageBound(const float* q, const float* kmin, const float* kmax, int
 
 template <typename T>
 void QuestKvHead(const float* q, const T* k, const T* v, const float* kmin, const float* kmax, int64_t s,
-                 int64_t n, int64_t pages, int64_t ctx, int64_t page_size, int64_t G, int64_t D, bool avx2, float* out,
-                 float* lse) {
+                 int64_t n, int64_t pages, int64_t ctx, int64_t page_size, int64_t G, int64_t D, bool avx2,
+                 float softcap, float* out, float* lse) {
   thread_local std::vector<uint64_t> keys;
   thread_local std::vector<float> kept_logit;
   thread_local std::vector<const T*> kept_rows;
@@ -94,7 +96,7 @@ void QuestKvHead(const float* q, const T* k, const T* v, const float* kmin, cons
     }
     if (ctx > 0) sel::AppendStatic(qg, k, v, s, s + n, ctx, D, avx2, sqrt_d, kept_logit, kept_rows);
     sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), static_cast<int64_t>(kept_logit.size()), D, avx2,
-                         out + g * D, lse + g);
+                         softcap, out + g * D, lse + g);
   }
 }
 
@@ -102,7 +104,7 @@ ffi::Future QuestAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::Buffer<ffi::F32> kmin, ffi::Buffer<ffi::F32> kmax, ffi::Buffer<ffi::S32> start,
                                ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> context,
                                ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse, int64_t page_size,
-                               int64_t with_static, int64_t impl, int64_t max_threads) {
+                               int64_t with_static, int64_t impl, int64_t max_threads, float softcap) {
   const auto qd = q.dimensions();
   if (qd.size() != 3) return ReadyFuture(InvalidArg("q must be float32 [B, Hq, D], got " + Shape(qd)));
   const int64_t B = qd[0], Hq = qd[1], D = qd[2];
@@ -124,6 +126,7 @@ ffi::Future QuestAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                   std::to_string(Hkv) + ") with G = Hq/Hkv <= " + std::to_string(kMaxG)));
   }
   if (page_size < 1) return ReadyFuture(InvalidArg("page_size must be >= 1, got " + std::to_string(page_size)));
+  if (auto e = magicpig::CheckSoftcap(softcap); !e.success()) return ReadyFuture(e);
   const auto md = kmin.dimensions();
   if (md.size() != 4 || md[0] != B || md[1] != Hkv || md[3] != D || kmax.dimensions().size() != 4 ||
       kmax.dimensions()[0] != md[0] || kmax.dimensions()[1] != md[1] || kmax.dimensions()[2] != md[2] ||
@@ -181,10 +184,10 @@ ffi::Future QuestAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     const float* mx = mxp + bh * P * D;
     if (bf16) {
       QuestKvHead(qp + bh * G * D, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base,
-                  mn, mx, s, n, kept, ctx, page_size, G, D, avx2, op + bh * G * D, lp + bh * G);
+                  mn, mx, s, n, kept, ctx, page_size, G, D, avx2, softcap, op + bh * G * D, lp + bh * G);
     } else {
       QuestKvHead(qp + bh * G * D, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, mn,
-                  mx, s, n, kept, ctx, page_size, G, D, avx2, op + bh * G * D, lp + bh * G);
+                  mx, s, n, kept, ctx, page_size, G, D, avx2, softcap, op + bh * G * D, lp + bh * G);
     }
     return ffi::Error::Success();
   });
@@ -209,4 +212,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigQuestAttention, QuestAttentionImpl,
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("with_static")
                                   .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<float>("softcap"));

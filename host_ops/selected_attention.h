@@ -167,11 +167,15 @@ using magicpig::Corrupt;
 using magicpig::Poison;
 
 // Softmax attention over `n` selected keys with logits `logit[j]` and value rows `rows[j]`
-// (pointers into V): out[0:D] = sum_j e_j v_j / sum_j e_j, *lse = max + log(sum). No key, or only
-// -inf logits, gives out = 0 and lse = -inf; a NaN or +inf logit gives out and lse NaN (Corrupt).
+// (pointers into V): out[0:D] = sum_j e_j v_j / sum_j e_j, *lse = max + log(sum). With softcap
+// c > 0 each finite logit is first replaced, in place, by c tanh(logit / c) (Gemma 2's attention
+// logit soft-capping; the selection that chose the keys ranked the uncapped logits, which the
+// monotone cap orders the same way). No key, or only -inf logits, gives out = 0 and lse = -inf; a
+// NaN or +inf logit gives out and lse NaN (Corrupt).
 template <typename T>
-void SoftmaxOverRows(const float* logit, const T* const* rows, int64_t n, int64_t D, bool avx2, float* out,
+void SoftmaxOverRows(float* logit, const T* const* rows, int64_t n, int64_t D, bool avx2, float softcap, float* out,
                      float* lse) {
+  if (softcap > 0.0f) magicpig::SoftCapInPlace(logit, n, softcap);
   std::fill(out, out + D, 0.0f);
   float m = -INFINITY;
   bool corrupt = false;

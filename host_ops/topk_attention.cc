@@ -18,8 +18,10 @@
 // unhashed tail, so that no second pass and no merge is needed). Results: out float32
 // [B, Hq, D], lse float32 [B, Hq] (natural log); no key gives out = 0, lse = -inf; a NaN or +inf
 // logit (a non-finite q or k) gives out and lse NaN for the head.
-// Attributes: with_static (0 or 1), impl (0 auto, 1 scalar, 2 avx2), max_threads (0: the pool). Every shape is
-// validated; bad input returns an ffi::Error (never a crash or a stray read).
+// Attributes: with_static (0 or 1), impl (0 auto, 1 scalar, 2 avx2), max_threads (0: the pool), softcap
+// (float32: 0 for none, or c in [0.001, 1e6]: each kept logit becomes c tanh(logit / c), Gemma 2's attention
+// logit soft-capping; the monotone cap leaves the kept set unchanged). Every shape is validated; bad input
+// returns an ffi::Error (never a crash or a stray read).
 
 #include <algorithm>
 #include <atomic>
@@ -85,7 +87,7 @@ void ScoreKeys(const float* q, const T* k, int64_t s, int64_t j0, int64_t j1, in
 // exactly over them into out [D] and *lse.
 template <typename T>
 void SelectAndAttend(const float* q, const float* lg, const T* k, const T* v, int64_t s, int64_t n, int64_t keep,
-                     int64_t ctx, int64_t D, bool avx2, float* out, float* lse) {
+                     int64_t ctx, int64_t D, bool avx2, float softcap, float* out, float* lse) {
   thread_local std::vector<uint32_t> kept;
   thread_local std::vector<float> kept_logit;
   thread_local std::vector<const T*> kept_rows;
@@ -105,19 +107,19 @@ void SelectAndAttend(const float* q, const float* lg, const T* k, const T* v, in
     kept_rows[i] = v + (s + kept[i]) * D;
   }
   if (ctx > 0) sel::AppendStatic(q, k, v, s, s + n, ctx, D, avx2, sqrt_d, kept_logit, kept_rows);
-  sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), static_cast<int64_t>(kept_logit.size()), D, avx2, out,
-                       lse);
+  sel::SoftmaxOverRows(kept_logit.data(), kept_rows.data(), static_cast<int64_t>(kept_logit.size()), D, avx2,
+                       softcap, out, lse);
 }
 
 // One (row, KV head) as one work item: the G query heads q [G, D] over keys [s, s + n) of k, v [N, D].
 template <typename T>
 void TopkKvHead(const float* q, const T* k, const T* v, int64_t s, int64_t n, int64_t keep, int64_t ctx, int64_t G,
-                int64_t D, bool avx2, float* out, float* lse) {
+                int64_t D, bool avx2, float softcap, float* out, float* lse) {
   thread_local std::vector<float> logit;
   logit.resize(G * n);
   ScoreKeys(q, k, s, 0, n, G, D, avx2, logit.data(), n);
   for (int64_t g = 0; g < G; ++g) {
-    SelectAndAttend(q + g * D, logit.data() + g * n, k, v, s, n, keep, ctx, D, avx2, out + g * D, lse + g);
+    SelectAndAttend(q + g * D, logit.data() + g * n, k, v, s, n, keep, ctx, D, avx2, softcap, out + g * D, lse + g);
   }
 }
 
@@ -133,7 +135,8 @@ constexpr int64_t kMaxSharedLogits = int64_t{1} << 25;  // floats (128 MiB)
 ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> end, ffi::Buffer<ffi::S32> keep,
                               ffi::Buffer<ffi::S32> context, ffi::ResultBuffer<ffi::F32> out,
-                              ffi::ResultBuffer<ffi::F32> lse, int64_t with_static, int64_t impl, int64_t max_threads) {
+                              ffi::ResultBuffer<ffi::F32> lse, int64_t with_static, int64_t impl, int64_t max_threads,
+                              float softcap) {
   const auto qd = q.dimensions();
   if (qd.size() != 3) return ReadyFuture(InvalidArg("q must be float32 [B, Hq, D], got " + Shape(qd)));
   const int64_t B = qd[0], Hq = qd[1], D = qd[2];
@@ -161,6 +164,7 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     }
   }
   if (with_static != 0 && with_static != 1) return ReadyFuture(InvalidArg("with_static must be 0 or 1"));
+  if (auto e = magicpig::CheckSoftcap(softcap); !e.success()) return ReadyFuture(e);
   const auto od = out->dimensions();
   if (od.size() != 3 || od[0] != B || od[1] != Hq || od[2] != D || lse->element_count() != size_t(B * Hq)) {
     return ReadyFuture(InvalidArg("outputs must be out float32 [B, Hq, D] and lse float32 [B, Hq]"));
@@ -202,10 +206,10 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       float* lh = lp + bh * G;
       if (bf16) {
         TopkKvHead(qh, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base, s, n, kept,
-                   ctx, G, D, avx2, oh, lh);
+                   ctx, G, D, avx2, softcap, oh, lh);
       } else {
         TopkKvHead(qh, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, s, n, kept, ctx,
-                   G, D, avx2, oh, lh);
+                   G, D, avx2, softcap, oh, lh);
       }
       return ffi::Error::Success();
     });
@@ -255,10 +259,10 @@ ffi::Future TopkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     const float* lg = sh->logit.get() + (bh * G + g) * max_n;
     if (bf16) {
       SelectAndAttend(qp + row * D, lg, static_cast<const uint16_t*>(kp) + base, static_cast<const uint16_t*>(vp) + base,
-                      s, n, kept, ctx, D, avx2, op + row * D, lp + row);
+                      s, n, kept, ctx, D, avx2, softcap, op + row * D, lp + row);
     } else {
       SelectAndAttend(qp + row * D, lg, static_cast<const float*>(kp) + base, static_cast<const float*>(vp) + base, s,
-                      n, kept, ctx, D, avx2, op + row * D, lp + row);
+                      n, kept, ctx, D, avx2, softcap, op + row * D, lp + row);
     }
     return ffi::Error::Success();
   });
@@ -280,4 +284,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagicpigTopkAttention, TopkAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("with_static")
                                   .Attr<int64_t>("impl")
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<float>("softcap"));

@@ -317,8 +317,7 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
       TypeError: dense layers that are not integers.
       ValueError: unknown attention, dense layers outside ``[0, num_layers)``, a budgeted
         backend without a budget, a budget for a backend that takes none, a configuration
-        the backend cannot run (e.g. a HybridConfig's heavy threshold outside 'hybrid', or a
-        backend without attention logit soft-capping on a Gemma 2 model), or a sparse backend
+        the backend cannot run (e.g. a HybridConfig's heavy threshold outside 'hybrid'), or a sparse backend
         where every layer's sliding window binds (no layer would be sparse).
     """
     if attention not in BACKENDS:

@@ -45,15 +45,21 @@ def dense(q, k, v, lengths=None):
     return out, lse
 
 
-def selected(q, k, v, keep):
-    """Exact attention over ``keep`` bool ``[B, Hq, N]``; returns (out, lse) float64."""
+def softcap(logits: np.ndarray, c: float | None) -> np.ndarray:
+    """Gemma 2's attention logit soft-capping ``c tanh(s / c)`` (identity for None)."""
+    return logits if c is None else c * np.tanh(logits / c)
+
+
+def selected(q, k, v, keep, cap=None):
+    """Exact attention over ``keep`` bool ``[B, Hq, N]`` (logits soft-capped by ``cap``, None for
+    none); returns (out, lse) float64."""
     q, k, v = _f64(q, k, v)
     B, Hq, D = q.shape
     G = Hq // k.shape[1]
     out, lse = np.zeros((B, Hq, D)), np.zeros((B, Hq))
     for b in range(B):
         for h in range(Hq):
-            logits = k[b, h // G] @ q[b, h] / math.sqrt(D)
+            logits = softcap(k[b, h // G] @ q[b, h] / math.sqrt(D), cap)
             out[b, h], lse[b, h] = softmax_over(logits, keep[b, h], v[b, h // G])
     return out, lse
 

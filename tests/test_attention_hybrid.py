@@ -81,8 +81,9 @@ def _np_codes(x, w, K, L):
     return np.sum(bits << np.arange(K), axis=-1)
 
 
-def hybrid_ref(q, k, v, w, K, L, m, num_sink, num_local):
-    """float64: hybrid attention of every (row, head) from the codes of the projections ``w``."""
+def hybrid_ref(q, k, v, w, K, L, m, num_sink, num_local, cap=None):
+    """float64: hybrid attention of every (row, head) from the codes of the projections ``w`` (logits
+    soft-capped by ``cap`` before ``log u_c`` is subtracted)."""
     q, k, v, w = (np.asarray(x, np.float64) for x in (q, k, v, w))
     B, Hq, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -101,21 +102,22 @@ def hybrid_ref(q, k, v, w, K, L, m, num_sink, num_local):
             pos = np.arange(N)
             hashed = (pos >= start) & (pos < end)
             sampled = hashed & (hits >= 2)
-            logits = kk @ q[b, h] / math.sqrt(D) - np.where(sampled, log_w, 0.0)
+            logits = np_ref.softcap(kk @ q[b, h] / math.sqrt(D), cap) - np.where(sampled, log_w, 0.0)
             out[b, h], lse[b, h] = np_ref.softmax_over(logits, sampled | ~hashed, vv)
             num[b, h] = sampled.sum()
     return out, lse, num
 
 
 @settings(max_examples=25)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([(3, 8, 3), (3, 8, 5), (4, 20, 9), (2, 6, 7)]))
-def test_matches_float64_reference(seed, klm):
+@given(st.integers(0, 2**31 - 1), st.sampled_from([(3, 8, 3), (3, 8, 5), (4, 20, 9), (2, 6, 7)]),
+       st.sampled_from([None, 0.5, 3.0]))
+def test_matches_float64_reference(seed, klm, cap):
     K, L, m = klm
     q, k, v = _case(seed)
     cfg = HybridConfig(K=K, L=L, heavy=m, num_sink=2, num_local=8)
     w = lsh.simhash_projections(jax.random.key(seed % 1000), 8, K, L)
-    out, lse, num = hybrid_attention(q, k, v, build_lsh_index(k, w, cfg), cfg)
-    r_out, r_lse, r_num = hybrid_ref(q, k, v, w, K, L, m, 2, 8)
+    out, lse, num = hybrid_attention(q, k, v, build_lsh_index(k, w, cfg), cfg, softcap=cap)
+    r_out, r_lse, r_num = hybrid_ref(q, k, v, w, K, L, m, 2, 8, cap)
     np.testing.assert_array_equal(np.asarray(num), r_num)
     np.testing.assert_allclose(np.asarray(out), r_out, atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(np.asarray(lse), r_lse, atol=2e-4, rtol=1e-4)

@@ -16,6 +16,7 @@ import json
 import math
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,18 +111,36 @@ def test_logits_match_transformers(tmp_path):
         assert float(np.abs(forward_logits(other, ref["prompt_ids"].tolist()) - ref["logits"]).max()) > 0.1, changes
 
 
-def test_backends_without_soft_capping_are_refused():
-    """TopK, Quest, oracle and hybrid do not implement soft-capping: refused by name, before any
-    prefill, never run without it."""
+def test_every_backend_takes_the_models_soft_cap():
+    """Each backend's spec carries the model's cap (test_gemma_decode.py decodes with each); a cap out
+    of range is refused."""
     model = load_model(FOLDER)
-    for attention, budget in (("topk", 0.1), ("quest", 0.1), ("oracle", 0.1)):
-        with pytest.raises(ValueError, match=f"attention backend '{attention}' does not implement attention "
-                                             "logit soft-capping"):
-            decode_spec(model, attention, budget=budget)
-    with pytest.raises(ValueError, match="does not implement attention logit soft-capping"):
-        DecodeSpec(backend="topk", budget=0.1, host=False, logit_softcap=2.0)
+    for attention, budget in (("dense", None), ("magicpig", None), ("magicpig-ref", None), ("topk", 0.1),
+                              ("quest", 0.1), ("oracle", 0.1)):
+        assert decode_spec(model, attention, budget=budget).logit_softcap == 2.0, attention
+    assert DecodeSpec(backend="topk", budget=0.1, host=True, logit_softcap=2.0).logit_softcap == 2.0
     with pytest.raises(ValueError, match="softcap must be None or a number in"):
         DecodeSpec(backend="magicpig", logit_softcap=-1.0)
+
+
+def test_oracle_sampling_soft_caps_its_weights():
+    """Oracle sampling draws from softmax(c tanh(s / c)): its LSE is the capped one (float64 NumPy), and
+    the mean of many draws is the capped attention's output, not the uncapped one's."""
+    from magicpig_jax.attention import oracle_sampling_attention
+    from tests import _np_reference as np_ref
+
+    rng = np.random.default_rng(5)
+    B, Hq, Hkv, N, D, cap = 2, 4, 2, 64, 8, 0.5
+    q = rng.normal(size=(B, Hq, D)).astype(np.float32) * 4
+    k, v = (rng.normal(size=(B, Hkv, N, D)).astype(np.float32) for _ in range(2))
+    keep = np.ones((B, Hq, N), bool)
+    want, want_lse = np_ref.selected(q, k, v, keep, cap)
+    uncapped, _ = np_ref.selected(q, k, v, keep)
+    out, lse, _ = oracle_sampling_attention(jax.random.key(0), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                            50_000, softcap=cap)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-5, rtol=1e-5)
+    err = float(np.abs(np.asarray(out) - want).max())
+    assert err < 0.03 < float(np.abs(uncapped - want).max()), err
 
 
 # --- soft-capping in the attention functions and the host ops ------------------------------------

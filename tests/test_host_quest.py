@@ -20,7 +20,8 @@ from magicpig_jax.host import QuestPages, host_quest_attention, quest_append_pag
 from tests import _np_reference as np_ref
 
 IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
-_quest = jax.jit(host_quest_attention, static_argnames=("budget", "impl", "max_threads"))
+_quest = jax.jit(host_quest_attention, static_argnames=("budget", "impl", "max_threads", "softcap"))
+CAPS = st.sampled_from([None, 0.5, 4.0])  # Gemma 2's soft-capping: None, binding, loose
 
 
 def reference(q, k, v, page_size, budget, start, end):
@@ -80,16 +81,16 @@ def test_matches_float64_reference(impl, p):
 
 # (B, Hkv, G, N, D, page, dtype, ties, start, ends, budget): the pure-JAX function compiles per shape,
 # so it is compared on these rather than on every random problem; one start for all rows.
-JAX_CASES = [
-    (2, 2, 2, 150, 16, 16, "float32", False, 3, [150, 80], 40),
-    (1, 1, 3, 64, 1, 3, "float32", True, 0, [64], 0.3),
-    (3, 2, 1, 97, 33, 1, "bfloat16", False, 10, [97, 10, 50], 1.0),
+JAX_CASES = [  # and the soft-cap (None, or Gemma 2's c)
+    (2, 2, 2, 150, 16, 16, "float32", False, 3, [150, 80], 40, 2.0),
+    (1, 1, 3, 64, 1, 3, "float32", True, 0, [64], 0.3, None),
+    (3, 2, 1, 97, 33, 1, "bfloat16", False, 10, [97, 10, 50], 1.0, 0.5),
 ]
 
 
 @pytest.mark.parametrize("case", JAX_CASES)
 def test_equals_pure_jax(case):
-    B, Hkv, G, N, D, page, dtype, ties, s0, ends, budget = case
+    B, Hkv, G, N, D, page, dtype, ties, s0, ends, budget, cap = case
     rng = np.random.default_rng(len(ends))
     if ties:
         q = jnp.asarray(rng.integers(-2, 3, (B, Hkv * G, D)), jnp.float32)
@@ -100,17 +101,19 @@ def test_equals_pure_jax(case):
     v = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), dtype)
     e = np.asarray(ends)
     pages = quest_build_pages(k, jnp.full((B,), s0, jnp.int32), jnp.asarray(e, jnp.int32), page)
-    out, lse = _quest(q, k, v, pages, budget)
-    j_out, j_lse = quest_attention(q, k[:, :, s0:], v[:, :, s0:], page, budget, jnp.asarray(e - s0, jnp.int32))
+    out, lse = _quest(q, k, v, pages, budget, softcap=cap)
+    j_out, j_lse = quest_attention(q, k[:, :, s0:], v[:, :, s0:], page, budget, jnp.asarray(e - s0, jnp.int32),
+                                   softcap=cap)
     fin = np.isfinite(np.asarray(j_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(out), np.asarray(j_out), atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(j_lse)[fin], atol=2e-5, rtol=1e-5)
 
 
-@given(problems())
-def test_context_adds_the_static_set_in_one_softmax(p):
-    """With context, [0, start) and [end, context) join the kept pages' keys in one softmax."""
+@given(problems(), CAPS)
+def test_context_adds_the_static_set_in_one_softmax(p, cap):
+    """With context, [0, start) and [end, context) join the kept pages' keys in one softmax (with a
+    soft-cap, the pages are the uncapped bounds' and every logit of the softmax is capped)."""
     B, Hq, Hkv, N, D, page, dtype, ties, starts, ends, budget, seed = p
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((B, Hq, D)) * 2, jnp.float32)
@@ -120,7 +123,7 @@ def test_context_adds_the_static_set_in_one_softmax(p):
     e = np.maximum(np.asarray(ends), s)
     ctx = np.asarray([rng.integers(int(x), N + 1) for x in e])
     pages = quest_build_pages(k, jnp.asarray(s, jnp.int32), jnp.asarray(e, jnp.int32), page)
-    out, lse = _quest(q, k, v, pages, budget, context=jnp.asarray(ctx, jnp.int32))
+    out, lse = _quest(q, k, v, pages, budget, context=jnp.asarray(ctx, jnp.int32), softcap=cap)
     qf, kf = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k))
     keep = np.zeros((B, Hq, N), bool)
     for b in range(B):
@@ -129,7 +132,7 @@ def test_context_adds_the_static_set_in_one_softmax(p):
         keep[b, :, s[b]:e[b]] = np_ref.quest_keep(qf[b:b + 1], kf[b:b + 1, :, s[b]:e[b]], page, [tokens], [n])[0]
         keep[b, :, :s[b]] = True
         keep[b, :, e[b]:ctx[b]] = True
-    ref_out, ref_lse = np_ref.selected(q, k, v, keep)
+    ref_out, ref_lse = np_ref.selected(q, k, v, keep, cap)
     fin = np.isfinite(ref_lse)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=3e-5, rtol=1e-4)

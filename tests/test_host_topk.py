@@ -20,7 +20,8 @@ from magicpig_jax.host import host_topk_attention
 from tests import _np_reference as np_ref
 
 IMPLS = ["scalar", "avx2"] if host.has_avx2() else ["scalar"]
-_topk = jax.jit(host_topk_attention, static_argnames=("budget", "impl", "max_threads"))
+_topk = jax.jit(host_topk_attention, static_argnames=("budget", "impl", "max_threads", "softcap"))
+CAPS = st.sampled_from([None, 0.5, 4.0])  # Gemma 2's soft-capping: None, binding, loose
 
 
 def reference(q, k, v, budget, start, end):
@@ -85,31 +86,33 @@ def test_matches_float64_reference(impl, p):
 
 # (B, Hq, Hkv, N, D, dtype, ties, start, ends, budget): the pure-JAX function compiles per shape, so it is
 # compared on these rather than on every random problem; one start for all rows (it takes a slice).
-JAX_CASES = [
-    (2, 4, 2, 150, 16, "float32", False, 3, [150, 80], 20),
-    (1, 3, 1, 64, 1, "float32", True, 0, [64], 0.3),
-    (3, 2, 2, 97, 33, "bfloat16", False, 10, [97, 10, 50], 1.0),
+JAX_CASES = [  # and the soft-cap (None, or Gemma 2's c)
+    (2, 4, 2, 150, 16, "float32", False, 3, [150, 80], 20, None),
+    (1, 3, 1, 64, 1, "float32", True, 0, [64], 0.3, 0.5),
+    (3, 2, 2, 97, 33, "bfloat16", False, 10, [97, 10, 50], 1.0, 2.0),
 ]
 
 
 @pytest.mark.parametrize("max_threads", [0, 1])  # 0: scored in spans over the pool; 1: one KV head per item
 @pytest.mark.parametrize("case", JAX_CASES)
 def test_equals_pure_jax(case, max_threads):
-    B, Hq, Hkv, N, D, dtype, ties, s0, ends, budget = case
+    B, Hq, Hkv, N, D, dtype, ties, s0, ends, budget, cap = case
     q, k, v = _data(B, Hq, Hkv, N, D, dtype, ties, seed=len(ends))
     e = np.asarray(ends)
     out, lse = _topk(q, k, v, budget, jnp.asarray(e, jnp.int32), start=jnp.full((B,), s0, jnp.int32),
-                     max_threads=max_threads)
-    j_out, j_lse = topk_attention(q, k[:, :, s0:], v[:, :, s0:], budget, jnp.asarray(e - s0, jnp.int32))
+                     max_threads=max_threads, softcap=cap)
+    j_out, j_lse = topk_attention(q, k[:, :, s0:], v[:, :, s0:], budget, jnp.asarray(e - s0, jnp.int32),
+                                  softcap=cap)
     fin = np.isfinite(np.asarray(j_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(out), np.asarray(j_out), atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(j_lse)[fin], atol=2e-5, rtol=1e-5)
 
 
-@given(problems())
-def test_context_adds_the_static_set_in_one_softmax(p):
-    """With context, [0, start) and [end, context) join the kept keys: the merge of TopK and the static set."""
+@given(problems(), CAPS)
+def test_context_adds_the_static_set_in_one_softmax(p, cap):
+    """With context, [0, start) and [end, context) join the kept keys: the merge of TopK and the static set
+    (with a soft-cap, the kept set is the uncapped logits' and every logit of the softmax is capped)."""
     B, Hq, Hkv, N, D, dtype, ties, starts, ends, budget, seed = p
     q, k, v = _data(B, Hq, Hkv, N, D, dtype, ties, seed)
     rng = np.random.default_rng(seed + 1)
@@ -117,7 +120,7 @@ def test_context_adds_the_static_set_in_one_softmax(p):
     e = np.maximum(np.clip(ends, 0, N), s)
     ctx = np.asarray([rng.integers(int(x), N + 1) for x in e])
     out, lse = _topk(q, k, v, budget, jnp.asarray(e, jnp.int32), start=jnp.asarray(s, jnp.int32),
-                     context=jnp.asarray(ctx, jnp.int32))
+                     context=jnp.asarray(ctx, jnp.int32), softcap=cap)
     qf, kf = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k))
     keep = np.zeros((B, Hq, N), bool)
     for b in range(B):
@@ -126,7 +129,7 @@ def test_context_adds_the_static_set_in_one_softmax(p):
         keep[b, :, s[b]:e[b]] = np_ref.topk_keep(qf[b:b + 1], kf[b:b + 1, :, s[b]:e[b]], [tokens], [n])[0]
         keep[b, :, :s[b]] = True
         keep[b, :, e[b]:ctx[b]] = True
-    ref_out, ref_lse = np_ref.selected(q, k, v, keep)
+    ref_out, ref_lse = np_ref.selected(q, k, v, keep, cap)
     fin = np.isfinite(ref_lse)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), fin)
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=3e-5, rtol=1e-4)

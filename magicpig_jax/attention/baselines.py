@@ -36,6 +36,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, UInt32
 from magicpig_jax.attention._common import (
     check_lengths,
     check_qkv,
+    check_softcap,
     grouped_logits,
     masked_softmax_attention,
     selected_weighted_sum,
@@ -172,6 +173,8 @@ def topk_attention(
     v: Float[Array, "B Hkv N D"],
     budget: Budget,
     lengths: Int[Array, " B"] | None = None,
+    *,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Exact TopK attention: softmax over the ``budget`` highest-scoring keys of each query head.
 
@@ -187,6 +190,10 @@ def topk_attention(
       budget: static; ``int >= 1`` tokens, or ``float`` in ``(0, 1]`` fraction of
         each row's length (see :func:`budget_tokens`).
       lengths: int ``[B]`` valid keys per row (default N; clipped to [0, N]).
+      softcap: None, or c in [0.001, 1e6]: each logit s of the softmax becomes ``c * tanh(s / c)``
+        (Gemma 2's ``attn_logit_softcapping``). The keys are ranked by the uncapped logits,
+        which the monotone cap orders the same way (capping first could only add ties where
+        float32 ``tanh`` saturates).
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``; lse float32 ``[B, Hq]``, the
@@ -194,14 +201,15 @@ def topk_attention(
       equality iff every valid key is kept). An empty row gives ``0, -inf``.
 
     Raises:
-      ValueError: mismatched shapes, Hq not a multiple of Hkv, or a budget out of range.
+      ValueError: mismatched shapes, Hq not a multiple of Hkv, a budget or softcap out of range.
       TypeError: non-float q/k/v, non-integer lengths, or a budget of the wrong type.
     """
     B, _, _, N, _ = check_qkv(q, k, v)
     check_budget(budget)
+    softcap = check_softcap(softcap)
     lengths = check_lengths(lengths, B, N)
     keep = topk_mask(q, k, budget, lengths)
-    return masked_softmax_attention(grouped_logits(q, k), keep, v)
+    return masked_softmax_attention(grouped_logits(q, k, softcap), keep, v)
 
 
 def check_page_size(page_size: object) -> int:
@@ -300,6 +308,8 @@ def quest_attention(
     page_size: int,
     budget: Budget,
     lengths: Int[Array, " B"] | None = None,
+    *,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Quest attention: exact softmax over the keys of the pages with the highest score upper bound.
 
@@ -319,13 +329,17 @@ def quest_attention(
       budget: static; ``int >= 1`` tokens, or ``float`` in ``(0, 1]`` fraction of
         each row's length (see :func:`budget_tokens`).
       lengths: int ``[B]`` valid keys per row (default N; clipped to [0, N]).
+      softcap: None, or c in [0.001, 1e6]: each logit s of the softmax becomes ``c * tanh(s / c)``
+        (Gemma 2's ``attn_logit_softcapping``). The pages are paged and ranked by the uncapped bounds,
+        which the monotone cap orders the same way (capping first could only add ties where
+        float32 ``tanh`` saturates).
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``; lse float32 ``[B, Hq]``, the
       natural-log LSE over the logits of the kept keys. An empty row gives ``0, -inf``.
 
     Raises:
-      ValueError: mismatched shapes, Hq not a multiple of Hkv, page_size or budget out of range.
+      ValueError: mismatched shapes, Hq not a multiple of Hkv, page_size, budget or softcap out of range.
       TypeError: non-float q/k/v, non-integer lengths, page_size or budget of the wrong type.
 
     Source: Tang et al., ICML 2024 (arXiv 2406.10774), Section 3.2 / Algorithm 1;
@@ -334,11 +348,12 @@ def quest_attention(
     B, _, _, N, _ = check_qkv(q, k, v)
     check_page_size(page_size)
     check_budget(budget)
+    softcap = check_softcap(softcap)
     lengths = check_lengths(lengths, B, N)
     if N == 0:
-        return masked_softmax_attention(grouped_logits(q, k), valid_mask(lengths, N), v)
+        return masked_softmax_attention(grouped_logits(q, k, softcap), valid_mask(lengths, N), v)
     keep = quest_mask(q, k, page_size, budget, lengths)
-    return masked_softmax_attention(grouped_logits(q, k), keep, v)
+    return masked_softmax_attention(grouped_logits(q, k, softcap), keep, v)
 
 
 def _inverse_cdf_draws(rng, w: jax.Array, S: int) -> jax.Array:
@@ -366,6 +381,8 @@ def oracle_sampling_attention(
     v: Float[Array, "B Hkv N D"],
     budget: Budget,
     lengths: Int[Array, " B"] | None = None,
+    *,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"], Int[Array, "B Hq"]]:
     """Oracle sampling (Definition 3.1): the mean value of ``n`` i.i.d. draws from the exact attention.
 
@@ -390,6 +407,8 @@ def oracle_sampling_attention(
       budget: static; ``int >= 1`` draws, or ``float`` in ``(0, 1]`` fraction of
         each row's length (see :func:`budget_tokens`).
       lengths: int ``[B]`` valid keys per row (default N; clipped to [0, N]).
+      softcap: None, or c in [0.001, 1e6]: each logit s becomes ``c * tanh(s / c)`` (Gemma 2's
+        ``attn_logit_softcapping``) in ``w`` and in the LSE.
 
     Returns:
       ``(out, lse, num_distinct)``: out float32 ``[B, Hq, D]``; lse float32
@@ -400,15 +419,16 @@ def oracle_sampling_attention(
       ``0, -inf, 0``.
 
     Raises:
-      ValueError: mismatched shapes, Hq not a multiple of Hkv, or a budget out of range.
+      ValueError: mismatched shapes, Hq not a multiple of Hkv, a budget or softcap out of range.
       TypeError: non-float q/k/v, non-integer lengths, or a budget of the wrong type.
 
     Source: arXiv 2410.16179, Section 3.2, Definition 3.1, Theorems 3.2 and 3.3.
     """
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_budget(budget)
+    softcap = check_softcap(softcap)
     lengths = check_lengths(lengths, B, N)
-    logits = grouped_logits(q, k)
+    logits = grouped_logits(q, k, softcap)
     valid = valid_mask(lengths, N)
     _, lse = masked_softmax_attention(logits, valid, v)
     draws = budget_tokens(budget, lengths)

@@ -36,7 +36,13 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax import lsh
-from magicpig_jax.attention._common import check_lengths, check_qkv, grouped_logits, masked_softmax_attention
+from magicpig_jax.attention._common import (
+    check_lengths,
+    check_qkv,
+    check_softcap,
+    grouped_logits,
+    masked_softmax_attention,
+)
 from magicpig_jax.attention.config import MagicPIGConfig, _check_count
 from magicpig_jax.attention.magicpig import LOG_U_FLOOR, LSHIndex, check_index_fits, nan_if_mean_not_finite
 
@@ -151,6 +157,8 @@ def hybrid_attention(
     index: LSHIndex,
     config: HybridConfig,
     lengths: Int[Array, " B"] | None = None,
+    *,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"], Int[Array, "B Hq"]]:
     """One decode step of the hybrid estimator (pure JAX; the module docstring has the rule).
 
@@ -165,6 +173,9 @@ def hybrid_attention(
       index: the :class:`LSHIndex` of these keys (built with the same K, L).
       config: a :class:`HybridConfig`.
       lengths: int ``[B]`` valid keys per row (default N).
+      softcap: None, or c in [0.001, 1e6]: every logit ``s`` becomes ``c * tanh(s / c)`` before
+        ``log u_c`` is subtracted (Gemma 2's ``attn_logit_softcapping``, as in
+        :func:`~magicpig_jax.attention.magicpig_attention`; the hits, by angle, are unchanged).
 
     Returns:
       ``(out, lse, num_sampled)``: out float32 ``[B, Hq, D]``, natural-log lse float32 ``[B, Hq]``,
@@ -173,19 +184,20 @@ def hybrid_attention(
 
     Raises:
       TypeError: ``config`` is not a :class:`HybridConfig`, or ``index`` not an :class:`LSHIndex`.
-      ValueError: bad shapes, or an index that does not fit.
+      ValueError: bad shapes, an index that does not fit, or a softcap out of range.
 
     Source: ``proofs/hybrid.md``; arXiv 2410.16179, Eq. (4) and (9).
     """
     if not isinstance(config, HybridConfig):
         raise TypeError(f"config must be a HybridConfig, got {type(config).__name__}")
+    softcap = check_softcap(softcap)
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_index_fits(index, config, B, Hkv, N, D)
     lengths = check_lengths(lengths, B, N)
     hits, cos, in_range, static = _hits_and_cos(q, k, index, config, lengths)
     sampled = (hits >= 2) & in_range
     log_w = hybrid_log_weights(hits, lsh.collision_probability_from_cosine(cos), config.K, config.L, config.heavy)
-    logits = grouped_logits(q, k)
+    logits = grouped_logits(q, k, softcap)
     logits = jnp.where(sampled, logits - log_w, logits)
     out, lse = masked_softmax_attention(logits, sampled | static, v)
     out, lse = nan_if_mean_not_finite(out, lse, index)

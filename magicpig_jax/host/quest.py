@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.attention._common import check_lengths, check_qkv
+from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap
 from magicpig_jax.attention.baselines import Budget, budget_tokens, check_budget, check_page_size
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.exact import MAX_GROUP
@@ -190,6 +190,7 @@ def host_quest_attention(
     context: Int[Array, " B"] | None = None,
     impl: str = "auto",
     max_threads: int = 0,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Quest attention over the range ``[pages.start, pages.end)`` of each row, in the host op.
 
@@ -207,12 +208,16 @@ def host_quest_attention(
       budget: ``int >= 1`` tokens or a ``float`` in ``(0, 1]`` fraction of each row's range.
       context: optional int ``[B]``, each row's valid keys (clipped to ``[end, N]``).
       impl: ``"auto"``, ``"scalar"`` or ``"avx2"``; max_threads: cap on the op's threads (0: the pool).
+      softcap: None, or c in [0.001, 1e6]: each logit s of the softmax becomes ``c * tanh(s / c)``
+        (Gemma 2's ``attn_logit_softcapping``); the pages are ranked by the uncapped bounds, which the
+        monotone cap orders the same way.
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``, lse float32 ``[B, Hq]``; an empty range gives ``0, -inf``.
 
     Raises:
-      ValueError: mismatched shapes, ``G > MAX_GROUP``, a budget out of range, bad ``impl``/``max_threads``.
+      ValueError: mismatched shapes, ``G > MAX_GROUP``, a budget out of range, bad ``impl``/``max_threads``,
+        a softcap out of range.
       TypeError: k and v not both float32 or both bfloat16, ``pages`` not a :class:`QuestPages`.
       ImportError: the native extension is not built.
 
@@ -223,6 +228,7 @@ def host_quest_attention(
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_kv_dtypes(k, v)
     check_budget(budget)
+    softcap = check_softcap(softcap)
     if not isinstance(pages, QuestPages):
         raise TypeError(f"pages must be a QuestPages, got {type(pages).__name__}")
     if pages.kmin.shape[:2] != (B, Hkv) or pages.kmin.shape[3] != D or pages.kmax.shape != pages.kmin.shape:
@@ -241,4 +247,4 @@ def host_quest_attention(
     )(q.astype(jnp.float32), k, v, pages.kmin.astype(jnp.float32), pages.kmax.astype(jnp.float32),
       pages.start.astype(jnp.int32), pages.end.astype(jnp.int32), kept, ctx.astype(jnp.int32),
       page_size=np.int64(pages.page_size), with_static=np.int64(context is not None), impl=np.int64(code),
-      max_threads=np.int64(max_threads))
+      max_threads=np.int64(max_threads), softcap=np.float32(softcap or 0.0))

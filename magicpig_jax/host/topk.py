@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.attention._common import check_lengths, check_qkv
+from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap
 from magicpig_jax.attention.baselines import Budget, budget_tokens, check_budget
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.exact import MAX_GROUP
@@ -55,6 +55,7 @@ def host_topk_attention(
     context: Int[Array, " B"] | None = None,
     impl: str = "auto",
     max_threads: int = 0,
+    softcap: float | None = None,
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Exact TopK attention over the keys ``[start, lengths)`` of each row, in the host op.
 
@@ -78,6 +79,9 @@ def host_topk_attention(
         ``[0, start)`` and ``[lengths, context)`` exactly.
       impl: ``"auto"`` (AVX2/FMA where the CPU has it), ``"scalar"`` or ``"avx2"``.
       max_threads: cap on the op's worker threads (0: XLA's intra-op pool).
+      softcap: None, or c in [0.001, 1e6]: each logit s of the softmax becomes ``c * tanh(s / c)``
+        (Gemma 2's ``attn_logit_softcapping``); the selection ranks the uncapped logits, which the
+        monotone cap orders the same way.
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``, lse float32 ``[B, Hq]`` (natural log of the kept
@@ -85,7 +89,7 @@ def host_topk_attention(
 
     Raises:
       ValueError: mismatched shapes, Hq not a multiple of Hkv, ``G > MAX_GROUP``, a budget out of
-        range, unknown ``impl`` or a bad ``max_threads``.
+        range, unknown ``impl``, a bad ``max_threads`` or a softcap out of range.
       TypeError: k and v not both float32 or both bfloat16, a budget of the wrong type.
       ImportError: the native extension is not built.
 
@@ -96,6 +100,7 @@ def host_topk_attention(
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_kv_dtypes(k, v)
     check_budget(budget)
+    softcap = check_softcap(softcap)
     if Hq // Hkv > MAX_GROUP:
         raise ValueError(f"G = Hq / Hkv must be <= {MAX_GROUP}, got {Hq // Hkv}")
     s, e = range_bounds(B, N, lengths, start)
@@ -108,4 +113,4 @@ def host_topk_attention(
         (jax.ShapeDtypeStruct((B, Hq, D), jnp.float32), jax.ShapeDtypeStruct((B, Hq), jnp.float32)),
         vmap_method="sequential",
     )(q.astype(jnp.float32), k, v, s, e, keep, ctx, with_static=np.int64(context is not None), impl=np.int64(code),
-      max_threads=np.int64(max_threads))
+      max_threads=np.int64(max_threads), softcap=np.float32(softcap or 0.0))

@@ -151,7 +151,8 @@ def _attend_topk_host(spec, q, k, v, state: MiddleRange, lengths, key):
 
     start, end = _host_range(spec, k, state, lengths)
     # one pass: the top keys of the range and the static set [0, start) u [end, lengths) in one softmax
-    out, lse = host_topk_attention(q, k, v, spec.budget, end, start=start, context=lengths)
+    out, lse = host_topk_attention(q, k, v, spec.budget, end, start=start, context=lengths,
+                                   softcap=spec.logit_softcap)
     n = end - start
     used = jnp.broadcast_to(jnp.minimum(budget_tokens(spec.budget, n), n)[:, None], q.shape[:2]).astype(jnp.int32)
     return out, lse, used
@@ -176,7 +177,7 @@ def _attend_quest_host(spec, q, k, v, state, lengths, key):
     from magicpig_jax.host.quest import host_quest_attention
 
     # one pass: the kept pages and the static set [0, start) u [end, lengths) in one softmax
-    out, lse = host_quest_attention(q, k, v, state, spec.budget, context=lengths)
+    out, lse = host_quest_attention(q, k, v, state, spec.budget, context=lengths, softcap=spec.logit_softcap)
     n = state.end - state.start
     used = jnp.minimum(budget_tokens(spec.budget, n), n)  # as the pure-JAX entry counts it
     used = jnp.broadcast_to(used[:, None], q.shape[:2]).astype(jnp.int32)
@@ -196,16 +197,14 @@ ENTRIES: dict[str, Backend] = {
     # Dense decoding on the CPU backend: every layer through the host exact op, which reads a
     # bfloat16 cache in place (XLA's dense attention converted the whole cache to float32 each step).
     "dense-host": Backend("dense (host exact op)", build=_no_sparse_layer, attend=_no_sparse_layer,
-                          attend_dense=_attend_dense_host, softcap=True),
+                          attend_dense=_attend_dense_host),
     "magicpig-host": Backend("magicpig (host op)", build=_build_host, attend=_attend_host, after_step=append_due,
-                             prepare=_prepare_host, attend_dense=_attend_dense_host, validate=_validate_host,
-                             softcap=True),
+                             prepare=_prepare_host, attend_dense=_attend_dense_host, validate=_validate_host),
     "magicpig-host-sharded": Backend("magicpig (host op, sharded)", build=_build_host, attend=_attend_host,
-                                     after_step=append_due, prepare=_prepare_host, validate=_validate_host,
-                                     softcap=True),
+                                     after_step=append_due, prepare=_prepare_host, validate=_validate_host),
     "magicpig-offload": Backend("magicpig (offload: KV cache and index in host memory, host op)",
                                 build=_build_offload, attend=_attend_offload, prepare=_prepare_offload,
-                                validate=_validate_host, make_step=_make_offload_step, softcap=True),
+                                validate=_validate_host, make_step=_make_offload_step),
     "topk-host": Backend("topk (host op)", build=_build_range, attend=_attend_topk_host,
                          after_step=_after_step_range, prepare=_prepare_host, attend_dense=_attend_dense_host),
     "quest-host": Backend("quest (host op)", build=_build_quest_host, attend=_attend_quest_host,

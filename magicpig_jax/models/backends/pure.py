@@ -48,17 +48,19 @@ def _attend_range(method: str, spec, q, k, v, state: MiddleRange, lengths, key):
     s0 = min(spec.magicpig.num_sink, k.shape[2])
     mk, mv = k[:, :, s0:], v[:, :, s0:]
     mid_len = jnp.maximum(jnp.minimum(state.end, lengths) - s0, 0)
+    cap = spec.logit_softcap
     if method == "topk":
-        out, lse = topk_attention(q, mk, mv, spec.budget, mid_len)
+        out, lse = topk_attention(q, mk, mv, spec.budget, mid_len, softcap=cap)
         used = jnp.minimum(budget_tokens(spec.budget, mid_len), mid_len)
     elif method == "quest":
-        out, lse = quest_attention(q, mk, mv, spec.page_size, spec.budget, mid_len)
+        out, lse = quest_attention(q, mk, mv, spec.page_size, spec.budget, mid_len, softcap=cap)
         used = jnp.minimum(budget_tokens(spec.budget, mid_len), mid_len)
     else:
-        out, lse, used = oracle_sampling_attention(key, q, mk, mv, spec.budget, mid_len)
+        out, lse, used = oracle_sampling_attention(key, q, mk, mv, spec.budget, mid_len, softcap=cap)
     B, Hq = q.shape[:2]
     used = jnp.broadcast_to(used[:, None] if used.ndim == 1 else used, (B, Hq)).astype(jnp.int32)
-    s_out, s_lse = static_attention(q, k, v, state.start, state.end, lengths, num_sink=spec.magicpig.num_sink)
+    s_out, s_lse = static_attention(q, k, v, state.start, state.end, lengths, num_sink=spec.magicpig.num_sink,
+                                    softcap=cap)
     out, lse = merge_attention(out, lse, s_out, s_lse)
     return out, lse, used
 
@@ -71,11 +73,11 @@ def _validate_hybrid(spec: DecodeSpec) -> None:
 
 
 def _attend_hybrid(spec, q, k, v, state: LSHIndex, lengths, key):
-    return hybrid_attention(q, k, v, state, spec.magicpig, lengths)
+    return hybrid_attention(q, k, v, state, spec.magicpig, lengths, softcap=spec.logit_softcap)
 
 
 ENTRIES: dict[str, Backend] = {
-    "magicpig-ref": Backend("magicpig-ref", build=_build_reference, attend=_attend_reference, softcap=True),
+    "magicpig-ref": Backend("magicpig-ref", build=_build_reference, attend=_attend_reference),
     "topk": Backend("topk", build=build_range, attend=functools.partial(_attend_range, "topk")),
     "quest": Backend("quest", build=build_range, attend=functools.partial(_attend_range, "quest")),
     "oracle": Backend("oracle", build=build_range, attend=functools.partial(_attend_range, "oracle")),

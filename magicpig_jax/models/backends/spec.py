@@ -63,8 +63,9 @@ class DecodeSpec:
         must be ``layers.base()`` and ``dense_layers`` its dense layers.
       logit_softcap: the model's attention logit soft-capping c (Gemma 2's
         ``attn_logit_softcapping``: each logit s becomes ``c * tanh(s / c)``), or None. The
-        decode step sets it from the model's config (:meth:`with_softcap`); a backend that does
-        not implement it (:attr:`Backend.softcap`) refuses the spec.
+        decode step sets it from the model's config (:meth:`with_softcap`); every backend applies
+        it to the logits of its softmax (the selections of TopK and Quest, and the hashing, rank
+        or compare the uncapped scores, which the monotone cap orders the same way).
 
     Raises:
       ValueError: unknown backend, a budgeted backend without a budget, or a configuration
@@ -126,14 +127,10 @@ class DecodeSpec:
         object.__setattr__(self, "logit_softcap", check_softcap(self.logit_softcap))
         entry = backend_for(self)
         entry.validate(self)
-        if self.logit_softcap is not None and not entry.softcap:
-            raise ValueError(f"attention backend {self.backend!r} does not implement attention "
-                             f"logit soft-capping (this model's attn_logit_softcap = {self.logit_softcap}, Gemma 2's "
-                             "attn_logit_softcapping): use 'dense' or 'magicpig'")
 
     def with_softcap(self, softcap: float | None) -> DecodeSpec:
         """This spec for a model whose attention logit soft-capping is ``softcap`` (its config's
-        ``attn_logit_softcap``); raises ValueError where the backend does not implement it."""
+        ``attn_logit_softcap``); raises ValueError for a cap outside the allowed range."""
         if softcap == self.logit_softcap:
             return self
         return dataclasses.replace(self, logit_softcap=softcap)
@@ -368,7 +365,6 @@ class Backend:
       validate: ``(spec) -> None``, raises ValueError for a configuration it cannot run.
       make_step: ``(graphdef, state_treedef, spec) -> step`` replacing the jitted decode step of
         :func:`~magicpig_jax.models.decoding.compiled_decode_step` (same call and results), or None.
-      softcap: whether ``attend`` and ``attend_dense`` implement :attr:`DecodeSpec.logit_softcap`.
     """
 
     name: str
@@ -379,6 +375,5 @@ class Backend:
     attend_dense: DenseFn = dense_attention
     validate: Callable[[DecodeSpec], None] = _accept
     make_step: Callable | None = None
-    softcap: bool = False
 
 

@@ -74,7 +74,7 @@ def per_layer(base: Backend) -> Backend:
 # ------------------------------------------------------------------------------------------
 
 _TABLE: dict[str, Backend] = {
-    "dense": Backend("dense", build=_no_sparse_layer, attend=_no_sparse_layer, softcap=True),
+    "dense": Backend("dense", build=_no_sparse_layer, attend=_no_sparse_layer),
     **_p.ENTRIES,
     **_h.ENTRIES,
 }
