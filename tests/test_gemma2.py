@@ -279,16 +279,41 @@ def test_decode_queries_see_only_the_window():
     assert float(jnp.abs(q_full[1:] - q[1:]).max()) > 1e-3
 
 
-def test_capture_refuses_what_the_study_would_misread():
-    """The study's estimators attend to every captured key without soft-capping: a Gemma 2 model, and
-    a model whose sliding window is shorter than the prompt (Gemma 3's fixture: window 8), are refused
-    before the prefill; a prompt within the window is captured."""
+def test_a_capture_carries_the_cap_into_the_study(tmp_path):
+    """Gemma 2's capture records its cap (0 for Gemma 3's none); the study's dense reference and
+    estimators use it: TopK's relative errors are float64 NumPy's with the cap (and without it when
+    none is given); a malformed cap in a capture is refused."""
+    from magicpig_jax.eval import study
     from magicpig_jax.eval.capture import capture_qkv
+    from magicpig_jax.eval.study_measure import StudySettings, run_case
+    from tests import _np_reference as np_ref
 
-    with pytest.raises(ValueError, match="soft-caps its attention logits"):
-        capture_qkv(load_model(FOLDER), "some text")
+    text = "This program is free software: you can redistribute it and/or modify it."
+    data = capture_qkv(load_model(FOLDER), text, max_tokens=8)  # within the window of 8
+    assert data["attn_logit_softcap"] == np.float32(2.0)
+    layer = [data[x][1:2] for x in ("q", "k", "v")]
+    settings = StudySettings(fractions=(1.0, 0.5), lsh=((3, 6),), num_sink=1, num_local=1, repeats=1, heavy=())
+    Hq = layer[0].shape[1]
+    half = np_ref.topk_keep(layer[0], layer[1], [4], [8])
+    errors = {}
+    for softcap in (2.0, None):
+        dense = np_ref.selected(*layer, np.ones((1, Hq, 8), bool), softcap)[0][0]
+        topk = np_ref.selected(*layer, half, softcap)[0][0]
+        want = float(np.mean(np.linalg.norm(topk - dense, axis=-1) / np.linalg.norm(dense, axis=-1)))
+        rec = {(r["method"], r["params"].get("budget")): r for r in run_case(*layer, settings, softcap=softcap)}
+        assert rec[("topk", 1.0)]["rel_error"] <= 1e-5 and rec[("quest", 1.0)]["rel_error"] <= 1e-5
+        assert rec[("topk", 0.5)]["rel_error"] == pytest.approx(want, rel=1e-4, abs=1e-6), softcap
+        errors[softcap] = want
+    assert abs(errors[2.0] - errors[None]) > 0.01 * errors[None]  # the cap binds on this layer
+    np.savez(tmp_path / "c.npz", **data)
+    assert [case[-1] for case in study._load_capture(tmp_path / "c.npz", "0,3")] == [2.0, 2.0]
+    for bad in (np.float32(-1.0), np.float32(np.nan), np.array([2.0], np.float32), np.int32(2)):
+        np.savez(tmp_path / "bad.npz", **(data | {"attn_logit_softcap": bad}))
+        with pytest.raises(ValueError, match="attn_logit_softcap"):
+            study._load_capture(tmp_path / "bad.npz", None)
     gemma3 = load_model(FIXTURES / "gemma3")
     text = "This program is free software: you can redistribute it and/or modify it."
     with pytest.raises(ValueError, match="layers \\[0, 2\\] attend through a sliding window of 8 tokens"):
         capture_qkv(gemma3, text)
-    assert capture_qkv(gemma3, text, max_tokens=8)["k"].shape[2] == 8
+    captured = capture_qkv(gemma3, text, max_tokens=8)
+    assert captured["k"].shape[2] == 8 and captured["attn_logit_softcap"] == 0.0

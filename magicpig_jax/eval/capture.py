@@ -31,18 +31,16 @@ def capture_qkv(model: LoadedModel, text: str, max_tokens: int | None = None) ->
 
     Returns:
       dict with ``q`` float32 ``[layers, Hq, D]`` (the query of the token after the
-      prompt), ``k``, ``v`` float32 ``[layers, Hkv, N, D]`` (the prompt's cached keys,
-      RoPE applied, and values), ``num_tokens``.
+      prompt, scaled so that ``q·k / sqrt(D)`` is the model's logit), ``k``, ``v`` float32
+      ``[layers, Hkv, N, D]`` (the prompt's cached keys, RoPE applied, and values),
+      ``num_tokens``, and ``attn_logit_softcap`` float32 ``[]``: the model's attention logit
+      soft-capping c (Gemma 2), 0 for none; the study caps every estimator's logits with it.
 
     Raises:
-      ValueError: an empty prompt or one longer than the model's context; a model the study's
-        estimators would misread (before the prefill): attention logit soft-capping (Gemma 2), or
-        a sliding window shorter than the prompt (its layers do not attend to every captured key).
+      ValueError: an empty prompt or one longer than the model's context; a model whose sliding
+        window is shorter than the prompt (its layers do not attend to every captured key, so the
+        study would misread them), before the prefill.
     """
-    if model.config.attn_logit_softcap is not None:
-        raise ValueError(f"capture: this model soft-caps its attention logits (attn_logit_softcap = "
-                         f"{model.config.attn_logit_softcap}), which the attention study's estimators do not "
-                         "implement")
     ids = model.tokenizer.encode(text)
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -58,7 +56,8 @@ def capture_qkv(model: LoadedModel, text: str, max_tokens: int | None = None) ->
     N = len(ids)
     k = np.stack([np.asarray(x[0, :, :N]) for x in state.cache.k])
     v = np.stack([np.asarray(x[0, :, :N]) for x in state.cache.v])
-    return {"q": q, "k": k, "v": v, "num_tokens": np.int32(N)}
+    return {"q": q, "k": k, "v": v, "num_tokens": np.int32(N),
+            "attn_logit_softcap": np.float32(model.config.attn_logit_softcap or 0.0)}
 
 
 def main(argv: list[str] | None = None) -> int:

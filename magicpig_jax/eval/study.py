@@ -17,7 +17,9 @@ Sources of q/k/v:
   query as the paper observes for real keys (arXiv 2410.16179, Section 4.2, Fig. 6).
 * ``--capture PATH``: an ``.npz`` with ``q [layers, Hq, D]``, ``k`` and
   ``v [layers, Hkv, N, D]`` captured from a model at one decode step (every key
-  is treated as valid). Each layer is one case.
+  is treated as valid), and optionally ``attn_logit_softcap`` (a float scalar, 0 for none):
+  the model's attention logit soft-capping (Gemma 2), with which the dense reference and every
+  estimator cap their logits. Each layer is one case.
 
 Writes ``study.json`` (every measurement and a per-method summary) and
 ``study.png`` (matplotlib; ``--no-plot`` skips it)
@@ -43,6 +45,7 @@ from tqdm import tqdm
 from magicpig_jax import lsh
 from magicpig_jax.argparsing import Parser, check_output, in_flag_terms, path_arg
 from magicpig_jax.attention import MagicPIGConfig
+from magicpig_jax.attention._common import check_softcap
 from magicpig_jax.attention.cost_model import expected_sampled_fraction, tables_for_fraction
 from magicpig_jax.eval.study_measure import (
     DEFAULT_FRACTIONS,
@@ -138,6 +141,14 @@ def _load_capture(path: Path, layers: str | None):
         if missing:
             raise ValueError(f"--capture {path} lacks arrays {missing} (needs q, k, v)")
         q, k, v = (np.asarray(z[name], np.float32) for name in ("q", "k", "v"))
+        cap = z["attn_logit_softcap"] if "attn_logit_softcap" in z else np.float32(0.0)
+    if cap.shape != () or not np.issubdtype(cap.dtype, np.floating):
+        raise ValueError(f"--capture {path}: attn_logit_softcap must be a float scalar (0 for none), got "
+                         f"{cap.dtype} {cap.shape}")
+    try:
+        cap = check_softcap(None if float(cap) == 0.0 else float(cap), "attn_logit_softcap")
+    except ValueError as err:
+        raise ValueError(f"--capture {path}: {err} (0 for none)") from None
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not np.isfinite(x).all():
             raise ValueError(f"--capture {path}: array {name} holds {int((~np.isfinite(x)).sum())} NaN or infinite "
@@ -152,7 +163,7 @@ def _load_capture(path: Path, layers: str | None):
     for i in idx:
         if not 0 <= i < q.shape[0]:
             raise ValueError(f"--layers: layer {i} out of range [0, {q.shape[0]})")
-    return [(f"layer{i}", q[i : i + 1], k[i : i + 1], v[i : i + 1]) for i in idx]
+    return [(f"layer{i}", q[i : i + 1], k[i : i + 1], v[i : i + 1], cap) for i in idx]
 
 
 def _settings(args) -> tuple[StudySettings, list[str]]:
@@ -192,12 +203,14 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
 
 
 def _cases(args, profiles: list[str]) -> list[tuple]:
-    """``(source, name, q, k, v)`` for every synthetic profile and captured layer (may capture first)."""
+    """``(source, name, q, k, v, softcap)`` for every synthetic profile and captured layer (may capture
+    first); ``softcap``: the captured model's attention logit soft-capping, None for none."""
     cases = []
     if not args.no_synthetic:
         rng = np.random.default_rng(args.seed)
         for profile in profiles:
-            cases.append(("synthetic", profile, *synthetic_case(rng, profile, args.n, args.head_dim, args.heads)))
+            cases.append(("synthetic", profile, *synthetic_case(rng, profile, args.n, args.head_dim, args.heads),
+                          None))
     if args.capture_from_model:
         if args.capture is not None:
             raise ValueError("--capture-from-model and --capture are exclusive")
@@ -211,7 +224,7 @@ def _cases(args, profiles: list[str]) -> list[tuple]:
         args.capture = args.out / "capture.npz"
         np.savez(args.capture, **data)
     if args.capture is not None:
-        cases += [("capture", name, q, k, v) for name, q, k, v in _load_capture(args.capture, args.layers)]
+        cases += [("capture", *case) for case in _load_capture(args.capture, args.layers)]
     if not cases:
         raise ValueError("nothing to study: --no-synthetic without --capture")
     return cases
@@ -235,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict] = []
     t0 = time.perf_counter()
     with tqdm(total=per_case * len(cases), desc="study attention", unit="run") as bar:
-        for source, name, q, k, v in cases:
+        for source, name, q, k, v, softcap in cases:
             bar.set_postfix_str(f"{source}:{name}")
-            for r in run_case(q, k, v, settings, bar):
-                records.append({"source": source, "case": name, "N": int(k.shape[2]), **r})
+            for r in run_case(q, k, v, settings, bar, softcap=softcap):
+                records.append({"source": source, "case": name, "N": int(k.shape[2]), "attn_logit_softcap": softcap,
+                                **r})
     summary = summarize(records)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {

@@ -32,6 +32,7 @@ from magicpig_jax.attention import (
     quest_attention,
     topk_attention,
 )
+from magicpig_jax.attention._common import check_softcap
 from magicpig_jax.attention.baselines import Budget, quest_mask
 from magicpig_jax.attention.cost_model import expected_sampled_fraction
 
@@ -128,13 +129,13 @@ def _rel_err(est, ref) -> np.ndarray:
     return np.linalg.norm(est - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
 
 
-_dense = jax.jit(dense_attention)
-_topk = jax.jit(topk_attention, static_argnames="budget")
-_quest = jax.jit(quest_attention, static_argnames=("page_size", "budget"))
+_dense = jax.jit(dense_attention, static_argnames="softcap")
+_topk = jax.jit(topk_attention, static_argnames=("budget", "softcap"))
+_quest = jax.jit(quest_attention, static_argnames=("page_size", "budget", "softcap"))
 _quest_mask = jax.jit(quest_mask, static_argnames=("page_size", "budget"))
 _build = jax.jit(build_lsh_index, static_argnames=("config", "center"))
-_magicpig = jax.jit(magicpig_attention, static_argnames="config")
-_hybrid = jax.jit(hybrid_attention, static_argnames="config")
+_magicpig = jax.jit(magicpig_attention, static_argnames=("config", "softcap"))
+_hybrid = jax.jit(hybrid_attention, static_argnames=("config", "softcap"))
 
 
 @jax.jit
@@ -148,36 +149,40 @@ def _centered_cosines(q, k, mean):
     return lsh.cosine_from_dots(dots, qg[..., None, :], kc[:, None, :, :]).reshape(Hq, -1)
 
 
-def _oracle_many(budget: Budget):
+def _oracle_many(budget: Budget, softcap: float | None):
     def f(keys, q, k, v):
-        return jax.vmap(lambda r: oracle_sampling_attention(r, q, k, v, budget))(keys)
+        return jax.vmap(lambda r: oracle_sampling_attention(r, q, k, v, budget, softcap=softcap))(keys)
 
     return jax.jit(f)
 
 
-def _baseline_records(q, k, v, o, settings: StudySettings, add) -> None:
+def _baseline_records(q, k, v, o, settings: StudySettings, add, softcap: float | None) -> None:
     """TopK, Quest and oracle sampling at each fraction of :attr:`StudySettings.fractions`."""
     N, Hq = k.shape[2], q.shape[1]
     lengths = jnp.full((1,), N, jnp.int32)
     for f in settings.fractions:
-        out, _ = _topk(q, k, v, f)
+        out, _ = _topk(q, k, v, f, softcap=softcap)
         kept = min(math.ceil(f * N), N)
         add("topk", {"budget": f}, np.full(Hq, kept / N), _rel_err(out, o))
-        out, _ = _quest(q, k, v, settings.page_size, f)
+        out, _ = _quest(q, k, v, settings.page_size, f, softcap=softcap)
         mask = _quest_mask(q, k, settings.page_size, f, lengths)
         add("quest", {"budget": f, "page_size": settings.page_size},
             np.asarray(jnp.sum(mask, -1)).reshape(-1) / N, _rel_err(out, o))
         keys = jax.random.split(jax.random.key(settings.seed), settings.repeats)
-        outs, _, distinct = _oracle_many(f)(keys, q, k, v)
+        outs, _, distinct = _oracle_many(f, softcap)(keys, q, k, v)
         errs = np.stack([_rel_err(outs[r], o) for r in range(settings.repeats)])
         add("oracle", {"budget": f, "draws": math.ceil(f * N)},
             np.asarray(distinct, np.float64)[:, 0] / N, errs.mean(0))
 
 
 def run_case(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, settings: StudySettings, progress: tqdm | None = None
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, settings: StudySettings, progress: tqdm | None = None,
+    *, softcap: float | None = None,
 ) -> list[dict]:
     """Every estimator on one case: q ``[1, Hq, D]``, k/v ``[1, Hkv, N, D]``; one record per (method, params).
+
+    ``softcap``: the attention logit soft-capping c of the model the case was captured from
+    (Gemma 2; None for none): the dense reference and every estimator cap their logits with it.
 
     Each record: ``method``, ``params``, ``fraction`` (mean over heads [and repeats] of
     keys touched / N), ``rel_error`` (mean over heads [and repeats]), ``rel_error_heads``
@@ -186,7 +191,8 @@ def run_case(
     q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
     N = k.shape[2]
     Hq = q.shape[1]
-    o, _ = _dense(q, k, v)
+    softcap = check_softcap(softcap)
+    o, _ = _dense(q, k, v, softcap=softcap)
     records: list[dict] = []
 
     def add(method, params, frac_heads, err_heads, **extra):
@@ -203,7 +209,7 @@ def run_case(
         if progress is not None:
             progress.update(1)
 
-    _baseline_records(q, k, v, o, settings, add)
+    _baseline_records(q, k, v, o, settings, add, softcap)
     for K, L in settings.lsh:
         cfg = MagicPIGConfig(K=K, L=L, num_sink=settings.num_sink, num_local=settings.num_local,
                              seed=settings.seed)
@@ -212,7 +218,7 @@ def run_case(
             for r in range(settings.repeats):
                 proj = lsh.simhash_projections(jax.random.key(settings.seed * 1000 + r), q.shape[-1], K, L)
                 index = _build(k, proj, cfg, center=center)
-                out, _, num = _magicpig(q, k, v, index, cfg)
+                out, _, num = _magicpig(q, k, v, index, cfg, softcap=softcap)
                 static = int(index.start[0]) + N - int(index.end[0])
                 errs.append(_rel_err(out, o))
                 fracs.append((np.asarray(num, np.float64)[0] + static) / N)
@@ -235,7 +241,7 @@ def run_case(
             for r in range(settings.repeats):  # the same projections as MagicPIG's repeats: the same sampled sets
                 proj = lsh.simhash_projections(jax.random.key(settings.seed * 1000 + r), q.shape[-1], K, L)
                 index = _build(k, proj, cfg, center=True)
-                out, _, num = _hybrid(q, k, v, index, hcfg)
+                out, _, num = _hybrid(q, k, v, index, hcfg, softcap=softcap)
                 static = int(index.start[0]) + N - int(index.end[0])
                 errs.append(_rel_err(out, o))
                 fracs.append((np.asarray(num, np.float64)[0] + static) / N)
