@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -45,10 +46,15 @@ inline void SoftCapInPlace(float* x, int64_t n, float c) {
 }
 
 // The softcap attribute: 0 (none) or c in [1e-3, 1e6] (SOFTCAP_RANGE of attention/_common.py: c, x / c
-// and c * tanh(x / c) stay normal float32 numbers).
+// and c * tanh(x / c) stay normal float32 numbers). "None" is the bits of +0 exactly: XLA's CPU threads
+// flush denormals to zero, where a subnormal c compares equal to 0 and the op would run uncapped.
 inline ffi::Error CheckSoftcap(float c) {
-  if (!(c == 0.0f || (c >= 1e-3f && c <= 1e6f))) {
-    return InvalidArg("softcap must be 0 (none) or in [0.001, 1e6], got " + std::to_string(c));
+  uint32_t bits;
+  std::memcpy(&bits, &c, sizeof bits);
+  if (!(bits == 0u || (c >= 1e-3f && c <= 1e6f))) {
+    char shown[32];
+    std::snprintf(shown, sizeof shown, "%.9g", static_cast<double>(c));
+    return InvalidArg(std::string("softcap must be 0 (none) or in [0.001, 1e6], got ") + shown);
   }
   return ffi::Error::Success();
 }

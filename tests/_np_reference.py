@@ -46,8 +46,12 @@ def dense(q, k, v, lengths=None):
 
 
 def softcap(logits: np.ndarray, c: float | None) -> np.ndarray:
-    """Gemma 2's attention logit soft-capping ``c tanh(s / c)`` (identity for None)."""
-    return logits if c is None else c * np.tanh(logits / c)
+    """Gemma 2's attention logit soft-capping ``c tanh(s / c)`` of the finite logits (identity for
+    None); a non-finite logit is left as it is, as the implementation leaves it."""
+    if c is None:
+        return logits
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isfinite(logits), c * np.tanh(logits / c), logits)
 
 
 def selected(q, k, v, keep, cap=None):

@@ -199,13 +199,43 @@ def test_soft_capping_keeps_non_finite_logits_visible():
 
 @pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf"), 1e-40, 1e39, True, "50"])
 def test_bad_softcap_is_refused(bad):
+    import functools
+
     from magicpig_jax import host
+    from magicpig_jax.attention import oracle_sampling_attention, quest_attention, topk_attention
 
     q, k = jnp.ones((1, 2, 8)), jnp.ones((1, 1, 4, 8))
-    for fn in (dense_attention, host.host_exact_attention):
+    pages = host.quest_build_pages(k, jnp.zeros((1,), jnp.int32), jnp.full((1,), 4, jnp.int32), 2)
+    for fn in (dense_attention, host.host_exact_attention, functools.partial(topk_attention, budget=2),
+               functools.partial(host.host_topk_attention, budget=2), functools.partial(quest_attention, page_size=2,
+                                                                                       budget=2),
+               lambda q, k, v, softcap: host.host_quest_attention(q, k, v, pages, 2, softcap=softcap),
+               functools.partial(oracle_sampling_attention, jax.random.key(0), budget=2)):
         # a non-number is a TypeError under the suite's runtime type checks, else this ValueError
         with pytest.raises((ValueError, TypeError), match="softcap"):
             fn(q, k, k, softcap=bad)
+
+
+@pytest.mark.parametrize("op", ["magicpig_exact_attention", "magicpig_topk_attention"])
+@pytest.mark.parametrize("attr", [1e-40, -1e-40, 1.2e-38, 5e-4, float("nan")])
+def test_the_ops_refuse_a_softcap_attribute_out_of_range(op, attr):
+    """The ops' own check (the wrappers refuse first): a subnormal cap, which XLA's threads flush to
+    zero, is not taken for 0 (none), so the op never runs uncapped when a cap was asked for."""
+    from magicpig_jax.host._ext import ops
+
+    ops()
+    q, k = jnp.ones((1, 2, 8)), jnp.ones((1, 1, 4, 8))
+    n = jnp.full((1,), 4, jnp.int32)
+    types = (jax.ShapeDtypeStruct((1, 2, 8), jnp.float32), jax.ShapeDtypeStruct((1, 2), jnp.float32))
+    ints = dict(impl=np.int64(0), max_threads=np.int64(0))
+    zero = jnp.zeros((1,), jnp.int32)
+    args = ((q, k, k, n, zero) if op.endswith("exact_attention")  # lengths, starts
+            else (q, k, k, zero, n, jnp.full((1,), 2, jnp.int32), n))  # start, end, keep, context
+    extra = {} if op.endswith("exact_attention") else {"with_static": np.int64(0)}
+    call = jax.ffi.ffi_call(op, types)
+    jax.block_until_ready(call(*args, **ints, **extra, softcap=np.float32(0.0)))  # the call is well formed
+    with pytest.raises(Exception, match="softcap must be 0 \\(none\\) or in"):
+        jax.block_until_ready(call(*args, **ints, **extra, softcap=np.float32(attr)))
 
 
 # --- GGUF (llama.cpp's gemma2) ----------------------------------------------------------------

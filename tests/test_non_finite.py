@@ -138,3 +138,16 @@ def test_hybrid_gives_nan_like_magicpig_for_a_non_finite_key_in_the_hashed_range
     assert float(log_light_probability(jnp.float32(0.0), 3, 10, 5)) == -np.inf
     with pytest.raises(ValueError, match="index.projections must be"):
         hybrid_attention(q, k, v, dataclasses.replace(index, projections=index.projections[:, :-1]), cfg)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_oracle_sampling_gives_nan_for_a_head_whose_keys_hold_a_non_finite_one(bad):
+    """Its weights are undefined: out NaN with the LSE (a review found a finite mean of draws from the
+    other keys beside lse NaN); the heads of the other KV head stay finite."""
+    from magicpig_jax.attention import oracle_sampling_attention
+
+    q, k, v = _qkv(300, bad)
+    out, lse, _ = oracle_sampling_attention(jax.random.key(0), q, k, v, 64)
+    bad_heads = np.isnan(np.asarray(lse[0]))
+    assert bad_heads.any() and not bad_heads.all()
+    assert np.isnan(np.asarray(out[0])[bad_heads]).all() and np.isfinite(np.asarray(out[0])[~bad_heads]).all()

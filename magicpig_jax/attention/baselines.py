@@ -448,5 +448,8 @@ def oracle_sampling_attention(
     num = selected_weighted_sum(counts, counts > 0, v)  # keys never drawn are selected out
     denom = jnp.maximum(draws, 1).astype(jnp.float32)[:, None, None, None]
     out = (num / denom).reshape(B, Hq, D)
+    # a NaN or +inf logit makes the weights undefined: the head is NaN (its LSE already is), not a
+    # finite mean of draws from the other keys
+    out = jnp.where(jnp.isnan(lse)[..., None], jnp.nan, out)
     num_distinct = jnp.sum(counts > 0, axis=-1, dtype=jnp.int32).reshape(B, Hq)
     return out, lse, num_distinct

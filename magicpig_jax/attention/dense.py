@@ -41,7 +41,7 @@ def dense_attention(
         V rows past them are never used (NaN there leaves the result unchanged).
       starts: int ``[B]``, the first valid key per row (default 0; clipped to [0, N]); keys
         before it are never used, as those past ``lengths``.
-      softcap: None, or c > 0: each logit s becomes ``c * tanh(s / c)`` (Gemma 2's
+      softcap: None, or c in [0.001, 1e6]: each logit s becomes ``c * tanh(s / c)`` (Gemma 2's
         ``attn_logit_softcapping``, :func:`~magicpig_jax.attention._common.softcap_logits`).
 
     Returns:
@@ -50,7 +50,7 @@ def dense_attention(
       ``out = 0``, ``lse = -inf``.
 
     Raises:
-      ValueError: mismatched shapes, Hq not a multiple of Hkv, or a softcap not None nor > 0.
+      ValueError: mismatched shapes, Hq not a multiple of Hkv, or a softcap out of [0.001, 1e6].
       TypeError: non-float q/k/v or non-integer lengths.
     """
     softcap = check_softcap(softcap)

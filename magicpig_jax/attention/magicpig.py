@@ -203,7 +203,7 @@ def magicpig_attention(
       config: the :class:`MagicPIGConfig` the index was built with.
       lengths: int ``[B]``, valid keys per row (default N; clipped into ``[0, N]``); may
         exceed the length the index was built at (appended keys are static).
-      softcap: None, or c > 0: every logit ``s = q·k/sqrt(D)`` becomes ``c * tanh(s / c)``
+      softcap: None, or c in [0.001, 1e6]: every logit ``s = q·k/sqrt(D)`` becomes ``c * tanh(s / c)``
         before ``log u`` is subtracted (Gemma 2's ``attn_logit_softcapping``: the capped
         score is the attention's weight; the sampling, by angle, is unchanged).
 
@@ -217,7 +217,7 @@ def magicpig_attention(
     Raises:
       ValueError / TypeError: bad shapes or dtypes, or an index that does not fit (its
         shapes, or a ``num_sink`` / ``num_local`` other than ``config``'s: :func:`check_index_fits`),
-        or a softcap not None nor > 0.
+        or a softcap out of [0.001, 1e6].
 
     Source: arXiv 2410.16179, Eq. (4) and (9), Sections 4.2-4.3.
     """

@@ -59,7 +59,7 @@ def static_attention(
       num_sink: static bound on the sinks, ``>= 0``: they are read from the first ``num_sink``
         positions (with or without ``window``), so ``start`` beyond it counts as ``num_sink``.
       window: static int ``>= 0`` or None (see above).
-      softcap: None, or c > 0: logits soft-capped to ``c * tanh(s / c)`` (Gemma 2).
+      softcap: None, or c in [0.001, 1e6]: logits soft-capped to ``c * tanh(s / c)`` (Gemma 2).
 
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``, natural-log LSE float32 ``[B, Hq]``;
@@ -67,7 +67,7 @@ def static_attention(
 
     Raises:
       ValueError: bad shapes (``start``, ``end`` or ``lengths`` not ``[B]``), a negative
-        ``num_sink`` or ``window``, a softcap not None nor > 0.
+        ``num_sink`` or ``window``, a softcap out of [0.001, 1e6].
       TypeError: ``start``, ``end`` or ``lengths`` not integers, ``num_sink`` or ``window``
         not a Python or NumPy int (named).
 

@@ -66,7 +66,7 @@ def host_sampled_attention(
       sinks: attend the sinks ``[0, start)`` too (else they are left to the caller).
       impl: ``"auto"``, ``"scalar"`` or ``"avx2"``; max_threads: ``[0, 4096]`` (0 = XLA's pool).
       return_mask: also return the sampled keys.
-      softcap: None, or c > 0: every logit ``q·k/sqrt(D)`` is soft-capped to ``c * tanh(. / c)``
+      softcap: None, or c in [0.001, 1e6]: every logit ``q·k/sqrt(D)`` is soft-capped to ``c * tanh(. / c)``
         before ``log u`` is subtracted (Gemma 2).
 
     Returns:
@@ -147,7 +147,7 @@ def host_magicpig_attention(
       impl: ``"auto"`` (AVX2 if the CPU has it), ``"scalar"`` or ``"avx2"``.
       return_mask: also return the bool ``[B, Hq, N]`` mask of the sampled keys.
       max_threads: cap on the op's worker threads (0 = XLA's intra-op pool size).
-      softcap: None, or c > 0: Gemma 2's logit soft-capping ``c * tanh(s / c)`` of every score,
+      softcap: None, or c in [0.001, 1e6]: Gemma 2's logit soft-capping ``c * tanh(s / c)`` of every score,
         in the op and in the static part alike.
 
     Returns:

@@ -56,7 +56,7 @@ def host_exact_attention(
         a sliding-window layer's window start. The op reads no key before it.
       impl: ``"auto"`` (AVX2/FMA where the CPU has it), ``"scalar"`` or ``"avx2"``.
       max_threads: cap on the op's worker threads (0: XLA's intra-op pool size).
-      softcap: None, or c > 0: each logit s becomes ``c * tanh(s / c)`` (Gemma 2's
+      softcap: None, or c in [0.001, 1e6]: each logit s becomes ``c * tanh(s / c)`` (Gemma 2's
         ``attn_logit_softcapping``, as :func:`~magicpig_jax.attention._common.softcap_logits`).
 
     Returns:
@@ -67,7 +67,7 @@ def host_exact_attention(
 
     Raises:
       ValueError: mismatched shapes, Hq not a multiple of Hkv, ``G > MAX_GROUP``, unknown
-        ``impl``, negative ``max_threads``, or a softcap not None nor > 0.
+        ``impl``, negative ``max_threads``, or a softcap out of [0.001, 1e6].
       TypeError: k and v not both float32 or both bfloat16, or non-integer lengths or starts.
       ImportError: the native extension is not built.
 

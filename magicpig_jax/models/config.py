@@ -71,7 +71,7 @@ class LlamaConfig:
         ``rope_local_base_freq``), or None: every layer uses ``rope_theta`` and ``rope_scaling``.
       attn_logit_softcap: c, or None: every attention logit s (the scaled ``q . k``) becomes
         ``c * tanh(s / c)`` before the softmax, in every layer, in prefill and in every decode
-        backend that implements it (Gemma 2's ``attn_logit_softcapping``).
+        backend (Gemma 2's ``attn_logit_softcapping``).
       final_logit_softcap: c, or None: the output logits become ``c * tanh(x / c)`` (Gemma 2's
         ``final_logit_softcapping``).
 

@@ -250,7 +250,7 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
       S = number of sparse layers (0 for dense).
     """
     model = nnx.merge(graphdef, state)
-    spec = spec.with_softcap(model.config.attn_logit_softcap)  # Gemma 2: refused by a backend without it
+    spec = spec.with_softcap(model.config.attn_logit_softcap)  # Gemma 2: a spec built by hand gets the cap too
     backend = backend_for(spec)
     B = tokens.shape[0]
     pos = cache.lengths

@@ -84,6 +84,10 @@ class DecodeSpec:
     host_device: jax.Device | None = None
     layers: LayerConfigs | None = None
     logit_softcap: float | None = None
+    # The budget's kind, compared and hashed with it: 1 (one token) and 1.0 (every key) are equal
+    # Python numbers with one hash, so without it two specs differing only there would share a
+    # compiled decode step (jit's static argument), and the second would silently run the first.
+    budget_kind: str | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -94,6 +98,7 @@ class DecodeSpec:
             check_budget(self.budget)
             if isinstance(self.budget, np.integer | np.floating):  # stored as Python: hashable alike, JSON-able
                 object.__setattr__(self, "budget", self.budget.item())
+            object.__setattr__(self, "budget_kind", "tokens" if isinstance(self.budget, int) else "fraction")
             check_page_size(self.page_size)
         elif self.budget is not None:
             raise ValueError(f"budget applies to the {', '.join(BUDGETED)} backends only, got backend={self.backend!r}")
