@@ -330,7 +330,7 @@ def quest_attention(
         each row's length (see :func:`budget_tokens`).
       lengths: int ``[B]`` valid keys per row (default N; clipped to [0, N]).
       softcap: None, or c in [0.001, 1e6]: each logit s of the softmax becomes ``c * tanh(s / c)``
-        (Gemma 2's ``attn_logit_softcapping``). The pages are paged and ranked by the uncapped bounds,
+        (Gemma 2's ``attn_logit_softcapping``). The pages are ranked by the uncapped bounds,
         which the monotone cap orders the same way (capping first could only add ties where
         float32 ``tanh`` saturates).
 
