@@ -3,7 +3,10 @@ the estimators from their own model.
 
 Padding is inert: NaN or infinity in the K and V rows past a row's length, or in the V rows of
 valid keys that no head selects (not sampled, not in the top k, not in a chosen page, never
-drawn), leaves every output exactly as with a clean cache, and equal to a float64 reference.
+drawn), leaves every output finite where the clean cache's is, equal to the clean cache's up to
+float32 rounding, and equal to a float64 reference. Not bit-equal: with a non-finite value row the
+weighted sum is recomputed over the selected rows, a different XLA program, whose kernels may sum
+in another order (jax 0.12.1's CPU backend does; 0.12.0's gave the same bits).
 """
 
 from __future__ import annotations
@@ -57,11 +60,16 @@ def _padding() -> np.ndarray:
     return np.broadcast_to(np.arange(N)[None, None, :] >= LENGTHS[:, None, None], (B, HKV, N)).copy()
 
 
+# float32 rounding of sums of O(1) terms, in whatever order XLA's kernels add them (a few ulp of 1);
+# garbage that leaked would be NaN or infinite, far outside it
+ROUNDING = 1e-6
+
+
 def _assert_same(got, clean):
     for g, c in zip(got, clean, strict=True):
         g, c = np.asarray(g), np.asarray(c)
-        assert np.isfinite(g[np.isfinite(c)]).all()
-        np.testing.assert_array_equal(g, c)
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(c))
+        np.testing.assert_allclose(g, c, rtol=ROUNDING, atol=ROUNDING)  # NaN where NaN, inf where inf
 
 
 def test_dense_padding_is_inert():
@@ -123,10 +131,12 @@ def test_topk_key_kept_by_one_head_only_is_inert_for_the_others():
     out, lse = topk_attention(jnp.asarray(q), jnp.asarray(k), _garbage(v, bad), 4, i32(LENGTHS))
     head0, head1 = h * G, h * G + 1
     assert not np.isfinite(np.asarray(out[b, head0])).any()
-    np.testing.assert_array_equal(np.asarray(out[b, head1]), np.asarray(clean[0][b, head1]))
     others = np.ones((B, HQ), bool)
     others[b, head0] = False
-    np.testing.assert_array_equal(np.asarray(out)[others], np.asarray(clean[0])[others])
+    assert np.isfinite(np.asarray(out)[others]).all()
+    np.testing.assert_allclose(np.asarray(out[b, head1]), np.asarray(clean[0][b, head1]), rtol=ROUNDING,
+                               atol=ROUNDING)
+    np.testing.assert_allclose(np.asarray(out)[others], np.asarray(clean[0])[others], rtol=ROUNDING, atol=ROUNDING)
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean[1]))
 
 

@@ -185,8 +185,11 @@ def test_gguf_query_scale_follows_llama_cpp(tmp_path):
     assert gguf_config.query_scale == pytest.approx(8 ** -0.5) and gguf_config.windowed_layers == tuple(
         i for i in range(62) if (i + 1) % 6)
     ids = list(range(3, 40))
-    diff = np.abs(forward_logits(load_model(big), ids) - forward_logits(load_model(tmp_path / "l62.gguf"), ids))
-    assert float(diff.max()) <= TOLERANCE
+    hf = forward_logits(load_model(big), ids)
+    diff = np.abs(hf - forward_logits(load_model(tmp_path / "l62.gguf"), ids))
+    # 62 layers add up float32 rounding beyond the fixtures' TOLERANCE (9e-5 with jax 0.12.0, 1.2e-4
+    # with 0.12.1, logits up to 8.2); the head dim's scale, 1/sqrt(4) for 1/sqrt(8), is far off
+    assert float(diff.max()) <= 5e-4
     small = _random_gemma3_dir(tmp_path / "l61", 61)
     assert read_model_config(_gguf(small, tmp_path / "l61.gguf")).query_scale == 4 ** -0.5  # 1/sqrt(head_dim)
     # hidden / heads is llama.cpp's integer division (20 // 3 = 6)

@@ -103,8 +103,9 @@ def selected_weighted_sum(w: jax.Array, mask: jax.Array, v: jax.Array) -> jax.Ar
     multiplied by zero (``0 * NaN`` is NaN). The product ``w @ v`` over every key is computed
     first; only when it is not finite (some value row non-finite) is it recomputed with the
     unselected rows replaced by zeros (per query head where the heads select different keys).
-    Both give the same sum when every value row is finite, so the select costs nothing on
-    clean inputs.
+    When every value row is finite the two give the same sum up to float32 rounding (they are
+    different XLA programs, whose kernels may add in another order), so the select costs nothing
+    on clean inputs.
     """
     vf = v.astype(jnp.float32)
     hi = jax.lax.Precision.HIGHEST
@@ -135,7 +136,7 @@ def masked_softmax_attention(
     An empty mask gives ``out = 0`` and ``lse = -inf``; a NaN or +inf logit of a selected key
     gives ``lse`` NaN (and ``out`` NaN), never an empty-looking row. Keys outside the mask are
     selected out of the logits and of the values (:func:`selected_weighted_sum`): whatever their
-    K or V rows hold (NaN, inf, garbage), they do not change the result.
+    K or V rows hold (NaN, inf, garbage), they do not change the result beyond float32 rounding.
     """
     B, Hkv, G, N = logits.shape
     masked = jnp.where(mask, logits, -jnp.inf)
