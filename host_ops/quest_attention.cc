@@ -7,7 +7,7 @@
 // the caller keeps the elementwise min and max of the page's keys (float32 [B, Hkv, P, D] each,
 // maintained with the cache: magicpig_jax/host/quest.py builds them after prefill and extends
 // them when keys join the range). Per query head this op scores every page by the upper bound
-// (sum_d max(q_d, 0) kmax_d + sum_d min(q_d, 0) kmin_d) / sqrt(D) of q·k/sqrt(D) over the page,
+// sum_d max(q_d kmin_d, q_d kmax_d) / sqrt(D) of q·k/sqrt(D) over the page,
 // keeps the `pages` best (std::nth_element on 64-bit keys: descending score, ties by the
 // smaller page; not a sort) and attends exactly over their keys. It reads the page bounds of
 // the range and the K and V rows of the kept pages only. It computes the function of
@@ -50,15 +50,17 @@ namespace sel = magicpig::selected;
 
 constexpr int64_t kMaxG = 64;
 
-// Quest's bound for query q over one page: the positive part of q meets the max, the negative
-// part the min (two sums, added, as quest_page_scores).
+// Quest's bound for query q over one page: sum_d max(q_d kmin_d, q_d kmax_d), as quest_page_scores.
+// Per dimension, not as q+ . kmax + q- . kmin: with q_d < 0 and kmax_d = +inf (a key with an
+// infinite component, whose logit is then -inf) the latter is 0 * inf = NaN, the former finite.
+// A NaN product (q_d = 0 against an infinite bound, or a NaN) stays NaN and poisons the head.
 inline float PageBound(const float* q, const float* kmin, const float* kmax, int64_t D) {
-  float hi = 0.f, lo = 0.f;
+  float bound = 0.f;
   for (int64_t d = 0; d < D; ++d) {
-    hi += std::max(q[d], 0.0f) * kmax[d];
-    lo += std::min(q[d], 0.0f) * kmin[d];
+    const float a = q[d] * kmin[d], b = q[d] * kmax[d];
+    bound += (a == a && b == b) ? (a > b ? a : b) : a + b;  // NaN if either is
   }
-  return hi + lo;
+  return bound;
 }
 
 template <typename T>

@@ -110,6 +110,37 @@ def test_equals_pure_jax(case):
     np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(j_lse)[fin], atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("budget", [16, 1.0])
+@pytest.mark.parametrize("component, q_sign, finite", [
+    (np.inf, -1, True), (-np.inf, 1, True),  # the key's logit is -inf: weight 0, its page's bound finite
+    (np.inf, 1, False), (-np.inf, -1, False), (np.inf, 0, False),  # logit +inf, or 0 * inf: NaN
+])
+def test_a_key_with_an_infinite_component(impl, budget, component, q_sign, finite):
+    """Where q_d has the other sign, a key's infinite component makes its logit -inf: it weighs
+    nothing, as in dense attention, and its page's bound sum_d max(q_d kmin_d, q_d kmax_d) stays
+    finite (as q+ . kmax + q- . kmin it was 0 * inf = NaN, and the host op poisoned the head while
+    the pure function kept the page). Host, pure JAX and float64 agree; a logit of +inf or NaN
+    gives every head NaN in both."""
+    rng = np.random.default_rng(7)
+    B, Hkv, G, N, D, page = 1, 1, 2, 64, 8, 8
+    q = rng.standard_normal((B, Hkv * G, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, N, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, N, D)).astype(np.float32)
+    k[0, 0, 10, 3] = component
+    q[0, :, 3] = q_sign * np.abs(q[0, :, 3])
+    pages = quest_build_pages(jnp.asarray(k), jnp.zeros(B, jnp.int32), jnp.full(B, N, jnp.int32), page)
+    out, lse = _quest(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), pages, budget, impl=impl)
+    j_out, j_lse = quest_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), page, budget)
+    if not finite:
+        assert np.isnan(np.asarray(lse)).all() and np.isnan(np.asarray(j_lse)).all()
+        return
+    ref_out, ref_lse = reference(q, k, v, page, budget, [0], [N])
+    for got_out, got_lse in ((out, lse), (j_out, j_lse)):
+        np.testing.assert_allclose(np.asarray(got_out), ref_out, atol=3e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(got_lse), ref_lse, atol=3e-5, rtol=1e-5)
+
+
 @given(problems(), CAPS)
 def test_context_adds_the_static_set_in_one_softmax(p, cap):
     """With context, [0, start) and [end, context) join the kept pages' keys in one softmax (with a

@@ -226,9 +226,12 @@ def quest_page_scores(
     """Quest's per-page upper bound of ``q·k/sqrt(D)``.
 
     Page j holds positions ``[j*page_size, (j+1)*page_size)``; only valid keys
-    enter its elementwise min/max. The bound is
-    ``sum_d max(q_d min_d, q_d max_d) = q⁺·max + q⁻·min`` (``q⁺ = max(q, 0)``,
-    ``q⁻ = min(q, 0)``), so it is >= every valid logit of the page.
+    enter its elementwise min/max. The bound is ``sum_d max(q_d min_d, q_d max_d)``, so it
+    is >= every valid logit of the page. It is summed per dimension, not as the equal
+    ``q⁺·max + q⁻·min`` (``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)``): a key with an infinite
+    component would make that ``0 · inf = NaN`` where ``q_d`` has the other sign (the key's
+    logit is then ``-inf``). A NaN ``q`` or key, or ``q_d = 0`` against an infinite component,
+    gives the page NaN.
 
     Args:
       q: float ``[B, Hq, D]``; k: float ``[B, Hkv, N, D]`` (shapes validated by the caller).
@@ -258,10 +261,10 @@ def quest_page_scores(
     kmin = jnp.where(page_valid, jnp.min(jnp.where(valid, kp, jnp.inf), axis=3), 0.0)
     kmax = jnp.where(page_valid, jnp.max(jnp.where(valid, kp, -jnp.inf), axis=3), 0.0)
     qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
-    hi = jax.lax.Precision.HIGHEST
-    score = jnp.einsum("bhgd,bhpd->bhgp", jnp.maximum(qg, 0.0), kmax, precision=hi) + jnp.einsum(
-        "bhgd,bhpd->bhgp", jnp.minimum(qg, 0.0), kmin, precision=hi
-    )
+    # per dimension, fused into the sum (no [.., P, D] buffer): q+ . kmax + q- . kmin would give a
+    # page holding a key with an infinite component (logit -inf where q_d < 0) 0 * inf = NaN
+    qd = qg[:, :, :, None, :]
+    score = jnp.sum(jnp.maximum(qd * kmin[:, :, None], qd * kmax[:, :, None]), axis=-1)
     score = score / jnp.float32(math.sqrt(D))
     return jnp.where(page_valid[:, :, None, :, 0], score, -jnp.inf)
 
