@@ -248,7 +248,8 @@ def test_missing_embedded_package_says_how_to_install(monkeypatch):
 
 
 def test_rope_scaling_llama3_from_either_key():
-    from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
+    from magicpig_jax.models.config import LlamaConfig
+    from magicpig_jax.models.rope import rope_inv_freq
 
     base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "rope_theta": 500000.0,

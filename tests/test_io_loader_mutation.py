@@ -787,7 +787,7 @@ def test_gguf_rope_scaling_as_llama_cpp_reads_it(tmp_path):
 
 
 def test_rope_inv_freq_factors_with_scalings():
-    from magicpig_jax.models.config import rope_inv_freq
+    from magicpig_jax.models.rope import rope_inv_freq
 
     base = _llama_config(rope_scaling=(("factor", 2.0), ("rope_type", "linear")))
     ff = np.array([1.0, 2.0, 3.0, 4.0])

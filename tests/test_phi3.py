@@ -14,7 +14,8 @@ import pytest
 
 from magicpig_jax.generation import forward_logits
 from magicpig_jax.io.loader import convert_model, load_model, read_model_config
-from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError, rope_attention_factor
+from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
+from magicpig_jax.models.rope import rope_attention_factor
 from tests.fixtures.gguf_convert import write_gguf
 from tests.test_io_families import FIXTURES, TOLERANCE, _spm_vocab
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from magicpig_jax.io.loader import load_model, read_model_config
-from magicpig_jax.models.config import LlamaConfig, rope_attention_factor, rope_inv_freq
+from magicpig_jax.models.config import LlamaConfig
+from magicpig_jax.models.rope import rope_attention_factor, rope_inv_freq
 from tests.fixtures.gguf_convert import write_gguf
 from tests.test_io_families import FIXTURES, TOLERANCE, _edited_copy, _max_dlogit
 

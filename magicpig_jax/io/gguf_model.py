@@ -31,14 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from magicpig_jax.io.gguf_blocks import QUANT_TYPES
-from magicpig_jax.models.config import (
-    MAX_POSITIONS,
-    SOFTCAP_RANGE,
-    LlamaConfig,
-    UnsupportedConfigError,
-    normalize_rope_scaling,
-    yarn_context_length,
-)
+from magicpig_jax.models.config import MAX_POSITIONS, SOFTCAP_RANGE, LlamaConfig, UnsupportedConfigError
+from magicpig_jax.models.rope import normalize_rope_scaling, yarn_context_length
 
 __all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES", "unpermute_rope_rows", "packed_key", "split_packed_key",
            "GGUFWeights", "GGUFMetadataError"]

@@ -15,8 +15,9 @@ from magicpig_jax.io.embedded import embedded_model_path
 from magicpig_jax.io.gguf_blocks import packed_row_bytes, row_weights
 from magicpig_jax.io.gguf_model import split_packed_key
 from magicpig_jax.io.tokenizer import Tokenizer
-from magicpig_jax.models.config import LlamaConfig, rope_inv_freq
+from magicpig_jax.models.config import LlamaConfig
 from magicpig_jax.models.llama import Llama
+from magicpig_jax.models.rope import rope_inv_freq
 
 __all__ = ["LoadedModel", "load_model", "read_model_config", "build_llama", "convert_model"]
 

@@ -18,9 +18,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.models.config import LlamaConfig, rope_attention_factor, rope_inv_freq
+from magicpig_jax.models.config import LlamaConfig
 from magicpig_jax.models.dequant import dequantize
 from magicpig_jax.models.linear import Linear, PackedWeight, dense_matmul, make_packed, packed_matmul
+from magicpig_jax.models.rope import rope_attention_factor, rope_inv_freq
 
 __all__ = ["Llama", "RopeFrequencies", "apply_rope", "rope_frequencies", "rope_tables"]
 
@@ -38,7 +39,7 @@ def apply_rope(
     ``x * cos + rotate_half(x) * sin`` with angles ``positions * inv_freq`` (Su et al.,
     RoFormer; matches transformers' ``apply_rotary_pos_emb``). ``scale`` multiplies cos and
     sin, as transformers' ``attention_scaling`` does: YaRN's attention factor
-    (:func:`magicpig_jax.models.config.rope_attention_factor`), 1 otherwise. With fewer
+    (:func:`magicpig_jax.models.rope.rope_attention_factor`), 1 otherwise. With fewer
     frequencies than ``D / 2`` (partial RoPE, ``inv_freq`` ``[R/2]``) the leading R dimensions
     are rotated and the rest pass through, as transformers' Phi3 does.
     """
