@@ -40,7 +40,10 @@ class Sampling:
       top_p: nucleus mass in ``(0, 1]`` (Holtzman et al. 2020); 1 keeps the whole vocabulary.
       seed: seed of the sampling key, an int in ``[0, 2**32)`` (``jax.random.key`` keeps 32 bits:
         a larger seed would repeat a smaller one); not the SimHash projections: those use
-        :attr:`MagicPIGConfig.seed`.
+        :attr:`MagicPIGConfig.seed`. One key per step serves the whole batch, so a sampled row's
+        tokens (and oracle attention's draws, greedy included) depend on its position in the
+        batch: the rows are not the prompts decoded alone with this seed. Greedy decoding with
+        the other methods gives each row its tokens alone.
 
     Raises:
       ValueError: a value out of range, naming the field.
@@ -341,6 +344,8 @@ class DecodeRun:
         self.cache, self.indices, self.limits = cache, indices, limits
         self.stop_on_eos, self.stop, self.progress = stop_on_eos, stop, progress
         self.B = len(limits)
+        # the positions each row may fill (its prompt and its own limit; at most the cache's capacity)
+        self._needed = np.asarray(state.prompt_lengths) + np.asarray(limits)
         self.compile_seconds = 0.0
         if step is None:  # (parameter leaves, step, seconds already spent compiling it)
             graphdef, params = nnx.split(model.module)
@@ -422,9 +427,13 @@ class DecodeRun:
         """
         count = self._count(t)
         before = self._lengths
+        # Every row takes every step. A row past its own limit (stopped by the context while others
+        # decode on) needs no more positions: once full, its steps write nothing (decode_step), and its
+        # tokens are never read. So the capacity check sees it at most at its limit.
+        checked = np.minimum(before, self._needed - count)
         tok, toks, logits, nss, self.cache, self.indices = self.step(
             self.leaves, self.cache, self.indices, tokens, self.base_key, t + 1, count, self._temp, self._top_p,
-            before)
+            checked)
         self._lengths = np.minimum(before + count, self.cache.capacity)  # the step's own rule (decode_step)
         return t, count, (tok, toks, logits, nss), before
 

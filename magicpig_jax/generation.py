@@ -6,6 +6,7 @@ decode backends (the CLI compares MagicPIG with dense on the same prefill).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -268,8 +269,9 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
     lengths = np.array([len(p) for p in prompts], np.int32)
     ctx = model.config.max_position_embeddings
     if lengths.max() > ctx and not allow_beyond_context:
+        row = f" {int(lengths.argmax())}" if len(prompts) > 1 else ""
         raise ValueError(
-            f"prompt has {int(lengths.max())} tokens, longer than the model's context of {ctx} tokens"
+            f"prompt{row} has {int(lengths.max())} tokens, longer than the model's context of {ctx} tokens"
         )
     B = len(prompts)
     capacity = cache_capacity(model, int(lengths.max()), max_new_tokens, allow_beyond_context)
@@ -440,7 +442,9 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there, refused
         for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.
       page_size: Quest's page size in tokens (default 16; refused for the other backends).
-      temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy).
+      temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy). In a batch
+        a sampled row depends on its position (one key per step for all rows; see
+        :attr:`Sampling.seed`).
       stop: a stop string or a list of them; the text is cut before the first one.
       stream: return an iterator of text pieces as tokens are produced (one prompt only);
         a character split over several byte tokens is emitted whole.
@@ -473,7 +477,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     prompts, batched = _prompt_batch(prompt)
     if stream and batched:
         raise ValueError("stream=True takes one prompt, not a batch")
-    ids = [encode_prompt(model, p, chat, parse_special) for p in prompts]
+    ids = [_encode_row(model, p, i if batched else None, chat, parse_special) for i, p in enumerate(prompts)]
     empty = [i for i, row in enumerate(ids) if not row]
     if empty:  # only a raw prompt can: the chat template always adds its turn markers
         raise ValueError(f"prompt {empty[0]} encodes to no token (an empty text with chat=False)")
@@ -489,9 +493,19 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     for _ in run:
         pass
     stats = {**run.stats(), "model": str(model.source), "stop": list(stops)}
-    gens = [Generation(criterion.cut(decode_text(o)) if criterion else decode_text(o), o, stats, reason)
+    gens = [Generation(criterion.cut(decode_text(o)) if criterion else decode_text(o), o, copy.deepcopy(stats), reason)
             for o, reason in zip(run.outputs, run.stop_reasons, strict=True)]
     return gens if batched else gens[0]
+
+
+def _encode_row(model, prompt, row: int | None, chat: bool, parse_special: bool) -> list[int]:
+    """:func:`encode_prompt`; in a batch (``row`` given) its errors name the row."""
+    try:
+        return encode_prompt(model, prompt, chat, parse_special)
+    except (TypeError, ValueError) as err:
+        if row is None or type(err) not in (TypeError, ValueError):
+            raise
+        raise type(err)(f"prompt {row}: {err}") from err
 
 
 def _stream(run, text: TextStream) -> Iterator[str]:

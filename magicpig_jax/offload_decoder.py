@@ -123,9 +123,17 @@ def _finish(layer, x, out):
 
 
 def _write_rows(cache, x, pos):
-    """``cache[b, :, pos[b]] = x[b]`` for every row (``cache [B, Hkv, N, D]``, ``x [B, Hkv, D]``)."""
+    """``cache[b, :, pos[b]] = x[b]`` for every row (``cache [B, Hkv, N, D]``, ``x [B, Hkv, D]``).
+
+    A full row (``pos[b] >= N``: one that stopped at the context while others decode on) is left
+    as it is, as in the single-device step; ``dynamic_update_slice`` would clamp the write into
+    its last slot."""
+    N = cache.shape[2]
     for b in range(x.shape[0]):
-        cache = jax.lax.dynamic_update_slice(cache, x[b][None, :, None, :].astype(cache.dtype), (b, 0, pos[b], 0))
+        at = (b, 0, jnp.minimum(pos[b], N - 1), 0)
+        update = x[b][None, :, None, :].astype(cache.dtype)
+        update = jnp.where(pos[b] < N, update, jax.lax.dynamic_slice(cache, at, update.shape))
+        cache = jax.lax.dynamic_update_slice(cache, update, at)
     return cache
 
 
@@ -269,7 +277,7 @@ def _host_layer(up, pos, k_cache, v_cache, index, *, spec, num_heads: int):
     # The barrier orders the cache writes after the op's reads, so XLA updates the donated cache in place.
     out, lse, ns, k_cache, v_cache = jax.lax.optimization_barrier((out, lse, ns, k_cache, v_cache))
     k_cache, v_cache = _write_rows(k_cache, k_new, pos), _write_rows(v_cache, v_new, pos)
-    index = append_due(spec, index, k_cache, pos + 1)
+    index = append_due(spec, index, k_cache, jnp.where(pos < k_cache.shape[2], pos + 1, pos))  # a full row: as written
     return _pack(out, lse, index.end), ns, k_cache, v_cache, index
 
 
@@ -402,7 +410,8 @@ class OffloadDecodeStep:
             pending = (jax.device_put(down, self.accel), out_s, lse_s, k_new, v_new)
         next_tokens = _sample(logits, base_key, t, temperature, top_p, sample_token)
         num_sampled = jnp.stack(counts) if counts else jnp.zeros((0, tokens.shape[0], self.num_heads), jnp.int32)
-        new_cache = KVCache(k=tuple(k_layers), v=tuple(v_layers), lengths=pos + 1)
+        # a full row writes nothing and keeps its length (decode_step's rule)
+        new_cache = KVCache(k=tuple(k_layers), v=tuple(v_layers), lengths=jnp.where(pos < cache.capacity, pos + 1, pos))
         return next_tokens, logits, num_sampled, new_cache, tuple(states)
 
 

@@ -126,6 +126,25 @@ def test_prompts_that_are_no_text_are_named(model):
         generate(model, "", chat=False)
 
 
+def test_a_batch_names_the_row_it_refuses(model):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from magicpig_jax.io.tokenizer import Tokenizer
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat = dataclasses.replace(model, tokenizer=Tokenizer(HFTokenizer(models.BPE()), chat_template=template,
+                                                          eos_token_ids=()))
+    with pytest.raises(TypeError, match=_exact("prompt 2: prompt message 0 content must be a str, got int")):
+        generate(chat, ["hi", "yo", [{"role": "user", "content": 5}]])
+    with pytest.raises(ValueError, match=_exact("prompt 1: prompt must hold at least one message")):
+        generate(chat, ["hi", []])
+    ctx = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=_exact(f"prompt 1 has {ctx + 1} tokens, longer than the model's context "
+                                                f"of {ctx} tokens")):
+        prefill(model, [[1, 2], [1] * (ctx + 1)], 2)
+
+
 def test_static_and_budget_arguments_are_typed():
     # in the suite jaxtyping checks the annotations first; either message names the argument
     q, k, v = _qkv()

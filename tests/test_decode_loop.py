@@ -52,6 +52,30 @@ def test_rows_stop_at_their_own_limit(small_context_model):
     assert stats["stop_reasons"] == ["context", "length"]
 
 
+@pytest.mark.parametrize("attention, budget", [("dense", None), ("magicpig", None), ("magicpig-ref", None),
+                                               ("topk", 24), ("quest", 32)])
+def test_a_row_stopped_by_the_context_lets_the_batch_decode_on(attention, budget):
+    """Context 255, cache capacity 256: a 250-token row stops at the context after 6 tokens while a
+    10-token row decodes 20. Every row takes every step, so the stopped row reached position 256 and
+    the batch raised "decode step past the cache" (each row alone was fine). Now its steps write
+    nothing once it is full, and each row's tokens equal the row decoded alone."""
+    from magicpig_jax.generation import CHUNK
+
+    model = tiny_model(0, dataclasses.replace(TINY, max_position_embeddings=CHUNK - 1))
+    rng = np.random.default_rng(0)
+    rows = [[int(t) for t in rng.integers(1, 90, 250)], [int(t) for t in rng.integers(1, 90, 10)]]
+    kw = dict(attention=attention, max_new_tokens=20, stop_on_eos=False)
+    if budget is not None:
+        kw["budget"] = budget
+    state = prefill(model, rows, 20)
+    assert state.cache.capacity == CHUNK
+    outs, stats = decode(model, state, **kw)
+    assert stats["stop_reasons"] == ["context", "length"] and [len(o) for o in outs] == [6, 20]
+    for row, out in zip(rows, outs, strict=True):
+        alone, _ = decode(model, prefill(model, [row], 20), **kw)
+        assert alone[0] == out
+
+
 def test_one_token_gives_strict_json(small_context_model):
     model = small_context_model
     state = prefill(model, [[1, 2, 3]], 1)

@@ -278,6 +278,20 @@ _DECODER = textwrap.dedent(r'''
         for _ in run:
             pass
         R["windowed"][name] = run.outputs
+    # Context 255, capacity 256: the 250-token row stops at the context after 6 tokens while the
+    # 10-token row decodes 20; the stopped row's steps write nothing once it is full.
+    short_ctx = tiny_model(0, dataclasses.replace(TINY, max_position_embeddings=255))
+    crng = np.random.default_rng(1)
+    rows = [[int(t) for t in crng.integers(1, 90, 250)], [int(t) for t in crng.integers(1, 90, 10)]]
+    state = prefill(short_ctx, rows, 20)
+    R["context"] = {}
+    for name, spec in (("one_device", DecodeSpec(**base)),
+                       ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
+        run = start_decode(short_ctx, state, spec, 20, Sampling())
+        for _ in run:
+            pass
+        R["context"][name] = [run.outputs, run.stop_reasons, int(state.cache.capacity),
+                              np.asarray(run.cache.lengths).tolist()]
     # Gemma 3 (the transformers fixture): sandwich norms, the local RoPE base on its windowed
     # layers 0 and 2 (dense here: their window of 8 binds), the query scale on the sparse layer 1;
     # Gemma 2: attention logit soft-capping in the host op, the static part and the dense layers 0
@@ -338,6 +352,15 @@ def test_offload_decoder_runs_gemma(decoder_results, family):
     (one, frac_one), (off, frac_off) = decoder_results[family]["one_device"], decoder_results[family]["offload"]
     assert off == one and len(off[0]) == 12
     assert frac_off == pytest.approx(frac_one, rel=1e-6) and 0 < frac_off < 1
+
+
+def test_offload_decoder_lets_a_batch_decode_past_a_row_stopped_by_the_context(decoder_results):
+    """A row that stopped at the context keeps taking the batch's steps: past the capacity they
+    write nothing (as the one-device step), and the tokens equal the one-device step's."""
+    one, off = decoder_results["context"]["one_device"], decoder_results["context"]["offload"]
+    assert one[2] == 256 and one[1] == ["context", "length"] and [len(t) for t in one[0]] == [6, 20]
+    assert off[:2] == one[:2]
+    assert off[3] == one[3] == [256, 29]  # the full row kept its length (10 + 19 steps for the other)
 
 
 def test_offload_decoder_windows_its_dense_layers(decoder_results):
