@@ -283,20 +283,25 @@ def _check_model(args, layered=None) -> None:
     """``--model``'s metadata (no weights): a path that is no model fails here, before the command
     prints anything; ``--dense-layers`` and ``--magicpig-config`` against its layer count, and the
     file's K against the host index when ``magicpig`` runs it."""
-    from magicpig_jax.host.index import HOST_MAX_K
+    from magicpig_jax import lsh
+    from magicpig_jax.host.index import HOST_MAX_K, HOST_MAX_L
     from magicpig_jax.io.loader import read_model_config
 
-    n = read_model_config(args.model).num_layers
+    config = read_model_config(args.model)
+    n = config.num_layers
     if layered is not None:
         try:
-            layered.check_num_layers(n)
+            layered.check_model(config.model_shape())
         except ValueError as err:
             raise ValueError(f"--magicpig-config {args.magicpig_config}: {err}") from None
-        too_big = [(i, c.K) for i, c in layered.layers if c != "dense" and c.K > HOST_MAX_K]
+        sparse = [(i, c) for i, c in layered.layers if c != "dense"]
+        too_big = [(i, "K", c.K, HOST_MAX_K) for i, c in sparse if c.K > HOST_MAX_K] + [
+            (i, "L", c.L, HOST_MAX_L) for i, c in sparse if c.L > HOST_MAX_L]
         if too_big and "magicpig" in args.attention:
-            i, K = too_big[0]
-            raise ValueError(f"--magicpig-config {args.magicpig_config}: layer {i} has K = {K}; attention 'magicpig' "
-                             f"(the host index) takes K in [1, {HOST_MAX_K}], 'magicpig-ref' up to 32")
+            i, name, value, most = too_big[0]
+            pure = f"'magicpig-ref' (pure JAX) up to {lsh.MAX_K if name == 'K' else lsh.MAX_L}"
+            raise ValueError(f"--magicpig-config {args.magicpig_config}: layer {i} has {name} = {value}; attention "
+                             f"'magicpig' (the host index) takes {name} in [{1 if name == 'K' else 2}, {most}], {pure}")
     bad = [i for i in args.dense_layers or () if i >= n]
     if bad:
         raise ValueError(f"--dense-layers {','.join(map(str, bad))} out of range: the model has {n} layers "

@@ -347,7 +347,7 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
 def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, page_size, mesh,
                   positions) -> DecodeSpec:
     """The spec of per-layer configs: each sparse layer its own (K, L), their dense layers."""
-    config.check_num_layers(model.config.num_layers)
+    config.check_model(model.config.model_shape())
     if dense_layers is not None and check_layer_indices("dense_layers", dense_layers,
                                                         model.config.num_layers) != config.dense_layers:
         raise ValueError(f"dense_layers {tuple(dense_layers)} differ from the layer configs' dense layers "
@@ -362,8 +362,8 @@ def _layered_spec(model, attention, config: LayerConfigs, dense_layers, budget, 
 
 def _page_size(attention: str, page_size: int | None) -> int:
     """Quest's page size, 16 tokens unless given (the Quest paper's setting); refused for the
-    other backends, which would ignore it. ``config`` and ``dense_layers`` are taken by every
-    backend (dense reads neither), so that one loop can compare backends with the same call."""
+    other backends, which would ignore it. A :class:`MagicPIGConfig` and ``dense_layers`` are taken
+    by every backend (dense reads neither), so that one loop can compare backends with the same call."""
     if attention not in BACKENDS:  # decode_spec names the allowed ones
         return 16
     if page_size is not None and attention != "quest":
@@ -387,8 +387,9 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       config: MagicPIG configuration (default :class:`MagicPIGConfig()`); its ``num_sink`` and
         ``num_local`` also define the static set of TopK, Quest and oracle sampling. A
         :class:`~magicpig_jax.attention.LayerConfigs` gives each layer its own (K, L) or keeps it
-        dense (``magicpig``, ``magicpig-ref``, ``hybrid``; then ``dense_layers`` stays unset).
-        Dense attention reads no config (accepted, so that one loop can compare backends).
+        dense (``magicpig``, ``magicpig-ref``, ``hybrid`` only; then ``dense_layers`` stays unset).
+        Dense attention reads no :class:`MagicPIGConfig` (accepted, so that one loop can compare
+        backends); a :class:`~magicpig_jax.attention.LayerConfigs` with another backend is refused.
       dense_layers: layers kept dense under a sparse backend (default
         :func:`default_dense_layers`; dense attention keeps every layer dense anyway).
       sampling: :class:`Sampling` (default greedy).
@@ -436,8 +437,10 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         at a stop string, or where the model's context is full.
       config: :class:`MagicPIGConfig` (default K=10, L=150, 4 sinks, 64 local), or a
         :class:`~magicpig_jax.attention.LayerConfigs` (per-layer (K, L) or dense, e.g. from
-        ``magicpig-jax calibrate``; :meth:`LayerConfigs.load` reads its JSON file). Dense
-        attention reads no config (accepted, so that one loop can compare backends).
+        ``magicpig-jax calibrate``; :meth:`LayerConfigs.load` reads its JSON file; ``magicpig``,
+        ``magicpig-ref`` and ``hybrid`` only, and its recorded model sizes must be this model's).
+        Dense attention reads no :class:`MagicPIGConfig` (accepted, so that one loop can compare
+        backends).
       dense_layers: layers kept dense (default :func:`default_dense_layers`).
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there, refused
         for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.

@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 MAX_K = 32
+MAX_L = 2**16  # tables: codes are [.., L] and the hyperplanes [D, K*L]; the paper uses a few hundred
 
 # Below this value of L * p^K the closed form of u cancels in float32 (u can be
 # as small as ~0.26 at L * p^K = 1, where cancellation costs ~5e-7 relative), and
@@ -43,8 +44,9 @@ def validate_k_l(K: int, L: int) -> None:
 
     Args:
       K: bits per table, an ``int`` in ``[1, 32]`` (codes are ``uint32``).
-      L: number of tables, an ``int`` ``>= 2`` (a key is sampled when it collides
-        with the query in at least 2 tables, so L = 1 could never sample).
+      L: number of tables, an ``int`` in ``[2, MAX_L]`` (a key is sampled when it collides
+        with the query in at least 2 tables, so L = 1 could never sample; ``MAX_L = 65536``
+        bounds the hyperplanes ``[D, K·L]`` and the codes before they are allocated).
 
     Raises:
       TypeError: if K or L is not an integer.
@@ -59,6 +61,8 @@ def validate_k_l(K: int, L: int) -> None:
         raise ValueError(f"K must be in [1, {MAX_K}] (bits per uint32 code), got K={K}")
     if L < 2:
         raise ValueError(f"L must be >= 2 (sampling needs >= 2 colliding tables), got L={L}")
+    if L > MAX_L:
+        raise ValueError(f"L must be <= {MAX_L} (tables of codes and [D, K*L] hyperplanes), got L={L}")
 
 
 def simhash_projections(key: jax.Array, head_dim: int, K: int, L: int) -> Float[Array, "D KL"]:

@@ -144,3 +144,75 @@ def test_a_non_utf8_file_names_itself(tmp_path):
     path.write_bytes(b'{"format": "caf\xe9"}')
     with pytest.raises(ValueError, match=f"layer-configs file {path} is not JSON"):
         LayerConfigs.load(path)
+
+
+TINY_SHAPE = {"num_layers": 3, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 97}
+
+
+def test_a_file_records_its_model_and_refuses_another(tmp_path):
+    """A calibrated file applied to another model was decoded silently whenever the layer counts
+    agreed; it records the model's sizes, which every entry point checks."""
+    a = MagicPIGConfig(K=4, L=10)
+    lc = LayerConfigs(((0, "dense"), (1, a), (2, a)), model_shape=TINY_SHAPE)
+    back = LayerConfigs.load(lc.save(tmp_path / "cfg.json"))
+    assert back == lc and dict(back.model_shape) == TINY_SHAPE
+    lc.check_model(TINY_SHAPE)
+    with pytest.raises(ValueError, match=re.escape("calibrated for a model of other sizes: head_dim 16 (this "
+                                                   "model: 64), vocab_size 97 (this model: 49152)")):
+        lc.check_model(dict(TINY_SHAPE, head_dim=64, vocab_size=49152))
+    with pytest.raises(ValueError, match="the model has 30"):
+        lc.check_model(dict(TINY_SHAPE, num_layers=30))
+    LayerConfigs(lc.layers).check_model(dict(TINY_SHAPE, head_dim=64))  # a file from before: layers only
+    assert hash(LayerConfigs(lc.layers)) == hash(lc)  # the sizes do not change the computation
+    with pytest.raises(ValueError, match=r"unknown keys \['heads'\]"):
+        LayerConfigs(lc.layers, model_shape={"heads": 4})
+    with pytest.raises(ValueError, match="gives 5 layers, the configs 3"):
+        LayerConfigs(lc.layers, model_shape={"num_layers": 5})
+    with pytest.raises(ValueError, match=">= 1"):
+        LayerConfigs(lc.layers, model_shape={"head_dim": 0})
+    with pytest.raises(ValueError, match="model_shape 'head_dim' must be an integer"):
+        LayerConfigs.from_json(dict(lc.to_json(), model_shape={"head_dim": 16.0}))
+
+    from magicpig_jax.generation import decode_spec
+    from tests._tiny import tiny_model
+
+    model = tiny_model(0)
+    assert model.config.model_shape() == TINY_SHAPE
+    decode_spec(model, "magicpig-ref", lc, None, None, 16, positions=1)
+    other = LayerConfigs(lc.layers, model_shape=dict(TINY_SHAPE, num_kv_heads=4))
+    with pytest.raises(ValueError, match=re.escape("num_kv_heads 4 (this model: 2)")):
+        decode_spec(model, "magicpig-ref", other, None, None, 16, positions=1)
+
+
+def test_load_refuses_duplicate_keys_deep_nesting_and_directories(tmp_path):
+    obj = LayerConfigs(((0, "dense"), (1, MagicPIGConfig()))).to_json()
+    text = json.dumps(obj).replace('"1": {"K": 10, "L": 150}', '"1": {"K": 10, "L": 150}, "1": "dense"')
+    assert text.count('"1"') == 2
+    (tmp_path / "dup.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'dup.json'} gives key '1' twice in one object")):
+        LayerConfigs.load(tmp_path / "dup.json")  # json alone keeps the last: layer 1 silently dense
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        LayerConfigs.load(tmp_path / "deep.json")
+    with pytest.raises(ValueError, match=re.escape(f"layer-configs file {tmp_path} is a directory")):
+        LayerConfigs.load(tmp_path)
+    with pytest.raises(ValueError, match=re.escape("L must be <= 65536")):
+        MagicPIGConfig(L=65537)
+
+
+def test_the_command_line_checks_a_file_before_loading_the_model(tmp_path, capsys):
+    from magicpig_jax import cli
+
+    wide = LayerConfigs.uniform(MagicPIGConfig(K=10, L=5000), 30, [0, 15]).save(tmp_path / "wide.json")
+    assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(wide)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"magicpig-jax: error: --magicpig-config {wide}: layer 1 has L = 5000; attention 'magicpig' "
+                   "(the host index) takes L in [2, 4096], 'magicpig-ref' (pure JAX) up to 65536")
+    shape = {"num_layers": 30, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "head_dim": 16,
+             "vocab_size": 49152}
+    other = LayerConfigs(LayerConfigs.uniform(MagicPIGConfig(), 30, [0, 15]).layers, model_shape=shape)
+    path = other.save(tmp_path / "other.json")
+    assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"magicpig-jax: error: --magicpig-config {path}: the layer configs were calibrated for a model "
+                   "of other sizes: head_dim 16 (this model: 64)")

@@ -5,7 +5,9 @@ command line (calibrate, generate --magicpig-config)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 
@@ -131,6 +133,12 @@ def test_file_and_eval_check(calibrated, tmp_path):
     with pytest.raises(ValueError, match="num_local"):
         cal.check_config_for_eval(path, model, EvalSettings(**{**settings.__dict__, "haystack": str(other),
                                                                "num_local": 64}))
+    # a file calibrated for a model of other sizes (its layer count equal) is named, not applied
+    shape = dict(model.config.model_shape(), hidden_size=model.config.hidden_size + 1)
+    foreign = dataclasses.replace(lc, model_shape=shape).save(tmp_path / "foreign.json", extra=report)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(foreign))}: the layer configs were calibrated for a model "
+                                         "of other sizes: hidden_size"):
+        cal.check_config_for_eval(foreign, model, EvalSettings(**{**settings.__dict__, "haystack": str(other)}))
 
 
 def test_command_line_is_wired(tmp_path, capsys):

@@ -25,13 +25,15 @@ import numpy as np
 
 from magicpig_jax.attention.config import MagicPIGConfig
 
-__all__ = ["LayerConfigs", "DENSE", "FORMAT", "check_layer_indices"]
+__all__ = ["LayerConfigs", "DENSE", "FORMAT", "MODEL_SHAPE_KEYS", "check_layer_indices"]
 
 DENSE = "dense"
 FORMAT = "magicpig-jax layer configs v1"
 # The fields of the file's object; other top-level keys are the calibration's report (not read).
 _COMMON = ("num_sink", "num_local", "seed", "layers_per_projection")
-_FIELDS = ("format", *_COMMON, "layers", "info")
+_FIELDS = ("format", *_COMMON, "layers", "info", "model_shape")
+# The model sizes a calibrated file records (``LlamaConfig.model_shape()``), checked where it is applied.
+MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 _LAYER_FIELDS = ("K", "L", "heavy")
 
 
@@ -68,16 +70,22 @@ class LayerConfigs:
         ``config`` is a :class:`MagicPIGConfig` or ``"dense"``.
       info: optional provenance (``(key, value)`` string pairs kept in the JSON file; not
         used by decoding); a mapping of strings is accepted and stored as such pairs.
+      model_shape: optional sizes of the model the configs were calibrated for (keys of
+        ``MODEL_SHAPE_KEYS``: layers, hidden size, Hq, Hkv, D, vocabulary), as ``(key, size)`` pairs
+        or a mapping; :meth:`check_model` refuses a model of other sizes. Not compared or hashed:
+        it does not change the computation.
 
     Raises:
       TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``; a layer index that is
         not an integer; ``info`` not string pairs.
-      ValueError: layers not exactly ``0 .. n-1``, no layer at all, or sparse layers that
-        disagree on ``num_sink``, ``num_local``, ``seed`` or ``layers_per_projection``.
+      ValueError: layers not exactly ``0 .. n-1``, no layer at all, sparse layers that
+        disagree on ``num_sink``, ``num_local``, ``seed`` or ``layers_per_projection``, or a
+        ``model_shape`` with an unknown key, a size below 1, or another number of layers.
     """
 
     layers: tuple[tuple[int, MagicPIGConfig | str], ...]
     info: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
+    model_shape: tuple[tuple[str, int], ...] | Mapping[str, int] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         bad = [i for i, _ in self.layers if not _is_index(i)]
@@ -103,6 +111,20 @@ class LayerConfigs:
         if len(shared) > 1:
             raise ValueError("every sparse layer must share num_sink, num_local, seed and layers_per_projection, "
                              f"got {sorted(shared)}")
+        raw = self.model_shape
+        if not isinstance(raw, Mapping) and not (isinstance(raw, tuple) and all(
+                isinstance(p, tuple) and len(p) == 2 for p in raw)):
+            raise TypeError(f"model_shape must be (key, size) pairs or a mapping, got {raw!r}")
+        shape = dict(raw)
+        unknown = sorted(str(k) for k in shape if k not in MODEL_SHAPE_KEYS)
+        if unknown:
+            raise ValueError(f"model_shape has unknown keys {unknown} (known: {', '.join(MODEL_SHAPE_KEYS)})")
+        bad = {k: v for k, v in shape.items() if not _is_index(v) or v < 1}
+        if bad:
+            raise ValueError(f"model_shape sizes must be integers >= 1, got {bad}")
+        if shape.get("num_layers", len(entries)) != len(entries):
+            raise ValueError(f"model_shape gives {shape['num_layers']} layers, the configs {len(entries)}")
+        object.__setattr__(self, "model_shape", tuple((k, int(shape[k])) for k in MODEL_SHAPE_KEYS if k in shape))
 
     @classmethod
     def uniform(cls, config: MagicPIGConfig, num_layers: int, dense_layers=()) -> LayerConfigs:
@@ -141,6 +163,21 @@ class LayerConfigs:
         if self.num_layers != num_layers:
             raise ValueError(f"the layer configs give {self.num_layers} layers, the model has {num_layers}")
 
+    def check_model(self, shape: Mapping[str, int]) -> None:
+        """Refuse a model these configs were not made for: another number of layers, or (when the
+        file recorded the calibrated model's sizes, :attr:`model_shape`) another size of those.
+
+        Args:
+          shape: the model's sizes by the keys of ``MODEL_SHAPE_KEYS`` (``LlamaConfig.model_shape()``).
+
+        Raises:
+          ValueError: naming the sizes that differ.
+        """
+        self.check_num_layers(shape["num_layers"])
+        differ = [f"{k} {v} (this model: {shape[k]})" for k, v in self.model_shape if k in shape and shape[k] != v]
+        if differ:
+            raise ValueError("the layer configs were calibrated for a model of other sizes: " + ", ".join(differ))
+
     # --- JSON ---------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
@@ -149,7 +186,7 @@ class LayerConfigs:
         return {"format": FORMAT, "num_sink": base.num_sink, "num_local": base.num_local, "seed": base.seed,
                 "layers_per_projection": base.layers_per_projection,
                 "layers": {str(i): DENSE if c == DENSE else _kl_json(c) for i, c in self.layers},
-                "info": dict(self.info)}
+                "info": dict(self.info), **({"model_shape": dict(self.model_shape)} if self.model_shape else {})}
 
     @classmethod
     def from_json(cls, obj: Mapping) -> LayerConfigs:
@@ -202,7 +239,11 @@ class LayerConfigs:
         info = obj.get("info") or {}
         if not isinstance(info, Mapping):
             raise ValueError(f"layer-configs 'info' must be an object, got {type(info).__name__}")
-        return cls(tuple(layers), tuple((str(k), str(v)) for k, v in info.items()))
+        shape = obj.get("model_shape") or {}
+        if not isinstance(shape, Mapping):
+            raise ValueError(f"layer-configs 'model_shape' must be an object, got {type(shape).__name__}")
+        shape = {str(k): _json_int(f"model_shape {k!r}", v) for k, v in shape.items()}
+        return cls(tuple(layers), tuple((str(k), str(v)) for k, v in info.items()), shape)
 
     def save(self, path: str | Path, extra: Mapping | None = None) -> Path:
         """Write the JSON file (``extra`` keys, e.g. the calibration's measurements, are added)."""
@@ -220,15 +261,23 @@ class LayerConfigs:
 
         Raises:
           FileNotFoundError: no such file.
-          ValueError: not JSON, or not a valid layer-configs object.
+          ValueError: a directory, not JSON (or nested too deeply to read), a key given twice in
+            one object (JSON would keep the last silently), or not a valid layer-configs object.
         """
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"layer-configs file {path} is a directory")
         if not path.is_file():
             raise FileNotFoundError(f"layer-configs file {path} does not exist")
         try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
+            obj = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_keys)
+        except _DuplicateKey as err:
+            raise ValueError(f"layer-configs file {path} gives {err} twice in one object") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"layer-configs file {path} is not JSON: {err}") from None
+        except RecursionError:
+            raise ValueError(f"layer-configs file {path} is not a layer-configs object: JSON nested too deeply "
+                             "to read") from None
         try:
             return cls.from_json(obj)
         except ValueError as err:  # name the file: the CLI may read several
@@ -238,6 +287,20 @@ class LayerConfigs:
                     reason = (": " if prefix.endswith(": ") else " ") + str(err).removeprefix(prefix)
                     break
             raise ValueError(f"layer-configs file {path}{reason}") from None
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads``' object hook: a dict, refusing a key given twice (JSON keeps the last)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"key {key!r}")
+        out[key] = value
+    return out
 
 
 def _kl_json(c: MagicPIGConfig) -> dict:

@@ -91,7 +91,10 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
     from magicpig_jax.eval.corpus import load_prose
 
     lc = LayerConfigs.load(path)
-    lc.check_num_layers(model.config.num_layers)
+    try:
+        lc.check_model(model.config.model_shape())
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     base = lc.base()
     if lc.sparse_layers and (base.num_sink, base.num_local) != (settings.num_sink, settings.num_local):
         raise ValueError(f"{path}: calibrated with num_sink={base.num_sink}, num_local={base.num_local}; the "
@@ -517,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     report["model"] = str(model.source)
     report["calibration"].update({"text": str(args.text), "sha256": hashlib.sha256(text.encode()).hexdigest(),
                                   "paragraph_sha1": paragraph_hashes(str(args.text))})
-    lc = dataclasses.replace(lc, info=(("model", str(model.source)), ("kl_budget", str(args.kl_budget))))
+    lc = dataclasses.replace(lc, info=(("model", str(model.source)), ("kl_budget", str(args.kl_budget))),
+                             model_shape=model.config.model_shape())
     path = lc.save(args.out, extra=report)
     sparse = len(lc.sparse_layers)
     print(f"wrote {path}: {sparse} sparse layers, dense {list(lc.dense_layers)}; measured KL "

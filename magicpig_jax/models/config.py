@@ -166,6 +166,13 @@ class LlamaConfig:
                 raise ValueError(f"{name} must be a tuple of layer indices in [0, {self.num_layers}), "
                                  f"got {layers!r}")
 
+    def model_shape(self) -> dict[str, int]:
+        """The sizes a calibrated per-layer file records and checks
+        (:attr:`~magicpig_jax.attention.LayerConfigs.model_shape`): layers, hidden size, Hq, Hkv,
+        D and the vocabulary."""
+        return {"num_layers": self.num_layers, "hidden_size": self.hidden_size, "num_heads": self.num_heads,
+                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab_size}
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window W of ``layer`` (it sees the last W positions), or None (every position)."""
         if self.sliding_window is None:
