@@ -8,6 +8,7 @@ Haystack: ``/usr/share/common-licenses`` (no apt package needed).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from tokenizers import Regex, decoders, models, pre_tokenizers
@@ -132,3 +133,13 @@ def test_question_split_finds_the_last_line():
     assert model.tokenizer.decode(ids[t:]).startswith("What is the magic number?")
     with pytest.raises(ValueError, match="not in the prompt"):
         question_split(model.tokenizer.decode, ids, "Where?")
+
+
+def test_a_per_layer_file_the_host_index_cannot_take_is_named(tmp_path):
+    from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+    from magicpig_jax.eval.run import _method_spec
+
+    path = LayerConfigs.uniform(MagicPIGConfig(K=4, L=5000, num_local=16), 3, [0]).save(tmp_path / "wide.json")
+    (m,) = parse_methods(f"magicpig@{path}")
+    with pytest.raises(ValueError, match=f"^magicpig@wide \\({re.escape(str(path))}\\): L must be in \\[2, 4096\\]"):
+        _method_spec(char_model(), _settings(num_local=16), (0,), m, None, 768)

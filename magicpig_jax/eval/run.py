@@ -240,7 +240,12 @@ def _method_spec(model, s: EvalSettings, dense_layers, m: Method, budget, positi
         config = MagicPIGConfig(K=m.K or 10, L=m.L or 150, num_sink=s.num_sink, num_local=s.num_local,
                                 seed=s.seed, layers_per_projection=s.layers_per_projection)
         dense = dense_layers
-    spec = decode_spec(model, m.backend, config, dense, budget, s.page_size, positions=positions)
+    try:
+        spec = decode_spec(model, m.backend, config, dense, budget, s.page_size, positions=positions)
+    except ValueError as err:
+        if m.config_file is None:
+            raise
+        raise ValueError(f"{m.label} ({m.config_file}): {err}") from None
     return dataclasses.replace(spec, host=False) if m.host is False else spec
 
 
