@@ -64,5 +64,8 @@ def test_bench_decode_tiny(tmp_path, monkeypatch):
     ratio = {(r["prompt_tokens"], r["batch"]): r for r in data["ratios"]}
     assert ratio[(300, 3)]["magicpig_over_dense"] > 0
     assert data["meta"]["repeats"] == 3
+    from importlib.metadata import version
+
+    assert (data["meta"]["jax"], data["meta"]["jaxlib"]) == (version("jax"), version("jaxlib"))
     # every configuration frees the earlier ones' compiled programs before its peak is measured
     assert events == ["drop", "reset"] * 4

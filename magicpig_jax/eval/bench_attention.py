@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magicpig_jax.argparsing import Parser, check_output
-from magicpig_jax.eval.rss import OtherLoad
+from magicpig_jax.eval.rss import OtherLoad, software_versions
 
 SHAPES = {"llama3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_one(shape, n, args, rng, copy_bw))
     copy_end = _copy_bandwidth()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    meta = {"reps": args.reps, "huge_pages": args.huge_pages, "llc_bytes": _llc_bytes(),
+    meta = {**software_versions(), "reps": args.reps, "huge_pages": args.huge_pages, "llc_bytes": _llc_bytes(),
             "timing": "op alone and op + static + merge interleaved, each call after a timed copy of "
                       f"{_evict_bytes() >> 20} MiB (>= 4x the LLC and >= 256 MiB: cold, as in a decode step); "
                       "*_warm: the same calls back to back (the query's rows partly in L3); "

@@ -42,7 +42,7 @@ import numpy as np
 
 from magicpig_jax.argparsing import Parser, check_output, path_arg
 from magicpig_jax.eval.peer import PEERS, llama_cpp_available
-from magicpig_jax.eval.rss import OtherLoad, PeakRSS
+from magicpig_jax.eval.rss import OtherLoad, PeakRSS, software_versions
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     bar.close()
     _agreement(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "time": time.strftime("%Y-%m-%d %H:%M"),
+    meta = {**software_versions(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "time": time.strftime("%Y-%m-%d %H:%M"),
             "K": args.K, "L": args.L, "layers_per_projection": args.layers_per_projection,
             "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
             "kv_dtype": args.kv_dtype, "peak_rss_resettable": rss.resettable,

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["OtherLoad", "PeakRSS"]
+__all__ = ["OtherLoad", "PeakRSS", "software_versions"]
 
 
 class PeakRSS:
@@ -79,3 +79,11 @@ class OtherLoad:
         own = (time.process_time() - self.own) * hz
         self.fraction = max(0.0, (busy - self.busy - own) / (total - self.total)) if total > self.total else None
         return False
+
+
+def software_versions() -> dict[str, str]:
+    """The versions a benchmark's figures depend on, for its JSON: jax and jaxlib (XLA's CPU code
+    generation changes between releases)."""
+    from importlib.metadata import version
+
+    return {"jax": version("jax"), "jaxlib": version("jaxlib")}
