@@ -198,6 +198,11 @@ def test_load_refuses_duplicate_keys_deep_nesting_and_directories(tmp_path):
         LayerConfigs.load(tmp_path)
     with pytest.raises(ValueError, match=re.escape("L must be <= 65536")):
         MagicPIGConfig(L=65537)
+    for key, value in (("K", 12), ("dense_layers", [0, 15]), ("heavy", 4)):  # they were ignored
+        with pytest.raises(ValueError, match=f"a top-level '{key}' is not read"):
+            LayerConfigs.from_json(dict(obj, **{key: value}))
+    with pytest.raises(ValueError, match=re.escape("unknown field 'Seed' (did you mean 'seed'?)")):
+        LayerConfigs.from_json(dict(obj, Seed=5))
 
 
 def test_the_command_line_checks_a_file_before_loading_the_model(tmp_path, capsys):

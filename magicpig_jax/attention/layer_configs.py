@@ -35,6 +35,7 @@ _FIELDS = ("format", *_COMMON, "layers", "info", "model_shape")
 # The model sizes a calibrated file records (``LlamaConfig.model_shape()``), checked where it is applied.
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 _LAYER_FIELDS = ("K", "L", "heavy")
+_NOT_TOP_LEVEL = (*_LAYER_FIELDS, "dense_layers")  # a layer's fields, or the flags' form of the dense layers
 
 
 def _is_index(i: object) -> bool:
@@ -203,7 +204,10 @@ class LayerConfigs:
         if not isinstance(obj, Mapping) or obj.get("format") != FORMAT:
             raise ValueError(f"not a layer-configs file: 'format' must be {FORMAT!r}")
         for key in obj:
-            near = difflib.get_close_matches(str(key), _FIELDS, n=1, cutoff=0.8)
+            if key in _NOT_TOP_LEVEL:  # would read as a setting of the file, and be ignored
+                raise ValueError(f"layer-configs: a top-level {key!r} is not read: each layer gives its K, L (and "
+                                 "heavy) under 'layers', where a dense layer is 'dense'")
+            near = difflib.get_close_matches(str(key).lower(), _FIELDS, n=1, cutoff=0.8)
             if key not in _FIELDS and near:
                 raise ValueError(f"layer-configs: unknown field {key!r} (did you mean {near[0]!r}?)")
         missing = [k for k in ("num_sink", "num_local", "seed", "layers") if k not in obj]
