@@ -46,7 +46,7 @@ def test_heldout_licenses_exclude_the_calibration_text():
     others = set(corpus._paragraphs([p.read_text() for p in files if not p.name.startswith("LGPL-2")]))
     assert lgpl2 - others and not (lgpl2 - others) & set(held)
     cfg = Path(__file__).resolve().parent.parent / "examples" / "results" / "calibrated_smollm2.json"
-    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=30))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=30, model_shape=lambda: {"num_layers": 30}))
     check_config_for_eval(cfg, model, types.SimpleNamespace(haystack="licenses-heldout", num_sink=4, num_local=64))
     with pytest.raises(ValueError, match="shares .* paragraph"):
         check_config_for_eval(cfg, model, types.SimpleNamespace(haystack="licenses", num_sink=4, num_local=64))

@@ -264,5 +264,7 @@ def test_validate_k_l_errors(K, L, exc, name):
 
 
 def test_validate_k_l_accepts_range_ends():
-    for K, L in [(1, 2), (32, 2), (32, 100000)]:
+    for K, L in [(1, 2), (32, 2), (32, lsh.MAX_L)]:
         assert lsh.validate_k_l(K, L) is None
+    with pytest.raises(ValueError, match=f"L must be <= {lsh.MAX_L}"):  # a huge L ran out of memory late
+        lsh.validate_k_l(10, lsh.MAX_L + 1)
