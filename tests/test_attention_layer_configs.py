@@ -198,9 +198,16 @@ def test_load_refuses_duplicate_keys_deep_nesting_and_directories(tmp_path):
         LayerConfigs.load(tmp_path)
     with pytest.raises(ValueError, match=re.escape("L must be <= 65536")):
         MagicPIGConfig(L=65537)
-    for key, value in (("K", 12), ("dense_layers", [0, 15]), ("heavy", 4)):  # they were ignored
+    for key, value in (("K", 12), ("dense_layers", [0, 15]), ("heavy", 4), ("dense-layers", [1]), ("k", 9),
+                       ("Dense_layers", [1]), ("dense", [1]), ("Heavy", 4), ("dense_layer", [1])):  # ignored before
         with pytest.raises(ValueError, match=f"a top-level '{key}' is not read"):
             LayerConfigs.from_json(dict(obj, **{key: value}))
+    for empty in (None, [], 0, "", False):  # each switched the model check off
+        with pytest.raises(ValueError, match="'model_shape' must be an object"):
+            LayerConfigs.from_json(dict(obj, model_shape=empty))
+    pairs = [("num_layers", 2), ["head_dim", 64]]
+    assert LayerConfigs(LayerConfigs.from_json(obj).layers, model_shape=pairs).model_shape == (
+        ("num_layers", 2), ("head_dim", 64))
     with pytest.raises(ValueError, match=re.escape("unknown field 'Seed' (did you mean 'seed'?)")):
         LayerConfigs.from_json(dict(obj, Seed=5))
 

@@ -193,3 +193,11 @@ def test_gguf_yarn_metadata_errors_name_the_key(tmp_path, metadata, message):
     with pytest.raises(ValueError, match=message) as err:
         read_gguf_config(path)
     assert str(path) in str(err.value)
+
+
+def test_the_rope_names_still_import_from_models_config():
+    """They moved to models.rope; models.config re-exports them for existing imports."""
+    from magicpig_jax.models import config, rope
+
+    for name in ("rope_inv_freq", "rope_attention_factor", "normalize_rope_scaling", "yarn_context_length"):
+        assert getattr(config, name) is getattr(rope, name) and name in config.__all__

@@ -227,11 +227,11 @@ def quest_page_scores(
 
     Page j holds positions ``[j*page_size, (j+1)*page_size)``; only valid keys
     enter its elementwise min/max. The bound is ``sum_d max(q_d min_d, q_d max_d)``, so it
-    is >= every valid logit of the page. It is summed per dimension, not as the equal
-    ``q⁺·max + q⁻·min`` (``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)``): a key with an infinite
-    component would make that ``0 · inf = NaN`` where ``q_d`` has the other sign (the key's
-    logit is then ``-inf``). A NaN ``q`` or key, or ``q_d = 0`` against an infinite component,
-    gives the page NaN.
+    is >= every valid logit of the page; with finite bounds it is computed as the equal
+    ``q⁺·max + q⁻·min`` (``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)``, two matrix products). A key
+    with an infinite component would make that ``0 · inf = NaN`` where ``q_d`` has the other
+    sign (the key's logit is then ``-inf``), so then it is summed per dimension. A NaN ``q`` or
+    key, or ``q_d = 0`` against an infinite component, gives the page NaN.
 
     Args:
       q: float ``[B, Hq, D]``; k: float ``[B, Hkv, N, D]`` (shapes validated by the caller).
@@ -261,10 +261,20 @@ def quest_page_scores(
     kmin = jnp.where(page_valid, jnp.min(jnp.where(valid, kp, jnp.inf), axis=3), 0.0)
     kmax = jnp.where(page_valid, jnp.max(jnp.where(valid, kp, -jnp.inf), axis=3), 0.0)
     qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
-    # per dimension, fused into the sum (no [.., P, D] buffer): q+ . kmax + q- . kmin would give a
-    # page holding a key with an infinite component (logit -inf where q_d < 0) 0 * inf = NaN
-    qd = qg[:, :, :, None, :]
-    score = jnp.sum(jnp.maximum(qd * kmin[:, :, None], qd * kmax[:, :, None]), axis=-1)
+
+    def two_products(_):  # equal to the sum below where every bound is finite, and one matmul each
+        hi = jax.lax.Precision.HIGHEST
+        return jnp.einsum("bhgd,bhpd->bhgp", jnp.maximum(qg, 0.0), kmax, precision=hi) + jnp.einsum(
+            "bhgd,bhpd->bhgp", jnp.minimum(qg, 0.0), kmin, precision=hi)
+
+    def per_dimension(_):  # fused into the sum (no [.., P, D] buffer)
+        qd = qg[:, :, :, None, :]
+        return jnp.sum(jnp.maximum(qd * kmin[:, :, None], qd * kmax[:, :, None]), axis=-1)
+
+    # A key with an infinite component (logit -inf where q_d has the other sign) would give its
+    # page 0 * inf = NaN in the products: such bounds take the per-dimension form.
+    finite = jnp.all(jnp.isfinite(kmin)) & jnp.all(jnp.isfinite(kmax))
+    score = jax.lax.cond(finite, two_products, per_dimension, None)
     score = score / jnp.float32(math.sqrt(D))
     return jnp.where(page_valid[:, :, None, :, 0], score, -jnp.inf)
 

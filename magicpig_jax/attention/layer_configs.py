@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,8 @@ _FIELDS = ("format", *_COMMON, "layers", "info", "model_shape")
 # The model sizes a calibrated file records (``LlamaConfig.model_shape()``), checked where it is applied.
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 _LAYER_FIELDS = ("K", "L", "heavy")
-_NOT_TOP_LEVEL = (*_LAYER_FIELDS, "dense_layers")  # a layer's fields, or the flags' form of the dense layers
+# a layer's fields, or the flags' form of the dense layers (compared lower-cased, '-' as '_')
+_NOT_TOP_LEVEL = ("k", "l", "heavy", "dense_layers", "dense", "sparse_layers")
 
 
 def _is_index(i: object) -> bool:
@@ -86,7 +87,7 @@ class LayerConfigs:
 
     layers: tuple[tuple[int, MagicPIGConfig | str], ...]
     info: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
-    model_shape: tuple[tuple[str, int], ...] | Mapping[str, int] = dataclasses.field(default=(), compare=False)
+    model_shape: Sequence | Mapping[str, int] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         bad = [i for i, _ in self.layers if not _is_index(i)]
@@ -113,8 +114,8 @@ class LayerConfigs:
             raise ValueError("every sparse layer must share num_sink, num_local, seed and layers_per_projection, "
                              f"got {sorted(shared)}")
         raw = self.model_shape
-        if not isinstance(raw, Mapping) and not (isinstance(raw, tuple) and all(
-                isinstance(p, tuple) and len(p) == 2 for p in raw)):
+        if not isinstance(raw, Mapping) and not (isinstance(raw, tuple | list) and all(
+                isinstance(p, tuple | list) and len(p) == 2 for p in raw)):
             raise TypeError(f"model_shape must be (key, size) pairs or a mapping, got {raw!r}")
         shape = dict(raw)
         unknown = sorted(str(k) for k in shape if k not in MODEL_SHAPE_KEYS)
@@ -204,10 +205,12 @@ class LayerConfigs:
         if not isinstance(obj, Mapping) or obj.get("format") != FORMAT:
             raise ValueError(f"not a layer-configs file: 'format' must be {FORMAT!r}")
         for key in obj:
-            if key in _NOT_TOP_LEVEL:  # would read as a setting of the file, and be ignored
+            norm = str(key).lower().replace("-", "_")
+            if norm in _NOT_TOP_LEVEL or difflib.get_close_matches(norm, _NOT_TOP_LEVEL[3:], n=1, cutoff=0.8):
+                # would read as a setting of the file, and be ignored
                 raise ValueError(f"layer-configs: a top-level {key!r} is not read: each layer gives its K, L (and "
                                  "heavy) under 'layers', where a dense layer is 'dense'")
-            near = difflib.get_close_matches(str(key).lower(), _FIELDS, n=1, cutoff=0.8)
+            near = difflib.get_close_matches(norm, _FIELDS, n=1, cutoff=0.8)
             if key not in _FIELDS and near:
                 raise ValueError(f"layer-configs: unknown field {key!r} (did you mean {near[0]!r}?)")
         missing = [k for k in ("num_sink", "num_local", "seed", "layers") if k not in obj]
@@ -243,9 +246,9 @@ class LayerConfigs:
         info = obj.get("info") or {}
         if not isinstance(info, Mapping):
             raise ValueError(f"layer-configs 'info' must be an object, got {type(info).__name__}")
-        shape = obj.get("model_shape") or {}
-        if not isinstance(shape, Mapping):
-            raise ValueError(f"layer-configs 'model_shape' must be an object, got {type(shape).__name__}")
+        shape = obj.get("model_shape", {})
+        if not isinstance(shape, Mapping):  # null, [] or 0 would switch the model check off
+            raise ValueError(f"layer-configs 'model_shape' must be an object, got {shape!r}")
         shape = {str(k): _json_int(f"model_shape {k!r}", v) for k, v in shape.items()}
         return cls(tuple(layers), tuple((str(k), str(v)) for k, v in info.items()), shape)
 

@@ -17,10 +17,16 @@ import numpy as np
 
 from magicpig_jax.attention._common import SOFTCAP_RANGE, check_softcap
 from magicpig_jax.models.limits import MAX_POSITIONS, UnsupportedConfigError
-from magicpig_jax.models.rope import complete_yarn, normalize_rope_scaling, rope_inv_freq
+from magicpig_jax.models.rope import (  # the RoPE names this module had (re-exported for existing imports)
+    complete_yarn,
+    normalize_rope_scaling,
+    rope_attention_factor,
+    rope_inv_freq,
+    yarn_context_length,
+)
 
 __all__ = ["LlamaConfig", "default_dense_layers", "HF_MODEL_TYPES", "UnsupportedConfigError", "MAX_POSITIONS",
-           "SOFTCAP_RANGE"]
+           "SOFTCAP_RANGE", "normalize_rope_scaling", "rope_attention_factor", "rope_inv_freq", "yarn_context_length"]
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3_text")
 HIDDEN_ACTS = ("silu", "gelu_tanh")  # SwiGLU (Llama) and GeGLU with the tanh GELU (Gemma)
@@ -38,7 +44,7 @@ class LlamaConfig:
       rms_norm_eps: RMSNorm epsilon.
       max_position_embeddings: the context length (tokens) the model is run to: the trained one,
         or under YaRN at least ``original_max_position_embeddings * factor``
-        (:func:`yarn_context_length`).
+        (:func:`magicpig_jax.models.rope.yarn_context_length`).
       tie_word_embeddings: the output projection reuses the token embedding.
       eos_token_ids: ids that end generation.
       qkv_bias: q/k/v projections have biases (Qwen2; Llama/Qwen3 ``attention_bias``).

@@ -301,8 +301,9 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     written, logits = jax.lax.optimization_barrier(([new_kv[i] for i in range(len(cache.k))], logits))
     new_k = tuple(_write_token(c, written[i][0], pos) for i, c in enumerate(cache.k))
     new_v = tuple(_write_token(c, written[i][1], pos) for i, c in enumerate(cache.v))
-    # A full row (pos == capacity; the Python entry points refuse it first) writes nothing and
-    # keeps its length: the caller sees that it did not advance.
+    # A full row (pos == capacity) writes nothing and keeps its length. The decode loop steps such a
+    # row only past its own limit (stopped at the context while other rows decode on), where its
+    # tokens are never read; a row that still needs positions is refused first (check_capacity).
     lengths = jnp.where(pos < cache.capacity, pos + 1, pos)
     built, indices = indices, list(indices)
     for i in sparse:
@@ -319,8 +320,9 @@ def check_capacity(cache: KVCache, host_lengths: np.ndarray | None = None) -> No
     Args:
       cache: the :class:`KVCache` the step would write.
       host_lengths: int ``[B]``, the rows' lengths as the caller tracks them on the host (the
-        decode loop: the prompt lengths plus the steps dispatched). Given, the check does not
-        read ``cache.lengths``, so it does not wait for a step still running to produce them.
+        decode loop: the prompt lengths plus the steps dispatched, each row at most at its own
+        limit, past which its positions are not needed). Given, the check does not read
+        ``cache.lengths``, so it does not wait for a step still running to produce them.
 
     Raises:
       ValueError: a row's length is already the capacity (read when ``cache.lengths`` is
