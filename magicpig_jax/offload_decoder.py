@@ -21,11 +21,11 @@ from magicpig_jax import host, lsh
 from magicpig_jax.attention._common import softcap_logits
 from magicpig_jax.attention.dense import dense_attention
 from magicpig_jax.attention.merge import merge_attention
+from magicpig_jax.models.cache import write_token
 from magicpig_jax.models.config import first_visible_key
 from magicpig_jax.models.llama import rope_tables
 
 __all__ = ["OffloadLayer", "OffloadDecodeStep", "place_decode_state"]
-
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -122,21 +122,6 @@ def _finish(layer, x, out):
     return layer.add_mlp(layer.add_attention(x, out.reshape(B, 1, -1)))
 
 
-def _write_rows(cache, x, pos):
-    """``cache[b, :, pos[b]] = x[b]`` for every row (``cache [B, Hkv, N, D]``, ``x [B, Hkv, D]``).
-
-    A full row (``pos[b] >= N``: one that stopped at the context while others decode on) is left
-    as it is, as in the single-device step; ``dynamic_update_slice`` would clamp the write into
-    its last slot."""
-    N = cache.shape[2]
-    for b in range(x.shape[0]):
-        at = (b, 0, jnp.minimum(pos[b], N - 1), 0)
-        update = x[b][None, :, None, :].astype(cache.dtype)
-        update = jnp.where(pos[b] < N, update, jax.lax.dynamic_slice(cache, at, update.shape))
-        cache = jax.lax.dynamic_update_slice(cache, update, at)
-    return cache
-
-
 _PACKABLE_FLOATS = ("float16", "bfloat16", "float32")  # widened to float32 exactly
 _PACKABLE_WORDS = ("int32", "uint32")
 
@@ -223,7 +208,7 @@ def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache, window: int | None =
     self_lse = jnp.sum(q.astype(jnp.float32) * jnp.repeat(k.astype(jnp.float32), G, axis=1), axis=-1)
     self_lse = softcap_logits(self_lse / jnp.sqrt(jnp.float32(q.shape[-1])), softcap)
     out, _ = merge_attention(out, lse, jnp.repeat(v.astype(jnp.float32), G, axis=1), self_lse)
-    return _finish(layer, x, out), _write_rows(k_cache, k, pos), _write_rows(v_cache, v, pos)
+    return _finish(layer, x, out), write_token(k_cache, k, pos), write_token(v_cache, v, pos)
 
 
 def _segment(plan, parts, inv_freq, x, pos, pending, pending_state, dense_kv, next_state, *, K: int, L: int,
@@ -276,7 +261,7 @@ def _host_layer(up, pos, k_cache, v_cache, index, *, spec, num_heads: int):
                                                softcap=spec.logit_softcap)
     # The barrier orders the cache writes after the op's reads, so XLA updates the donated cache in place.
     out, lse, ns, k_cache, v_cache = jax.lax.optimization_barrier((out, lse, ns, k_cache, v_cache))
-    k_cache, v_cache = _write_rows(k_cache, k_new, pos), _write_rows(v_cache, v_new, pos)
+    k_cache, v_cache = write_token(k_cache, k_new, pos), write_token(v_cache, v_new, pos)
     index = append_due(spec, index, k_cache, jnp.where(pos < k_cache.shape[2], pos + 1, pos))  # a full row: as written
     return _pack(out, lse, index.end), ns, k_cache, v_cache, index
 

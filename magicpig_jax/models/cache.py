@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int
 
 from magicpig_jax.models.config import LlamaConfig
 
-__all__ = ["KVCache", "RowBroadcast"]
+__all__ = ["KVCache", "RowBroadcast", "write_token"]
 
 
 @jax.tree_util.register_dataclass
@@ -104,3 +104,18 @@ class RowBroadcast:
     def copy(self) -> KVCache:
         """The ``batch``-row cache (:meth:`KVCache.broadcast_rows`)."""
         return self.source.broadcast_rows(self.batch, self.row)
+
+
+def write_token(cache_layer: jax.Array, x: jax.Array, pos: jax.Array) -> jax.Array:
+    """Write ``x`` ``[B, Hkv, D]`` at position ``pos[b]`` of each row of ``cache_layer`` ``[B, Hkv, N, D]``.
+
+    A row with ``pos[b] >= N`` (full: one that stopped at the context while other rows decode on)
+    is left as it is: ``dynamic_update_slice`` would clamp the write into its last slot.
+    """
+    N = cache_layer.shape[2]
+    for b in range(x.shape[0]):
+        update = x[b][None, :, None, :].astype(cache_layer.dtype)
+        at = (b, 0, jnp.minimum(pos[b], N - 1), 0)
+        update = jnp.where(pos[b] < N, update, jax.lax.dynamic_slice(cache_layer, at, update.shape))
+        cache_layer = jax.lax.dynamic_update_slice(cache_layer, update, at)
+    return cache_layer

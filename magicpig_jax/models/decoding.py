@@ -33,7 +33,7 @@ from magicpig_jax.models.backends import (
     projection_sources,
     resolve_projections,
 )
-from magicpig_jax.models.cache import KVCache
+from magicpig_jax.models.cache import KVCache, write_token
 
 __all__ = [
     "BACKENDS",
@@ -299,8 +299,8 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     # The barrier orders every cache write after every attention read, so XLA updates the
     # donated cache in place instead of copying it.
     written, logits = jax.lax.optimization_barrier(([new_kv[i] for i in range(len(cache.k))], logits))
-    new_k = tuple(_write_token(c, written[i][0], pos) for i, c in enumerate(cache.k))
-    new_v = tuple(_write_token(c, written[i][1], pos) for i, c in enumerate(cache.v))
+    new_k = tuple(write_token(c, written[i][0], pos) for i, c in enumerate(cache.k))
+    new_v = tuple(write_token(c, written[i][1], pos) for i, c in enumerate(cache.v))
     # A full row (pos == capacity) writes nothing and keeps its length. The decode loop steps such a
     # row only past its own limit (stopped at the context while other rows decode on), where its
     # tokens are never read; a row that still needs positions is refused first (check_capacity).
@@ -410,21 +410,6 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
         _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
     _STEP_CACHE[key] = fn
     return fn
-
-
-def _write_token(cache_layer, x, pos):
-    """Write ``x`` ``[B, Hkv, D]`` at position ``pos[b]`` of each row of ``cache_layer`` ``[B, Hkv, N, D]``.
-
-    A row with ``pos[b] >= N`` (full) is left as it is: ``dynamic_update_slice`` would clamp the
-    write into its last slot.
-    """
-    N = cache_layer.shape[2]
-    for b in range(x.shape[0]):
-        update = x[b][None, :, None, :].astype(cache_layer.dtype)
-        at = (b, 0, jnp.minimum(pos[b], N - 1), 0)
-        update = jnp.where(pos[b] < N, update, jax.lax.dynamic_slice(cache_layer, at, update.shape))
-        cache_layer = jax.lax.dynamic_update_slice(cache_layer, update, at)
-    return cache_layer
 
 
 def _self_attention(q, k_new, v_new, softcap: float | None = None):
