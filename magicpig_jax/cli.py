@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import signal
 import sys
 import threading
@@ -503,6 +504,19 @@ def _interrupted() -> int:
     return 130
 
 
+def _command(args) -> str:
+    """The subcommand as typed: ``generate``, ``bench decode``, ..."""
+    return " ".join([args.command] + ([args.what] if getattr(args, "what", None) else []))
+
+
+def _error_line(command: str, message: str) -> str:
+    """One error line as the parser writes it: ``magicpig-jax: error: COMMAND: message``, with
+    ``(see --help)`` when it gives a flag's allowed values (``--top-p must be in (0, 1], ...``)."""
+    where = "" if message.startswith(f"{command}:") else f"{command}: "
+    hint = " (see --help)" if re.match(r"--[\w-]+ must ", message) else ""
+    return f"magicpig-jax: error: {where}{message}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``magicpig-jax``; returns the exit status (2 on bad input, with the reason;
     130 after Ctrl-C)."""
@@ -527,12 +541,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
         if _Sigint.seen:
             return _interrupted()
-        print(f"magicpig-jax: error: {err}", file=sys.stderr)
+        print(_error_line(_command(args), str(err)), file=sys.stderr)
         return 2
     except FloatingPointError as err:  # NaN logits: the model or its cache holds a non-finite value
         if _Sigint.seen:
             return _interrupted()
-        print(f"magicpig-jax: error: {err}", file=sys.stderr)
+        print(_error_line(_command(args), str(err)), file=sys.stderr)
         return 1
     except Exception:
         if _Sigint.seen:
