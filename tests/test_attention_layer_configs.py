@@ -218,13 +218,13 @@ def test_the_command_line_checks_a_file_before_loading_the_model(tmp_path, capsy
     wide = LayerConfigs.uniform(MagicPIGConfig(K=10, L=5000), 30, [0, 15]).save(tmp_path / "wide.json")
     assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(wide)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"magicpig-jax: error: generate: --magicpig-config {wide}: layer 1 has L = 5000; attention 'magicpig' "
-                   "(the host index) takes L in [2, 4096], 'magicpig-ref' (pure JAX) up to 65536")
+    assert err == (f"magicpig-jax: error: generate: --magicpig-config {wide}: layer 1 has L = 5000; "
+                   "attention 'magicpig' (the host index) takes L in [2, 4096], 'magicpig-ref' (pure JAX) up to 65536")
     shape = {"num_layers": 30, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "head_dim": 16,
              "vocab_size": 49152}
     other = LayerConfigs(LayerConfigs.uniform(MagicPIGConfig(), 30, [0, 15]).layers, model_shape=shape)
     path = other.save(tmp_path / "other.json")
     assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"magicpig-jax: error: generate: --magicpig-config {path}: the layer configs were calibrated for a model "
-                   "of other sizes: head_dim 16 (this model: 64)")
+    assert err == (f"magicpig-jax: error: generate: --magicpig-config {path}: the layer configs were "
+                   "calibrated for a model of other sizes: head_dim 16 (this model: 64)")

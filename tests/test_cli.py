@@ -386,7 +386,8 @@ def test_an_error_raised_after_ctrl_c_is_reported_as_the_interrupt(monkeypatch, 
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
         monkeypatch.setattr(cli, "_cmd_generate", bad_input)  # without Ctrl-C an error is still bad input
         assert cli.main(["generate"]) == 2
-        assert capsys.readouterr().err.strip() == "magicpig-jax: error: generate: --max-new-tokens must be >= 1 (see --help)"
+        assert capsys.readouterr().err.strip() == \
+            "magicpig-jax: error: generate: --max-new-tokens must be >= 1 (see --help)"
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -461,7 +462,8 @@ def test_a_model_with_nan_weights_fails_with_one_line_not_a_traceback(tmp_path):
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("magicpig-jax: error: generate: the logits for new token 0 of row(s) [0] contain NaN"), lines[0]
+    assert lines[0].startswith("magicpig-jax: error: generate: the logits for new token 0 of row(s) [0] "
+                               "contain NaN"), lines[0]
 
 
 def test_the_recorded_config_is_what_the_backend_reads():
