@@ -878,13 +878,16 @@ ffi::Error AttendPiece(const AttendArgs& a, int64_t b, int64_t hq, int64_t plo, 
 }
 
 // A non-finite key in a head's hashed range makes its mean non-finite and every centered key's
-// code 0, so the sampled part would be silently wrong: the head's out and lse become NaN instead,
-// as magicpig_attention (the pure-JAX reference) gives.
-void NanIfMeanNotFinite(const AttendArgs& a, int64_t item, float* o, float* lse) {
+// code 0, so the sampled part would be silently wrong; a non-finite query has no code (a NaN
+// projection gives bit 0) and samples keys by chance, or none, which would read as an empty row
+// when the static set is empty. Either way the head's out and lse become NaN, as
+// magicpig_attention (the pure-JAX reference) gives.
+void NanIfNotFinite(const AttendArgs& a, int64_t item, float* o, float* lse) {
   const int64_t b = item / a.Hq, h = (item % a.Hq) / (a.Hq / a.g.Hkv);
   const float* m = a.mean + (b * a.g.Hkv + h) * a.D;
+  const float* q = a.q + item * a.D;
   for (int64_t d = 0; d < a.D; ++d) {
-    if (!std::isfinite(m[d])) {
+    if (!std::isfinite(m[d]) || !std::isfinite(q[d])) {
       magicpig::Poison(o, a.D, lse);
       return;
     }
@@ -1069,7 +1072,7 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       float* o = a.out + w * a.D;
       ffi::Error e = bf16 ? AttendPiece<uint16_t>(a, b, hq, 0, a.Nmax, o, a.lse + w, a.nsamp + w)
                           : AttendPiece<float>(a, b, hq, 0, a.Nmax, o, a.lse + w, a.nsamp + w);
-      if (e.success()) NanIfMeanNotFinite(a, w, o, a.lse + w);
+      if (e.success()) NanIfNotFinite(a, w, o, a.lse + w);
       return e;
     }
     // Piece p of head `item`: [0, len) split evenly, the last piece up to Nmax.
@@ -1084,7 +1087,7 @@ ffi::Future AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     if (pc->done[r].fetch_add(1, std::memory_order_acq_rel) == P - 1) {
       MergePieces(P, a.D, pc->o.data() + r * P * a.D, pc->lse.data() + r * P, pc->ns.data() + r * P,
                   a.out + item * a.D, a.lse + item, a.nsamp + item);
-      NanIfMeanNotFinite(a, item, a.out + item * a.D, a.lse + item);
+      NanIfNotFinite(a, item, a.out + item * a.D, a.lse + item);
     }
     return ffi::Error::Success();
   });

@@ -120,12 +120,18 @@ def make_mesh(batch: int | None = None, kv_heads: int = 1, devices: Sequence[jax
     return Mesh(grid, (BATCH, KV_HEADS))
 
 
-def host_index_spec(K: int, L: int) -> host.HostIndex:
-    """The PartitionSpec pytree of a :class:`~magicpig_jax.host.HostIndex` (rows and KV heads split)."""
+def host_index_spec(K: int, L: int, num_sink: int | None = None, num_local: int | None = None) -> host.HostIndex:
+    """The PartitionSpec pytree of a :class:`~magicpig_jax.host.HostIndex` (rows and KV heads split);
+    its static fields must be the index's (a pytree's structure includes them)."""
     return host.HostIndex(
         ids=P(BATCH, KV_HEADS), offsets=P(BATCH, KV_HEADS), open_codes=P(BATCH, KV_HEADS),
-        bounds=P(BATCH), mean=P(BATCH, KV_HEADS), projections=P(), K=K, L=L,
+        bounds=P(BATCH), mean=P(BATCH, KV_HEADS), projections=P(), K=K, L=L, num_sink=num_sink,
+        num_local=num_local,
     )
+
+
+def _spec_of(index: host.HostIndex) -> host.HostIndex:
+    return host_index_spec(index.K, index.L, index.num_sink, index.num_local)
 
 
 def shard(mesh: Mesh, x, spec: P) -> jax.Array:
@@ -150,7 +156,7 @@ def shard_rows(mesh: Mesh, x) -> jax.Array:
 
 def shard_host_index(mesh: Mesh, index: host.HostIndex) -> host.HostIndex:
     """Place a host index built on one device onto the mesh (projections replicated)."""
-    specs = host_index_spec(index.K, index.L)
+    specs = _spec_of(index)
     return jax.tree.map(lambda x, s: shard(mesh, x, s), index, specs)
 
 
@@ -219,7 +225,8 @@ def _build(k, projections, lengths, *, mesh, config, capacity, open_capacity, ch
                                      chunk_size=chunk_size)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(KV_SPEC, P(), ROW_SPEC),
-                         out_specs=host_index_spec(config.K, config.L), check_vma=False)(k, projections, lengths)
+                         out_specs=host_index_spec(config.K, config.L, config.num_sink, config.num_local),
+                         check_vma=False)(k, projections, lengths)
 
 
 def sharded_build_index(
@@ -276,7 +283,7 @@ def _append(index, k_new, counts, *, mesh, max_threads):
     def local(index, k_new, counts):
         return host.host_append(index, k_new, counts, max_threads=max_threads)
 
-    spec = host_index_spec(index.K, index.L)
+    spec = _spec_of(index)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, KV_SPEC, ROW_SPEC), out_specs=spec,
                          check_vma=False)(index, k_new, counts)
 
@@ -325,7 +332,7 @@ def _attention(q, k, v, index, lengths, *, mesh, config, static_window, impl, ma
 
     return jax.shard_map(
         local, mesh=mesh,
-        in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, host_index_spec(config.K, config.L), ROW_SPEC),
+        in_specs=(Q_SPEC, KV_SPEC, KV_SPEC, _spec_of(index), ROW_SPEC),
         out_specs=(Q_SPEC, HEAD_SPEC, HEAD_SPEC), check_vma=False,
     )(q, k, v, index, lengths)
 

@@ -164,3 +164,63 @@ def test_merge_refuses_a_positive_infinite_lse():
     for lse_a in (jnp.inf, jnp.nan):
         o, lse = merge_attention(out, jnp.full((1, 1), lse_a), out, jnp.zeros((1, 1)))
         assert np.isnan(np.asarray(o)).all() and np.isnan(np.asarray(lse)).all()
+
+
+def test_the_shape_check_refuses_what_it_cannot_read():
+    """A head dimension of 0 gave lse NaN (0 / sqrt(0)) without a word; a static softcap runs under jit."""
+    from magicpig_jax.attention import dense_attention, topk_attention
+
+    k = jnp.zeros((1, 1, 4, 0))
+    for fn in (dense_attention, lambda q, k, v: topk_attention(q, k, v, 2)):
+        with pytest.raises(ValueError, match=_exact("the head dimension D must be >= 1, got q (1, 1, 0)")):
+            fn(jnp.zeros((1, 1, 0)), k, k)
+    k = jnp.zeros((1, 1, 4, 2))
+    out, _ = jax.jit(dense_attention, static_argnames="softcap")(jnp.ones((1, 1, 2)), k + 1, k + 2, softcap=30.0)
+    np.testing.assert_allclose(np.asarray(out), 2.0)
+
+
+_WITHOUT_TYPE_CHECKER = """
+import jax, jax.numpy as jnp, numpy as np
+from magicpig_jax.attention import cost_model, dense_attention
+k = jnp.zeros((1, 1, 4, 2))
+for call in (lambda: dense_attention([[[0.0, 0.0]]], k, k),
+             lambda: jax.jit(lambda c: dense_attention(jnp.zeros((1, 1, 2)), k, k, softcap=c))(30.0),
+             lambda: cost_model.tables_for_fraction(np.zeros(3), 10, 0.05, max_L=2.5)):
+    try:
+        call()
+    except (TypeError, ValueError) as err:
+        print(type(err).__name__, str(err))
+"""
+
+
+def test_our_own_checks_name_what_the_suite_type_checker_catches_first():
+    """The suite runs with jaxtyping's runtime type checker (tests/conftest.py), which catches these
+    first; a user's process has none: our checks name the parameter (a Python list for q had been an
+    AttributeError, a traced softcap was refused as if its value were wrong)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_TYPE_CHECKER], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "TypeError q must be an array (jax.Array or numpy.ndarray), got list",
+        "ValueError softcap must be a static number (None or in [0.001, 1e+06]), got a traced value: under "
+        "jax.jit pass it as a static argument (static_argnames=('softcap',))",
+        "ValueError max_L must be an int in [2, 65536] (lsh.MAX_L), got max_L=2.5",
+    ]
+
+
+def test_tables_for_fraction_takes_numpy_scalars_and_stops_at_max_l():
+    from magicpig_jax.attention import cost_model
+
+    cos = np.linspace(-0.2, 0.6, 101)
+    assert cost_model.tables_for_fraction(cos, 10, np.float32(0.05)) == cost_model.tables_for_fraction(cos, 10, 0.05)
+    # p = 0.5 for every key at K = 20: reaching half the keys needs more than lsh.MAX_L tables
+    with pytest.raises(ValueError, match=_exact(f"target fraction 0.5 is not reached with K=20 and L <= {lsh.MAX_L}")):
+        cost_model.tables_for_fraction(np.zeros(4), 20, 0.5)
+    for bad in (1, lsh.MAX_L + 1, True):
+        with pytest.raises(ValueError, match=r"^max_L must be an int in \[2, 65536\]"):
+            cost_model.tables_for_fraction(cos, 10, 0.05, max_L=bad)
+    with pytest.raises((ValueError, TypeError), match="max_L"):  # the suite's type checker comes first
+        cost_model.tables_for_fraction(cos, 10, 0.05, max_L=2.5)

@@ -226,3 +226,40 @@ def test_a_nan_static_key_gives_nan_in_the_op_as_in_the_reference(impl, pos, sta
     for o, lo in ((out, lse), (ref_out, ref_lse)):
         assert np.isnan(np.asarray(o[0, :2])).all() and np.isnan(np.asarray(lo[0, :2])).all()
     np.testing.assert_allclose(np.asarray(out[0, 2:]), np.asarray(ref_out[0, 2:]), atol=1e-5)
+
+
+def test_a_config_with_another_static_set_than_the_index_is_refused():
+    # An index built with 4 sinks and a window of 60 over 64 keys hashes nothing: every key is in
+    # its static set, and attention must equal dense attention (float64). A config with fewer sinks
+    # had attended to [0, num_sink) and [index.end, N) only, dropping sinks 2 and 3 without a word
+    # (the query looks at key 2); the host op, the offload path and the sharded op now refuse any
+    # config whose num_sink or num_local differs from the index's, as the pure-JAX function does.
+    from magicpig_jax import distributed, offload
+
+    rng = np.random.default_rng(0)
+    B, Hkv, N, D = 1, 1, 64, 8
+    k = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, Hkv, N, D)), jnp.float32)
+    q = 3 * k[:, :, 2]
+    built = MagicPIGConfig(K=4, L=8, num_sink=4, num_local=60)
+    proj = lsh.simhash_projections(jax.random.key(0), D, 4, 8)
+    hidx = host.host_build_index(k, proj, built)
+    assert (hidx.num_sink, hidx.num_local) == (4, 60)
+    out, lse, _ = host.host_magicpig_attention(q, k, v, hidx, built)
+    k64, v64 = np.asarray(k, np.float64)[0, 0], np.asarray(v, np.float64)[0, 0]
+    o_ref, lse_ref = softmax_over(k64 @ np.asarray(q, np.float64)[0, 0] / np.sqrt(D), np.ones(N, bool), v64)
+    np.testing.assert_allclose(np.asarray(out)[0, 0], o_ref, atol=2e-6)
+    np.testing.assert_allclose(float(lse[0, 0]), lse_ref, atol=2e-6)
+
+    accel, cpu = offload.default_devices()
+    mesh = distributed.make_mesh(1, devices=jax.devices()[:1])
+    sharded = distributed.sharded_build_index(mesh, k, proj, built)
+    for name, value in (("num_sink", 0), ("num_sink", 2), ("num_sink", 5), ("num_local", 59)):
+        other = MagicPIGConfig(K=4, L=8, **{**dict(num_sink=4, num_local=60), name: value})
+        msg = f"the index was built with {name}={getattr(built, name)} but config has {name}={value}: "
+        with pytest.raises(ValueError, match="^" + msg):
+            host.host_magicpig_attention(q, k, v, hidx, other)
+        with pytest.raises(ValueError, match="^" + msg):
+            offload.prepare_offload(k, v, hidx, other, None, accel_device=accel, host_device=cpu)
+        with pytest.raises(ValueError, match="^" + msg):
+            distributed.sharded_magicpig_attention(mesh, q, k, v, sharded, other)

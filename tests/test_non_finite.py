@@ -151,3 +151,70 @@ def test_oracle_sampling_gives_nan_for_a_head_whose_keys_hold_a_non_finite_one(b
     bad_heads = np.isnan(np.asarray(lse[0]))
     assert bad_heads.any() and not bad_heads.all()
     assert np.isnan(np.asarray(out[0])[bad_heads]).all() and np.isfinite(np.asarray(out[0])[~bad_heads]).all()
+
+
+def test_merge_never_reads_the_out_of_an_empty_part():
+    """An empty part (lse = -inf) contributes nothing whatever its out holds: a hand-built part with
+    out NaN and lse -inf gave NaN (0 * NaN)."""
+    from magicpig_jax.attention import merge_attention
+
+    o = jnp.full((2, 3), 2.0)
+    bad = jnp.full((2, 3), jnp.nan)
+    for args in ((o, jnp.array([0.5, 1.0]), bad, jnp.array([-jnp.inf, -jnp.inf])),
+                 (bad, jnp.array([-jnp.inf, -jnp.inf]), o, jnp.array([0.5, 1.0]))):
+        out, lse = merge_attention(*args)
+        np.testing.assert_array_equal(np.asarray(out), 2.0)
+        np.testing.assert_array_equal(np.asarray(lse), [0.5, 1.0])
+    out, lse = merge_attention(bad, jnp.array([-jnp.inf] * 2), bad, jnp.array([-jnp.inf] * 2))
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+    assert (np.asarray(lse) == -np.inf).all()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_query_gives_nan_even_with_an_empty_static_set(bad):
+    """With no sinks and no local window, a non-finite query sampled nothing and came back as an
+    empty row (out 0, lse -inf, finite-looking), where dense attention gives NaN; now MagicPIG (pure
+    and host), the hybrid and dense all give NaN for that head, and the other heads are unchanged."""
+    from magicpig_jax import lsh
+    from magicpig_jax.attention import (
+        HybridConfig,
+        build_lsh_index,
+        dense_attention,
+        hybrid_attention,
+        magicpig_attention,
+    )
+
+    r = jax.random.split(jax.random.key(3), 3)
+    k, v = jax.random.normal(r[0], (1, 2, 200, 16)), jax.random.normal(r[1], (1, 2, 200, 16))
+    q = jax.random.normal(r[2], (1, 4, 16))
+    q_bad = q.at[0, 1, 5].set(bad)  # query head 1 (KV head 0)
+    cfg = MagicPIGConfig(K=3, L=10, num_sink=0, num_local=0)
+    proj = lsh.simhash_projections(jax.random.key(1), 16, 3, 10)
+    index = build_lsh_index(k, proj, cfg)
+    hcfg = HybridConfig(K=3, L=10, num_sink=0, num_local=0, heavy=5)
+    hidx = host.host_build_index(k, proj, cfg)
+    results = {
+        "dense": dense_attention(q_bad, k, v)[:2],
+        "magicpig": magicpig_attention(q_bad, k, v, index, cfg)[:2],
+        "hybrid": hybrid_attention(q_bad, k, v, index, hcfg)[:2],
+        **{f"host-{impl}": host.host_magicpig_attention(q_bad, k, v, hidx, cfg, impl=impl)[:2] for impl in IMPLS},
+    }
+    clean = {"magicpig": magicpig_attention(q, k, v, index, cfg)[:2],
+             "hybrid": hybrid_attention(q, k, v, index, hcfg)[:2],
+             "host": host.host_magicpig_attention(q, k, v, hidx, cfg)[:2]}
+    for name, (out, lse) in results.items():
+        out, lse = np.asarray(out), np.asarray(lse)
+        assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, 1]), name
+        assert np.isfinite(lse[0, [0, 2, 3]]).all(), name
+        if name in ("magicpig", "hybrid"):
+            np.testing.assert_array_equal(out[0, [0, 2, 3]], np.asarray(clean[name][0])[0, [0, 2, 3]])
+        if name.startswith("host-"):
+            np.testing.assert_allclose(out[0, [0, 2, 3]], np.asarray(clean["host"][0])[0, [0, 2, 3]], atol=1e-6)
+    # One head over 4,096 keys and two threads: the op splits the head into pieces (fewer heads
+    # than threads), merged after; the merged head is NaN too.
+    k1, v1 = jax.random.normal(r[0], (1, 1, 4096, 16)), jax.random.normal(r[1], (1, 1, 4096, 16))
+    hidx1 = host.host_build_index(k1, proj, cfg)
+    out, lse = host.host_magicpig_attention(q_bad[:, 1:2], k1, v1, hidx1, cfg, max_threads=2)[:2]
+    assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(lse)).all()
+    out, lse = host.host_magicpig_attention(q[:, 1:2], k1, v1, hidx1, cfg, max_threads=2)[:2]
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()

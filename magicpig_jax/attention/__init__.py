@@ -10,7 +10,13 @@ whatever its V row holds (NaN, inf, garbage) the result is the one of a clean ca
 is whatever its K row holds past the row's length. A non-finite K row inside a row's length
 is not inert where the estimator reads every key of its range: MagicPIG and the hybrid
 center the keys by their mean (a NaN or infinite key gives the heads of its KV head NaN),
-TopK, Quest and oracle sampling score every key (a NaN or +inf logit gives NaN).
+TopK, Quest and oracle sampling score every key (a NaN or +inf logit gives NaN). A non-finite
+query gives its head NaN in every estimator.
+
+The inertness is the forward pass's. The functions are differentiable (``jax.grad`` of dense
+attention matches finite differences), but the gradient with respect to ``q`` multiplies every
+K row by its logit's zero cotangent, so a NaN or infinite K row past a row's length makes it
+NaN: zero the padding of a cache you differentiate through.
 """
 
 from magicpig_jax.attention.baselines import (

@@ -10,7 +10,10 @@ import numpy as np
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int, int, int, int]:
-    """Validate q ``[B, Hq, D]``, k and v ``[B, Hkv, N, D]``; return (B, Hq, Hkv, N, D)."""
+    """Validate q ``[B, Hq, D]``, k and v ``[B, Hkv, N, D]`` (D >= 1); return (B, Hq, Hkv, N, D)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray), got {type(x).__name__}")
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     if k.ndim != 4 or v.ndim != 4:
@@ -23,6 +26,8 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[int, int, int, 
     Bk, Hkv, N, Dk = k.shape
     if Bk != B or Dk != D:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B or D")
+    if D == 0:
+        raise ValueError(f"the head dimension D must be >= 1, got q {tuple(q.shape)}")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"Hq ({Hq}) must be a multiple of Hkv ({Hkv}) for GQA")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -61,6 +66,9 @@ def check_softcap(softcap, name: str = "softcap") -> float | None:
     if softcap is None:
         return None
     lo, hi = SOFTCAP_RANGE
+    if isinstance(softcap, jax.core.Tracer):
+        raise ValueError(f"{name} must be a static number (None or in [{lo:g}, {hi:g}]), got a traced value: "
+                         f"under jax.jit pass it as a static argument (static_argnames=('{name}',))")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)) \
             or not lo <= float(softcap) <= hi:
         raise ValueError(f"{name} must be None or a number in [{lo:g}, {hi:g}], got {softcap!r}")

@@ -57,7 +57,7 @@ def expected_sampled_fraction(cosines: Float[np.ndarray, "..."], K: int, L: int)
 
 
 def tables_for_fraction(
-    cosines: Float[np.ndarray, " n"], K: int, target: float | int, max_L: int = 1 << 20
+    cosines: Float[np.ndarray, " n"], K: int, target: float | int | np.floating, max_L: int = lsh.MAX_L
 ) -> int:
     """The smallest ``L >= 2`` whose expected sampled fraction reaches ``target``.
 
@@ -68,21 +68,26 @@ def tables_for_fraction(
       cosines: float ``[n]`` cosines between the query and the centered keys.
       K: bits per table, 1..32.
       target: fraction in ``(0, 1)`` (an int is accepted only to be refused with the reason).
-      max_L: the largest L considered.
+      max_L: the largest L considered, in ``[2, lsh.MAX_L]`` (default ``lsh.MAX_L``).
 
     Returns:
       int ``L`` with ``expected_sampled_fraction(cosines, K, L) >= target`` and
       (if ``L > 2``) ``expected_sampled_fraction(cosines, K, L - 1) < target``.
 
     Raises:
-      ValueError: ``target`` outside ``(0, 1)``, an invalid ``K``, or a target not reachable
+      ValueError: ``target`` outside ``(0, 1)``, an invalid ``K`` or ``max_L``, or a target not reachable
         with ``L <= max_L``.
 
     Source: arXiv 2410.16179, Section 4.2 (Eq. (9)); proofs/cost_model.md (monotonicity in L).
     """
-    if not (isinstance(target, float | int) and 0 < target < 1):
+    if isinstance(target, bool) or not (isinstance(target, float | int | np.floating | np.integer)
+                                        and 0 < target < 1):
         raise ValueError(f"target must be a fraction in (0, 1), got target={target!r}")
+    target = float(target)
     lsh.validate_k_l(K, 2)
+    if isinstance(max_L, bool) or not isinstance(max_L, int | np.integer) or not 2 <= max_L <= lsh.MAX_L:
+        raise ValueError(f"max_L must be an int in [2, {lsh.MAX_L}] (lsh.MAX_L), got max_L={max_L!r}")
+    max_L = int(max_L)
 
     def f(L: int) -> float:
         return expected_sampled_fraction(cosines, K, L)

@@ -44,7 +44,7 @@ from magicpig_jax.attention._common import (
     masked_softmax_attention,
 )
 from magicpig_jax.attention.config import MagicPIGConfig, _check_count
-from magicpig_jax.attention.magicpig import LOG_U_FLOOR, LSHIndex, check_index_fits, nan_if_mean_not_finite
+from magicpig_jax.attention.magicpig import LOG_U_FLOOR, LSHIndex, check_index_fits, nan_if_not_finite
 
 __all__ = ["HybridConfig", "hybrid_attention", "log_light_probability", "hybrid_log_weights"]
 
@@ -200,5 +200,5 @@ def hybrid_attention(
     logits = grouped_logits(q, k, softcap)
     logits = jnp.where(sampled, logits - log_w, logits)
     out, lse = masked_softmax_attention(logits, sampled | static, v)
-    out, lse = nan_if_mean_not_finite(out, lse, index)
+    out, lse = nan_if_not_finite(out, lse, index, q)
     return out, lse, jnp.sum(sampled, axis=-1, dtype=jnp.int32).reshape(B, Hq)

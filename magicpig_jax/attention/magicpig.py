@@ -202,7 +202,11 @@ def magicpig_attention(
       index: the :class:`LSHIndex` built from these keys (same B, Hkv, N).
       config: the :class:`MagicPIGConfig` the index was built with.
       lengths: int ``[B]``, valid keys per row (default N; clipped into ``[0, N]``); may
-        exceed the length the index was built at (appended keys are static).
+        exceed the length the index was built at (appended keys are static). A length below
+        ``index.end`` (a cache rolled back after the build) empties the static tail
+        ``[index.end, lengths)``: the last ``num_local`` keys below the length are sampled, not
+        kept exact, and the mean still counts the keys past the length. Rebuild the index
+        after a rollback for the build's accuracy.
       softcap: None, or c in [0.001, 1e6]: every logit ``s = q·k/sqrt(D)`` becomes ``c * tanh(s / c)``
         before ``log u`` is subtracted (Gemma 2's ``attn_logit_softcapping``: the capped
         score is the attention's weight; the sampling, by angle, is unchanged).
@@ -211,8 +215,8 @@ def magicpig_attention(
       ``(out, lse, num_sampled)``: out float32 ``[B, Hq, D]``; lse float32
       ``[B, Hq]`` on the scale of the uncentered logits (so it merges with any
       other part via :func:`merge_attention`); num_sampled int32 ``[B, Hq]``. A head
-      whose index mean is not finite (a NaN or infinite key in the hashed range) gets
-      out and lse NaN: its keys' codes carry no information.
+      whose index mean is not finite (a NaN or infinite key in the hashed range), or whose
+      query is not finite, gets out and lse NaN: the codes carry no information.
 
     Raises:
       ValueError / TypeError: bad shapes or dtypes, or an index that does not fit (its
@@ -232,7 +236,7 @@ def magicpig_attention(
     logits = jnp.where(sampled, logits - log_u, logits)
     out, lse = masked_softmax_attention(logits, sampled | static, v)
     num_sampled = jnp.sum(sampled, axis=-1, dtype=jnp.int32).reshape(B, Hq)
-    out, lse = nan_if_mean_not_finite(out, lse, index)
+    out, lse = nan_if_not_finite(out, lse, index, q)
     return out, lse, num_sampled
 
 
@@ -271,14 +275,18 @@ def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, 
             raise ValueError(f"index.{name} must be {list(want)}, got {list(got)}")
 
 
-def nan_if_mean_not_finite(out: Float[Array, "B Hq D"], lse: Float[Array, "B Hq"],
-                           index: LSHIndex) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
-    """``(out, lse)`` with NaN for every query head whose KV head's index mean is not finite.
+def nan_if_not_finite(out: Float[Array, "B Hq D"], lse: Float[Array, "B Hq"], index: LSHIndex,
+                      q: Float[Array, "B Hq D"]) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
+    """``(out, lse)`` with NaN for every query head whose query, or whose KV head's index mean,
+    is not finite.
 
     A NaN or infinite key in the hashed range makes the mean non-finite and every centered
     code 0, so the sample carries no information: the head's result is NaN, never a silently
-    wrong sample (the host op does the same).
+    wrong sample (the host op does the same). A non-finite query has no code either (a NaN
+    projection gives bit 0): it samples keys by chance, or none, and with an empty static set
+    would read as an empty row (out 0, lse -inf) where dense attention gives NaN.
     """
     Hq, Hkv = lse.shape[1], index.mean.shape[1]
     broken = jnp.repeat(~jnp.all(jnp.isfinite(index.mean), axis=-1), Hq // Hkv, axis=1)  # [B, Hq]
+    broken = broken | ~jnp.all(jnp.isfinite(q), axis=-1)
     return jnp.where(broken[..., None], jnp.nan, out), jnp.where(broken, jnp.nan, lse)

@@ -20,7 +20,7 @@ def merge_attention(
     ``out = (s_a out_a + s_b out_b) / (s_a + s_b)`` and ``lse = log(s_a + s_b)``,
     evaluated with the max-shift so nothing overflows. Natural log throughout
     (the reference CPU kernel's base-2 LSE is a known bug this avoids).
-    An empty part (``lse = -inf``) contributes nothing; two empty parts give
+    An empty part (``lse = -inf``) contributes nothing, whatever its ``out`` holds; two empty parts give
     ``out = 0``, ``lse = -inf``. A part with a NaN ``lse`` (a head that read a non-finite
     key), or ``+inf`` (no finite softmax sum has it), gives ``out`` and ``lse`` NaN.
 
@@ -51,7 +51,9 @@ def merge_attention(
     wb = jnp.where(lse_b == -jnp.inf, 0.0, jnp.exp(lse_b - m_safe))
     total = wa + wb
     denom = jnp.where(total > 0, total, 1.0)
-    out = (wa[..., None] * out_a.astype(jnp.float32) + wb[..., None] * out_b.astype(jnp.float32))
+    # An empty part's out is never read (0 * NaN would be NaN): it may hold anything.
+    out = (jnp.where((lse_a == -jnp.inf)[..., None], 0.0, wa[..., None] * out_a.astype(jnp.float32))
+           + jnp.where((lse_b == -jnp.inf)[..., None], 0.0, wb[..., None] * out_b.astype(jnp.float32)))
     out = out / denom[..., None]
     lse = jnp.where(total > 0, m_safe + jnp.log(denom), -jnp.inf)
     # A NaN part (a non-finite key upstream) stays NaN: never read as an empty part.

@@ -99,7 +99,8 @@ def host_build_index(
     )(codes, start.astype(jnp.int32), end.astype(jnp.int32),
       K=np.int64(config.K), max_threads=np.int64(max_threads))
     return HostIndex(ids=ids, offsets=offsets, open_codes=open_codes, bounds=bounds, mean=mean,
-                     projections=projections, K=config.K, L=config.L)
+                     projections=projections, K=config.K, L=config.L, num_sink=config.num_sink,
+                     num_local=config.num_local)
 
 
 def first_mean(index: HostIndex, k_new: Float[Array, "B Hkv T D"], counts: Int[Array, " B"]) -> HostIndex:

@@ -48,7 +48,7 @@ DEFAULT_OPEN_CAPACITY = 512
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["ids", "offsets", "open_codes", "bounds", "mean", "projections"],
-    meta_fields=["K", "L"],
+    meta_fields=["K", "L", "num_sink", "num_local"],
 )
 @dataclasses.dataclass
 class HostIndex:
@@ -62,6 +62,10 @@ class HostIndex:
       mean: float32 ``[B, Hkv, D]``, the centering mean (arXiv 2410.16179, Section 4.2).
       projections: float32 ``[D, K*L]``, the SimHash hyperplanes.
       K, L: static LSH parameters.
+      num_sink, num_local: static, the static set the index was built with
+        (:func:`~magicpig_jax.host.build.host_build_index` records them; the attention refuses a
+        config that differs, whose sinks or window would otherwise be dropped). None: not
+        recorded (an index assembled by hand).
 
     See the module docstring for the layout and its memory cost.
     """
@@ -74,6 +78,8 @@ class HostIndex:
     projections: Float[Array, "D KL"]
     K: int
     L: int
+    num_sink: int | None = None
+    num_local: int | None = None
 
     @property
     def start(self) -> jax.Array:

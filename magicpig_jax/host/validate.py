@@ -77,13 +77,20 @@ def check_index(index: HostIndex, config: MagicPIGConfig, B: int, Hkv: int, D: i
 
     Raises:
       TypeError: ``index`` is not a :class:`HostIndex`.
-      ValueError: its ``K``/``L`` differ from ``config``'s, or a buffer has the wrong shape or dtype.
+      ValueError: its ``K``/``L`` differ from ``config``'s, it was built with another ``num_sink`` /
+        ``num_local`` (its static set is ``[0, index.start)`` and ``[index.end, lengths)``: a smaller
+        ``num_sink`` would drop sink tokens), or a buffer has the wrong shape or dtype.
     """
     if not isinstance(index, HostIndex):
         raise TypeError(f"index must be a HostIndex, got {type(index).__name__}")
     if (index.K, index.L) != (config.K, config.L):
         raise ValueError(f"index was built with K={index.K}, L={index.L} but config has K={config.K}, "
                          f"L={config.L}")
+    for name in ("num_sink", "num_local"):
+        built, asked = getattr(index, name), getattr(config, name)
+        if built is not None and built != asked:
+            raise ValueError(f"the index was built with {name}={built} but config has {name}={asked}: "
+                             f"build the index with this config")
     nc, ch = index.ids.shape[2], index.ids.shape[4]
     expect = {
         "ids": ((B, Hkv, nc, config.L, ch), jnp.uint16),
