@@ -126,7 +126,9 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     # A row stops at max_new_tokens or where its next token would need a position past the
     # context: token i is predicted at position prompt_length + i - 1.
     max_positions, limit_name = position_limit(model, state)
-    limits = np.minimum(max_new_tokens, max_positions - state.prompt_lengths + 1)
+    # (in int64: a max_new_tokens past int32, which the context clips anyway, must not overflow)
+    limits = np.minimum(np.int64(min(max_new_tokens, np.iinfo(np.int64).max)),
+                        np.asarray(max_positions, np.int64) - state.prompt_lengths + 1)
     cache = _decode_cache(state, spec, limits, consume_prefill)
     n_layers = model.config.num_layers
     graphdef, params = nnx.split(model.module)

@@ -224,3 +224,13 @@ def test_tables_for_fraction_takes_numpy_scalars_and_stops_at_max_l():
             cost_model.tables_for_fraction(cos, 10, 0.05, max_L=bad)
     with pytest.raises((ValueError, TypeError), match="max_L"):  # the suite's type checker comes first
         cost_model.tables_for_fraction(cos, 10, 0.05, max_L=2.5)
+
+
+def test_a_max_new_tokens_past_int32_decodes_to_the_context():
+    """A row stops where the context is full, so any max_new_tokens is valid; one past int32 had
+    raised OverflowError after the prefill (the per-row limit was computed in int32)."""
+    small = tiny_model(config=dataclasses.replace(TINY, max_position_embeddings=40))
+    state = prefill(small, [[1, 2, 3]], 10**12)
+    ids, stats = decode(small, state, attention="dense", max_new_tokens=10**12, stop_on_eos=False)
+    ref, _ = decode(small, state, attention="dense", max_new_tokens=38, stop_on_eos=False)
+    assert ids == ref and len(ids[0]) == 38  # token i sits at position 3 + i - 1 <= 40
