@@ -130,6 +130,11 @@ def test_bad_arguments_fail_before_the_model_loads(capsys, args, expected):
     (["bench", "attention", "--seed", "-1"], "--seed must be >= 0, got -1"),
     (["study", "attention", "--layers", "0"], "--layers selects capture layers: it needs --capture"),
     (["study", "attention", "--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+    (["study", "attention", "--capture-text", "README.md"], "--capture-text is the prose prefilled for "
+                                                            "--capture-from-model: it needs that flag"),
+    (["study", "attention", "--head-dim", "100000000"], "--n 4096 x --heads 4 x (2 --head-dim 100000000 + L "),
+    (["study", "attention", "--n", "256", "--heads", "100000"], "--n 256 x --heads 100000 x (2 --head-dim 64 + L "),
+    (["study", "attention", "--n", "100000000000"], "GB for the synthetic cases, more than this machine's"),
     (["study", "attention", "--lsh", "40x150"], "--lsh K must be in [1, 32]"),
     (["study", "attention", "--out", "README.md"], "--out README.md exists and is not a directory"),
     (["convert", "embedded", ""], "argument out: empty path"),

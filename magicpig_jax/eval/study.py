@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -91,6 +92,9 @@ def _fractions(text: str) -> tuple[float, ...]:
     return out
 
 
+DEFAULT_CAPTURE_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser of ``magicpig-jax study attention`` (its epilog points at the module docstring)."""
     p = Parser(prog="magicpig-jax study attention", description=__doc__.splitlines()[0],
@@ -100,8 +104,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help=".npz with q [layers, Hq, D], k and v [layers, Hkv, N, D]")
     p.add_argument("--capture-from-model", action="store_true",
                    help="capture q/k/v from the embedded SmolLM2 on --capture-text first (written to OUT/capture.npz)")
-    p.add_argument("--capture-text", type=path_arg, default=Path("/usr/share/common-licenses/GPL-3"),
-                   help="real prose prefilled for --capture-from-model (default: GPL-3, 7.6K tokens)")
+    p.add_argument("--capture-text", type=path_arg, default=None,
+                   help=f"real prose prefilled for --capture-from-model (default: {DEFAULT_CAPTURE_TEXT}, the GPL-3, "
+                        "7.6K tokens)")
     p.add_argument("--no-synthetic", action="store_true", help="skip the synthetic cases")
     p.add_argument("--profiles", default=",".join(PROFILES), help=f"synthetic profiles, subset of {PROFILES}")
     p.add_argument("--n", type=int, default=4096, help="synthetic keys per head")
@@ -166,6 +171,23 @@ def _load_capture(path: Path, layers: str | None):
     return [(f"layer{i}", q[i : i + 1], k[i : i + 1], v[i : i + 1], cap) for i in idx]
 
 
+def _check_synthetic_memory(n: int, head_dim: int, heads: int, max_L: int) -> None:
+    """Refuse synthetic cases larger than this machine's memory, before drawing them.
+
+    A case holds q, k and v in float32 and, per (K, L), uint32 codes of every key for L tables; the
+    estimators' temporaries are of the same order, counted as twice that.
+    """
+    need = 3 * 4 * heads * n * (2 * head_dim + max_L)
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: no check
+        return
+    if need > have:
+        raise ValueError(f"--n {n} x --heads {heads} x (2 --head-dim {head_dim} + L {max_L}) needs about "
+                         f"{need / 1e9:.3g} GB for the synthetic cases, more than this machine's "
+                         f"{have / 1e9:.3g} GB: choose smaller sizes")
+
+
 def _settings(args) -> tuple[StudySettings, list[str]]:
     """Validate the parsed arguments: the study settings and the synthetic profiles."""
     profiles = [p.strip() for p in args.profiles.split(",") if p.strip()]
@@ -176,12 +198,16 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
         raise ValueError(f"--profiles is empty; choose from {', '.join(PROFILES)} (or pass --no-synthetic)")
     if args.layers is not None and args.capture is None and not args.capture_from_model:
         raise ValueError("--layers selects capture layers: it needs --capture or --capture-from-model")
+    if args.capture_text is not None and not args.capture_from_model:
+        raise ValueError("--capture-text is the prose prefilled for --capture-from-model: it needs that flag")
     for flag, value, low in (("--n", args.n, 8), ("--head-dim", args.head_dim, 1), ("--heads", args.heads, 1),
                              ("--repeats", args.repeats, 1), ("--page-size", args.page_size, 1),
                              ("--seed", args.seed, 0), ("--num-sink", args.num_sink, 0),
                              ("--num-local", args.num_local, 0)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not args.no_synthetic:
+        _check_synthetic_memory(args.n, args.head_dim, args.heads, max(L for _, L in args.lsh))
     with in_flag_terms(K="--lsh K", L="--lsh L"):
         for K, L in args.lsh:
             lsh.validate_k_l(K, L)
@@ -217,9 +243,10 @@ def _cases(args, profiles: list[str]) -> list[tuple]:
         from magicpig_jax.eval.capture import capture_qkv
         from magicpig_jax.io.loader import load_model
 
-        if not args.capture_text.is_file():
-            raise FileNotFoundError(f"--capture-text {args.capture_text} is not a file")
-        data = capture_qkv(load_model(), args.capture_text.read_text(encoding="utf-8"))
+        text = DEFAULT_CAPTURE_TEXT if args.capture_text is None else args.capture_text
+        if not text.is_file():
+            raise FileNotFoundError(f"--capture-text {text} is not a file")
+        data = capture_qkv(load_model(), text.read_text(encoding="utf-8"))
         args.out.mkdir(parents=True, exist_ok=True)
         args.capture = args.out / "capture.npz"
         np.savez(args.capture, **data)
