@@ -167,9 +167,12 @@ def test_a_file_records_its_model_and_refuses_another(tmp_path):
     with pytest.raises(ValueError, match=r"unknown keys \['heads'\]"):
         LayerConfigs(lc.layers, model_shape={"heads": 4})
     with pytest.raises(ValueError, match="gives 5 layers, the configs 3"):
-        LayerConfigs(lc.layers, model_shape={"num_layers": 5})
+        LayerConfigs(lc.layers, model_shape=dict(TINY_SHAPE, num_layers=5))
     with pytest.raises(ValueError, match=">= 1"):
-        LayerConfigs(lc.layers, model_shape={"head_dim": 0})
+        LayerConfigs(lc.layers, model_shape=dict(TINY_SHAPE, head_dim=0))
+    with pytest.raises(ValueError, match=re.escape("model_shape lacks hidden_size, num_heads, num_kv_heads, head_dim, "
+                                                   "vocab_size (it gives every one of")):
+        LayerConfigs(lc.layers, model_shape={"num_layers": 3})  # a partial shape checked only the layers
     with pytest.raises(ValueError, match="model_shape 'head_dim' must be an integer"):
         LayerConfigs.from_json(dict(lc.to_json(), model_shape={"head_dim": 16.0}))
 
@@ -205,11 +208,18 @@ def test_load_refuses_duplicate_keys_deep_nesting_and_directories(tmp_path):
     for empty in (None, [], 0, "", False):  # each switched the model check off
         with pytest.raises(ValueError, match="'model_shape' must be an object"):
             LayerConfigs.from_json(dict(obj, model_shape=empty))
-    pairs = [("num_layers", 2), ["head_dim", 64]]
-    assert LayerConfigs(LayerConfigs.from_json(obj).layers, model_shape=pairs).model_shape == (
-        ("num_layers", 2), ("head_dim", 64))
+    pairs = [("num_layers", 2), ["head_dim", 64], ("hidden_size", 8), ("num_heads", 2), ("num_kv_heads", 1),
+             ("vocab_size", 9)]
+    assert dict(LayerConfigs(LayerConfigs.from_json(obj).layers, model_shape=pairs).model_shape) == dict(pairs)
     with pytest.raises(ValueError, match=re.escape("unknown field 'Seed' (did you mean 'seed'?)")):
         LayerConfigs.from_json(dict(obj, Seed=5))
+    for key in ("local_window", "layer_config", "bogus"):  # were ignored: no near spelling of a field
+        with pytest.raises(ValueError, match=re.escape(f"layer-configs: unknown top-level key '{key}': a file gives "
+                                                       "format, num_sink,")):
+            LayerConfigs.from_json(dict(obj, **{key: 1}))
+    with pytest.raises(ValueError, match=re.escape("save: extra keys ['bogus'] are not report keys")):
+        LayerConfigs.from_json(obj).save(tmp_path / "never.json", extra={"kl_budget": 0.1, "bogus": 1})
+    assert not (tmp_path / "never.json").exists()
 
 
 def test_the_command_line_checks_a_file_before_loading_the_model(tmp_path, capsys):

@@ -306,6 +306,15 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
     with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path.absolute()} is not a magicpig_jax checkpoint (no "
                                                        "magicpig_model.json)")):
         checkpoint.read_checkpoint(tmp_path)
+    # a key added by hand, at the top or in the config, would be ignored: refused, named
+    meta["format_version"] = 1
+    for extra, message in (({"bogus": 1}, "magicpig_model.json has unknown keys ['bogus'] (known: format_version,"),
+                           ({"config": {**meta["config"], "foo": 2}}, "its config has fields ['foo'] that "
+                                                                      "LlamaConfig does not have")):
+        (bare / checkpoint.MARKER).write_text(json.dumps({**meta, **extra}))
+        for read in (checkpoint.read_checkpoint, checkpoint.read_checkpoint_config):
+            with pytest.raises(ValueError, match=re.escape(f"checkpoint {bare.absolute()}: {message}")):
+                read(bare)
 
 
 # -- tokenizer -------------------------------------------------------------------------------------

@@ -32,6 +32,11 @@ FORMAT = "magicpig-jax layer configs v1"
 # The fields of the file's object; other top-level keys are the calibration's report (not read).
 _COMMON = ("num_sink", "num_local", "seed", "layers_per_projection")
 _FIELDS = ("format", *_COMMON, "layers", "info", "model_shape")
+# What `magicpig-jax calibrate` adds beside the fields (its report; not read back). Any other
+# top-level key is refused: it would read as a setting and be ignored.
+REPORT_KEYS = ("assignments", "attention_bytes_per_step", "attention_ms_per_step", "calibration", "cost",
+               "dense_attention_bytes_per_step", "dense_attention_ms_per_step", "kl_budget", "measured_kl",
+               "model", "per_layer", "seconds", "tried")
 # The model sizes a calibrated file records (``LlamaConfig.model_shape()``), checked where it is applied.
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 _LAYER_FIELDS = ("K", "L", "heavy")
@@ -121,6 +126,10 @@ class LayerConfigs:
         unknown = sorted(str(k) for k in shape if k not in MODEL_SHAPE_KEYS)
         if unknown:
             raise ValueError(f"model_shape has unknown keys {unknown} (known: {', '.join(MODEL_SHAPE_KEYS)})")
+        missing = [k for k in MODEL_SHAPE_KEYS if k not in shape]
+        if shape and missing:  # a partial shape would check only some sizes
+            raise ValueError(f"model_shape lacks {', '.join(missing)} (it gives every one of "
+                             f"{', '.join(MODEL_SHAPE_KEYS)}, or is left out)")
         bad = {k: v for k, v in shape.items() if not _is_index(v) or v < 1}
         if bad:
             raise ValueError(f"model_shape sizes must be integers >= 1, got {bad}")
@@ -195,8 +204,8 @@ class LayerConfigs:
         """Parse :meth:`to_json`'s object.
 
         Integers must be JSON integers (``10``, not ``10.5``, ``"10"`` or ``true``); a layer entry
-        has only ``K``, ``L`` and optionally ``heavy``. Other top-level keys (the calibration's
-        report) are not read, but one that looks like a misspelled field is refused.
+        has only ``K``, ``L`` and optionally ``heavy``. The calibration's report (``REPORT_KEYS``)
+        is not read; any other top-level key is refused (a misspelled field is named as such).
 
         Raises:
           ValueError: a wrong ``format``, missing fields, unknown layer fields, or invalid values
@@ -213,6 +222,10 @@ class LayerConfigs:
             near = difflib.get_close_matches(norm, _FIELDS, n=1, cutoff=0.8)
             if key not in _FIELDS and near:
                 raise ValueError(f"layer-configs: unknown field {key!r} (did you mean {near[0]!r}?)")
+            if key not in _FIELDS and key not in REPORT_KEYS:
+                raise ValueError(f"layer-configs: unknown top-level key {key!r}: a file gives "
+                                 f"{', '.join(_FIELDS)} (and calibrate's report); per-layer K and L go "
+                                 "under 'layers', notes under 'info'")
         missing = [k for k in ("num_sink", "num_local", "seed", "layers") if k not in obj]
         if missing:
             raise ValueError(f"layer-configs file lacks {', '.join(missing)}")
@@ -256,6 +269,9 @@ class LayerConfigs:
         """Write the JSON file (``extra`` keys, e.g. the calibration's measurements, are added)."""
         path = Path(path)
         obj = self.to_json()
+        unknown = sorted(set(extra or {}) - set(REPORT_KEYS) - set(obj))
+        if unknown:  # load() would refuse the file
+            raise ValueError(f"save: extra keys {unknown} are not report keys (REPORT_KEYS)")
         if extra:
             obj.update({k: v for k, v in extra.items() if k not in obj})
         path.parent.mkdir(parents=True, exist_ok=True)

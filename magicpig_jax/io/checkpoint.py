@@ -30,6 +30,9 @@ MARKER = "magicpig_model.json"
 # (both still readable, except a model with a sliding window: which layers it covers is not recorded)
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
+# The keys of MARKER that _write_checkpoint writes (earlier versions wrote a subset).
+_META_KEYS = ("format_version", "config", "chat_template", "eos_token_ids", "bos_token_id", "eos_token_id",
+              "add_bos_token", "add_eos_token")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -108,6 +111,16 @@ def _read_meta(path: Path) -> dict:
     meta = read_json_object(path / MARKER)
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise ValueError(f"unsupported checkpoint format_version {meta.get('format_version')!r} in {path}")
+    unknown = sorted(set(meta) - set(_META_KEYS))
+    if unknown:  # a setting added by hand would be ignored
+        raise ValueError(f"checkpoint {path}: {MARKER} has unknown keys {unknown} (known: {', '.join(_META_KEYS)})")
+    if not isinstance(meta.get("config"), dict):
+        raise ValueError(f"checkpoint {path}: {MARKER} lacks its 'config' object")
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(meta["config"]) - fields)
+    if unknown:
+        raise ValueError(f"checkpoint {path}: its config has fields {unknown} that LlamaConfig does not have "
+                         "(written by another version? convert the model again)")
     return meta
 
 
