@@ -114,7 +114,9 @@ def _add_generate(sub) -> None:
                    help="per-layer (K, L) or dense from `magicpig-jax calibrate` for magicpig/magicpig-ref "
                         "(replaces --K, --L, --num-sink, --num-local, --seed, --layers-per-projection and "
                         "--dense-layers there)")
-    p.add_argument("--json", type=path_arg, default=None, help="also write the results as JSON here")
+    p.add_argument("--json", type=path_arg, default=None,
+                   help="also write the results as JSON here (token_ids hold the EOS or stop-string token that "
+                        "ended a row; text is cut before it)")
     p.set_defaults(func=_cmd_generate)
 
 
@@ -296,6 +298,11 @@ def _check_model(args, layered=None) -> None:
         except ValueError as err:
             raise ValueError(f"--magicpig-config {args.magicpig_config}: {err}") from None
         sparse = [(i, c) for i, c in layered.layers if c != "dense"]
+        heavy = [i for i, c in sparse if getattr(c, "heavy", None) is not None]
+        ignoring = [name for name in ("magicpig", "magicpig-ref") if name in args.attention]
+        if heavy and ignoring:
+            raise ValueError(f"--magicpig-config {args.magicpig_config}: layer {heavy[0]} gives a heavy threshold, "
+                             f"which only attention 'hybrid' reads; '{ignoring[0]}' would ignore it")
         too_big = [(i, "K", c.K, HOST_MAX_K) for i, c in sparse if c.K > HOST_MAX_K] + [
             (i, "L", c.L, HOST_MAX_L) for i, c in sparse if c.L > HOST_MAX_L]
         if too_big and "magicpig" in args.attention:
@@ -403,6 +410,9 @@ def _cmd_convert(args) -> int:
 
     from magicpig_jax.io.loader import convert_model, load_model
 
+    if not args.model.strip():
+        raise ValueError("convert: MODEL is empty (the first argument: a .gguf file, a Hugging Face directory, "
+                         "or 'embedded')")
     if args.model != "embedded" and not Path(args.model).exists():
         raise FileNotFoundError(f"convert: model {args.model} does not exist (the first argument: a .gguf file, "
                                 "a Hugging Face directory, or 'embedded')")

@@ -66,7 +66,8 @@ class Generation:
 
     Attributes:
       text: the decoded continuation (special tokens removed; cut before a stop string).
-      token_ids: the generated ids (EOS included if it was produced).
+      token_ids: the generated ids (EOS included if it was produced, and the token that completed
+        a stop string: ``text`` is cut before either).
       stop_reason: why the row stopped: ``"eos"`` (an end-of-sequence / end-of-turn id),
         ``"stop"`` (a stop string), ``"length"`` (``max_new_tokens``) or ``"context"`` (the
         model's context is full).

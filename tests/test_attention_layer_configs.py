@@ -238,3 +238,18 @@ def test_the_command_line_checks_a_file_before_loading_the_model(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert err == (f"magicpig-jax: error: generate: --magicpig-config {path}: the layer configs were "
                    "calibrated for a model of other sizes: head_dim 16 (this model: 64)")
+    # a heavy threshold only the hybrid reads: refused before the load (it was refused after it)
+    heavy = LayerConfigs.uniform(HybridConfig(K=10, L=150, heavy=8), 30, [0, 15]).save(tmp_path / "heavy.json")
+    for attention in ("magicpig", "dense,magicpig-ref"):
+        assert cli.main(["generate", "--prompt", "hi", "--attention", attention, "--magicpig-config",
+                         str(heavy)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"magicpig-jax: error: generate: --magicpig-config {heavy}: layer 1 gives a heavy threshold, "
+                       f"which only attention 'hybrid' reads; '{attention.split(',')[-1]}' would ignore it")
+    # eval's magicpig@FILE: the host index's range, from the file, before the load
+    wide_k = LayerConfigs.uniform(MagicPIGConfig(K=17, L=150), 30, [0, 15]).save(tmp_path / "widek.json")
+    assert cli.main(["eval", "--out", str(tmp_path / "never"), "--methods", f"dense,magicpig@{wide_k}"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"magicpig-jax: error: eval: method 'magicpig@{wide_k}': layer 1: the host index takes K in [1, 16] and L in "
+        "[2, 4096], got K=17, L=150 (magicpig-ref, pure JAX, takes more)")
+    assert not (tmp_path / "never").exists()

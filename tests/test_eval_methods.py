@@ -29,8 +29,9 @@ def test_parse_new_methods(tmp_path):
     assert [(m.label, m.backend, m.host) for m in ref] == [("magicpig:10x150", "magicpig", None),
                                                           ("topk-ref:32", "topk", False),
                                                           ("quest-ref", "quest", False)]
-    cfg = tmp_path / "cal.json"
-    cfg.write_text("{}")
+    from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+
+    cfg = LayerConfigs.uniform(MagicPIGConfig(), 3, [0]).save(tmp_path / "cal.json")
     m = parse_methods(f"dense,magicpig@{cfg}")[1]
     assert (m.label, m.backend, m.config_file) == ("magicpig@cal", "magicpig", str(cfg))
     for bad in ("hybrid:10x150x2", "hybrid:10", "hybrid:10x150x151x3"):

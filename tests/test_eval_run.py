@@ -140,6 +140,11 @@ def test_a_per_layer_file_the_host_index_cannot_take_is_named(tmp_path):
     from magicpig_jax.eval.run import _method_spec
 
     path = LayerConfigs.uniform(MagicPIGConfig(K=4, L=5000, num_local=16), 3, [0]).save(tmp_path / "wide.json")
-    (m,) = parse_methods(f"magicpig@{path}")
+    with pytest.raises(ValueError, match=re.escape(f"method 'magicpig@{path}': layer 1: the host index takes K in "
+                                                   "[1, 16] and L in [2, 4096], got K=4, L=5000")):
+        parse_methods(f"magicpig@{path}")  # the command line's parse, before any model loads
+    from magicpig_jax.eval.methods import Method
+
+    m = Method("magicpig@wide", "magicpig", config_file=str(path))  # the Python API's, at the spec
     with pytest.raises(ValueError, match=f"^magicpig@wide \\({re.escape(str(path))}\\): L must be in \\[2, 4096\\]"):
         _method_spec(char_model(), _settings(num_local=16), (0,), m, None, 768)

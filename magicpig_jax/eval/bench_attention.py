@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--K must be in [1, {HOST_MAX_K}] (the host index), got {args.K}")
     if args.L < 2:
         p.error(f"--L must be >= 2, got {args.L}")
+    if args.ref_max_n < 0:
+        p.error(f"--ref-max-n must be >= 0 (0: never run the pure-JAX reference), got {args.ref_max_n}")
     rng = np.random.default_rng(args.seed)
     copy_bw = _copy_bandwidth()
     results = []

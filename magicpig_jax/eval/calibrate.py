@@ -126,6 +126,8 @@ def _pairs(text: str) -> list[tuple[int, int]]:
             validate_k_l(k, l_)
         if k > HOST_MAX_K:
             raise ValueError(f"--candidates {k}x{l_}: K must be in [1, {HOST_MAX_K}] (the host index)")
+        if (k, l_) in out:  # each candidate is measured on every layer: a repeat costs a whole pass
+            raise ValueError(f"--candidates lists {k}x{l_} more than once")
         out.append((k, l_))
     if not out:
         raise ValueError("--candidates is empty")

@@ -57,6 +57,15 @@ class Method:
         return self.backend in ("topk", "quest", "oracle")
 
 
+def _check_host_index(where: str, K: int, L: int) -> None:
+    """Refuse a (K, L) the host index cannot hold (method ``magicpig`` runs on it), before any model loads."""
+    from magicpig_jax.host.index import HOST_MAX_K, HOST_MAX_L
+
+    if K > HOST_MAX_K or L > HOST_MAX_L:
+        raise ValueError(f"{where}: the host index takes K in [1, {HOST_MAX_K}] and L in [2, {HOST_MAX_L}], got "
+                         f"K={K}, L={L} (magicpig-ref, pure JAX, takes more)")
+
+
 def parse_method(text: str) -> Method:
     """Parse one method (see the module docstring for the names).
 
@@ -73,6 +82,11 @@ def parse_method(text: str) -> Method:
         path = Path(text[len("magicpig@"):])
         if not path.is_file():
             raise FileNotFoundError(f"method {text!r}: no layer-configs file {path}")
+        from magicpig_jax.attention import LayerConfigs
+
+        for i, c in LayerConfigs.load(path).layers:  # the file's own errors name it
+            if c != "dense":
+                _check_host_index(f"method {text!r}: layer {i}", c.K, c.L)
         return Method(f"magicpig@{path.stem}", "magicpig", config_file=str(path))
     name, _, arg = text.partition(":")
     name = name.strip().lower()
@@ -100,6 +114,8 @@ def parse_method(text: str) -> Method:
         except ValueError as err:
             raise ValueError(f"{name} takes KxL (e.g. {name}:10x150), got {text!r}") from err
         validate_k_l(k, l_)
+        if name == "magicpig":
+            _check_host_index(f"method {text!r}", k, l_)
         return Method(f"{name}:{k}x{l_}", name, K=k, L=l_)
     if name in ("topk", "quest", "oracle", "topk-ref", "quest-ref"):
         backend = name.removesuffix("-ref")
