@@ -49,7 +49,7 @@ def test_summarize_and_format():
     assert dense["accuracy"] == a["accuracy"]  # setup A at the top level
     b = dense["tasks"]["B"]
     assert b["accuracy"] == {"niah_single": 1.0} and b["samples"]["niah_single"] == 2
-    assert dense["kl"] == 0.0 and dense["budget"] is None
+    assert dense["kl"] == 0.0 and dense["budget"] is None and dense["likelihood_budget"] is None
     ta = topk["tasks"]["A"]
     assert ta["mean_accuracy"] == 0.5 and ta["cost"] == pytest.approx(0.05) and topk["budget"] == 16
     # paired difference to dense: -1, 0, 0, 0 -> mean -0.25 with a t interval
@@ -182,3 +182,47 @@ def test_long_figure_titles_fit_the_figure(width, fontsize):
     assert 0.5 < top < 1 and box.y0 >= top * fig.bbox.height - 1  # the axes area stays below it
     assert fig._suptitle.get_text().replace("\n", " ") == text
     plt.close(fig)
+
+
+def test_the_likelihood_table_gives_its_own_documents_budget_and_nan_stays_visible():
+    """The likelihood table's budget was the mean over the needle records too; a NaN KL was dropped
+    from the mean (which then looked whole) while the documents were still counted."""
+    settings = EvalSettings(tasks=["niah_single"], lengths=[1024], samples=2, methods=parse_methods("dense,topk"),
+                            likelihood_samples=2, likelihood_tokens=8)
+    lik = {"ppl": 3.0, "nll": 1.0, "top1": 1.0}
+    records = [_rec("task", "dense", i, score=1.0) for i in range(2)] + [
+        _rec("task", "topk", i, score=1.0, budget=100) for i in range(2)] + [
+        _rec("likelihood", "dense", i, kl=0.0, **lik) for i in range(2)] + [
+        _rec("likelihood", "topk", 0, budget=40, kl=0.01, **lik),
+        _rec("likelihood", "topk", 1, budget=60, kl=math.nan, **lik)]
+    topk = summarize(records, settings)[1024]["topk"]
+    assert topk["budget"] == 75 and topk["likelihood_budget"] == 50
+    assert math.isnan(topk["kl"]) and all(math.isnan(x) for x in topk["kl_ci"])
+    text = format_summary(summarize(records, settings), settings)
+    lik_table = text.split("#### Likelihood")[1]
+    assert "| topk | 5.00 | 50 |" in lik_table
+
+
+def test_equal_ms_verdict_uses_the_sign_test_when_an_outlier_widens_the_interval():
+    from magicpig_jax.eval.report import equal_ms_comparison
+
+    settings = EvalSettings(tasks=[], lengths=[1024], samples=1, methods=parse_methods("dense,magicpig,topk"),
+                            likelihood_samples=16, likelihood_tokens=8)
+    top = [0.01] * 16
+    mp = [0.011] * 13 + [0.0095] * 2 + [0.0]  # higher on 13 documents, one outlier far lower
+    lik = {"ppl": 3.0, "nll": 1.0, "top1": 1.0}
+    records = [_rec("likelihood", m, i, **{**lik, "ms_per_step": ms, "kl": kl[i],
+                                          "attention_runs_on": f"{m} (host op)"})
+               for m, ms, kl in (("dense", 40.0, [0.0] * 16), ("magicpig:10x150", 20.0, mp), ("topk", 30.0, top))
+               for i in range(16)]
+    (row,) = equal_ms_comparison(records, settings)[1024]
+    assert row["method"] == "magicpig:10x150" and row["kl_diff"][1] < 0 < row["kl_diff"][2]
+    assert row["kl_sign"] == {"higher": 13, "of": 16, "p": pytest.approx(sst.binomtest(13, 16).pvalue)}
+    assert row["verdict"] == "higher KL (sign test)"
+    text = format_summary(summarize(records, settings), settings, equal_ms={1024: [row]})
+    assert "higher KL (sign test) (13/16 documents higher, sign test p = 0.021)" in text
+    # 12 of 16 (p = 0.077): a tie, as the t interval says
+    mp[12] = 0.0095
+    records = [r if r["method"] != "magicpig:10x150" else {**r, "kl": mp[r["index"]]} for r in records]
+    (row,) = equal_ms_comparison(records, settings)[1024]
+    assert row["kl_sign"]["higher"] == 12 and row["verdict"] == "tie"

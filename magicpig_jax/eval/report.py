@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from magicpig_jax.eval.cost import BYTE_PARTS
-from magicpig_jax.eval.stats import interval_for_scores, paired_t_interval, stratified_bootstrap_interval, t_interval
+from magicpig_jax.eval.stats import (
+    interval_for_scores,
+    paired_t_interval,
+    sign_test,
+    stratified_bootstrap_interval,
+    t_interval,
+)
 from magicpig_jax.eval.store import ResultStore, machine_info, read_runs
 
 if TYPE_CHECKING:
@@ -36,7 +42,9 @@ _SHORT = {"niah_single": "NIAH-1", "niah_multikey": "NIAH-MK", "niah_multivalue"
 
 
 def _vals(xs: Sequence) -> list[float]:
-    return [float(x) for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    """The values that are there (None: not measured, e.g. a step not timed). A NaN stays: it is a
+    broken measurement, and a mean that dropped it would look whole."""
+    return [float(x) for x in xs if x is not None]
 
 
 def _mean(xs: Sequence) -> float | None:
@@ -46,8 +54,12 @@ def _mean(xs: Sequence) -> float | None:
 
 def _ci(xs: Sequence, bounds: tuple[float, float] = (0.0, math.inf)) -> list[float | None]:
     """t interval of the mean, clipped to ``bounds``: every quantity it serves (ms, KL,
-    perplexity, NLL, agreement) cannot leave them, and a t interval over few samples would."""
-    lo, hi = t_interval(_vals(xs))
+    perplexity, NLL, agreement) cannot leave them, and a t interval over few samples would.
+    NaN when a value is NaN (as the mean is)."""
+    v = _vals(xs)
+    if any(math.isnan(x) for x in v):
+        return [math.nan, math.nan]
+    lo, hi = t_interval(v)
     if lo is None or hi is None:
         return [lo, hi]
     return [max(lo, bounds[0]), min(hi, bounds[1])]
@@ -109,7 +121,27 @@ def topk_reference(settings: EvalSettings) -> str | None:
 def _paired(pairs: list[tuple[float, float]]) -> list[float | None]:
     if not pairs:
         return [None, None, None]
-    return [sum(a - b for a, b in pairs) / len(pairs), *paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])]
+    mean = sum(a - b for a, b in pairs) / len(pairs)
+    if math.isnan(mean):  # t_interval drops NaN: the interval of a broken mean would look whole
+        return [math.nan, math.nan, math.nan]
+    return [mean, *paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])]
+
+
+def _sign(pairs: list[tuple[float, float]]) -> dict:
+    """``{"higher", "of", "p"}``: :func:`~magicpig_jax.eval.stats.sign_test` of the pairs."""
+    higher, n, p = sign_test([a for a, _ in pairs], [b for _, b in pairs])
+    return {"higher": higher, "of": n, "p": p}
+
+
+def _verdict(diff: list[float | None], sign: dict) -> str:
+    """Lower or higher KL when the paired t interval excludes 0; else by the sign test at 5%, which a
+    single outlying document cannot swing (the mean's t interval can); else a tie."""
+    lo, hi = diff[1:]
+    if lo is not None and hi is not None and not lo <= 0 <= hi:
+        return "lower KL" if hi < 0 else "higher KL"
+    if sign["p"] is not None and sign["p"] < 0.05:
+        return ("higher KL" if 2 * sign["higher"] > sign["of"] else "lower KL") + " (sign test)"
+    return "tie"
 
 
 def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict:
@@ -131,9 +163,12 @@ def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict
       ``{length: [row, ...]}``, a row per TopK method with ``topk``, ``topk_ms``, ``topk_kl``,
       ``method`` (the chosen variant, or None when there is no candidate), ``no_slower``
       (False: no candidate is no slower, and ``method`` is the fastest one), ``ms_diff`` and
-      ``kl_diff`` (``[mean, low, high]`` of variant − TopK, paired t intervals), ``kl`` (the
-      variant's mean over the paired documents), ``documents`` and ``verdict`` (``"lower KL"``
-      when the KL interval lies below 0, ``"higher KL"`` above, else ``"tie"``).
+      ``kl_diff`` (``[mean, low, high]`` of variant − TopK, paired t intervals), ``kl_sign``
+      (``{"higher", "of", "p"}``: documents where the variant's KL is the higher, documents that
+      differ, the exact sign test's two-sided p), ``kl`` (the variant's mean over the paired
+      documents), ``documents`` and ``verdict`` (``"lower KL"`` when the KL interval lies below
+      0, ``"higher KL"`` above; else ``"... (sign test)"`` when the sign test gives p < 0.05;
+      else ``"tie"``).
     """
     n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
     by_label = {m.label: m for m in settings.methods}
@@ -155,21 +190,19 @@ def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict
                     continue
                 ms = _paired([(a, b) for a, b in ((lik[lab][i].get("ms_per_step"), t[i].get("ms_per_step"))
                                                   for i in docs) if a is not None and b is not None])
-                kl = _paired([(lik[lab][i]["kl"], t[i]["kl"]) for i in docs])
-                options.append({"method": lab, "ms_diff": ms, "kl_diff": kl, "documents": len(docs),
-                                "kl": _mean([lik[lab][i]["kl"] for i in docs])})
+                kl_pairs = [(lik[lab][i]["kl"], t[i]["kl"]) for i in docs]
+                options.append({"method": lab, "ms_diff": ms, "kl_diff": _paired(kl_pairs), "kl_sign": _sign(kl_pairs),
+                                "documents": len(docs), "kl": _mean([lik[lab][i]["kl"] for i in docs])})
             row = {"topk": top, "topk_ms": _mean([r["ms_per_step"] for r in t.values()]),
                    "topk_kl": _mean([r["kl"] for r in t.values()]), "method": None, "no_slower": False,
-                   "ms_diff": [None] * 3, "kl_diff": [None] * 3, "kl": None, "documents": 0, "verdict": None}
+                   "ms_diff": [None] * 3, "kl_diff": [None] * 3, "kl_sign": None, "kl": None, "documents": 0,
+                   "verdict": None}
             options = [o for o in options if o["ms_diff"][0] is not None]  # no timed step: no time to compare
             fast = [o for o in options if o["ms_diff"][0] <= 0]
             pick = (min(fast, key=lambda o: o["kl"]) if fast
                     else min(options, key=lambda o: o["ms_diff"][0]) if options else None)
             if pick is not None:
-                lo, hi = pick["kl_diff"][1:]
-                verdict = ("tie" if lo is None or hi is None or lo <= 0 <= hi else
-                           "lower KL" if hi < 0 else "higher KL")
-                row.update(pick, no_slower=bool(fast), verdict=verdict)
+                row.update(pick, no_slower=bool(fast), verdict=_verdict(pick["kl_diff"], pick["kl_sign"]))
             rows.append(row)
         out[length] = rows
     return out
@@ -218,8 +251,8 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
             tasks = {setup: _task_entry(task_recs(lab, setup), task_recs("dense", setup), settings.tasks,
                                         settings.seed) for setup in setups}
             ms_pairs = [(r.get("ms_per_step"), topk_ms[r["index"]]) for r in lik if r["index"] in topk_ms]
-            kl_topk = _paired([] if lab == topk else [(r["kl"], topk_kl[r["index"]]) for r in lik
-                                                      if r["index"] in topk_kl])
+            kl_pairs = [] if lab == topk else [(r["kl"], topk_kl[r["index"]]) for r in lik if r["index"] in topk_kl]
+            kl_topk = _paired(kl_pairs)
             ms_topk = _paired([] if lab == topk else [(a, b) for a, b in ms_pairs if a is not None and b is not None])
             everything = [r for s in setups for r in task_recs(lab, s)] + lik
             b_total, b_parts = _bytes(lik)
@@ -237,7 +270,7 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
                 "likelihood_ms_per_step_ci": _ci([r.get("ms_per_step") for r in lik]),
                 "likelihood_bytes_per_step": b_total, "likelihood_bytes_per_step_parts": b_parts,
                 "kl": _mean([r["kl"] for r in lik]), "kl_ci": _ci([r["kl"] for r in lik]),
-                "kl_minus_topk": kl_topk, "ms_minus_topk": ms_topk,
+                "kl_minus_topk": kl_topk, "kl_minus_topk_sign": _sign(kl_pairs), "ms_minus_topk": ms_topk,
                 "attention_runs_on": next((r.get("attention_runs_on") for r in lik if r.get("attention_runs_on")),
                                           None),
                 "ppl": _mean([r["ppl"] for r in lik]), "ppl_ci": _ci([r["ppl"] for r in lik]),
@@ -245,6 +278,7 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
                 "top1": _mean([r["top1"] for r in lik]), "top1_ci": _ci([r["top1"] for r in lik], (0.0, 1.0)),
                 "likelihood_samples": len(lik),
                 "budget": _mean([r.get("budget") for r in everything if isinstance(r.get("budget"), int)]),
+                "likelihood_budget": _mean([r.get("budget") for r in lik if isinstance(r.get("budget"), int)]),
                 "decode_tokens_per_s": _mean([r["decode_tokens_per_s"] for r in everything]),
                 "ms_per_step": _mean([r.get("ms_per_step") for r in everything]),
                 "ms_per_step_ci": _ci([r.get("ms_per_step") for r in everything]),
@@ -335,7 +369,7 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
                 parts = v["likelihood_bytes_per_step_parts"]
                 mb = (f"{_mb(v['likelihood_bytes_per_step'])} ("
                       + " / ".join(_mb(parts.get(p)) for p in BYTE_PARTS) + ")")
-                row = [lab, _pct(v["likelihood_cost"], 2), _num(v["budget"], ".0f"),
+                row = [lab, _pct(v["likelihood_cost"], 2), _num(v["likelihood_budget"], ".0f"),
                        _with_ci(v["likelihood_ms_per_step"], v["likelihood_ms_per_step_ci"], ".1f"),
                        _diff(v["ms_minus_topk"], ".1f"), mb,
                        _with_ci(v["kl"], v["kl_ci"], ".4f"), _diff(v["kl_minus_topk"], ".4f"),
@@ -351,9 +385,12 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
                 name = "-" if r["method"] is None else r["method"]
                 if r["method"] is not None and not r["no_slower"]:
                     name += " (none no slower; fastest)"
+                sign = r.get("kl_sign") or {}
+                verdict = r["verdict"] or "-"
+                if sign.get("p") is not None:
+                    verdict += f" ({sign['higher']}/{sign['of']} documents higher, sign test p = {sign['p']:.2g})"
                 cells = [r["topk"], _num(r["topk_ms"], ".1f"), _num(r["topk_kl"], ".4f"), name,
-                         _diff(r["ms_diff"], ".1f"), _num(r["kl"], ".4f"), _diff(r["kl_diff"], ".4f"),
-                         r["verdict"] or "-"]
+                         _diff(r["ms_diff"], ".1f"), _num(r["kl"], ".4f"), _diff(r["kl_diff"], ".4f"), verdict]
                 lines.append("| " + " | ".join(cells) + " |")
     # the likelihood columns' legend, only when a likelihood table was written
     kl_legend = (
@@ -364,7 +401,9 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         "cannot be negative (ms, KL, PPL) are clipped at 0, and top-1's at 100%. At equal measured time: for each TopK "
         "method, the MagicPIG or hybrid variant run on the host op with the least KL among those whose mean paired "
         "ms difference is <= 0 (no slower on the same documents); verdict: lower or higher KL when the paired "
-        "interval excludes 0, else a tie.")
+        "interval excludes 0, else by the exact sign test over the documents when p < 0.05 (a single outlying "
+        "document widens the t interval of skewed KL differences, not the sign test), else a tie. Budget in the "
+        "likelihood table: the mean over its documents.")
     lines.append(
         "\nEvery cell is a mean with its 95% interval in brackets. Accuracy: RULER's string_match_all (percent "
         "of expected strings in the answer) over the samples; interval: Wilson's when every score is 0 or 1, "
