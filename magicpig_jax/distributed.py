@@ -120,9 +120,13 @@ def make_mesh(batch: int | None = None, kv_heads: int = 1, devices: Sequence[jax
     return Mesh(grid, (BATCH, KV_HEADS))
 
 
-def host_index_spec(K: int, L: int, num_sink: int | None = None, num_local: int | None = None) -> host.HostIndex:
-    """The PartitionSpec pytree of a :class:`~magicpig_jax.host.HostIndex` (rows and KV heads split);
-    its static fields must be the index's (a pytree's structure includes them)."""
+def host_index_spec(K: int, L: int, num_sink: int | None, num_local: int | None) -> host.HostIndex:
+    """The PartitionSpec pytree of a :class:`~magicpig_jax.host.HostIndex` (rows and KV heads split).
+
+    Its static fields must be the index's, since a pytree's structure includes them: ``K``, ``L``,
+    ``num_sink`` and ``num_local`` of the config the index was built with (``host_build_index``
+    records them; None for an index assembled by hand without them).
+    """
     return host.HostIndex(
         ids=P(BATCH, KV_HEADS), offsets=P(BATCH, KV_HEADS), open_codes=P(BATCH, KV_HEADS),
         bounds=P(BATCH), mean=P(BATCH, KV_HEADS), projections=P(), K=K, L=L, num_sink=num_sink,

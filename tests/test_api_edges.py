@@ -234,3 +234,17 @@ def test_a_max_new_tokens_past_int32_decodes_to_the_context():
     ids, stats = decode(small, state, attention="dense", max_new_tokens=10**12, stop_on_eos=False)
     ref, _ = decode(small, state, attention="dense", max_new_tokens=38, stop_on_eos=False)
     assert ids == ref and len(ids[0]) == 38  # token i sits at position 3 + i - 1 <= 40
+
+
+def test_tables_for_fraction_never_returns_more_than_max_l():
+    """With max_L = 2 or 3 the search started at L = 4 and could return it."""
+    from magicpig_jax.attention import cost_model, expected_sampled_fraction
+
+    cos = np.linspace(-0.2, 0.9, 41)
+    target = float(expected_sampled_fraction(cos, 3, 4)) * 0.999  # reached at L = 4, not at 3
+    assert float(expected_sampled_fraction(cos, 3, 3)) < target
+    assert cost_model.tables_for_fraction(cos, 3, target) == 4
+    for max_L in (2, 3):
+        with pytest.raises(ValueError, match=f"is not reached with K=3 and L <= {max_L}"):
+            cost_model.tables_for_fraction(cos, 3, target, max_L=max_L)
+    assert cost_model.tables_for_fraction(cos, 3, target, max_L=4) == 4

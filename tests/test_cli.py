@@ -132,8 +132,11 @@ def test_bad_arguments_fail_before_the_model_loads(capsys, args, expected):
     (["study", "attention", "--head-dim", "0"], "--head-dim must be >= 1, got 0"),
     (["study", "attention", "--capture-text", "README.md"], "--capture-text is the prose prefilled for "
                                                             "--capture-from-model: it needs that flag"),
-    (["study", "attention", "--head-dim", "100000000"], "--n 4096 x --heads 4 x (2 --head-dim 100000000 + L "),
-    (["study", "attention", "--n", "256", "--heads", "100000"], "--n 256 x --heads 100000 x (2 --head-dim 64 + L "),
+    (["study", "attention", "--head-dim", "100000000"], "--n 4096 x --heads 4 at --head-dim 100000000 and --lsh "),
+    (["study", "attention", "--n", "256", "--heads", "100000"], "--n 256 x --heads 100000 at --head-dim 64 and "),
+    (["study", "attention", "--n", "1000000"], "--n 1000000 x --heads 4 at --head-dim 64 and --lsh up to K*L = 3300 "
+                                               "needs about"),
+    (["study", "attention", "--lsh", "10x100000000"], "--lsh L must be <= 65536"),
     (["study", "attention", "--n", "100000000000"], "GB for the synthetic cases, more than this machine's"),
     (["study", "attention", "--lsh", "40x150"], "--lsh K must be in [1, 32]"),
     (["study", "attention", "--out", "README.md"], "--out README.md exists and is not a directory"),

@@ -3,6 +3,7 @@ SciPy), the setups, the markdown, the Pareto front and the plots."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -226,3 +227,29 @@ def test_equal_ms_verdict_uses_the_sign_test_when_an_outlier_widens_the_interval
     records = [r if r["method"] != "magicpig:10x150" else {**r, "kl": mp[r["index"]]} for r in records]
     (row,) = equal_ms_comparison(records, settings)[1024]
     assert row["kl_sign"]["higher"] == 12 and row["verdict"] == "tie"
+
+
+def test_a_nan_kl_gives_no_verdict_and_is_not_chosen_over_a_finite_variant():
+    """A NaN KL made the verdict 'higher KL' (the NaN interval read as excluding 0), and a variant with
+    one NaN document could be chosen over a finite one."""
+    from magicpig_jax.eval.report import equal_ms_comparison
+
+    settings = EvalSettings(tasks=[], lengths=[1024], samples=1,
+                            methods=parse_methods("dense,magicpig:10x150,magicpig:9x150,topk"),
+                            likelihood_samples=16, likelihood_tokens=8)
+    lik = {"ppl": 3.0, "nll": 1.0, "top1": 1.0}
+    kls = {"dense": [0.0] * 16, "magicpig:10x150": [0.001] * 15 + [math.nan], "magicpig:9x150": [0.02] * 16,
+           "topk": [0.01] * 16}
+    ms = {"dense": 40.0, "magicpig:10x150": 20.0, "magicpig:9x150": 25.0, "topk": 30.0}
+
+    def records(kls):
+        return [_rec("likelihood", m, i, **{**lik, "ms_per_step": ms[m], "kl": kls[m][i],
+                                              "attention_runs_on": f"{m} (host op)"}) for m in kls for i in range(16)]
+
+    (row,) = equal_ms_comparison(records(kls), settings)[1024]
+    assert row["method"] == "magicpig:9x150" and row["verdict"] == "higher KL"
+    alone = {m: v for m, v in kls.items() if m != "magicpig:9x150"}
+    settings = dataclasses.replace(settings, methods=parse_methods("dense,magicpig:10x150,topk"))
+    (row,) = equal_ms_comparison(records(alone), settings)[1024]
+    assert row["method"] == "magicpig:10x150" and row["verdict"] == "NaN KL"
+    assert row["kl_sign"] == {"higher": None, "of": None, "p": None}

@@ -142,3 +142,13 @@ def test_sign_test_sees_a_direction_an_outlier_hides_from_the_t_interval():
     assert (higher, n) == (13, 16) and p == pytest.approx(sst.binomtest(13, 16).pvalue) and p < 0.05
     with pytest.raises(ValueError):
         sign_test([1.0], [1.0, 2.0])
+
+
+def test_sign_test_is_exact_past_a_thousand_pairs_and_refuses_nan():
+    """2.0 ** n overflowed once 1024 pairs differed (a summary of 1,100 documents crashed)."""
+    rng = np.random.default_rng(0)
+    d = rng.normal(0.05, 1.0, 1500)
+    higher, n, p = sign_test(list(d), [0.0] * len(d))
+    assert n == 1500 and p == pytest.approx(sst.binomtest(higher, n, 0.5).pvalue, rel=1e-9)
+    with pytest.raises(ValueError, match="a pair holds NaN"):
+        sign_test([1.0, math.nan], [0.0, 0.0])

@@ -10,8 +10,10 @@ whatever its V row holds (NaN, inf, garbage) the result is the one of a clean ca
 is whatever its K row holds past the row's length. A non-finite K row inside a row's length
 is not inert where the estimator reads every key of its range: MagicPIG and the hybrid
 center the keys by their mean (a NaN or infinite key gives the heads of its KV head NaN),
-TopK, Quest and oracle sampling score every key (a NaN or +inf logit gives NaN). A non-finite
-query gives its head NaN in every estimator.
+TopK, Quest and oracle sampling score every key (a NaN or +inf logit gives NaN). A NaN query
+gives its head NaN in every estimator; an infinite one gives NaN wherever a logit is NaN or
++inf, and in MagicPIG and the hybrid always (its SimHash codes are undefined), while dense
+attention over logits that are all -inf gives an empty row (out 0, lse -inf).
 
 The inertness is the forward pass's. The functions are differentiable (``jax.grad`` of dense
 attention matches finite differences), but the gradient with respect to ``q`` multiplies every

@@ -94,14 +94,11 @@ def tables_for_fraction(
 
     if f(2) >= target:
         return 2
-    lo, hi = 2, 4
-    while f(hi) < target:
-        lo, hi = hi, hi * 2
-        if hi > max_L:
-            if f(max_L) < target:
-                raise ValueError(f"target fraction {target} is not reached with K={K} and L <= {max_L}")
-            hi = max_L
-            break
+    lo, hi = 2, min(4, max_L)
+    while f(hi) < target:  # doubling, never past max_L
+        if hi == max_L:
+            raise ValueError(f"target fraction {target} is not reached with K={K} and L <= {max_L}")
+        lo, hi = hi, min(2 * hi, max_L)
     while hi - lo > 1:  # invariant: f(lo) < target <= f(hi)
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if f(mid) >= target else (mid, hi)

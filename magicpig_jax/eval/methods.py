@@ -57,13 +57,21 @@ class Method:
         return self.backend in ("topk", "quest", "oracle")
 
 
-def _check_host_index(where: str, K: int, L: int) -> None:
+def _check_host_index(where: str, K: int, L: int, hint: str = " (magicpig-ref, pure JAX, takes more)") -> None:
     """Refuse a (K, L) the host index cannot hold (method ``magicpig`` runs on it), before any model loads."""
     from magicpig_jax.host.index import HOST_MAX_K, HOST_MAX_L
 
     if K > HOST_MAX_K or L > HOST_MAX_L:
         raise ValueError(f"{where}: the host index takes K in [1, {HOST_MAX_K}] and L in [2, {HOST_MAX_L}], got "
-                         f"K={K}, L={L} (magicpig-ref, pure JAX, takes more)")
+                         f"K={K}, L={L}{hint}")
+
+
+def _host_runs_layer_configs() -> bool:
+    """Whether per-layer configs run on the host index: on the CPU backend (on an accelerator they run
+    in pure JAX, :func:`magicpig_jax.models.backends.decode_spec`'s choice)."""
+    import jax
+
+    return jax.default_backend() == "cpu"
 
 
 def parse_method(text: str) -> Method:
@@ -84,9 +92,10 @@ def parse_method(text: str) -> Method:
             raise FileNotFoundError(f"method {text!r}: no layer-configs file {path}")
         from magicpig_jax.attention import LayerConfigs
 
-        for i, c in LayerConfigs.load(path).layers:  # the file's own errors name it
-            if c != "dense":
-                _check_host_index(f"method {text!r}: layer {i}", c.K, c.L)
+        if _host_runs_layer_configs():
+            for i, c in LayerConfigs.load(path).layers:  # the file's own errors name it
+                if c != "dense":
+                    _check_host_index(f"method {text!r}: layer {i}", c.K, c.L, hint="")
         return Method(f"magicpig@{path.stem}", "magicpig", config_file=str(path))
     name, _, arg = text.partition(":")
     name = name.strip().lower()

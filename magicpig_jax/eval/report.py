@@ -128,14 +128,24 @@ def _paired(pairs: list[tuple[float, float]]) -> list[float | None]:
 
 
 def _sign(pairs: list[tuple[float, float]]) -> dict:
-    """``{"higher", "of", "p"}``: :func:`~magicpig_jax.eval.stats.sign_test` of the pairs."""
+    """``{"higher", "of", "p"}``: :func:`~magicpig_jax.eval.stats.sign_test` of the pairs (all None
+    when a pair holds NaN)."""
+    if any(a is not None and b is not None and math.isnan(a - b) for a, b in pairs):
+        return {"higher": None, "of": None, "p": None}
     higher, n, p = sign_test([a for a, _ in pairs], [b for _, b in pairs])
     return {"higher": higher, "of": n, "p": p}
 
 
+def _broken(diff: list[float | None]) -> bool:
+    return diff[0] is not None and math.isnan(diff[0])
+
+
 def _verdict(diff: list[float | None], sign: dict) -> str:
     """Lower or higher KL when the paired t interval excludes 0; else by the sign test at 5%, which a
-    single outlying document cannot swing (the mean's t interval can); else a tie."""
+    single outlying document cannot swing (the mean's t interval can); else a tie. ``"NaN KL"``
+    when a document's KL is NaN (no comparison)."""
+    if _broken(diff):
+        return "NaN KL"
     lo, hi = diff[1:]
     if lo is not None and hi is not None and not lo <= 0 <= hi:
         return "lower KL" if hi < 0 else "higher KL"
@@ -198,6 +208,8 @@ def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict
                    "ms_diff": [None] * 3, "kl_diff": [None] * 3, "kl_sign": None, "kl": None, "documents": 0,
                    "verdict": None}
             options = [o for o in options if o["ms_diff"][0] is not None]  # no timed step: no time to compare
+            # a variant with a NaN KL is chosen only when no other is there (its verdict says NaN)
+            options = [o for o in options if not _broken(o["kl_diff"])] or options
             fast = [o for o in options if o["ms_diff"][0] <= 0]
             pick = (min(fast, key=lambda o: o["kl"]) if fast
                     else min(options, key=lambda o: o["ms_diff"][0]) if options else None)

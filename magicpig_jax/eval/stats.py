@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import numpy as np
 
@@ -224,17 +225,19 @@ def sign_test(xs: Sequence[float], ys: Sequence[float]) -> tuple[int, int, float
       ``min(1, 2 P[Binomial(n, 1/2) <= min(higher, n - higher)])`` (None when ``n == 0``).
 
     Raises:
-      ValueError: ``xs`` and ``ys`` differ in length.
+      ValueError: ``xs`` and ``ys`` differ in length, or a pair holds NaN (it has no direction).
 
     Source: the binomial sign test (Conover, *Practical Nonparametric Statistics*, Section 3.4).
     """
     if len(xs) != len(ys):
         raise ValueError(f"paired samples need equal lengths, got {len(xs)} and {len(ys)}")
     d = [x - y for x, y in zip(xs, ys, strict=True) if x is not None and y is not None]
-    higher = sum(v > 0 for v in d)
-    n = higher + sum(v < 0 for v in d)
+    if any(math.isnan(v) for v in d):  # no direction: a NaN pair is not a tie
+        raise ValueError("sign_test: a pair holds NaN")
+    higher = int(sum(bool(v > 0) for v in d))  # Python ints: a NumPy int64 2 ** n wraps to 0
+    n = higher + int(sum(bool(v < 0) for v in d))
     if n == 0:
         return 0, 0, None
     k = min(higher, n - higher)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
-    return higher, n, min(1.0, 2.0 * tail)
+    tail = Fraction(sum(math.comb(n, i) for i in range(k + 1)), 2**n)  # exact: 2.0**n overflows past n = 1023
+    return higher, n, float(min(Fraction(1), 2 * tail))

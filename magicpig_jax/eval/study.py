@@ -171,21 +171,24 @@ def _load_capture(path: Path, layers: str | None):
     return [(f"layer{i}", q[i : i + 1], k[i : i + 1], v[i : i + 1], cap) for i in idx]
 
 
-def _check_synthetic_memory(n: int, head_dim: int, heads: int, max_L: int) -> None:
+def _check_synthetic_memory(n: int, head_dim: int, heads: int, pairs) -> None:
     """Refuse synthetic cases larger than this machine's memory, before drawing them.
 
-    A case holds q, k and v in float32 and, per (K, L), uint32 codes of every key for L tables; the
-    estimators' temporaries are of the same order, counted as twice that.
+    Per key and head a case holds q, k, v and their float64 reference's copies (about 6 D floats),
+    per (K, L) the float32 projections ``[n, K*L]`` (the largest temporary) and the codes and
+    estimator temporaries (about 3 L); 4 bytes each. This bounds the measured peak (a 1-head case at
+    K = 11, L = 300, D = 64 peaked near 16 KB per key, the estimate 18 KB).
     """
-    need = 3 * 4 * heads * n * (2 * head_dim + max_L)
+    width = max(6 * head_dim + 3 * L + K * L for K, L in pairs)
+    need = 4 * heads * n * width
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # no sysconf: no check
         return
     if need > have:
-        raise ValueError(f"--n {n} x --heads {heads} x (2 --head-dim {head_dim} + L {max_L}) needs about "
-                         f"{need / 1e9:.3g} GB for the synthetic cases, more than this machine's "
-                         f"{have / 1e9:.3g} GB: choose smaller sizes")
+        raise ValueError(f"--n {n} x --heads {heads} at --head-dim {head_dim} and --lsh up to K*L = "
+                         f"{max(K * L for K, L in pairs)} needs about {need / 1e9:.3g} GB for the synthetic cases, "
+                         f"more than this machine's {have / 1e9:.3g} GB: choose smaller sizes")
 
 
 def _settings(args) -> tuple[StudySettings, list[str]]:
@@ -206,11 +209,11 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
                              ("--num-local", args.num_local, 0)):
         if value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if not args.no_synthetic:
-        _check_synthetic_memory(args.n, args.head_dim, args.heads, max(L for _, L in args.lsh))
     with in_flag_terms(K="--lsh K", L="--lsh L"):
         for K, L in args.lsh:
             lsh.validate_k_l(K, L)
+    if not args.no_synthetic:
+        _check_synthetic_memory(args.n, args.head_dim, args.heads, args.lsh)
     try:
         heavy = tuple(int(x) for x in args.heavy.split(",") if x.strip())
     except ValueError as err:
