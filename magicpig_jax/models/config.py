@@ -339,7 +339,8 @@ class LlamaConfig:
             num_heads=num_heads,
             num_kv_heads=int(get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
-            rope_theta=float(theta if theta is not None else 10000.0),
+            # the type's own default base where it has one (SmolLM3: 2e6), else transformers' 10000
+            rope_theta=float(theta if theta is not None else defaults.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=float(get("rms_norm_eps")),
             max_position_embeddings=max_positions,
