@@ -799,3 +799,13 @@ def test_rope_inv_freq_factors_with_scalings():
                                          ("original_max_position_embeddings", 8192), ("rope_type", "llama3")))
     with _raises(ValueError, "freq_factors cannot be combined with a 'llama3' RoPE scaling"):
         rope_inv_freq(llama3, ff)
+
+
+def test_an_integer_weight_in_safetensors_is_refused(tmp_path):
+    """An int8 weight (a quantized tensor without its scales) was cast to float32 and used as such."""
+    hf = _hf_weights(3)
+    name = "model.layers.0.mlp.down_proj.weight"
+    hf[name] = np.clip(hf[name] * 100, -127, 127).astype(np.int8)
+    folder = _hf_dir(tmp_path / "int8", hf)
+    with pytest.raises(ValueError, match=re.escape(f"tensor {name!r} has dtype int8: only floating-point weights")):
+        load_model(folder)

@@ -209,6 +209,9 @@ def _held(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
     """``(key, array)`` of one weight as :func:`read_hf_dir` holds it: F16/BF16 rows, or float32."""
     from magicpig_jax.io.gguf_model import packed_key
 
+    if value.dtype.kind in "iub":  # an int8 / uint8 / bool weight is a quantized or foreign tensor
+        raise ValueError(f"tensor {name!r} has dtype {value.dtype.name}: only floating-point weights are "
+                         "read (quantized checkpoints are not supported)")
     qtype = _PACKED_DTYPES.get(value.dtype.name)
     if qtype is not None and value.ndim == 2:
         return packed_key(name, qtype), np.ascontiguousarray(value).view(np.uint8)
