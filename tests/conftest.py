@@ -63,6 +63,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # cache (Makefile) rather than compiling them again under the sanitizer's allocator, where XLA's
 # compilation dominates the run.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# XLA's CPU code generation at LLVM's optimization level 0 (TEST_XLA_FLAG), for this process and the
+# CLI processes it starts: compiling XLA programs is most of the suite's time, the suite's programs
+# are small and run briefly, and the level changes how fast the generated code runs, not what it
+# computes (no fast-math at any level; results may differ in the last bit where LLVM contracts a
+# multiply-add). A test that runs a program long (the demo's 5,900-token prefill) starts its
+# process without it (tests/_xla.py). Users' programs compile at XLA's default level.
+from tests._xla import TEST_XLA_FLAG, with_test_flag  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_test_flag(os.environ.get("XLA_FLAGS", ""))
+assert TEST_XLA_FLAG in os.environ["XLA_FLAGS"]
 
 import jaxtyping  # noqa: E402
 

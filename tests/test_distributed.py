@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from tests._xla import with_test_flag
+
 _CHECKS = textwrap.dedent(r'''
     import json, os, traceback
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -157,7 +159,7 @@ _CHECKS = textwrap.dedent(r'''
 @pytest.fixture(scope="module")
 def results():
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = with_test_flag()  # the script adds its device count
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-c", _CHECKS], capture_output=True, text=True, env=env, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -257,7 +259,7 @@ print(json.dumps({"mesh_compiles": mesh_compiles,
 
 
 def test_full_model_decode_sharded_over_8_devices_equals_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=with_test_flag("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _DECODE_CHECK], capture_output=True, text=True, env=env,
                           timeout=300, cwd=root)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._xla import with_test_flag
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = "--batch 2 --q-heads 4 --kv-heads 2 --head-dim 16 --context 512"
 
@@ -33,7 +35,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHONPATH=str(ROOT), **extra)
+    env.update(PYTHONPATH=str(ROOT), XLA_FLAGS=with_test_flag(extra.pop("XLA_FLAGS", "")), **extra)
     return env
 
 

@@ -206,8 +206,8 @@ def test_a_non_finite_query_gives_nan_even_with_an_empty_static_set(bad):
         out, lse = np.asarray(out), np.asarray(lse)
         assert np.isnan(out[0, 1]).all() and np.isnan(lse[0, 1]), name
         assert np.isfinite(lse[0, [0, 2, 3]]).all(), name
-        if name in ("magicpig", "hybrid"):
-            np.testing.assert_array_equal(out[0, [0, 2, 3]], np.asarray(clean[name][0])[0, [0, 2, 3]])
+        if name in ("magicpig", "hybrid"):  # the same program: equal up to XLA's code generation
+            np.testing.assert_allclose(out[0, [0, 2, 3]], np.asarray(clean[name][0])[0, [0, 2, 3]], rtol=0, atol=1e-6)
         if name.startswith("host-"):
             np.testing.assert_allclose(out[0, [0, 2, 3]], np.asarray(clean["host"][0])[0, [0, 2, 3]], atol=1e-6)
     # One head over 4,096 keys and two threads: the op splits the head into pieces (fewer heads

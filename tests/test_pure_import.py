@@ -17,6 +17,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests._xla import default_level
+
 ROOT = Path(__file__).resolve().parent.parent
 PROOFS = ROOT / "proofs"
 TIMEOUT_S = 300
@@ -123,7 +125,8 @@ _PROOFS = textwrap.dedent('''
 
 
 def _run_hidden(body: str, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MAGICPIG_HOST_OPS_LIB"}
+    # XLA's default code generation (tests/_xla.py): the proofs run their programs long
+    env = default_level({k: v for k, v in os.environ.items() if k != "MAGICPIG_HOST_OPS_LIB"})
     code = _HIDE + body + _END
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._xla import with_test_flag
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -308,8 +310,9 @@ def test_readme_python(scratch):
         parts.append(_substitute(block, PYTHON_SUBSTITUTIONS))
     script = scratch / "readme_blocks.py"
     script.write_text("\n".join(parts))
+    env = _env(XLA_FLAGS=with_test_flag("--xla_force_host_platform_device_count=4"))
     proc = subprocess.run([sys.executable, str(script)], cwd=scratch, capture_output=True, text=True,
-                          timeout=TIMEOUT, env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+                          timeout=TIMEOUT, env=env)
     reached = re.findall(r"<<<block (\d+)>>>", proc.stdout)
     assert proc.returncode == 0, (f"README Python block {reached[-1] if reached else 0} failed:\n"
                                   f"{(proc.stdout + proc.stderr)[-4000:]}")
