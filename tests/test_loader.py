@@ -134,3 +134,28 @@ def test_gemma3_shaped_random_gguf_loads_as_rows_and_decodes(tmp_path):
     (t_rows, lg_rows), (t_float, lg_float) = (_decode_logits(m, states[1]) for m in (rows, floats))
     assert t_rows == t_float and np.isfinite(lg_rows).all()
     np.testing.assert_allclose(lg_rows, lg_float, atol=1e-4, rtol=0)
+
+
+def test_the_plain_view_reader_parses_what_gguf_parses(q4km):
+    """The reader's faster ``_get`` (gguf_model._reader_class) gives gguf.GGUFReader's own fields and
+    tensors, for the embedded model (a vocabulary of 49,152 strings and its merges) and a random
+    Q4_K_M file: names, types, offsets, each part's bytes and dtype, the tensors' data."""
+    from magicpig_jax.io.embedded import embedded_model_path
+    from magicpig_jax.io.gguf_model import _reader_class
+
+    for path in (embedded_model_path(), q4km):
+        want, got = gguf.GGUFReader(str(path)), _reader_class()(str(path))
+        assert isinstance(got, gguf.GGUFReader) and list(got.fields) == list(want.fields), path
+        for name, f in want.fields.items():
+            g = got.fields[name]
+            assert (g.offset, g.data, g.types) == (f.offset, f.data, f.types), name
+            assert len(g.parts) == len(f.parts), name
+            for a, b in zip(g.parts, f.parts, strict=True):
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+        assert len(got.tensors) == len(want.tensors) > 0
+        for a, b in zip(got.tensors, want.tensors, strict=True):
+            assert (a.name, a.tensor_type, a.shape.tolist(), a.n_elements, a.n_bytes, a.data_offset) == (
+                b.name, b.tensor_type, b.shape.tolist(), b.n_elements, b.n_bytes, b.data_offset)
+            assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+            assert np.shares_memory(a.data, got.data)  # a view of the mapped file, not a copy
+            assert a.data.tobytes() == b.data.tobytes(), a.name

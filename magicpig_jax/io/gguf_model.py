@@ -319,14 +319,42 @@ def read_gguf_config(path: str | Path) -> LlamaConfig:
     return config
 
 
+def _reader_class():
+    """``gguf.GGUFReader`` whose field parser slices a plain ndarray view of the file's memory map.
+
+    The reader parses every metadata value (a tokenizer's vocabulary and merges: about 100,000
+    strings) by slicing its ``np.memmap``, whose ``__getitem__`` and ``__array_finalize__`` run
+    Python code on each slice; most of a model's load went there. Here ``_get`` (the reader's one
+    primitive read, reimplemented with the same arguments and results) slices the same bytes as a
+    plain ndarray: the fields and the tensors' data are the same zero-copy views of the mapped
+    file. llama.cpp's gguf-py has the same change proposed upstream (ggml-org/llama.cpp#13378).
+    """
+    global _READER
+    if _READER is None:
+        import gguf
+
+        class _PlainViewReader(gguf.GGUFReader):
+            def _get(self, offset, dtype, count=1, override_order=None):
+                plain = self.__dict__.get("_plain")
+                if plain is None:  # self.data, the np.memmap, is set before the first read
+                    plain = self._plain = self.data.view(np.ndarray)
+                count, dt = int(count), np.dtype(dtype)
+                arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
+                return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        _READER = _PlainViewReader
+    return _READER
+
+
+_READER = None
+
+
 def _open_reader(path: Path):
     """The ``gguf.GGUFReader`` of ``path``, with errors that say what is wrong with the file."""
-    import gguf
-
     if not path.is_file():
         raise FileNotFoundError(f"model file {path} does not exist")
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _reader_class()(str(path))
     except Exception as err:  # gguf raises ValueError/struct errors on bad magic
         with open(path, "rb") as f:
             head = f.read(24)
