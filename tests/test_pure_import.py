@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 from tests._xla import default_level
+from tests.test_proofs import SCRIPTS, check_sites
 
 ROOT = Path(__file__).resolve().parent.parent
 PROOFS = ROOT / "proofs"
@@ -119,8 +120,9 @@ _PROOFS = textwrap.dedent('''
                 code = 0
             except SystemExit as e:
                 code = e.code or 0
-        assert code == 0 and "all checks passed" in buf.getvalue(), (script.name, code, buf.getvalue()[-2000:])
-        print("proof ok:", script.stem)
+        passed = [ln for ln in buf.getvalue().splitlines() if "all checks passed (" in ln]
+        assert code == 0 and passed, (script.name, code, buf.getvalue()[-2000:])
+        print(f"proof ok: {script.stem}: {passed[-1]}")
 ''')
 
 
@@ -138,9 +140,11 @@ def test_pure_layers_import_and_run_without_the_extension():
 
 
 def test_proofs_run_without_the_extension():
+    """Every proof check of proofs/ passes, each of its check sites evaluated (the count is
+    tests/test_proofs.py's, from the script's source); test_proofs.py runs each perturbed."""
     r = _run_hidden(_PROOFS, str(PROOFS))
     assert r.returncode == 0 and "PURE-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
-    scripts = sorted(p.stem for p in PROOFS.glob("*.py") if not p.name.startswith("_"))
-    assert len(scripts) >= 7
-    for stem in scripts:
-        assert f"proof ok: {stem}" in r.stdout, stem
+    assert len(SCRIPTS) >= 7
+    for script in SCRIPTS:
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith(f"proof ok: {script.stem}: ")), "")
+        assert f" evaluations of {check_sites(script)} checks)" in line, (script.stem, line)
