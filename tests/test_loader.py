@@ -159,3 +159,36 @@ def test_the_plain_view_reader_parses_what_gguf_parses(q4km):
             assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
             assert np.shares_memory(a.data, got.data)  # a view of the mapped file, not a copy
             assert a.data.tobytes() == b.data.tobytes(), a.name
+
+
+def test_a_config_read_hands_its_parse_to_the_load_that_follows(q4km, tmp_path, monkeypatch):
+    """The CLI reads a model's config, then loads it: the header is parsed once, the parse is not kept
+    after the load, and a file changed in between (or another file) is parsed again."""
+    import os
+    import shutil
+
+    from magicpig_jax.io import gguf_model as gm
+
+    base, opened = gm._reader_class(), []
+
+    class Counting(base):
+        def __init__(self, path, *a, **k):
+            opened.append(Path(path).name)
+            super().__init__(path, *a, **k)
+
+    monkeypatch.setattr(gm, "_READER", Counting)
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(q4km, copy)
+    config = gm.read_gguf_config(q4km)
+    assert gm.read_gguf(q4km)[0] == config and opened == [q4km.name]
+    assert gm._PARSED == {}  # handed over, not kept
+    gm.read_gguf(q4km)
+    assert opened == [q4km.name] * 2  # a load alone parses
+    gm.read_gguf_config(q4km)
+    gm.read_gguf(copy)  # another file: parsed, and the first parse dropped
+    assert opened == [q4km.name] * 3 + [copy.name] and gm._PARSED == {}
+    gm.read_gguf_config(copy)
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # rewritten since
+    gm.read_gguf(copy)
+    assert opened == [q4km.name] * 3 + [copy.name] * 3

@@ -298,7 +298,7 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
     """
 
     path = Path(path)
-    reader = _open_reader(path)
+    reader = _open_reader(path, take=True)
     arch = _architecture(reader, path)
     config, tensors = _config(reader, arch, path)
     entries, freq_factors = _entries(tensors, arch, config, path)
@@ -316,6 +316,10 @@ def read_gguf_config(path: str | Path) -> LlamaConfig:
     path = Path(path)
     reader = _open_reader(path)
     config, _ = _config(reader, _architecture(reader, path), path)
+    # the load that usually follows (the CLI checks a model's config before loading it) takes this
+    # parse instead of parsing the header again
+    _PARSED.clear()
+    _PARSED[_file_key(path)] = reader
     return config
 
 
@@ -347,12 +351,28 @@ def _reader_class():
 
 
 _READER = None
+# The reader of the last read_gguf_config, for the read_gguf of the same unchanged file: at most one,
+# handed over (not kept) by the load, since a parsed vocabulary holds tens of MB of small arrays.
+_PARSED: dict[tuple, object] = {}
 
 
-def _open_reader(path: Path):
-    """The ``gguf.GGUFReader`` of ``path``, with errors that say what is wrong with the file."""
+def _file_key(path: Path) -> tuple:
+    st = path.stat()
+    return str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _open_reader(path: Path, take: bool = False):
+    """The ``gguf.GGUFReader`` of ``path``, with errors that say what is wrong with the file.
+
+    ``take``: reuse (and drop) the parse of read_gguf_config's for the same unchanged file.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"model file {path} does not exist")
+    if take and _PARSED:
+        parsed = _PARSED.pop(_file_key(path), None)
+        _PARSED.clear()
+        if parsed is not None:
+            return parsed
     try:
         reader = _reader_class()(str(path))
     except Exception as err:  # gguf raises ValueError/struct errors on bad magic
