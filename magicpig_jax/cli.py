@@ -305,10 +305,10 @@ def _check_model(args, layered=None) -> None:
                              f"which only attention 'hybrid' reads; '{ignoring[0]}' would ignore it")
         too_big = [(i, "K", c.K, HOST_MAX_K) for i, c in sparse if c.K > HOST_MAX_K] + [
             (i, "L", c.L, HOST_MAX_L) for i, c in sparse if c.L > HOST_MAX_L]
-        import jax
+        from magicpig_jax.models.backends.spec import host_ops_by_default
 
-        # (on an accelerator per-layer configs run in pure JAX: decode_spec's choice)
-        if too_big and "magicpig" in args.attention and jax.default_backend() == "cpu":
+        # (on an accelerator per-layer configs run in pure JAX: DecodeSpec's choice)
+        if too_big and "magicpig" in args.attention and host_ops_by_default():
             i, name, value, most = too_big[0]
             pure = f"'magicpig-ref' (pure JAX) up to {lsh.MAX_K if name == 'K' else lsh.MAX_L}"
             raise ValueError(f"--magicpig-config {args.magicpig_config}: layer {i} has {name} = {value}; attention "

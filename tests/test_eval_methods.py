@@ -41,3 +41,23 @@ def test_parse_new_methods(tmp_path):
         parse_methods(f"magicpig@{tmp_path / 'none.json'}")
     with pytest.raises(ValueError, match="budget-from"):
         parse_methods("topk", budget_from=f"magicpig@{cfg}")
+
+
+def test_layer_configs_host_limits_follow_the_backend(tmp_path, monkeypatch):
+    """A per-layer file with K above the host index's limit is refused where the host ops run (the CPU
+    backend) and accepted where per-layer configs run in pure JAX (an accelerator): the one function
+    :func:`host_ops_by_default` decides for the eval, the CLI and :class:`DecodeSpec` alike."""
+    from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+    from magicpig_jax.host.index import HOST_MAX_K
+    from magicpig_jax.models.backends import spec
+
+    big = LayerConfigs.uniform(MagicPIGConfig(K=HOST_MAX_K + 1, L=8), 3, [0]).save(tmp_path / "big.json")
+    assert spec.host_ops_by_default()  # the suite runs on the CPU backend
+    with pytest.raises(ValueError, match=rf"layer 1: the host index takes K in \[1, {HOST_MAX_K}\]"):
+        parse_methods(f"magicpig@{big}")
+    monkeypatch.setattr(spec, "host_ops_by_default", lambda: False)
+    assert parse_methods(f"magicpig@{big}")[0].config_file == str(big)
+    layers = LayerConfigs.load(big)
+    layered = spec.DecodeSpec(backend="magicpig", magicpig=layers.base(), dense_layers=layers.dense_layers,
+                              layers=layers)
+    assert (layered.host, layered.offload) == (False, False)  # pure JAX, as the eval's check assumed

@@ -66,14 +66,6 @@ def _check_host_index(where: str, K: int, L: int, hint: str = " (magicpig-ref, p
                          f"K={K}, L={L}{hint}")
 
 
-def _host_runs_layer_configs() -> bool:
-    """Whether per-layer configs run on the host index: on the CPU backend (on an accelerator they run
-    in pure JAX, :func:`magicpig_jax.models.backends.decode_spec`'s choice)."""
-    import jax
-
-    return jax.default_backend() == "cpu"
-
-
 def parse_method(text: str) -> Method:
     """Parse one method (see the module docstring for the names).
 
@@ -91,8 +83,9 @@ def parse_method(text: str) -> Method:
         if not path.is_file():
             raise FileNotFoundError(f"method {text!r}: no layer-configs file {path}")
         from magicpig_jax.attention import LayerConfigs
+        from magicpig_jax.models.backends.spec import host_ops_by_default
 
-        if _host_runs_layer_configs():
+        if host_ops_by_default():  # per-layer configs run on the host index
             for i, c in LayerConfigs.load(path).layers:  # the file's own errors name it
                 if c != "dense":
                     _check_host_index(f"method {text!r}: layer {i}", c.K, c.L, hint="")

@@ -24,13 +24,20 @@ from magicpig_jax.attention.baselines import Budget, check_budget, check_page_si
 from magicpig_jax.attention.layer_configs import LayerConfigs
 
 __all__ = ["BACKENDS", "BUDGETED", "HOST_BACKENDS", "LAYERED", "Backend", "DecodeSpec", "MiddleRange",
-           "SharedProjections", "drop_projections", "layer_projections", "projection_sources", "resolve_projections",
-           "with_shared_projections"]
+           "SharedProjections", "drop_projections", "host_ops_by_default", "layer_projections", "projection_sources",
+           "resolve_projections", "with_shared_projections"]
 
 BACKENDS = ("dense", "magicpig", "magicpig-ref", "topk", "quest", "oracle", "hybrid")
 BUDGETED = ("topk", "quest", "oracle")
 HOST_BACKENDS = ("dense", "magicpig", "topk", "quest")  # the backends with a host op (CPU backend)
 LAYERED = ("magicpig", "magicpig-ref", "hybrid")  # the backends that take per-layer LayerConfigs
+
+
+def host_ops_by_default() -> bool:
+    """Whether the host ops run the ``HOST_BACKENDS`` by default: on JAX's CPU backend. On a GPU or
+    TPU backend ``magicpig`` offloads (one config for every layer) or runs in pure JAX (per-layer
+    configs), and the other backends run in pure JAX (:class:`DecodeSpec`'s ``host`` and ``offload``)."""
+    return jax.default_backend() == "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +124,7 @@ class DecodeSpec:
             check_layers(self)
         if self.offload is None:
             object.__setattr__(self, "offload", self.backend == "magicpig" and self.mesh is None
-                               and self.layers is None and jax.default_backend() != "cpu")
+                               and self.layers is None and not host_ops_by_default())
         if self.offload and (self.backend != "magicpig" or self.mesh is not None):
             raise ValueError("offload runs the 'magicpig' backend on one accelerator (no mesh), "
                              f"got backend={self.backend!r}, mesh={self.mesh}")
@@ -125,7 +132,7 @@ class DecodeSpec:
             raise ValueError(f"host_device must be a CPU device, got {self.host_device}")
         if self.host is None:
             object.__setattr__(self, "host", self.backend in HOST_BACKENDS and not self.offload
-                               and jax.default_backend() == "cpu")
+                               and host_ops_by_default())
         from magicpig_jax.attention._common import check_softcap
         from magicpig_jax.models.backends.table import backend_for
 
