@@ -13,6 +13,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import re
@@ -50,21 +51,18 @@ def _budget(text: str) -> int | float:
             raise argparse.ArgumentTypeError(f"--budget takes an int or a float, got {text!r}") from err
 
 
-# The backends generate takes: models.backends.BACKENDS but hybrid (a test keeps the two in step;
-# importing the table here would import JAX for every command, --help included).
-GENERATE_BACKENDS = "dense, magicpig, magicpig-ref, topk, quest, oracle"
+# The backends generate takes: models.backends.BACKENDS (a test keeps the two in step; importing the
+# table here would import JAX for every command, --help included).
+GENERATE_BACKENDS = "dense, magicpig, magicpig-ref, topk, quest, oracle, hybrid"
+# The backends that read --K, --L, --seed and --layers-per-projection (SimHash tables), and a calibrated file.
+LSH_BACKENDS = ("magicpig", "magicpig-ref", "hybrid")
 
 
 def _attention_list(text: str) -> list[str]:
     from magicpig_jax.models.backends import BACKENDS
 
     names = [x.strip() for x in text.split(",") if x.strip()]
-    # The hybrid estimator needs a HybridConfig per layer: the Python API and `eval` take it.
-    allowed = tuple(b for b in BACKENDS if b != "hybrid")
-    if "hybrid" in names:
-        raise argparse.ArgumentTypeError("--attention hybrid needs per-layer HybridConfig settings, which generate "
-                                         "does not take: use the Python API or `magicpig-jax eval --methods`; "
-                                         f"generate takes a comma-separated subset of {', '.join(allowed)}")
+    allowed = BACKENDS
     bad = [n for n in names if n not in allowed]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"takes a comma-separated subset of {', '.join(allowed)}, got {text!r}")
@@ -89,6 +87,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--K", type=int, default=None,
                    help="SimHash bits per table (1..16 with the host op, 1..32 with magicpig-ref; default 10)")
     p.add_argument("--L", type=int, default=None, help="hash tables (>= 2; default 150)")
+    p.add_argument("--heavy", type=int, default=None,
+                   help="hybrid only: keys colliding in at least this many tables are kept exactly, the rest "
+                        "importance-weighted (3 <= heavy <= L + 1; default 8)")
     p.add_argument("--num-sink", type=int, default=None, help="sink tokens kept exactly (default 4)")
     p.add_argument("--num-local", type=int, default=None, help="local window of the prompt kept exactly (default 64)")
     p.add_argument("--seed", type=int, default=None,
@@ -159,7 +160,7 @@ def _generate_prompt(args) -> str:
 
 
 def _cmd_generate(args) -> int:
-    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.attention import HybridConfig, MagicPIGConfig
     from magicpig_jax.generation import Sampling, cache_capacity, decode_spec, encode_prompt, kv_cache_dtype, prefill
     from magicpig_jax.host.index import HOST_MAX_K
     from magicpig_jax.io.loader import load_model
@@ -172,15 +173,18 @@ def _cmd_generate(args) -> int:
     for name, default in _GENERATE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if "heavy" not in given and isinstance(args.L, int) and args.L >= 2:
+        args.heavy = min(args.heavy, args.L + 1)  # the default within [3, L + 1] for few tables
     if "magicpig" in args.attention and isinstance(args.K, int) and args.K > HOST_MAX_K:
         raise ValueError(f"--K must be in [1, {HOST_MAX_K}] with attention 'magicpig' (the host index: 2^K + 1 "
                          f"bucket offsets per chunk and table), got {args.K}; 'magicpig-ref' (pure JAX) takes up to 32")
     with in_flag_terms(K="--K", L="--L", num_sink="--num-sink", num_local="--num-local", seed="--seed",
                        layers_per_projection="--layers-per-projection", temperature="--temperature",
-                       top_p="--top-p"):
+                       top_p="--top-p", heavy="--heavy"):
         config = MagicPIGConfig(K=args.K, L=args.L, num_sink=args.num_sink, num_local=args.num_local,
                                 seed=args.seed, layers_per_projection=args.layers_per_projection)
         sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        hybrid = HybridConfig(**dataclasses.asdict(config), heavy=args.heavy) if "hybrid" in args.attention else None
     _check_options_used(args, given)
     try:
         stops = check_stop_strings(args.stop)
@@ -191,15 +195,18 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"attention {needs_budget[0]!r} needs a budget: pass --budget TOKENS or --budget FRACTION")
     if args.budget is not None and not needs_budget:
         raise ValueError(f"--budget applies to attention {', '.join(BUDGETED)} only, none of which is in --attention")
-    if args.magicpig_config is not None and not {"magicpig", "magicpig-ref"} & set(args.attention):
-        raise ValueError("--magicpig-config applies to attention magicpig and magicpig-ref, neither of which is in "
-                         "--attention")
+    if args.magicpig_config is not None and not set(LSH_BACKENDS) & set(args.attention):
+        raise ValueError("--magicpig-config applies to attention magicpig, magicpig-ref and hybrid, none of which is "
+                         "in --attention")
 
     def budget(name):
         return args.budget if name in BUDGETED else None
 
+    def config_of(name):
+        return hybrid if name == "hybrid" else config
+
     try:
-        checked = [DecodeSpec(backend=name, magicpig=config, budget=budget(name)) for name in args.attention]
+        checked = [DecodeSpec(backend=name, magicpig=config_of(name), budget=budget(name)) for name in args.attention]
     except ValueError as err:
         if str(err).startswith("budget "):
             raise ValueError("--" + str(err).replace(f"got budget={args.budget!r}", f"got {args.budget!r}")) from None
@@ -219,8 +226,8 @@ def _cmd_generate(args) -> int:
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
     ids = encode_prompt(model, prompt, chat=not args.no_chat, parse_special=args.parse_special)
     positions = cache_capacity(model, len(ids), args.max_new_tokens)  # sliding windows shorter than this bind
-    specs = {name: decode_spec(model, name, config, args.dense_layers, budget(name), positions=positions)
-             if layered is None or name not in ("magicpig", "magicpig-ref")
+    specs = {name: decode_spec(model, name, config_of(name), args.dense_layers, budget(name), positions=positions)
+             if layered is None or name not in LSH_BACKENDS
              else decode_spec(model, name, layered, positions=positions)
              for name in args.attention}
     print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
@@ -251,19 +258,22 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-_GENERATE_DEFAULTS = {"K": 10, "L": 150, "num_sink": 4, "num_local": 64, "seed": 0, "layers_per_projection": 1}
+_GENERATE_DEFAULTS = {"K": 10, "L": 150, "num_sink": 4, "num_local": 64, "seed": 0, "layers_per_projection": 1,
+                      "heavy": 8}
 
 
 def _check_options_used(args, given: set[str]) -> None:
     """Refuse an option that no backend in ``--attention`` reads (it would be recorded yet have no effect)."""
     attention = set(args.attention)
-    lsh_backends = attention & {"magicpig", "magicpig-ref"}
+    lsh_backends = attention & set(LSH_BACKENDS)
     sparse = attention - {"dense"}
     layered = args.magicpig_config is not None
-    lsh_flags = [f"--{n.replace('_', '-')}" for n in ("K", "L", "layers_per_projection") if n in given]
+    if "heavy" in given and "hybrid" not in attention:
+        raise ValueError("--heavy applies to attention hybrid, which is not in --attention")
+    lsh_flags = [f"--{n.replace('_', '-')}" for n in ("K", "L", "layers_per_projection", "heavy") if n in given]
     if lsh_flags and not lsh_backends:
-        raise ValueError(f"{lsh_flags[0]} applies to attention magicpig and magicpig-ref, neither of which is in "
-                         "--attention")
+        raise ValueError(f"{lsh_flags[0]} applies to attention magicpig, magicpig-ref and hybrid, none of which is "
+                         "in --attention")
     if lsh_flags and layered:
         raise ValueError(f"{lsh_flags[0]} cannot be combined with --magicpig-config (the file gives each layer's "
                          "settings)")
@@ -279,7 +289,8 @@ def _check_options_used(args, given: set[str]) -> None:
     seeded = "oracle" in attention or args.temperature != 0 or (lsh_backends and not layered)
     if "seed" in given and not seeded:
         raise ValueError("--seed has no effect here: decoding is greedy (--temperature 0) and no backend in "
-                         "--attention draws from it (magicpig and magicpig-ref without --magicpig-config, oracle)")
+                         "--attention draws from it (magicpig, magicpig-ref and hybrid without --magicpig-config, "
+                         "oracle)")
 
 
 def _check_model(args, layered=None) -> None:
@@ -303,6 +314,10 @@ def _check_model(args, layered=None) -> None:
         if heavy and ignoring:
             raise ValueError(f"--magicpig-config {args.magicpig_config}: layer {heavy[0]} gives a heavy threshold, "
                              f"which only attention 'hybrid' reads; '{ignoring[0]}' would ignore it")
+        light = [i for i, c in sparse if getattr(c, "heavy", None) is None]
+        if light and "hybrid" in args.attention:
+            raise ValueError(f"--magicpig-config {args.magicpig_config}: attention 'hybrid' needs a heavy threshold "
+                             f"in every sparse layer; layer {light[0]} gives none")
         too_big = [(i, "K", c.K, HOST_MAX_K) for i, c in sparse if c.K > HOST_MAX_K] + [
             (i, "L", c.L, HOST_MAX_L) for i, c in sparse if c.L > HOST_MAX_L]
         from magicpig_jax.models.backends.spec import host_ops_by_default

@@ -58,7 +58,7 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     (["--seed", str(2**64)], "--seed must be < 2**32"),
     (["--budget", "5"], "--budget applies to attention topk, quest, oracle only"),
     (["--attention", "dense", "--magicpig-config", "/nonexistent.json"], "--magicpig-config applies to attention "
-                                                                          "magicpig and magicpig-ref"),
+                                                                          "magicpig, magicpig-ref and hybrid"),
     (["--attention", "topk", "--budget", "0"], "--budget as a token count must be >= 1, got 0"),
     (["--attention", "topk", "--budget", "2.5"], "--budget as a fraction of the context must be in (0, 1], got 2.5"),
     (["--attention", "topk"], "needs a budget"),
@@ -70,9 +70,14 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
     (["--question", "   "], "--question is empty"),
     (["--prompt", " "], "--prompt is empty"),
     # an option no listed backend reads is refused, not recorded as if it had been used
-    (["--attention", "topk", "--budget", "0.05", "--K", "4"], "--K applies to attention magicpig and magicpig-ref, "
-                                                              "neither of which is in --attention"),
-    (["--attention", "dense", "--L", "20"], "--L applies to attention magicpig and magicpig-ref"),
+    (["--attention", "topk", "--budget", "0.05", "--K", "4"], "--K applies to attention magicpig, magicpig-ref and "
+                                                              "hybrid, none of which is in --attention"),
+    (["--attention", "dense", "--L", "20"], "--L applies to attention magicpig, magicpig-ref and hybrid"),
+    (["--attention", "dense,magicpig", "--heavy", "5"], "--heavy applies to attention hybrid, which is not in"),
+    (["--attention", "hybrid", "--heavy", "2"], "--heavy must be in [3, L + 1] = [3, 151], got 2"),
+    (["--attention", "hybrid", "--L", "6", "--heavy", "8"], "--heavy must be in [3, L + 1] = [3, 7], got 8"),
+    (["--attention", "hybrid", "--magicpig-config", "examples/results/calibrated_smollm2.json", "--heavy", "5"],
+     "--heavy cannot be combined with --magicpig-config"),
     (["--attention", "dense", "--num-sink", "1"], "--num-sink applies to the sparse backends only"),
     (["--attention", "dense", "--dense-layers", "3"], "--dense-layers applies to the sparse backends only"),
     (["--attention", "magicpig", "--magicpig-config", "examples/results/calibrated_smollm2.json", "--K", "12"],
@@ -101,7 +106,8 @@ def test_bad_arguments_fail_before_the_model_loads(capsys, args, expected):
                                          "magicpig, magicpig-ref,"),
     (["study", "attention", "--profiles", "nope"], "--profiles: unknown nope; choose from gauss1, gauss2,"),
     (["generate", "--attention", "dense,magicpig,dense"], "argument --attention: lists dense more than once"),
-    (["generate", "--attention", "dense,hybrid"], "--attention hybrid needs per-layer HybridConfig settings"),
+    (["generate", "--attention", "dense,flash"], "--attention: takes a comma-separated subset of dense, magicpig, "
+                                                 "magicpig-ref, topk, quest, oracle, hybrid, got 'dense,flash'"),
     (["generate", "--max-new-tokens", "x"], "invalid int value: 'x'"),
     (["bench", "decode", "--steps", "x"], "bench decode: argument --steps: invalid int value"),
     (["study", "attention", "--no-such-option"], "unrecognized arguments: --no-such-option"),
@@ -212,7 +218,7 @@ def test_generate_help_lists_the_backends(capsys):
     from magicpig_jax.cli import GENERATE_BACKENDS
     from magicpig_jax.models.backends import BACKENDS
 
-    assert GENERATE_BACKENDS.split(", ") == [b for b in BACKENDS if b != "hybrid"]
+    assert GENERATE_BACKENDS.split(", ") == list(BACKENDS)
     assert GENERATE_BACKENDS in " ".join(run_here(capsys, "generate", "--help").stdout.split())
 
 
@@ -508,3 +514,22 @@ def test_a_layer_config_file_is_checked_against_the_model_before_loading(tmp_pat
                        "--magicpig-config", str(tmp_path / "fewer.json")),
                    "the layer configs give 29 layers, the model has 30")
     assert "model:" not in proc.stdout and time.perf_counter() - start < 30
+
+
+def test_generate_runs_the_hybrid_estimator(tmp_path):
+    """``--attention hybrid``: the hybrid estimator with ``--heavy`` (default 8, at most ``L + 1``) and the
+    LSH options, recorded in the JSON; a calibrated file must give every sparse layer a threshold."""
+    out_json = tmp_path / "run.json"
+    proc = run("generate", "--model", str(FAMILY), "--prompt", "hi", "--max-new-tokens", "2",
+               "--attention", "dense,hybrid", "--K", "4", "--L", "6", "--json", str(out_json))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == ("attention: dense (dense (host exact op), CPU); "
+                                           "hybrid (hybrid (pure JAX), CPU)")
+    used = json.loads(out_json.read_text())["results"]["hybrid"]["magicpig"]
+    assert (used["K"], used["L"], used["heavy"]) == (4, 6, 7)  # the default 8 within [3, L + 1]
+    from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+
+    light = LayerConfigs.uniform(MagicPIGConfig(K=4, L=6), 2, [0]).save(tmp_path / "light.json")
+    one_line_error(run("generate", "--model", str(FAMILY), "--prompt", "hi", "--attention", "hybrid",
+                       "--magicpig-config", str(light)),
+                   "attention 'hybrid' needs a heavy threshold in every sparse layer; layer 1 gives none")
