@@ -432,6 +432,17 @@ def test_hf_config_fields_that_change_the_model_are_refused(tmp_path):
             LlamaConfig.from_hf_config({**base, key: bad})
     with pytest.raises(ValueError, match=r"^rms_norm_eps must be a finite number > 0, got -1.0$"):
         LlamaConfig(**{**dataclasses.asdict(CFG), "rms_norm_eps": -1.0})
+    # null: transformers' default fills an absent field only; a null base is refused unless rope_parameters has one
+    qwen = {**base, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}
+    for cfg, key in (({**base, "rms_norm_eps": None}, "rms_norm_eps"), ({**base, "rope_theta": None}, "rope_theta"),
+                     ({**base, "max_position_embeddings": None}, "max_position_embeddings"),
+                     ({**base, "vocab_size": None}, "vocab_size"), ({**qwen, "max_window_layers": None},
+                                                                    "max_window_layers")):
+        with pytest.raises(ValueError, match=f"^config.json '{key}' is null: give its value, or leave the field out"):
+            LlamaConfig.from_hf_config(cfg)
+    nested = {**base, "rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    assert LlamaConfig.from_hf_config(nested).rope_theta == 5e5
+    assert LlamaConfig.from_hf_config({**base, "num_key_value_heads": None}).num_kv_heads == base["num_attention_heads"]
     # config.json that is not an object, or not JSON, or a checkpoint's tokenizer.json that is not a tokenizer
     from magicpig_jax.io.hf_model import read_hf_dir
 

@@ -181,6 +181,20 @@ def test_gguf_and_checkpoint_keep_the_window(tmp_path):
     assert model.config.windowed_layers == (0, 1)
     assert float(np.abs(forward_logits(model, ref["prompt_ids"].tolist()) - ref["logits"]).max()) <= TOLERANCE
     folder = _folder("qwen2_window", tmp_path)
+    # a qwen2 GGUF cannot say which layers slide (transformers: max_window_layers): refused, naming the key,
+    # unless the window is no shorter than the context (it never binds)
+    from magicpig_jax.io.gguf_model import read_gguf_config
+    from magicpig_jax.models.limits import UnsupportedConfigError
+
+    for window, refused in ((8, True), (512, False)):
+        qpath = write_gguf(folder, tmp_path / f"q{window}.gguf", pre="qwen2",
+                           metadata={"qwen2.attention.sliding_window": window})
+        if refused:
+            with pytest.raises(UnsupportedConfigError, match=r"qwen2.attention.sliding_window = 8 \(shorter than "
+                                                             r"the context, 512\): a qwen2 GGUF does not say"):
+                read_gguf_config(qpath)
+        else:
+            assert read_gguf_config(qpath).sliding_window == 512
     out = convert_model(str(folder), tmp_path / "ckpt")
     config = read_checkpoint_config(out)
     assert config == load_model(folder).config and config.windowed_layers == (1,)

@@ -462,6 +462,13 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
     if window is not None and not 0 <= int(window) <= MAX_POSITIONS:
         raise GGUFMetadataError(f"{path}: {arch}.attention.sliding_window = {int(window)} must be in "
                                 f"[0, {MAX_POSITIONS}] (0: no window)")
+    if arch in ("qwen2", "qwen3") and window is not None and 0 < int(window) < context:
+        # transformers slides only the layers from max_window_layers on, and only with use_sliding_window,
+        # neither of which a GGUF records; llama.cpp ignores the key: any choice of layers would be a guess
+        raise UnsupportedConfigError(
+            f"{path}: {arch}.attention.sliding_window = {int(window)} (shorter than the context, {context}): a "
+            f"{arch} GGUF does not say which layers slide (transformers: use_sliding_window and max_window_layers) "
+            "and llama.cpp ignores the key; load the Hugging Face directory, or remove the key for full attention")
     has = {name.split(".", 2)[2] for name in tensors if name.startswith("blk.0.")}
     if arch == "qwen2" and "attn_q.bias" not in has:
         raise UnsupportedConfigError(f"{path}: a qwen2 model needs q/k/v biases; blk.0.attn_q.bias is missing")
@@ -505,7 +512,8 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         o_bias="attn_output.bias" in has,
         qk_norm="attn_q_norm.weight" in has,
         sliding_window=None if window is None or int(window) == 0 else int(window),
-        # a window covers every layer of a llama/qwen file (Mistral's rule: the key names no layer) and
+        # a window covers every layer of a llama file (Mistral's rule: the key names no layer; a qwen2/qwen3
+        # file with a window that binds is refused above) and
         # SmolLM3's NoPE layers (transformers' default layer_types); llama.cpp ignores the key there;
         # gemma3: the layers llama.cpp slides
         sliding_layers=nope if arch == "smollm3" else gemma.pop("sliding_layers", None),

@@ -260,6 +260,14 @@ class LlamaConfig:
                 f"config.json field(s) {', '.join(map(repr, unknown))} of this {model_type} model are not "
                 "implemented (they may change the computation)")
         defaults = _HF_DEFAULTS[model_type]
+        null = [key for key in _HF_NOT_NULL if key in cfg and cfg[key] is None]
+        nested_theta = any(isinstance(cfg.get(k), Mapping) and cfg[k].get("rope_theta") is not None
+                           for k in ("rope_scaling", "rope_parameters"))
+        if "rope_theta" in cfg and cfg["rope_theta"] is None and not nested_theta:
+            null.append("rope_theta")
+        if null:  # transformers' default fills an absent field, not a null one (its modules then fail)
+            raise ValueError(f"config.json {null[0]!r} is null: give its value, or leave the field out for "
+                             "transformers' default")
 
         def get(key):
             value = cfg.get(key, defaults.get(key))
@@ -395,6 +403,10 @@ _HF_IGNORED_KEYS = frozenset({
     "auto_map",
 })
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Fields whose null transformers does not replace by a value (num_key_value_heads, head_dim, sliding_window and
+# rope_scaling may be null: transformers derives them or reads "none"; rope_theta may be null where
+# rope_parameters gives it, checked beside).
+_HF_NOT_NULL = (*_HF_REQUIRED, "rms_norm_eps", "max_position_embeddings", "max_window_layers")
 # transformers' defaults for fields missing from config.json (transformers 5 configuration classes).
 _HF_DEFAULTS = {
     "llama": {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
