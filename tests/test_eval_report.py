@@ -64,6 +64,7 @@ def test_summarize_and_format():
     assert topk["likelihood_ms_per_step"] == pytest.approx(21.0) and topk["likelihood_bytes_per_step"] == 2e6
     ci = sst.t.interval(0.95, 2, loc=-0.5, scale=0.25 / math.sqrt(3))
     assert dense["kl_minus_topk"] == pytest.approx([-0.5, *ci])
+    assert dense["ppl"] == pytest.approx(math.exp(1.0986))
     text = format_summary(s, settings, "## header")
     assert text.startswith("## header") and "### Context 1024 tokens" in text
     assert "**A**: the question is inside the dense prefill" in text and "**B**: the question is decoded" in text
@@ -253,3 +254,16 @@ def test_a_nan_kl_gives_no_verdict_and_is_not_chosen_over_a_finite_variant():
     (row,) = equal_ms_comparison(records(alone), settings)[1024]
     assert row["method"] == "magicpig:10x150" and row["verdict"] == "NaN KL"
     assert row["kl_sign"] == {"higher": None, "of": None, "p": None}
+
+
+def test_perplexity_is_exp_of_the_mean_nll():
+    """PPL over documents is the perplexity of all their tokens, exp(mean NLL) (each document has the
+    same token count), not the mean of the documents' perplexities; its interval is exp of the NLL's."""
+    settings = EvalSettings(tasks=[], lengths=[1024], samples=1, methods=parse_methods("dense"), likelihood_samples=3,
+                            likelihood_tokens=8)
+    nll = [1.0, 2.0, 4.0]
+    records = [_rec("likelihood", "dense", i, kl=0.0, nll=x, ppl=math.exp(x), top1=1.0) for i, x in enumerate(nll)]
+    dense = summarize(records, settings)[1024]["dense"]
+    assert dense["ppl"] == pytest.approx(math.exp(7 / 3)) and dense["ppl"] < sum(map(math.exp, nll)) / 3
+    lo, hi = sst.t.interval(0.95, 2, loc=7 / 3, scale=sst.tstd(nll) / math.sqrt(3))
+    assert lo < 0 and dense["ppl_ci"] == pytest.approx([1.0, math.exp(hi)])  # an NLL is not negative: clipped at 0

@@ -15,6 +15,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from magicpig_jax import cli
+from magicpig_jax.eval.cost import step_bytes
 from magicpig_jax.eval.methods import parse_methods
 from magicpig_jax.eval.report import finish
 from magicpig_jax.eval.run import EvalSettings, run_eval
@@ -103,6 +104,16 @@ def test_runner_resumes_without_loss_or_duplicates(tmp_path):
             assert r["budget_measured_keys"] == pytest.approx(ref["mean_sampled_keys"])
             assert r["budget"] % 64 == 0 and abs(r["budget"] - ref["mean_sampled_keys"]) <= 32
         assert r["ms_per_step"] > 0 and r["bytes_per_step"]["total"] > 0
+        if r["backend"] == "magicpig":  # the static set's tail holds the local window and the generated tokens
+            context = r["prompt_tokens"] + 1 + (r["decode_steps"] - 1) / 2
+            dense_layers = settings.fingerprint(model)["dense_layers"]
+            shape = dict(num_layers=TINY.num_layers, num_heads=TINY.num_heads, num_kv_heads=TINY.num_kv_heads,
+                         head_dim=TINY.head_dim, context=context, dense_layers=dense_layers,
+                         fraction_per_layer=r["sampled_fraction_per_layer"], num_sink=settings.num_sink,
+                         num_local=settings.num_local, kv_bytes=4, K=4, L=8)
+            with_tail = step_bytes("magicpig", **shape, unhashed_tail=settings.num_local + (r["decode_steps"] + 1) / 2)
+            assert r["bytes_per_step"] == pytest.approx(with_tail)
+            assert with_tail["total"] > step_bytes("magicpig", **shape)["total"]  # more exact keys than 4 + 64
         if r["kind"] == "task":  # setup B decodes the question: a shorter prefill, forced question tokens
             other = by[(*keys[recs.index(r)][:5], "B" if r["setup"] == "A" else "A")]
             a, b = (r, other) if r["setup"] == "A" else (other, r)

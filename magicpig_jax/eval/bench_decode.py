@@ -341,7 +341,7 @@ def _agreement(results: list[dict]) -> None:
 
 
 def _print(results: list[dict]) -> None:
-    print(f"{'prompt':>7} {'B':>3} {'method':>10} {'ms/step':>22} {'tok/s (agg.)':>22} {'peak RSS':>9} "
+    print(f"{'prompt':>7} {'B':>3} {'method':>10} {'ms/step':>22} {'tok/s (agg.)':>22} {'peak RSS':>10} "
           f"{'sampled':>8} {'= dense':>8}")
     for r in results:
         m, t = r["ms_per_step"], r["tokens_per_s"]
@@ -349,7 +349,7 @@ def _print(results: list[dict]) -> None:
         same = "-" if r["tokens_equal_to_dense"] is None else f"{r['tokens_equal_to_dense']}/{len(r['tokens'])}"
         print(f"{r['prompt_tokens']:>7} {r['batch']:>3} {r['method']:>10} "
               f"{m['median']:>8.1f} [{m['min']:.1f}, {m['max']:.1f}] {t['median']:>8.1f} [{t['min']:.1f}, "
-              f"{t['max']:.1f}] {r['peak_rss_bytes'] / 2**30:>7.2f}G {frac:>8} {same:>8}")
+              f"{t['max']:.1f}] {r['peak_rss_bytes'] / 1e9:>7.2f}GB {frac:>8} {same:>8}")
     for row in ratios(results):
         parts = [f"{k.removeprefix('magicpig_over_').replace('_', '.')} {v:.2f}x" for k, v in row.items()
                  if k.startswith("magicpig_over")]

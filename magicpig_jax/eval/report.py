@@ -52,6 +52,10 @@ def _mean(xs: Sequence) -> float | None:
     return sum(v) / len(v) if v else None
 
 
+def _exp(x: float | None) -> float | None:
+    return None if x is None else math.exp(x)
+
+
 def _ci(xs: Sequence, bounds: tuple[float, float] = (0.0, math.inf)) -> list[float | None]:
     """t interval of the mean, clipped to ``bounds``: every quantity it serves (ms, KL,
     perplexity, NLL, agreement) cannot leave them, and a t interval over few samples would.
@@ -228,7 +232,8 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
     ``samples``, ``diff_vs_dense`` ``[mean, low, high]`` of the paired score difference,
     ``mean_accuracy`` (+ ``_ci``), ``needle_accuracy`` (+ ``_ci``, the NIAH tasks), ``cost``,
     ``ms_per_step`` (+ ``_ci``), ``bytes_per_step`` (+ ``_parts``)); from the likelihood
-    documents ``kl``, ``ppl``, ``nll``, ``top1`` (each + ``_ci``), ``kl_minus_topk`` and
+    documents ``kl``, ``nll``, ``top1`` (each + ``_ci``: means over the documents), ``ppl`` (+ ``_ci``:
+    ``exp`` of the mean NLL, the perplexity of all their tokens), ``kl_minus_topk`` and
     ``ms_minus_topk`` ``[mean, low, high]`` (paired over the documents, against
     :func:`topk_reference`), ``attention_runs_on``, ``likelihood_cost``,
     ``likelihood_ms_per_step`` (+ ``_ci``), ``likelihood_bytes_per_step`` (+ ``_parts``);
@@ -285,7 +290,9 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
                 "kl_minus_topk": kl_topk, "kl_minus_topk_sign": _sign(kl_pairs), "ms_minus_topk": ms_topk,
                 "attention_runs_on": next((r.get("attention_runs_on") for r in lik if r.get("attention_runs_on")),
                                           None),
-                "ppl": _mean([r["ppl"] for r in lik]), "ppl_ci": _ci([r["ppl"] for r in lik]),
+                # perplexity of the documents' tokens together, exp(mean NLL) (each document has the same
+                # token count), and its interval the same transform of the NLL's (exp is monotone)
+                "ppl": _exp(_mean([r["nll"] for r in lik])), "ppl_ci": [_exp(x) for x in _ci([r["nll"] for r in lik])],
                 "nll": _mean([r["nll"] for r in lik]), "nll_ci": _ci([r["nll"] for r in lik]),
                 "top1": _mean([r["top1"] for r in lik]), "top1_ci": _ci([r["top1"] for r in lik], (0.0, 1.0)),
                 "likelihood_samples": len(lik),
@@ -409,8 +416,9 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         " KL: mean KL(dense || method) of the next-token distribution "
         f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; ms − TopK and "
         "KL − TopK: paired differences over the documents to TopK at the measured budget (else the first TopK "
-        "method); PPL on those tokens; top-1: argmax agreement with dense. The t intervals of quantities that "
-        "cannot be negative (ms, KL, PPL) are clipped at 0, and top-1's at 100%. At equal measured time: for each TopK "
+        "method); PPL: exp of the mean NLL of those tokens over the documents (its interval: exp of the NLL's); "
+        "top-1: argmax agreement with dense. The t intervals of quantities that "
+        "cannot be negative (ms, KL) are clipped at 0, and top-1's at 100%. At equal measured time: for each TopK "
         "method, the MagicPIG or hybrid variant run on the host op with the least KL among those whose mean paired "
         "ms difference is <= 0 (no slower on the same documents); verdict: lower or higher KL when the paired "
         "interval excludes 0, else by the exact sign test over the documents when p < 0.05 (a single outlying "

@@ -188,6 +188,10 @@ def _record_fields(m: Method, stats: dict, prompt_tokens: int, model, settings: 
                         fraction_per_layer=stats["sampled_fraction_per_layer"], num_sink=settings.num_sink,
                         num_local=settings.num_local, kv_bytes=kv_bytes, K=m.K or 10, L=m.L or 150,
                         layer_kl=layer_kl, page_size=settings.page_size,
+                        # the static set's tail: the local window and the tokens generated so far, which every
+                        # sparse backend attends exactly (as calibrate counts them; the eval's decodes are
+                        # shorter than the generation buffer, after which they would join the sampled range)
+                        unhashed_tail=settings.num_local + context - prompt_tokens,
                         layer_windows={i: cfg.layer_window(i) for i in cfg.windowed_layers})
     return {"method": m.label, "backend": m.backend, "K": m.K, "L": m.L, "heavy": m.heavy,
             "config_file": m.config_file,
