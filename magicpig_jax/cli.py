@@ -61,7 +61,10 @@ LSH_BACKENDS = ("magicpig", "magicpig-ref", "hybrid")
 def _attention_list(text: str) -> list[str]:
     from magicpig_jax.models.backends import BACKENDS
 
-    names = [x.strip() for x in text.split(",") if x.strip()]
+    names = [x.strip() for x in text.split(",")]
+    if "" in names and text.strip():
+        raise argparse.ArgumentTypeError(f"lists an empty entry, got {text!r}")
+    names = [n for n in names if n]
     allowed = BACKENDS
     bad = [n for n in names if n not in allowed]
     if bad or not names:

@@ -658,6 +658,11 @@ def test_baseline_budget_and_page_size_messages_and_bounds():
         (1.5, ValueError, frac.format(1.5)),
         (float("inf"), ValueError, frac.format(float("inf"))),
         (float("nan"), ValueError, frac.format(float("nan"))),
+        # int32 on the device: 2**32 + 1 would have wrapped to a budget of 1 token
+        (2**31, ValueError, "budget as a token count must be <= 2147483647 (2**31 - 1; a budget above a row's "
+                            "length keeps every key), got budget=2147483648"),
+        (2**32 + 1, ValueError, "budget as a token count must be <= 2147483647 (2**31 - 1; a budget above a row's "
+                                "length keeps every key), got budget=4294967297"),
     ]
     with without_jaxtyping():
         for budget, exc, want in cases:
@@ -666,7 +671,8 @@ def test_baseline_budget_and_page_size_messages_and_bounds():
             assert message(exc, quest_attention, q, k, v, 2, budget) == want, budget
             assert message(exc, oracle_sampling_attention, jax.random.key(0), q, k, v, budget) == want, budget
         for page_size, exc, want in [
-            (0, ValueError, "page_size must be >= 1, got page_size=0"),
+            (0, ValueError, "page_size must be in [1, 65536], got page_size=0"),
+            (2**32 + 16, ValueError, "page_size must be in [1, 65536], got page_size=4294967312"),
             (2.0, TypeError, "page_size must be an int, got float 2.0"),
             (False, TypeError, "page_size must be an int, got bool False"),
         ]:

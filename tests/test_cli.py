@@ -61,6 +61,10 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
                                                                           "magicpig, magicpig-ref and hybrid"),
     (["--attention", "topk", "--budget", "0"], "--budget as a token count must be >= 1, got 0"),
     (["--attention", "topk", "--budget", "2.5"], "--budget as a fraction of the context must be in (0, 1], got 2.5"),
+    # int32 on the device: it wrapped to a budget of 1 token, recorded as typed
+    (["--attention", "topk", "--budget", "4294967297"], "--budget as a token count must be <= 2147483647"),
+    (["--attention", "topk", "--budget", "99999999999999999999"], "--budget as a token count must be <= 2147483647"),
+    (["--attention", "dense,,magicpig"], "--attention: lists an empty entry"),
     (["--attention", "topk"], "needs a budget"),
     (["--K", "17"], "K must be in [1, 16]"),
     (["--dense-layers", "-1"], "--dense-layers must be layer indices >= 0"),
@@ -105,6 +109,11 @@ def test_bad_arguments_fail_before_the_model_loads(capsys, args, expected):
     (["generate", "--attention", "foo"], "generate: argument --attention: takes a comma-separated subset of dense, "
                                          "magicpig, magicpig-ref,"),
     (["study", "attention", "--profiles", "nope"], "--profiles: unknown nope; choose from gauss1, gauss2,"),
+    (["study", "attention", "--profiles", "gauss1,gauss1"], "--profiles lists gauss1 more than once"),
+    (["bench", "decode", "--methods", "dense", "--layers-per-projection", "3"],
+     "--layers-per-projection applies to methods magicpig and magicpig-ref, neither of which is in --methods"),
+    (["bench", "decode", "--methods", "dense", "magicpig", "dense"], "--methods lists dense more than once"),
+    (["eval", "--out", "runs/never", "--page-size", "4294967312"], "--page-size must be in [1, 65536], got 4294967312"),
     (["generate", "--attention", "dense,magicpig,dense"], "argument --attention: lists dense more than once"),
     (["generate", "--attention", "dense,flash"], "--attention: takes a comma-separated subset of dense, magicpig, "
                                                  "magicpig-ref, topk, quest, oracle, hybrid, got 'dense,flash'"),

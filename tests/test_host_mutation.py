@@ -882,7 +882,7 @@ def test_quest_build_pages_against_float64_bounds_and_messages():
         quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 5, capacity=0)
     with pytest.raises(ValueError, match=_exact("k must be [B, Hkv, N, D], got shape (3, 37, 5)")):
         quest_build_pages(jnp.asarray(k[0]), jnp.asarray(start), jnp.asarray(end), 5)
-    with pytest.raises(ValueError, match=_exact("page_size must be >= 1, got page_size=0")):
+    with pytest.raises(ValueError, match=_exact("page_size must be in [1, 65536], got page_size=0")):
         quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 0)
 
 

@@ -62,6 +62,10 @@ _MAX_DEN = 1 << 15
 Budget = int | float | np.integer | np.floating
 
 
+MAX_BUDGET_TOKENS = 2**31 - 1  # token budgets are int32 on the device
+MAX_PAGE_SIZE = 65536  # Quest's page, in tokens (check_page_size)
+
+
 def check_budget(budget: object) -> fractions.Fraction | int:
     """Validate ``budget``; return it as an int (tokens) or a Fraction in (0, 1].
 
@@ -79,6 +83,9 @@ def check_budget(budget: object) -> fractions.Fraction | int:
     if isinstance(budget, int):
         if budget < 1:
             raise ValueError(f"budget as a token count must be >= 1, got budget={budget}")
+        if budget > MAX_BUDGET_TOKENS:  # int32 on the device: a larger count would wrap to another budget
+            raise ValueError(f"budget as a token count must be <= {MAX_BUDGET_TOKENS} (2**31 - 1; a budget above a "
+                             f"row's length keeps every key), got budget={budget}")
         return budget
     if not (math.isfinite(budget) and 0.0 < budget <= 1.0):
         raise ValueError(f"budget as a fraction of the context must be in (0, 1], got budget={budget}")
@@ -213,10 +220,19 @@ def topk_attention(
 
 
 def check_page_size(page_size: object) -> int:
+    """Validate Quest's ``page_size``: an int in ``[1, MAX_PAGE_SIZE]``.
+
+    The pages are padded to whole pages of positions, so a page far longer than any context would
+    allocate that much (Quest's pages are tens of tokens; Tang et al. 2024 use 16).
+
+    Raises:
+      TypeError: not an int.
+      ValueError: outside ``[1, MAX_PAGE_SIZE]``.
+    """
     if isinstance(page_size, bool) or not isinstance(page_size, int):
         raise TypeError(f"page_size must be an int, got {type(page_size).__name__} {page_size!r}")
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got page_size={page_size}")
+    if not 1 <= page_size <= MAX_PAGE_SIZE:
+        raise ValueError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got page_size={page_size}")
     return page_size
 
 

@@ -194,10 +194,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32, help="decode steps per run (the first is not timed)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median, min, max)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before the repeats")
-    p.add_argument("--K", type=int, default=10, help="SimHash bits per table (1..16, the host index)")
-    p.add_argument("--L", type=int, default=150, help="hash tables (>= 2)")
-    p.add_argument("--layers-per-projection", type=int, default=1,
-                   help="consecutive layers sharing one SimHash projection matrix (1: one per layer)")
+    p.add_argument("--K", type=int, default=None, help="SimHash bits per table (1..16, the host index; default 10)")
+    p.add_argument("--L", type=int, default=None, help="hash tables (>= 2; default 150)")
+    p.add_argument("--layers-per-projection", type=int, default=None,
+                   help="consecutive layers sharing one SimHash projection matrix (default 1: one per layer)")
     p.add_argument("--text", type=path_arg, default=DEFAULT_TEXT,
                    help="prose whose tokens, repeated as needed, make the prompts")
     p.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -248,6 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     from magicpig_jax.host.index import HOST_MAX_K
 
+    twice = sorted({m for m in args.methods if args.methods.count(m) > 1})
+    if twice:
+        p.error(f"--methods lists {', '.join(twice)} more than once")
+    given = [flag for flag, value in (("--K", args.K), ("--L", args.L),
+                                      ("--layers-per-projection", args.layers_per_projection)) if value is not None]
+    if given and not {"magicpig", "magicpig-ref"} & set(args.methods):
+        p.error(f"{given[0]} applies to methods magicpig and magicpig-ref, neither of which is in --methods")
+    args.K = 10 if args.K is None else args.K
+    args.L = 150 if args.L is None else args.L
+    args.layers_per_projection = 1 if args.layers_per_projection is None else args.layers_per_projection
     if not 1 <= args.K <= HOST_MAX_K:
         p.error(f"--K must be in [1, {HOST_MAX_K}] (the host index), got {args.K}")
     if args.L < 2:

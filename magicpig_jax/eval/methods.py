@@ -128,8 +128,12 @@ def parse_method(text: str) -> Method:
             budget: int | float = int(arg) if arg.isdigit() else float(arg)
         except ValueError as err:
             raise ValueError(f"{name} takes a budget in tokens or a fraction, got {text!r}") from err
-        if (isinstance(budget, int) and budget < 1) or (isinstance(budget, float) and not 0 < budget <= 1):
-            raise ValueError(f"{name} budget must be >= 1 tokens or a fraction in (0, 1], got {arg!r}")
+        from magicpig_jax.attention.baselines import MAX_BUDGET_TOKENS
+
+        if (isinstance(budget, int) and not 1 <= budget <= MAX_BUDGET_TOKENS) or (
+                isinstance(budget, float) and not 0 < budget <= 1):
+            raise ValueError(f"{name} budget must be in [1, {MAX_BUDGET_TOKENS}] tokens or a fraction in (0, 1], "
+                             f"got {arg!r}")
         return Method(f"{name}:{arg}", backend, budget=budget, host=host)
     raise ValueError(f"unknown method {text!r}; methods: dense, magicpig[:KxL], magicpig-ref[:KxL], "
                      "hybrid[:KxL[xM]], magicpig@FILE, topk[:B], quest[:B], oracle[:B], topk-ref[:B], quest-ref[:B]")

@@ -143,8 +143,10 @@ def settings_from_args(args) -> EvalSettings:
         raise ValueError("nothing to do: --tasks none and --likelihood-tokens 0")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.page_size < 1:
-        raise ValueError(f"--page-size must be >= 1, got {args.page_size}")
+    from magicpig_jax.attention.baselines import MAX_PAGE_SIZE
+
+    if not 1 <= args.page_size <= MAX_PAGE_SIZE:
+        raise ValueError(f"--page-size must be in [1, {MAX_PAGE_SIZE}], got {args.page_size}")
     if args.layers_per_projection < 1:
         raise ValueError(f"--layers-per-projection must be >= 1, got {args.layers_per_projection}")
     setups = [x.strip().upper() for x in args.setups.split(",") if x.strip()]

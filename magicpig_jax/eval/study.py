@@ -197,6 +197,9 @@ def _settings(args) -> tuple[StudySettings, list[str]]:
     bad = [p for p in profiles if p not in PROFILES]
     if bad:
         raise ValueError(f"--profiles: unknown {', '.join(bad)}; choose from {', '.join(PROFILES)}")
+    twice = sorted({p for p in profiles if profiles.count(p) > 1})
+    if twice:
+        raise ValueError(f"--profiles lists {', '.join(twice)} more than once")
     if not profiles and not args.no_synthetic:
         raise ValueError(f"--profiles is empty; choose from {', '.join(PROFILES)} (or pass --no-synthetic)")
     if args.layers is not None and args.capture is None and not args.capture_from_model:
