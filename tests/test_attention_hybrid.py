@@ -63,7 +63,7 @@ def test_config_validation():
             HybridConfig(K=4, L=10, heavy=bad)
     with pytest.raises(TypeError, match="HybridConfig"):
         hybrid_attention(jnp.zeros((1, 1, 4)), jnp.zeros((1, 1, 8, 4)), jnp.zeros((1, 1, 8, 4)),
-                         build_lsh_index(jnp.zeros((1, 1, 8, 4)), jnp.zeros((4, 8)), MagicPIGConfig(K=4, L=2)),
+                         build_lsh_index(jnp.zeros((1, 1, 8, 4)), jnp.ones((4, 8)), MagicPIGConfig(K=4, L=2)),
                          MagicPIGConfig(K=4, L=2))
 
 

@@ -218,3 +218,33 @@ def test_a_non_finite_query_gives_nan_even_with_an_empty_static_set(bad):
     assert np.isnan(np.asarray(out)).all() and np.isnan(np.asarray(lse)).all()
     out, lse = host.host_magicpig_attention(q[:, 1:2], k1, v1, hidx1, cfg, max_threads=2)[:2]
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "zero column"])
+def test_broken_projections_are_refused_or_give_nan(bad):
+    """A NaN, infinite or all-zero hyperplane gives every key and query bit 0 in its tables: the
+    sample and its weights no longer match (a finite, wrong result before). Concrete projections
+    are refused by both index builders; traced ones make the index's mean NaN, so both paths give
+    NaN for every head."""
+    from magicpig_jax import lsh
+    from magicpig_jax.attention import build_lsh_index, magicpig_attention
+    from magicpig_jax.host.build import host_build_index
+
+    q, k, v = _qkv(0, 0.0)  # position 0 is a sink: every key finite
+    cfg = MagicPIGConfig(K=4, L=16, num_sink=4, num_local=8)
+    good = lsh.simhash_projections(jax.random.key(1), 16, cfg.K, cfg.L)
+    broken = {"nan": good.at[2, 5].set(jnp.nan), "inf": good.at[2, 5].set(jnp.inf),
+              "zero column": good.at[:, 5].set(0.0)}[bad]
+    for build in (build_lsh_index, host_build_index):
+        with pytest.raises(ValueError, match="projections must be finite SimHash hyperplanes, none of them 0"):
+            build(k, broken, cfg)
+
+    def jax_path(p):
+        return magicpig_attention(q, k, v, build_lsh_index(k, p, cfg), cfg)[0]
+
+    def host_path(p):
+        return host.host_magicpig_attention(q, k, v, host_build_index(k, p, cfg), cfg)[0]
+
+    for path in (jax_path, host_path):
+        assert np.isfinite(np.asarray(jax.jit(path)(good))).all()
+        assert np.isnan(np.asarray(jax.jit(path)(broken))).all()

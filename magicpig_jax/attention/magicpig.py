@@ -26,7 +26,8 @@ from magicpig_jax.attention._common import (
 )
 from magicpig_jax.attention.config import MagicPIGConfig
 
-__all__ = ["LSHIndex", "build_lsh_index", "hashed_mean", "magicpig_attention", "LOG_U_FLOOR"]
+__all__ = ["LSHIndex", "build_lsh_index", "hashed_mean", "magicpig_attention", "LOG_U_FLOOR",
+           "mean_or_nan_for_projections"]
 
 # Convention for the importance weight: the exact log u (no additive offset as
 # in the reference's log(u + 1e-4)), floored at log(1e-30) so that a key whose
@@ -93,7 +94,8 @@ def build_lsh_index(
       An :class:`LSHIndex`.
 
     Raises:
-      ValueError: k is not 4-D, projections is not ``[D, K*L]``, or lengths is not ``[B]``.
+      ValueError: k is not 4-D, projections is not ``[D, K*L]`` or holds a NaN, infinity or zero column (concrete;
+        traced, the index's mean becomes NaN: :func:`mean_or_nan_for_projections`), or lengths is not ``[B]``.
       TypeError: k is not a floating dtype, lengths not integers, config not a MagicPIGConfig.
     """
     if k.ndim != 4:
@@ -115,6 +117,7 @@ def build_lsh_index(
     kf = k.astype(jnp.float32)
     if not center:
         mean = jnp.zeros_like(mean)
+    mean = mean_or_nan_for_projections(mean, projections)
     codes = lsh.simhash_codes(kf - mean[:, :, None, :], projections, config.K, config.L)
     return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections,
                     num_sink=config.num_sink, num_local=config.num_local)
@@ -273,6 +276,30 @@ def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, 
         got = tuple(getattr(index, name).shape)
         if got != want:  # a hand-made index: a wrong shape would broadcast silently
             raise ValueError(f"index.{name} must be {list(want)}, got {list(got)}")
+
+
+def mean_or_nan_for_projections(mean: Float[Array, "B Hkv D"], projections: Float[Array, "D KL"]
+                                ) -> Float[Array, "B Hkv D"]:
+    """``mean``, or NaN everywhere if a hyperplane (column) of ``projections`` is not finite or is 0.
+
+    Such a hyperplane gives every key and query bit 0 in its tables, so the collisions, and the
+    ``u`` of the keys' angles, no longer describe what was sampled: a finite but wrong estimate.
+    Concrete projections are refused (ValueError); traced ones make the index's mean NaN, which
+    turns every head's result NaN (:func:`nan_if_not_finite`, and the host op alike).
+
+    Raises:
+      TypeError: ``projections`` is not a float array.
+      ValueError: concrete ``projections`` with a NaN or infinite entry, or an all-zero column.
+    """
+    if not jnp.issubdtype(projections.dtype, jnp.floating):
+        raise TypeError(f"projections must be a float array (Gaussian SimHash hyperplanes), got {projections.dtype}")
+    valid = jnp.all(jnp.isfinite(projections)) & jnp.all(jnp.any(projections != 0, axis=0))
+    if not isinstance(valid, jax.core.Tracer):
+        if not bool(valid):
+            raise ValueError("projections must be finite SimHash hyperplanes, none of them 0, got a NaN or infinite "
+                             "entry or an all-zero column")
+        return mean
+    return jnp.where(valid, mean, jnp.nan)
 
 
 def nan_if_not_finite(out: Float[Array, "B Hq D"], lse: Float[Array, "B Hq"], index: LSHIndex,

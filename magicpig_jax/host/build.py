@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
 from magicpig_jax.attention.config import MagicPIGConfig
-from magicpig_jax.attention.magicpig import hashed_mean
+from magicpig_jax.attention.magicpig import hashed_mean, mean_or_nan_for_projections
 from magicpig_jax.host._ext import ops
 from magicpig_jax.host.index import DEFAULT_OPEN_CAPACITY, MAX_CHUNK, HostIndex, chunk_geometry
 from magicpig_jax.host.simhash import host_simhash_codes
@@ -62,7 +62,9 @@ def host_build_index(
       A :class:`HostIndex`.
 
     Raises:
-      TypeError / ValueError: naming the bad parameter and the allowed values.
+      TypeError / ValueError: naming the bad parameter and the allowed values (integer projections, or
+        concrete ones with a NaN or infinity; traced ones make the mean NaN:
+        :func:`~magicpig_jax.attention.magicpig.mean_or_nan_for_projections`).
       ImportError: the native extension is not built.
 
     Source: arXiv 2410.16179, Sections 4.2-4.3.
@@ -83,6 +85,7 @@ def host_build_index(
         raise ValueError(f"projections must be [D, K*L] = [{D}, {config.K * config.L}] for K={config.K}, "
                          f"L={config.L}, got {tuple(projections.shape)}")
     start, end, mean = hashed_mean(k, config, lengths)
+    mean = mean_or_nan_for_projections(mean, jnp.asarray(projections))  # refuses integer or non-finite ones
     projections = jnp.asarray(projections, jnp.float32)
     codes = host_simhash_codes(k, projections, config.K, config.L, center=mean, max_threads=max_threads)
     ops()
@@ -117,6 +120,7 @@ def first_mean(index: HostIndex, k_new: Float[Array, "B Hkv T D"], counts: Int[A
     use = jnp.arange(T, dtype=jnp.int32)[None, :] < counts[:, None]  # [B, T]
     total = jnp.sum(jnp.where(use[:, None, :, None], jnp.asarray(k_new).astype(jnp.float32), 0.0), axis=2)
     first = total / jnp.maximum(counts, 1).astype(jnp.float32)[:, None, None]
+    first = mean_or_nan_for_projections(first, index.projections)  # a NaN hyperplane keeps the mean NaN
     return dataclasses.replace(index, mean=jnp.where(empty[:, None, None], first, index.mean))
 
 
