@@ -263,3 +263,22 @@ def test_a_config_with_another_static_set_than_the_index_is_refused():
             offload.prepare_offload(k, v, hidx, other, None, accel_device=accel, host_device=cpu)
         with pytest.raises(ValueError, match="^" + msg):
             distributed.sharded_magicpig_attention(mesh, q, k, v, sharded, other)
+
+
+def test_the_op_alone_checks_lengths_as_the_wrapper_does():
+    """``host_sampled_attention`` (public: the FFI op alone) takes int ``[B]`` lengths in ``[0, N]``,
+    as :func:`host_magicpig_attention` does: concrete ones outside raise (it clamped them silently)."""
+    K, L, D, N = 2, 4, 4, 16
+    cfg = MagicPIGConfig(K=K, L=L, num_sink=1, num_local=1)
+    rng = np.random.default_rng(3)
+    k, v = (jnp.asarray(rng.standard_normal((1, 1, N, D)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((1, 2, D)), jnp.float32)
+    hidx = host.host_build_index(k, jnp.asarray(rng.standard_normal((D, K * L)), jnp.float32), cfg)
+    codes = host.host_simhash_codes(q, hidx.projections, K, L)
+    for bad in ([N + 1], [-5], [2**31 - 1]):
+        with pytest.raises(ValueError, match=rf"^lengths must be in \[0, {N}\] \(the KV capacity\)"):
+            host.host_sampled_attention(q, codes, k, v, hidx, jnp.asarray(bad, jnp.int32))
+    with pytest.raises(TypeError, match="lengths"):
+        host.host_sampled_attention(q, codes, k, v, hidx, jnp.asarray([3.0]))
+    out, lse, ns = host.host_sampled_attention(q, codes, k, v, hidx, jnp.asarray([N], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()

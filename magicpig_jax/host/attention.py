@@ -61,7 +61,8 @@ def host_sampled_attention(
     Args:
       q: float ``[B, Hq, D]``; q_codes: uint32 ``[B, Hq, L]``, the query's SimHash codes.
       k, v: ``[B, Hkv, N, D]``, both float32 or both bfloat16 (read in place).
-      index: the layer's :class:`HostIndex`; lengths: int ``[B]`` valid keys per row.
+      index: the layer's :class:`HostIndex`; lengths: int ``[B]`` valid keys per row (concrete values
+        outside ``[0, N]`` raise; traced ones are clipped into it).
       window: ``>= 0``, the tail positions left to the caller.
       sinks: attend the sinks ``[0, start)`` too (else they are left to the caller).
       impl: ``"auto"``, ``"scalar"`` or ``"avx2"``; max_threads: ``[0, 4096]`` (0 = XLA's pool).
@@ -84,6 +85,7 @@ def host_sampled_attention(
     max_threads = check_int("max_threads", max_threads, 0, 4096)
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_kv_dtypes(k, v)
+    lengths = check_lengths_strict(lengths, B, N)  # int [B] in [0, N]; None: N
     if q_codes.shape != (B, Hq, index.L) or q_codes.dtype != jnp.uint32:
         raise ValueError(f"q_codes must be uint32 [B, Hq, L] = {[B, Hq, index.L]}, "
                          f"got {q_codes.dtype} {list(q_codes.shape)}")
