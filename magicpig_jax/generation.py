@@ -465,21 +465,18 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
 
     Raises:
       TypeError / ValueError: a malformed prompt, a prompt longer than the model's context,
-        an unknown attention, bad parameters, ``page_size`` outside quest, ``top_p`` other than
-        1 with greedy decoding, or ``dense_layers``/``config`` with attention 'dense' (all checked
-        before the prefill).
+        an unknown attention, bad parameters, ``page_size`` outside quest, or ``top_p`` other than
+        1 with greedy decoding (all checked before the prefill).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
-    # options that would be ignored are refused, as the CLI refuses their flags
+    # an option that would be ignored is refused, as the CLI refuses its flag (dense_layers and config are
+    # accepted with attention 'dense', where they do nothing, so that one loop can compare backends)
     if sampling.temperature == 0 and sampling.top_p != 1.0:
         raise ValueError(f"top_p applies to sampling only; with temperature 0 decoding is greedy, got top_p={top_p}")
-    if attention == "dense" and (dense_layers is not None or config is not None):
-        which = "dense_layers" if dense_layers is not None else "config"
-        raise ValueError(f"{which} applies to the sparse backends; attention 'dense' attends every layer exactly")
     page_size = _page_size(attention, page_size)
     # Checked before the prompt is encoded; the sliding windows against the run's length below.
     decode_spec(model, attention, config, dense_layers, budget, page_size, positions=1)
