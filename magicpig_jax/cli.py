@@ -54,8 +54,6 @@ def _budget(text: str) -> int | float:
 # The backends generate takes: models.backends.BACKENDS (a test keeps the two in step; importing the
 # table here would import JAX for every command, --help included).
 GENERATE_BACKENDS = "dense, magicpig, magicpig-ref, topk, quest, oracle, hybrid"
-# The backends that read --K, --L, --seed and --layers-per-projection (SimHash tables), and a calibrated file.
-LSH_BACKENDS = ("magicpig", "magicpig-ref", "hybrid")
 
 
 def _attention_list(text: str) -> list[str]:
@@ -168,7 +166,7 @@ def _cmd_generate(args) -> int:
     from magicpig_jax.host.index import HOST_MAX_K
     from magicpig_jax.io.loader import load_model
     from magicpig_jax.memory import drop_compiled_programs
-    from magicpig_jax.models.backends import BUDGETED, DecodeSpec
+    from magicpig_jax.models.backends import BUDGETED, LAYERED, DecodeSpec
     from magicpig_jax.streaming import check_stop_strings
 
     # Every argument is checked before the model is loaded (the layer range against its metadata).
@@ -198,7 +196,7 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"attention {needs_budget[0]!r} needs a budget: pass --budget TOKENS or --budget FRACTION")
     if args.budget is not None and not needs_budget:
         raise ValueError(f"--budget applies to attention {', '.join(BUDGETED)} only, none of which is in --attention")
-    if args.magicpig_config is not None and not set(LSH_BACKENDS) & set(args.attention):
+    if args.magicpig_config is not None and not set(LAYERED) & set(args.attention):
         raise ValueError("--magicpig-config applies to attention magicpig, magicpig-ref and hybrid, none of which is "
                          "in --attention")
 
@@ -230,7 +228,7 @@ def _cmd_generate(args) -> int:
     ids = encode_prompt(model, prompt, chat=not args.no_chat, parse_special=args.parse_special)
     positions = cache_capacity(model, len(ids), args.max_new_tokens)  # sliding windows shorter than this bind
     specs = {name: decode_spec(model, name, config_of(name), args.dense_layers, budget(name), positions=positions)
-             if layered is None or name not in LSH_BACKENDS
+             if layered is None or name not in LAYERED
              else decode_spec(model, name, layered, positions=positions)
              for name in args.attention}
     print(f"prompt: {len(ids)} tokens; prefilling (dense, chunked) ...", flush=True)
@@ -266,9 +264,12 @@ _GENERATE_DEFAULTS = {"K": 10, "L": 150, "num_sink": 4, "num_local": 64, "seed":
 
 
 def _check_options_used(args, given: set[str]) -> None:
-    """Refuse an option that no backend in ``--attention`` reads (it would be recorded yet have no effect)."""
+    """Refuse an option that no backend in ``--attention`` reads (it would be recorded yet have no effect).
+    The LSH options and a calibrated file are read by the ``LAYERED`` backends (magicpig, magicpig-ref, hybrid)."""
+    from magicpig_jax.models.backends import LAYERED
+
     attention = set(args.attention)
-    lsh_backends = attention & set(LSH_BACKENDS)
+    lsh_backends = attention & set(LAYERED)
     sparse = attention - {"dense"}
     layered = args.magicpig_config is not None
     if "heavy" in given and "hybrid" not in attention:
