@@ -330,10 +330,27 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 def test_relative_links_resolve(doc):
     path = ROOT / doc
     for target in LINK.findall(path.read_text(encoding="utf-8")):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        file = target.split("#", 1)[0]
-        assert (path.parent / file).exists(), f"{doc} links to {target}, which does not exist"
+        file, _, fragment = target.partition("#")
+        linked = path.parent / file if file else path
+        assert linked.exists(), f"{doc} links to {target}, which does not exist"
+        if fragment and linked.suffix == ".md":
+            assert fragment in _heading_anchors(linked), f"{doc} links to {target}: no such heading in {file or doc}"
+
+
+def _heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, characters other than
+    word characters, hyphens and spaces dropped, spaces as hyphens, ``-1``, ``-2`` ... on repeats."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6}[ \t]+(.*?)[ \t#]*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
 
 
 def _layout_section() -> str:
