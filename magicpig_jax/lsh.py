@@ -165,8 +165,15 @@ def cosine_from_dots(dots: Float[Array, "..."], q_scaled: Float[Array, "... D"],
     Returns:
       float32, the shape of ``dots``; NaN where an input is not finite.
     """
-    norms = jnp.linalg.norm(q_scaled, axis=-1) * jnp.linalg.norm(k_scaled, axis=-1)
+    norms = _norm(q_scaled) * _norm(k_scaled)
     return jnp.where(norms > 0, dots / jnp.where(norms > 0, norms, 1.0), 0.0)
+
+
+def _norm(x: Float[Array, "... D"]) -> Float[Array, "..."]:
+    """``jnp.linalg.norm(x, axis=-1)`` with a zero gradient at a zero vector (the norm's own
+    is 0/0 = NaN there, and ``jnp.where`` does not mask a NaN cotangent of its untaken branch)."""
+    nonzero = jnp.any(x != 0, axis=-1, keepdims=True)
+    return jnp.where(nonzero[..., 0], jnp.linalg.norm(jnp.where(nonzero, x, 1.0), axis=-1), 0.0)
 
 
 def collision_probability(q: Float[Array, "... D"], k: Float[Array, "... D"]) -> Float[Array, "..."]:
@@ -199,9 +206,17 @@ def collision_probability(q: Float[Array, "... D"], k: Float[Array, "... D"]) ->
 
 
 def collision_probability_from_cosine(cos: Float[Array, "..."]) -> Float[Array, "..."]:
-    """``p = 1 - arccos(clip(cos, -1, 1)) / pi`` in float32 (see :func:`collision_probability`)."""
-    cos = jnp.clip(jnp.asarray(cos, jnp.float32), -1.0, 1.0)
-    return 1.0 - jnp.arccos(cos) / jnp.float32(math.pi)
+    """``p = 1 - arccos(clip(cos, -1, 1)) / pi`` in float32 (see :func:`collision_probability`).
+
+    Differentiable: at ``cos = ±1`` (and beyond, clipped) the gradient is 0 instead of arccos's
+    infinite slope (the angle has a kink there, like ``|x|`` at 0), so a gradient through it is
+    finite; NaN stays NaN.
+    """
+    cos = jnp.asarray(cos, jnp.float32)
+    inside = jnp.abs(cos) < 1.0
+    edge = jnp.where(cos >= 1.0, 0.0, jnp.where(cos <= -1.0, jnp.float32(math.pi), cos))  # NaN stays NaN
+    angle = jnp.where(inside, jnp.arccos(jnp.where(inside, cos, 0.0)), edge)
+    return 1.0 - angle / jnp.float32(math.pi)
 
 
 def log_sampling_probability(p: Float[Array, "..."], K: int, L: int) -> Float[Array, "..."]:

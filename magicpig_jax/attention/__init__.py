@@ -16,7 +16,9 @@ gives its head NaN in every estimator; an infinite one gives NaN wherever a logi
 attention over logits that are all -inf gives an empty row (out 0, lse -inf).
 
 The inertness is the forward pass's. The functions are differentiable (``jax.grad`` of dense
-attention matches finite differences), but the gradient with respect to ``q`` multiplies every
+attention and of MagicPIG, for a fixed sampled set, matches finite differences; a zero query, a
+zero centered key or a cosine of ±1 gives a finite gradient, the angle's kink taken as slope 0),
+but the gradient with respect to ``q`` multiplies every
 K row by its logit's zero cotangent, so a NaN or infinite K row past a row's length makes it
 NaN: zero the padding of a cache you differentiate through.
 """
