@@ -31,7 +31,7 @@ from tests._jitted import i32, oracle_j
 pytestmark = pytest.mark.usefixtures("strict_jax")
 
 # float budgets and the rational each stands for (the module docstring: the nearest num/den
-# with den <= 32768; below 1/65536, 1/32768)
+# with den <= 32768; one more than 0.1% from it is refused)
 RATIONALS = [
     (0.1, fractions.Fraction(1, 10)),
     (1 / 3, fractions.Fraction(1, 3)),
@@ -40,8 +40,8 @@ RATIONALS = [
     (0.999, fractions.Fraction(999, 1000)),
     (0.5, fractions.Fraction(1, 2)),
     (1.0, fractions.Fraction(1, 1)),
-    (1e-7, fractions.Fraction(1, 32768)),
     (2.0**-15, fractions.Fraction(1, 32768)),
+    (0.5 + 2.0**-20, fractions.Fraction(1, 2)),
 ]
 
 

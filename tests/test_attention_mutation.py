@@ -5,6 +5,7 @@ loose to notice the mutant."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import _np_reference as ref
@@ -681,8 +682,18 @@ def test_baseline_budget_and_page_size_messages_and_bounds():
     # the bounds are accepted: a budget of 1 token, a fraction of 1.0, a page of 1 key
     np.testing.assert_array_equal(budget_tokens(1, i32([0, 9])), [1, 1])
     np.testing.assert_array_equal(budget_tokens(1.0, i32([0, 9])), [0, 9])
-    # a fraction below 1 / 65536 rounds to 0 and is raised to 1 / 32768: ceil(n / 32768) tokens
-    np.testing.assert_array_equal(budget_tokens(1e-7, i32([0, 1, 32768, 32769])), [0, 1, 1, 2])
+    # 1 / 32768 is the smallest fraction: ceil(n / 32768) tokens
+    np.testing.assert_array_equal(budget_tokens(2.0**-15, i32([0, 1, 32768, 32769])), [0, 1, 1, 2])
+    # one that no num/den (den <= 32768) comes within 0.1% of is refused, not inflated (1e-5 -> 1/32768
+    # would grant 3x the keys); lengths past int32 count as 2**31 - 1, not wrapped
+    for tiny, off in ((1e-7, "100.0%"), (1e-5, "100.0%"), (3e-5, "1.7%")):
+        with pytest.raises(ValueError, match=f"budget as a fraction must be within 0.1%.*budget={tiny}, {off}"):
+            budget_tokens(tiny, i32([10]))
+    # (unsigned and host int64 lengths are outside the Int[Array] annotation the suite's hook checks,
+    # but a caller without the hook may pass them: the function itself, unwrapped)
+    top, unchecked = 2**31 - 1, inspect.unwrap(budget_tokens)
+    np.testing.assert_array_equal(unchecked(0.5, jnp.array([2**32 - 1, 7], jnp.uint32)), [-(-top // 2), 4])
+    np.testing.assert_array_equal(unchecked(0.5, np.array([2**31 + 5, -3], np.int64)), [-(-top // 2), 0])
     out, lse = quest_attention(q, k, v, 1, 1, i32([10, 3]))
     r_out, r_lse = ref.selected(q, k, v, ref.quest_keep(q, k, 1, [1, 1], [10, 3]))
     np.testing.assert_allclose(out, r_out, rtol=1e-5, atol=1e-6)

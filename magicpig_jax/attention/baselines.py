@@ -15,7 +15,9 @@ Budgets. ``budget`` is a static Python value (pass it through
   ``ceil(f * lengths[b])`` tokens. ``f`` is first replaced by the nearest
   rational ``num/den`` with ``den <= 32768`` (exact for 0.02, 0.1, 1/3, ...) and
   the ceiling is evaluated in exact int32 arithmetic, so there is no float
-  rounding at the boundary (``0.1 * 30`` gives 3 tokens, not 4).
+  rounding at the boundary (``0.1 * 30`` gives 3 tokens, not 4). A fraction that no
+  such rational comes within 0.1% of (below about 1/32768, e.g. ``1e-5``) is refused:
+  it would grant up to 3x the keys asked for; give a token count instead.
 
 Sources: arXiv 2410.16179 (MagicPIG), Section 3 (TopK is biased, Fig. 2;
 oracle sampling, Definition 3.1, Theorems 3.2-3.3) and Tang et al., "Quest:
@@ -57,6 +59,8 @@ __all__ = [
 # Largest denominator of the rational that replaces a fractional budget; keeps
 # num * (length % den) < 2**30, so the exact ceiling fits in int32.
 _MAX_DEN = 1 << 15
+# How far (relative) that rational may be from the float budget it stands for.
+_MAX_FRACTION_ERROR = 1e-3
 
 # A budget: an int (tokens) or a float in (0, 1] (fraction of the context); NumPy scalars count as either.
 Budget = int | float | np.integer | np.floating
@@ -90,8 +94,11 @@ def check_budget(budget: object) -> fractions.Fraction | int:
     if not (math.isfinite(budget) and 0.0 < budget <= 1.0):
         raise ValueError(f"budget as a fraction of the context must be in (0, 1], got budget={budget}")
     frac = fractions.Fraction(budget).limit_denominator(_MAX_DEN)
-    if frac == 0:  # below 1/(2 * 32768): keep the smallest positive fraction
-        frac = fractions.Fraction(1, _MAX_DEN)
+    off = abs(frac - fractions.Fraction(budget)) / fractions.Fraction(budget)
+    if off > _MAX_FRACTION_ERROR:
+        raise ValueError(f"budget as a fraction must be within 0.1% of a ratio num/den with den <= {_MAX_DEN} "
+                         f"(its exact int32 form), got budget={budget}, {float(off):.1%} from the nearest ({frac}): "
+                         f"give a token count instead")
     return frac
 
 
@@ -103,8 +110,10 @@ def budget_tokens(budget: Budget, lengths: Int[Array, " B"]) -> Int[Array, " B"]
         ``(0, 1]`` (``ceil(f * lengths[b])`` tokens for row b, 0 for an empty row, where f
         is first replaced by the nearest fraction with a denominator <= 32768 so that the
         product is exact in int32: a float that differs from such a fraction by less than
-        that rounding, such as ``0.5 + 2**-20``, counts as the fraction).
-      lengths: int ``[B]`` valid keys per row (a negative one counts as 0).
+        that rounding, such as ``0.5 + 2**-20``, counts as the fraction; one more than 0.1%
+        from every such fraction is refused).
+      lengths: int ``[B]`` valid keys per row (a negative one counts as 0, one past
+        2**31 - 1 as 2**31 - 1).
 
     Returns:
       int32 ``[B]``. Not capped at ``lengths``: an int budget larger than a row
@@ -112,16 +121,25 @@ def budget_tokens(budget: Budget, lengths: Int[Array, " B"]) -> Int[Array, " B"]
 
     Raises:
       TypeError: ``budget`` is neither int nor float (bool is rejected); ``lengths`` not integers.
-      ValueError: an int budget < 1 or a float outside ``(0, 1]``.
+      ValueError: an int budget < 1 or a float outside ``(0, 1]`` or too small to be exact
+        (the module docstring).
 
     Source: the equal-budget comparison of arXiv 2410.16179, Section 5 (TopK and the
     baselines given the keys MagicPIG samples).
     """
     b = check_budget(budget)
-    lengths = jnp.asarray(lengths)
+    if not isinstance(lengths, jax.Array):  # host values: clipped below in their own width
+        lengths = np.asarray(lengths)
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"lengths must be an integer array, got {lengths.dtype}")
-    lengths = jnp.maximum(lengths, 0).astype(jnp.int32)  # a negative row holds no key, as in the estimators
+    # a negative row holds no key, as in the estimators; clipped in the array's own width (a
+    # uint32 or host int64 past int32 must not wrap to a small or negative count)
+    top = np.iinfo(np.int32).max
+    xp = np if isinstance(lengths, np.ndarray) else jnp
+    lengths = xp.maximum(lengths, 0)
+    if np.iinfo(lengths.dtype).max > top:  # (a narrower type would wrap the bound itself)
+        lengths = xp.minimum(lengths, top)
+    lengths = jnp.asarray(lengths.astype(np.int32))
     if isinstance(b, int):
         return jnp.full(lengths.shape, b, dtype=jnp.int32)
     num, den = jnp.int32(b.numerator), jnp.int32(b.denominator)
