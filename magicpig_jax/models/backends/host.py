@@ -11,7 +11,14 @@ import jax.numpy as jnp
 
 from magicpig_jax.attention import budget_tokens
 from magicpig_jax.models.backends.pure import build_range as _build_range
-from magicpig_jax.models.backends.spec import Backend, DecodeSpec, MiddleRange, _no_sparse_layer, layer_projections
+from magicpig_jax.models.backends.spec import (
+    Backend,
+    DecodeSpec,
+    MiddleRange,
+    _no_sparse_layer,
+    decode_range_lengths,
+    layer_projections,
+)
 
 __all__ = ["ENTRIES", "HostOps", "append_due", "sharded"]
 
@@ -61,6 +68,8 @@ def _validate_host(spec: DecodeSpec) -> None:
 
 def _build_host(spec, k, lengths, layer, capacity):
     proj = layer_projections(spec.magicpig, layer, k.shape[-1])
+    # a prompt shorter than num_sink: the range starts at num_sink (decode_range_lengths)
+    lengths = decode_range_lengths(lengths, spec.magicpig.num_sink, k.shape[2])
     return _ops_of(spec).build_index(k, proj, spec.magicpig, lengths, capacity=capacity)
 
 
@@ -136,9 +145,11 @@ def _make_offload_step(graphdef, state_treedef, spec):
 
 
 def _host_range(spec, k, state, lengths):
-    """``(start, end)`` of the range a host TopK/Quest attends: ``[num_sink, min(end, lengths))``."""
+    """``(start, end)`` of the range a host TopK attends: ``[num_sink, min(end, lengths))``, the
+    start clipped to the context (the op attends the sinks ``[0, start)`` as they are: while the
+    context is shorter than ``num_sink``, positions past it hold no key yet)."""
     s0 = min(spec.magicpig.num_sink, k.shape[2])
-    start = jnp.full(lengths.shape, s0, jnp.int32)
+    start = jnp.minimum(jnp.int32(s0), lengths).astype(jnp.int32)
     return start, jnp.maximum(jnp.minimum(state.end, lengths), start)
 
 
@@ -176,7 +187,12 @@ def _build_quest_host(spec, k, lengths, layer, capacity):
 def _attend_quest_host(spec, q, k, v, state, lengths, key):
     from magicpig_jax.host.quest import host_quest_attention
 
-    # one pass: the kept pages and the static set [0, start) u [end, lengths) in one softmax
+    # one pass: the kept pages and the static set [0, start) u [end, lengths) in one softmax. While the
+    # context is shorter than the range's start (num_sink) the range is empty: it moves to the context's
+    # end, so that the sinks [0, start) hold only written positions.
+    short = lengths < state.start
+    state = dataclasses.replace(state, start=jnp.where(short, lengths, state.start),
+                                end=jnp.where(short, lengths, state.end))
     out, lse = host_quest_attention(q, k, v, state, spec.budget, context=lengths, softcap=spec.logit_softcap)
     n = state.end - state.start
     used = jnp.minimum(budget_tokens(spec.budget, n), n)  # as the pure-JAX entry counts it

@@ -186,9 +186,27 @@ class MiddleRange:
 
     @classmethod
     def from_lengths(cls, lengths: jax.Array, config: MagicPIGConfig) -> MiddleRange:
-        """The range of :meth:`MagicPIGConfig.hashed_range`."""
-        start, end = config.hashed_range(lengths)
+        """The range of :meth:`MagicPIGConfig.hashed_range` for a decoder: see :func:`decode_range_lengths`."""
+        start, end = config.hashed_range(decode_range_lengths(lengths, config.num_sink))
         return cls(start=start, end=end)
+
+
+def decode_range_lengths(lengths: jax.Array, num_sink: int, capacity: int | None = None) -> jax.Array:
+    """The lengths a decoder builds its hashed range (or index) from: ``max(lengths, num_sink)``.
+
+    A prompt shorter than ``num_sink`` would give the range ``[length, length)``, from which later
+    appends would hash (or, for TopK, rank) the generated tokens at positions ``[length,
+    num_sink)``: sinks by definition (the first ``num_sink`` tokens of the context). From these
+    lengths the range is ``[num_sink, num_sink)``, empty, and ``end`` stays past the context until
+    it grows there; every decode path clips the sinks ``[0, start)`` to the context.
+
+    Args:
+      lengths: int ``[B]`` the prompts' lengths.
+      num_sink: sink tokens.
+      capacity: the cache's positions, an upper bound on the result (default: none).
+    """
+    bound = num_sink if capacity is None else min(num_sink, capacity)
+    return jnp.maximum(jnp.asarray(lengths).astype(jnp.int32), jnp.int32(bound))
 
 
 def layer_projections(config: MagicPIGConfig, layer: int | jax.Array, head_dim: int) -> jax.Array:
