@@ -118,7 +118,7 @@ def check_output(flag: str, path, kind: str, inputs: dict | None = None) -> None
       flag: the option's name for messages (``"--json"``, ``"OUT"``).
       path: a ``str`` or ``Path``.
       kind: ``"file"`` (written whole), ``"prefix"`` (``PATH.json`` and ``PATH.png`` are
-        written), ``"new-dir"`` (a directory created here: absent or empty) or ``"dir"``
+        written), ``"new-dir"`` (a directory created here: absent or empty, not a symbolic link) or ``"dir"``
         (a directory that may hold earlier results).
       inputs: ``{flag: path}`` of the command's input files, which the output may not replace.
 
@@ -151,6 +151,8 @@ def check_output(flag: str, path, kind: str, inputs: dict | None = None) -> None
     else:
         if p.exists() and not p.is_dir():
             raise ValueError(f"{flag} {text} exists and is not a directory")
+        if kind == "new-dir" and p.is_symlink():  # the directory is written beside it and renamed into place
+            raise ValueError(f"{flag} {text} is a symbolic link; give the directory it points to, or a new path")
         if kind == "new-dir" and p.is_dir() and any(p.iterdir()):
             raise ValueError(f"{flag} {text} is a directory that is not empty; give a new or empty one")
         probe_dir = p

@@ -167,7 +167,7 @@ def _cmd_generate(args) -> int:
     from magicpig_jax.io.loader import load_model
     from magicpig_jax.memory import drop_compiled_programs
     from magicpig_jax.models.backends import BUDGETED, LAYERED, DecodeSpec
-    from magicpig_jax.streaming import check_stop_strings
+    from magicpig_jax.streaming import check_stop_strings, check_stops_for
 
     # Every argument is checked before the model is loaded (the layer range against its metadata).
     given = {name for name in (*_GENERATE_DEFAULTS, "dense_layers") if getattr(args, name) is not None}
@@ -218,13 +218,18 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--dense-layers must be layer indices >= 0, got {','.join(map(str, args.dense_layers))}")
     if args.json is not None:
         check_output("--json", args.json, "file",
-                     inputs={"--document": args.document, "--magicpig-config": args.magicpig_config})
+                     inputs={"--document": args.document, "--magicpig-config": args.magicpig_config,
+                             "--model": args.model})
     layered = _layer_configs(args)
     prompt = _generate_prompt(args)
     _check_model(args, layered)
     print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
+    try:
+        check_stops_for(model.tokenizer, stops)
+    except ValueError as err:
+        raise ValueError(f"--stop: {err}") from None
     ids = encode_prompt(model, prompt, chat=not args.no_chat, parse_special=args.parse_special)
     positions = cache_capacity(model, len(ids), args.max_new_tokens)  # sliding windows shorter than this bind
     specs = {name: decode_spec(model, name, config_of(name), args.dense_layers, budget(name), positions=positions)

@@ -105,6 +105,28 @@ def test_bad_arguments_fail_before_the_model_loads(capsys, args, expected):
     assert time.perf_counter() - start < 30  # no load or prefill
 
 
+def test_convert_refuses_a_symbolic_link_as_out(capsys, tmp_path):
+    # it wrote the whole checkpoint, then failed with a traceback renaming it onto the link
+    (tmp_path / "target").mkdir()
+    for link, to in (("lnk", tmp_path / "target"), ("dangling", tmp_path / "absent")):
+        (tmp_path / link).symlink_to(to)
+        one_line_error(run_here(capsys, "convert", "embedded", str(tmp_path / link)),
+                       f"OUT {tmp_path / link} is a symbolic link")
+
+
+@pytest.mark.parametrize("command,out_flag,out", [
+    (["generate", "--prompt", "hi"], "--json", "m.json"),
+    (["calibrate", "--kl-budget", "0.1"], "--out", "m.json"),
+    (["bench", "decode"], "--out", "m"),  # a prefix: m.json and m.png are written
+])
+def test_an_output_never_replaces_the_model(capsys, tmp_path, command, out_flag, out):
+    model = tmp_path / "m.json"  # any file: the refusal comes before it is read
+    model.write_bytes(b"not a model")
+    proc = run_here(capsys, *command, "--model", str(model), out_flag, str(tmp_path / out))
+    one_line_error(proc, "would overwrite the --model input")
+    assert model.read_bytes() == b"not a model"
+
+
 @pytest.mark.parametrize("args,expected", [
     (["generate", "--attention", "foo"], "generate: argument --attention: takes a comma-separated subset of dense, "
                                          "magicpig, magicpig-ref,"),
@@ -129,6 +151,9 @@ def test_bad_arguments_fail_before_the_model_loads(capsys, args, expected):
     (["study", "attention", "--capture", __file__], f"--capture {__file__} is not an .npz file (needs arrays q, k, v"),
     (["study", "attention", "--lsh", "4x10", "--heavy", "4,20"], "--heavy thresholds [20] exceed L + 1 for every"),
     (["calibrate", "--out", "runs/never.json", "--kl-budget", "0.1", "--text", "/tmp"], "--text /tmp is not a file"),
+    (["calibrate", "--out", "runs/never.json", "--kl-budget", "0.1", "--length", "40", "--forced-tokens", "8"],
+     "the prefix (--length - --forced-tokens = 32) must be longer than --num-sink + --num-local = 68"),
+    (["calibrate", "--out", "runs/never.json", "--kl-budget", "inf"], "--kl-budget must be a positive finite number"),
     # refused before the model loads (the help lists the three)
     (["bench", "decode", "--methods", "topk"], "argument --methods: invalid choice: 'topk'"),
     (["bench", "decode", "--K", "20"], "bench decode: --K must be in [1, 16] (the host index), got 20"),

@@ -86,6 +86,10 @@ def test_budget_checks():
     ctx = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"--length {ctx + 1} is past the model's context of {ctx}"):
         cal.calibrate(model, TEXT * 50, kl_budget=0.1, length=ctx + 1, forced_tokens=12, progress=False)
+    # a prefix inside the static set samples no key: every candidate would measure KL 0 at no cost
+    with pytest.raises(ValueError, match=r"the prefix \(--length - --forced-tokens = 32\) must be longer than "
+                                         r"--num-sink \+ --num-local = 68"):
+        cal.calibrate(model, TEXT, kl_budget=0.1, length=40, forced_tokens=8, progress=False)
 
 
 def test_windowed_layers_stay_dense():

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if not text.strip():
         p.error(f"--text {args.text} is empty")
     try:
-        check_output("--out", args.out, "prefix")
+        check_output("--out", args.out, "prefix", inputs={"--model": args.model})
     except ValueError as err:
         p.error(str(err))
     from magicpig_jax.host.index import HOST_MAX_K

@@ -366,6 +366,14 @@ def _kl_of(model, state, layer_configs, targets, logp_dense) -> float:
     return compare_to_dense(rec.logp, logp_dense, targets)["kl"]
 
 
+def _check_prefix(length: int, forced_tokens: int, num_sink: int, num_local: int) -> None:
+    """The prefix must reach past the static set, or no key is ever sampled and every candidate
+    measures KL 0 at no cost (a file that says nothing)."""
+    if length - forced_tokens <= num_sink + num_local:
+        raise ValueError(f"the prefix (--length - --forced-tokens = {length - forced_tokens}) must be longer than "
+                         f"--num-sink + --num-local = {num_sink + num_local}: no key of a shorter one is sampled")
+
+
 def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_tokens: int = 128,
               candidates: Sequence[tuple[int, int]] = ((8, 75), (9, 120), (10, 150), (11, 300), (12, 600)),
               num_sink: int = 4, num_local: int = 64, seed: int = 0, probes: int = 8, repeats: int = 5,
@@ -373,7 +381,8 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     """Calibrate per-layer configs on ``text`` (see the module docstring); returns ``(LayerConfigs, report)``.
 
     Raises:
-      ValueError: a budget <= 0, a ``length`` past the model's context (``max_position_embeddings``:
+      ValueError: a budget <= 0, a prefix (``length - forced_tokens``) no longer than the static
+        set (``num_sink + num_local``), a ``length`` past the model's context (``max_position_embeddings``:
         the teacher-forced tokens are decoded after the prefix, so all ``length`` positions must
         be in it), a text shorter than ``length`` tokens, bad sizes, or a model whose every layer
         has a sliding window shorter than ``length`` (layers with one are kept dense).
@@ -389,6 +398,7 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         raise ValueError(f"--cost must be one of {COST_KINDS}, got {cost!r}")
     if not 1 <= forced_tokens < length:
         raise ValueError(f"need 1 <= --forced-tokens < --length, got {forced_tokens} and {length}")
+    _check_prefix(length, forced_tokens, num_sink, num_local)
     context = model.config.max_position_embeddings
     if length > context:
         raise ValueError(f"--length {length} is past the model's context of {context} tokens (the prefix and "
@@ -503,13 +513,15 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.kl_budget > 0 or not math.isfinite(args.kl_budget):
-        raise ValueError(f"--kl-budget must be a positive number, got {args.kl_budget}")
+        raise ValueError(f"--kl-budget must be a positive finite number, got {args.kl_budget}")
+    if args.forced_tokens < args.length:
+        _check_prefix(args.length, args.forced_tokens, args.num_sink, args.num_local)
     from magicpig_jax.argparsing import check_output, in_flag_terms
     from magicpig_jax.attention import MagicPIGConfig
 
     with in_flag_terms(num_sink="--num-sink", num_local="--num-local", seed="--seed"):
         MagicPIGConfig(num_sink=args.num_sink, num_local=args.num_local, seed=args.seed)
-    check_output("--out", args.out, "file", inputs={"--text": args.text})
+    check_output("--out", args.out, "file", inputs={"--text": args.text, "--model": args.model})
     try:
         text = args.text.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

@@ -80,7 +80,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--haystack", default=DEFAULT_HAYSTACK,
                    help="prose: licenses-heldout (the default: /usr/share/common-licenses without calibrate's "
                         "LGPL-2.1), licenses (all of them), jargon (Debian jargon-text) or a text file")
-    p.add_argument("--seed", type=int, default=0, help="seed of the samples, LSH projections and oracle sampling")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the samples, of oracle sampling and of the SimHash projections of the "
+                        "magicpig:KxL and hybrid methods (a magicpig@FILE method uses its file's, with which "
+                        "it was calibrated)")
     p.add_argument("--likelihood-tokens", type=int, default=256,
                    help="teacher-forced prose tokens per likelihood sample (0 = no likelihood)")
     p.add_argument("--likelihood-samples", type=int, default=16, help="prose documents per length")
