@@ -110,13 +110,18 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         afterwards (its ``cache`` becomes None). For the last decode of a prefill.
 
     Raises:
-      ValueError: ``max_new_tokens < 1``, bad forced tokens, not enough cache capacity, or a
-        ``state`` whose cache an earlier decode consumed.
+      ValueError: ``max_new_tokens < 1``, bad forced tokens, not enough cache capacity, a
+        ``state`` whose cache an earlier decode consumed, or rows / KV heads that the spec's mesh
+        does not divide.
     """
     hooks = hooks or DecodeHooks()
     B = len(state.prompt_lengths)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if spec.mesh is not None:  # the rows and KV heads split over the mesh's axes: a clear error, not JAX's
+        from magicpig_jax import distributed as dist
+
+        dist.check_split(spec.mesh, B, model.config.num_kv_heads)
     if hooks.forced_tokens is not None and (len(hooks.forced_tokens) != B or (not hooks.then_sample and any(
             len(f) < max_new_tokens for f in hooks.forced_tokens))):
         raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")

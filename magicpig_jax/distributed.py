@@ -198,7 +198,12 @@ def _sizes(mesh: Mesh) -> tuple[int, int]:
     return mesh.shape[BATCH], mesh.shape[KV_HEADS]
 
 
-def _check_split(mesh: Mesh, B: int, Hkv: int, Hq: int | None = None) -> None:
+def check_split(mesh: Mesh, B: int, Hkv: int, Hq: int | None = None) -> None:
+    """Refuse a batch or KV-head count that the mesh's ``batch`` / ``kv_heads`` axes do not divide.
+
+    Raises:
+      ValueError: naming the count and the axis (and Hq not a multiple of Hkv, when given).
+    """
     nb, nh = _sizes(mesh)
     if B % nb:
         raise ValueError(f"batch size B={B} is not divisible by the mesh's 'batch' axis ({nb} devices)")
@@ -270,7 +275,7 @@ def sharded_build_index(
     if not hasattr(k, "ndim") or k.ndim != 4:
         raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(getattr(k, 'shape', ()))}")
     B, Hkv, N, D = k.shape
-    _check_split(mesh, B, Hkv)
+    check_split(mesh, B, Hkv)
     _check_rows("lengths", lengths, B, N)
     if capacity is not None:
         check_int("capacity", capacity, N, 2**31 - 1)
@@ -320,7 +325,7 @@ def sharded_append(
     if not hasattr(k_new, "ndim") or k_new.ndim != 4:
         raise ValueError(f"k_new must be [B, Hkv, T, D], got shape {tuple(getattr(k_new, 'shape', ()))}")
     B, Hkv, T, D = k_new.shape
-    _check_split(mesh, B, Hkv)
+    check_split(mesh, B, Hkv)
     if index.mean.shape != (B, Hkv, D):
         raise ValueError(f"k_new {tuple(k_new.shape)} does not match the index (mean {tuple(index.mean.shape)})")
     _check_rows("counts", counts, B, T)
@@ -384,7 +389,7 @@ def sharded_magicpig_attention(
         if not hasattr(x, "ndim") or x.ndim != nd:
             raise ValueError(f"{name} must have {nd} dimensions, got shape {tuple(getattr(x, 'shape', ()))}")
     B, Hkv, N, D = k.shape
-    _check_split(mesh, B, Hkv, q.shape[1])
+    check_split(mesh, B, Hkv, q.shape[1])
     if not isinstance(host_index, host.HostIndex):
         raise TypeError(f"host_index must be a HostIndex, got {type(host_index).__name__}")
     check_index(host_index, config, B, Hkv, D)

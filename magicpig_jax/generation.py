@@ -29,7 +29,7 @@ from magicpig_jax.models.decoding import (
     hidden_to_logits,
     prefill_chunk,
 )
-from magicpig_jax.streaming import StopStrings, TextStream, check_stop_strings
+from magicpig_jax.streaming import StopStrings, TextStream, check_stop_strings, check_stops_for
 
 __all__ = ["PrefillState", "Generation", "Sampling", "prefill", "prefill_with_prefixes", "decode", "decode_spec",
            "generate", "encode_prompt", "forward_logits", "CHUNK"]
@@ -449,7 +449,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
       temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy). In a batch
         a sampled row depends on its position (one key per step for all rows; see
         :attr:`Sampling.seed`).
-      stop: a stop string or a list of them; the text is cut before the first one.
+      stop: a stop string or a list of them; the text is cut before the first one (one holding a
+        special token's text, which decoded text leaves out, is refused).
       stream: return an iterator of text pieces as tokens are produced (one prompt only);
         a character split over several byte tokens is emitted whole.
       chat: apply the chat template (False: ``prompt`` is raw text).
@@ -481,6 +482,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     # Checked before the prompt is encoded; the sliding windows against the run's length below.
     decode_spec(model, attention, config, dense_layers, budget, page_size, positions=1)
     stops = check_stop_strings(stop)
+    check_stops_for(model.tokenizer, stops)
     cache_dtype = kv_cache_dtype(kv_dtype)
     prompts, batched = _prompt_batch(prompt)
     if stream and batched:

@@ -36,6 +36,20 @@ def check_stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(stop)
 
 
+def check_stops_for(tokenizer, stops: Sequence[str]) -> None:
+    """Refuse a stop string that holds a special token's text (``"<|im_start|>"``): the decoded
+    text leaves special tokens out, so it could never match.
+
+    Raises:
+      ValueError: naming the stop string and the special token.
+    """
+    for s in stops:
+        for token in getattr(tokenizer, "special_tokens", ()):
+            if token and token in s:
+                raise ValueError(f"stop string {s!r} holds the special token {token!r}, which decoded text leaves "
+                                 "out: it would never match (a row ends at the model's end-of-turn token anyway)")
+
+
 class StopStrings:
     """The stop criterion of the decode loop for stop strings (``stop(row, ids) -> bool``).
 

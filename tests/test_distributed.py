@@ -251,7 +251,13 @@ out48, st48 = forced_decode(model4, state4, mesh=mesh, **kw4)
 # each sharded step compiled once: its first inputs are placed as its outputs are
 from magicpig_jax.models import decoding
 mesh_compiles = [fn.jitted._cache_size() for key, fn in decoding._STEP_CACHE.items() if key[2].mesh is not None]
-print(json.dumps({"mesh_compiles": mesh_compiles,
+# 3 rows over the 4 devices of the 'batch' axis: the decode's own error, not JAX's IndivisibleError
+try:
+    forced_decode(model, prefill(model, prompts[:3], 12), mesh=mesh, **kw)
+    split_error = None
+except ValueError as err:
+    split_error = str(err)
+print(json.dumps({"mesh_compiles": mesh_compiles, "split_error": split_error,
                   "same_tokens": out1 == out8, "max_dlogit": float(np.abs(np.array(logits1) - np.array(logits8)).max()),
                   "frac1": st1["sampled_fraction"], "frac8": st8["sampled_fraction"],
                   "shared_same": out4 == out48 and st4["sampled_fraction"] == st48["sampled_fraction"]}))
@@ -269,5 +275,6 @@ def test_full_model_decode_sharded_over_8_devices_equals_one_device():
     assert r["max_dlogit"] < 1e-4
     assert r["frac1"] == r["frac8"] and 0 < r["frac1"] < 1
     assert r["shared_same"]
+    assert r["split_error"] == "batch size B=3 is not divisible by the mesh's 'batch' axis (4 devices)"
     # two sharded decodes (own and shared matrices), each step program compiled once, not twice
     assert r["mesh_compiles"] == [1, 1]

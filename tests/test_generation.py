@@ -69,6 +69,9 @@ def test_stop_string_cuts_the_text_and_reports_stop(model):
     got = generate(model, "hi there", attention="dense", max_new_tokens=8, stop=[stop])
     assert got.stop_reason == "stop" and got.text == full.text[:full.text.index(stop)]
     assert got.stats["stop"] == [stop]
+    # a special token's text never appears in the decoded text (it leaves them out): refused, not ignored
+    with pytest.raises(ValueError, match=r"stop string 'x<\|im_start\|>' holds the special token '<\|im_start\|>'"):
+        generate(model, "hi there", attention="dense", max_new_tokens=8, stop=["ok", "x<|im_start|>"])
 
 
 def test_stream_joins_to_the_text(model):
