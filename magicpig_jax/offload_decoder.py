@@ -86,6 +86,7 @@ def place_decode_state(spec, cache, states):
       ``(cache, states)``: the cache with the sparse layers' K/V on the host device (the dense
       layers' stay on the accelerator), and an :class:`OffloadLayer` per sparse layer.
     """
+    from magicpig_jax.models.backends.spec import decode_range_lengths
     from magicpig_jax.models.cache import KVCache
 
     accel, host_dev = spec.offload_devices()
@@ -95,7 +96,11 @@ def place_decode_state(spec, cache, states):
     lengths_h = jax.device_put(cache.lengths, host_dev)
     for i in sparse:
         k_h, v_h, proj_h = jax.device_put((cache.k[i], cache.v[i], states[i]), host_dev)
-        index = _host_build(k_h, proj_h, spec.magicpig, lengths_h, capacity=cache.capacity)
+        # a prompt shorter than num_sink: the range starts at num_sink (decode_range_lengths); the
+        # sinks fill as the tokens are generated (_ring_write)
+        index = _host_build(k_h, proj_h, spec.magicpig,
+                            decode_range_lengths(lengths_h, spec.magicpig.num_sink, cache.capacity),
+                            capacity=cache.capacity)
         start, end = jax.device_put((index.start, index.end), accel)
         layer = _accel_layer(jax.device_put(cache.k[i], accel), jax.device_put(cache.v[i], accel), lengths_a, start,
                              end, jax.device_put(states[i], accel), num_sink=spec.magicpig.num_sink,
@@ -191,11 +196,23 @@ def _static_attention(q, k_new, v_new, st: OffloadLayer, pos, softcap: float | N
 
 
 def _ring_write(st: OffloadLayer, k_new, v_new, pos) -> OffloadLayer:
+    """The token at ``pos`` written into the ring, and into the sinks while ``pos < S`` (a prompt
+    shorter than ``num_sink``: the generated tokens that fill the sinks are sinks, never hashed)."""
     B, Hkv, W = st.ring_k.shape[0], st.ring_k.shape[1], st.ring_k.shape[2]
     rows, heads = jnp.arange(B)[:, None], jnp.arange(Hkv)[None, :]
     slot = jnp.remainder(pos, W)[:, None]
-    return dataclasses.replace(st, ring_k=st.ring_k.at[rows, heads, slot].set(k_new.astype(st.ring_k.dtype)),
-                               ring_v=st.ring_v.at[rows, heads, slot].set(v_new.astype(st.ring_v.dtype)))
+    st = dataclasses.replace(st, ring_k=st.ring_k.at[rows, heads, slot].set(k_new.astype(st.ring_k.dtype)),
+                             ring_v=st.ring_v.at[rows, heads, slot].set(v_new.astype(st.ring_v.dtype)))
+    S = st.sink_k.shape[2]
+    if S == 0:
+        return st
+    sink = (pos < S)[:, None, None]
+    at = jnp.minimum(pos, S - 1)[:, None]
+    old_k, old_v = st.sink_k[rows, heads, at], st.sink_v[rows, heads, at]
+    return dataclasses.replace(
+        st, sink_k=st.sink_k.at[rows, heads, at].set(jnp.where(sink, k_new.astype(st.sink_k.dtype), old_k)),
+        sink_v=st.sink_v.at[rows, heads, at].set(jnp.where(sink, v_new.astype(st.sink_v.dtype), old_v)),
+        sink_len=jnp.where(pos < S, jnp.maximum(st.sink_len, pos + 1), st.sink_len).astype(jnp.int32))
 
 
 def _dense_layer(layer, inv_freq, x, pos, k_cache, v_cache, window: int | None = None,

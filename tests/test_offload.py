@@ -236,7 +236,8 @@ _DECODER = textwrap.dedent(r'''
     accel, host_dev = jax.devices()
     model = tiny_model(0)
     rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(1, 90, 300)], [int(t) for t in rng.integers(1, 90, 250)]]
+    # the third row is shorter than num_sink: the sinks fill as it decodes, and are never hashed
+    prompts = [[int(t) for t in rng.integers(1, 90, 300)], [int(t) for t in rng.integers(1, 90, 250)], [7]]
     R = {"devices": [str(accel), str(host_dev)]}
     for dtype in ("float32", "bfloat16"):
         state = prefill(model, prompts, 40, cache_dtype=jnp.dtype(dtype))
@@ -263,6 +264,7 @@ _DECODER = textwrap.dedent(r'''
                                                   jax.tree.leaves(dataclasses.replace(run.indices[i], index=None))})
                 r["dense_kv_devices"] = dev([(run.cache.k[0], run.cache.v[0])])
                 r["index_end"] = np.asarray(run.indices[sparse[0]].index.end).tolist()
+                r["index_start"] = np.asarray(run.indices[sparse[0]].index.start).tolist()
                 r["prompt_lengths"] = [len(p) for p in prompts]
                 r["capacity"] = int(run.cache.capacity)
             out[name] = r
@@ -344,6 +346,7 @@ def test_offload_decoder_keeps_kv_and_index_on_the_host(decoder_results, dtype):
     assert all(r["capacity"] not in shape for shape in r["accel_state_shapes"])  # nothing N-sized there
     # Generated tokens reached the host index (appends every 8 steps once the tail exceeds W).
     assert all(end > n - 8 for end, n in zip(r["index_end"], r["prompt_lengths"], strict=True))
+    assert r["index_start"] == [2, 2, 2]  # num_sink, the 1-token prompt's row too
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])
