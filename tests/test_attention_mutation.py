@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 
 import _np_reference as ref
 import jax
@@ -352,7 +353,10 @@ def test_layer_configs_json_messages():
     assert str(err.value) == "layer-configs 'layers' must map layer -> {'K', 'L'} or 'dense'"
     with pytest.raises(ValueError) as err:
         LayerConfigs.from_json(_obj(first="dense"))
-    assert str(err.value) == "layer-configs: layer key 'first' is not an integer"
+    assert str(err.value) == "layer-configs: layer key 'first' is not a layer index (decimal digits, as '0', '12')"
+    for key in ("1_0", " 5 ", "01", "-0", "+1", "\u0661"):  # int() reads each as a layer
+        with pytest.raises(ValueError, match=re.escape(f"layer key {key!r} is not a layer index")):
+            LayerConfigs.from_json(_obj(**{key: "dense"}))
     with pytest.raises(ValueError) as err:
         LayerConfigs.from_json(_obj(**{"0": {"K": 4}}))
     assert str(err.value) == "layer-configs: layer 0 must be 'dense' or {'K': .., 'L': ..}, got {'K': 4}"

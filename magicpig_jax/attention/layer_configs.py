@@ -240,10 +240,11 @@ class LayerConfigs:
             raise ValueError("layer-configs 'layers' must map layer -> {'K', 'L'} or 'dense'")
         layers = []
         for key, val in raw.items():
-            try:
-                i = int(key)
-            except ValueError:
-                raise ValueError(f"layer-configs: layer key {key!r} is not an integer") from None
+            # decimal digits as json.dumps writes an int key ("1_0", " 5 ", "01", "-0" are not layers)
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and key == str(int(key))):
+                raise ValueError(f"layer-configs: layer key {key!r} is not a layer index (decimal digits, as "
+                                 "'0', '12')")
+            i = int(key)
             if val == DENSE:
                 layers.append((i, DENSE))
             elif isinstance(val, Mapping) and {"K", "L"} <= set(val):
