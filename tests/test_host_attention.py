@@ -282,3 +282,34 @@ def test_the_op_alone_checks_lengths_as_the_wrapper_does():
         host.host_sampled_attention(q, codes, k, v, hidx, jnp.asarray([3.0]))
     out, lse, ns = host.host_sampled_attention(q, codes, k, v, hidx, jnp.asarray([N], jnp.int32))
     assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_index_starting_past_the_context_attends_the_written_keys_exactly(impl):
+    # A decoder's index after a prompt shorter than num_sink: its range starts at num_sink
+    # (models.backends.spec.decode_range_lengths) while the context holds fewer keys. The op and
+    # the static part read only the written positions [0, len): dense attention over them, and
+    # garbage (NaN) in the unwritten slots changes nothing.
+    B, Hq, Hkv, N, D = 2, 4, 2, 40, 16
+    cfg = MagicPIGConfig(K=3, L=6, num_sink=4, num_local=8)
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((B, Hq, D), np.float32))
+    k = rng.standard_normal((B, Hkv, N, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, N, D)).astype(np.float32)
+    lengths = np.array([2, 3], np.int32)
+    for b, n in enumerate(lengths):
+        k[b, :, n:], v[b, :, n:] = np.nan, np.nan
+    proj = jnp.asarray(rng.standard_normal((D, cfg.K * cfg.L), np.float32))
+    hidx = host.host_build_index(jnp.asarray(np.nan_to_num(k)), proj, cfg, jnp.full((B,), cfg.num_sink, jnp.int32))
+    assert np.asarray(hidx.start).tolist() == [4, 4] and np.asarray(hidx.end).tolist() == [4, 4]
+    out, lse, ns = host.host_magicpig_attention(q, jnp.asarray(k), jnp.asarray(v), hidx, cfg, jnp.asarray(lengths),
+                                                impl=impl)
+    assert np.asarray(ns).sum() == 0
+    G = Hq // Hkv
+    for b, n in enumerate(lengths):
+        for h in range(Hq):
+            kk, vv = k[b, h // G, :n].astype(np.float64), v[b, h // G, :n].astype(np.float64)
+            s = kk @ np.asarray(q[b, h], np.float64) / np.sqrt(D)
+            w = np.exp(s - s.max())
+            np.testing.assert_allclose(np.asarray(out[b, h]), w @ vv / w.sum(), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(float(lse[b, h]), s.max() + np.log(w.sum()), rtol=1e-5, atol=1e-6)
