@@ -61,3 +61,12 @@ def test_layer_configs_host_limits_follow_the_backend(tmp_path, monkeypatch):
     layered = spec.DecodeSpec(backend="magicpig", magicpig=layers.base(), dense_layers=layers.dense_layers,
                               layers=layers)
     assert (layered.host, layered.offload) == (False, False)  # pure JAX, as the eval's check assumed
+
+
+def test_page_size_is_read_by_measured_budgets():
+    # it rounds the measured budget of topk / oracle too (run._budget_tokens): accepted without quest
+    from magicpig_jax.eval.settings import make_parser, settings_from_args
+
+    for methods in ("dense,topk", "dense,oracle"):
+        s = settings_from_args(make_parser().parse_args(["--out", "x", "--methods", methods, "--page-size", "1"]))
+        assert s.page_size == 1

@@ -27,6 +27,18 @@ def test_fingerprint_is_pinned_and_checked(tmp_path):
     check_fingerprint(tmp_path, {"seed": 0, "model": "m"})  # the same settings: accepted
     with pytest.raises(ValueError, match=r"other settings \{'seed': \(0, 1\)\}"):
         check_fingerprint(tmp_path, {"seed": 1, "model": "m"})
+    # a key one side leaves out counts as its default: in either order (a results folder written with
+    # layers_per_projection 2 was resumed by a run at the default 1, which leaves the key out)
+    for first, then in (({"lpp": 2}, {}), ({}, {"lpp": 2})):
+        d = tmp_path / f"{len(first)}"
+        d.mkdir()
+        check_fingerprint(d, {"seed": 0, **first}, {"lpp": 1})
+        with pytest.raises(ValueError, match="other settings"):
+            check_fingerprint(d, {"seed": 0, **then}, {"lpp": 1})
+        check_fingerprint(d, {"seed": 0, **first, "lpp": first.get("lpp", 1)}, {"lpp": 1})  # the default written out
+    # a key the new settings lack, with no default, counts as None: still refused
+    with pytest.raises(ValueError, match=r"other settings \{'model': \('m', None\)\}"):
+        check_fingerprint(tmp_path, {"seed": 0})
 
 
 def test_invocations_are_logged(tmp_path):

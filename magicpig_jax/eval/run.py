@@ -88,7 +88,7 @@ from pathlib import Path
 from magicpig_jax.eval.methods import DEFAULT_METHODS, Method, parse_lengths, parse_method, parse_methods
 from magicpig_jax.eval.plots import write_plots
 from magicpig_jax.eval.report import finish, format_summary, summarize
-from magicpig_jax.eval.settings import EvalSettings, make_parser, settings_from_args
+from magicpig_jax.eval.settings import FINGERPRINT_DEFAULTS, EvalSettings, make_parser, settings_from_args
 from magicpig_jax.eval.store import RESULTS, ResultStore, check_fingerprint, log_invocation, machine_info, record_key
 from magicpig_jax.memory import release_compiled_programs
 
@@ -458,7 +458,7 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     fp = settings.fingerprint(model)
     _check_before_writing(model, settings, fp["dense_layers"])
     out.mkdir(parents=True, exist_ok=True)
-    check_fingerprint(out, fp)
+    check_fingerprint(out, fp, FINGERPRINT_DEFAULTS)
     store = ResultStore(out / RESULTS)
     _check_config_files_unchanged(store, settings, out)
     t_start, n_before = time.time(), len(store.records)

@@ -48,6 +48,10 @@ class EvalSettings:
         return out
 
 
+# The value of a setting that a fingerprint leaves out (store.check_fingerprint compares it so).
+FINGERPRINT_DEFAULTS = {"layers_per_projection": 1}
+
+
 SETUPS = {"A": "the question is inside the dense prefill (the whole prompt is prefilled; the methods decode the "
                 "answer)",
           "B": "the question is decoded by the method after the densely prefilled document (teacher-forced), "
@@ -98,7 +102,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="MagicPIG method whose measured sampled count is the TopK/Quest/oracle budget (default "
                         "magicpig:10x150)")
     p.add_argument("--page-size", type=int, default=None,
-                   help="Quest page size; budgets are rounded to it (default 16)")
+                   help="Quest's page size, and the unit the measured budgets of topk, quest and oracle are "
+                        "rounded to (default 16; 1 gives TopK exactly the keys MagicPIG sampled, rounded)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     return p
@@ -116,12 +121,14 @@ def _check_options_used(methods, given: set[str]) -> None:
         "dense_layers": [m for m in methods if m.backend != "dense" and m.config_file is None],
         "layers_per_projection": [m for m in methods
                                   if m.backend in ("magicpig", "magicpig-ref", "hybrid") and m.config_file is None],
-        "page_size": [m for m in methods if m.backend == "quest"],
+        # Quest's page, and the unit a measured budget is rounded to (run._budget_tokens)
+        "page_size": [m for m in methods if m.backend == "quest" or (m.budgeted and m.budget is None)],
         "budget_from": [m for m in methods if m.budgeted and m.budget is None],
     }
     what = {"num_sink": "a sparse method", "num_local": "a sparse method",
             "dense_layers": "a sparse method without a config file",
-            "layers_per_projection": "magicpig:KxL, magicpig-ref or hybrid", "page_size": "quest",
+            "layers_per_projection": "magicpig:KxL, magicpig-ref or hybrid",
+            "page_size": "quest, or topk / oracle at the measured budget",
             "budget_from": "topk, quest or oracle without their own budget"}
     unused = [f"--{name.replace('_', '-')} applies to {what[name]}, which --methods does not list" for name in readers
               if name in given and not readers[name]]

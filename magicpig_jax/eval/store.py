@@ -117,16 +117,22 @@ def machine_info() -> dict:
     return info
 
 
-def check_fingerprint(out: Path, fingerprint: dict) -> None:
+def check_fingerprint(out: Path, fingerprint: dict, defaults: dict | None = None) -> None:
     """Pin ``fingerprint`` in ``out/config.json``, or check it against the one already there.
+
+    Every key of either fingerprint is compared; a key one of them lacks counts as its value in
+    ``defaults`` (a setting a fingerprint leaves out at its default), else as None.
 
     Raises:
       ValueError: ``out`` holds results of different settings (the message lists old and new values).
     """
+    defaults = defaults or {}
     cfg_path = Path(out) / "config.json"
     if cfg_path.exists():
         old = json.loads(cfg_path.read_text()).get("fingerprint", {})
-        diff = {k: (old.get(k), v) for k, v in fingerprint.items() if old.get(k) != v}
+        diff = {k: (old.get(k, defaults.get(k)), fingerprint.get(k, defaults.get(k)))
+                for k in sorted(set(old) | set(fingerprint))
+                if old.get(k, defaults.get(k)) != fingerprint.get(k, defaults.get(k))}
         if diff:
             raise ValueError(f"{out} holds results of other settings {diff} (old, new); use another --out")
     else:
