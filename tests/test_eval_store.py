@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from magicpig_jax.eval.store import ResultStore, check_fingerprint, log_invocation, read_runs
+from magicpig_jax.eval.store import UNRECORDED, ResultStore, check_fingerprint, log_invocation, read_runs
 
 
 def test_result_store_drops_corrupt_tail(tmp_path):
@@ -36,6 +36,14 @@ def test_fingerprint_is_pinned_and_checked(tmp_path):
         with pytest.raises(ValueError, match="other settings"):
             check_fingerprint(d, {"seed": 0, **then}, {"lpp": 1})
         check_fingerprint(d, {"seed": 0, **first, "lpp": first.get("lpp", 1)}, {"lpp": 1})  # the default written out
+    # a key older files lack (UNRECORDED) is compared only where both hold it
+    d = tmp_path / "digest"
+    d.mkdir()
+    check_fingerprint(d, {"seed": 0}, {"digest": UNRECORDED})
+    check_fingerprint(d, {"seed": 0, "digest": "abc"}, {"digest": UNRECORDED})  # an old folder, resumed
+    (d / "config.json").write_text('{"fingerprint": {"seed": 0, "digest": "abc"}}')
+    with pytest.raises(ValueError, match=r"other settings \{'digest': \('abc', 'abd'\)\}"):
+        check_fingerprint(d, {"seed": 0, "digest": "abd"}, {"digest": UNRECORDED})  # the haystack changed
     # a key the new settings lack, with no default, counts as None: still refused
     with pytest.raises(ValueError, match=r"other settings \{'model': \('m', None\)\}"):
         check_fingerprint(tmp_path, {"seed": 0})

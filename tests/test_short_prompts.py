@@ -20,8 +20,8 @@ from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.decode_loop import DecodeHooks, Sampling, start_decode
 from magicpig_jax.generation import decode_spec, prefill
 
-CFG = MagicPIGConfig(num_sink=4, num_local=16)
-STEPS = 44  # with a generation buffer of 8 the first append is due at 4 + 16 + 2 * 8 = 36 positions
+CFG = MagicPIGConfig(num_sink=4, num_local=4)
+STEPS = 30  # with a generation buffer of 8 the first append is due at 4 + 4 + 2 * 8 = 24 positions
 
 
 def _run(model, rows, attention, budget=None, **changes):
@@ -52,7 +52,7 @@ def dense_run(embedded_model, rows):
     return _run(embedded_model, rows, "dense")
 
 
-@pytest.mark.parametrize("attention,host", [("topk", True), ("quest", True), ("topk", False), ("quest", False)])
+@pytest.mark.parametrize("attention,host", [("topk", True), ("quest", True), ("topk", False)])
 def test_every_key_budget_decodes_as_dense(embedded_model, rows, dense_run, attention, host):
     # budget 1.0 keeps every key of the range: a position attended twice or not at all shows in the logits
     (run, logits), (dense, dense_logits) = _run(embedded_model, rows, attention, 1.0, host=host), dense_run

@@ -6,8 +6,9 @@ import argparse
 import dataclasses
 
 from magicpig_jax.argparsing import Parser, path_arg
-from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK
+from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK, load_prose
 from magicpig_jax.eval.methods import DEFAULT_METHODS, Method, parse_lengths, parse_methods
+from magicpig_jax.eval.store import UNRECORDED
 
 __all__ = ["EvalSettings", "SETUPS", "make_parser", "settings_from_args"]
 
@@ -42,14 +43,24 @@ class EvalSettings:
         out = {"model": str(model.source), "haystack": self.haystack, "seed": self.seed,
                "num_sink": self.num_sink, "num_local": self.num_local, "dense_layers": dl,
                "max_new_tokens": self.max_new_tokens, "likelihood_tokens": self.likelihood_tokens,
-               "budget_from": self.budget_from, "page_size": self.page_size}
+               "budget_from": self.budget_from, "page_size": self.page_size,
+               "haystack_sha1": haystack_digest(self.haystack)}
         if self.layers_per_projection != 1:  # results files written before the option keep their fingerprint
             out["layers_per_projection"] = self.layers_per_projection
         return out
 
 
-# The value of a setting that a fingerprint leaves out (store.check_fingerprint compares it so).
-FINGERPRINT_DEFAULTS = {"layers_per_projection": 1}
+def haystack_digest(haystack: str) -> str:
+    """SHA-1 (12 hex digits) of a haystack's paragraphs: its name or path alone does not pin its text
+    (``licenses`` reads this machine's /usr/share/common-licenses; a FILE may change)."""
+    import hashlib
+
+    return hashlib.sha1("\n\n".join(load_prose(haystack)).encode()).hexdigest()[:12]
+
+
+# The value of a setting that a fingerprint leaves out (store.check_fingerprint compares it so); the
+# haystack's digest is compared only where both fingerprints hold it (results written before it).
+FINGERPRINT_DEFAULTS = {"layers_per_projection": 1, "haystack_sha1": UNRECORDED}
 
 
 SETUPS = {"A": "the question is inside the dense prefill (the whole prompt is prefilled; the methods decode the "

@@ -117,11 +117,16 @@ def machine_info() -> dict:
     return info
 
 
+UNRECORDED = object()  # check_fingerprint's default of a key that older results files do not hold
+
+
 def check_fingerprint(out: Path, fingerprint: dict, defaults: dict | None = None) -> None:
     """Pin ``fingerprint`` in ``out/config.json``, or check it against the one already there.
 
     Every key of either fingerprint is compared; a key one of them lacks counts as its value in
-    ``defaults`` (a setting a fingerprint leaves out at its default), else as None.
+    ``defaults`` (a setting a fingerprint leaves out at its default), else as None, except that a
+    key whose default is :data:`UNRECORDED` (one that older results files do not hold) is compared
+    only where both hold it.
 
     Raises:
       ValueError: ``out`` holds results of different settings (the message lists old and new values).
@@ -130,8 +135,9 @@ def check_fingerprint(out: Path, fingerprint: dict, defaults: dict | None = None
     cfg_path = Path(out) / "config.json"
     if cfg_path.exists():
         old = json.loads(cfg_path.read_text()).get("fingerprint", {})
-        diff = {k: (old.get(k, defaults.get(k)), fingerprint.get(k, defaults.get(k)))
-                for k in sorted(set(old) | set(fingerprint))
+        keys = [k for k in sorted(set(old) | set(fingerprint))
+                if defaults.get(k) is not UNRECORDED or (k in old and k in fingerprint)]
+        diff = {k: (old.get(k, defaults.get(k)), fingerprint.get(k, defaults.get(k))) for k in keys
                 if old.get(k, defaults.get(k)) != fingerprint.get(k, defaults.get(k))}
         if diff:
             raise ValueError(f"{out} holds results of other settings {diff} (old, new); use another --out")
