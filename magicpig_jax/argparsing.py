@@ -169,6 +169,19 @@ def check_output(flag: str, path, kind: str, inputs: dict | None = None) -> None
         raise ValueError(f"{flag} {text} cannot be written ({err.strerror or err})") from None
 
 
+def model_input(model: str | None):
+    """The model file or directory a ``--model`` value reads (the embedded GGUF for None or
+    ``"embedded"``; None when that is not installed), for ``check_output``'s ``inputs``."""
+    if model not in (None, "embedded"):
+        return model
+    from magicpig_jax.io.embedded import embedded_model_path
+
+    try:
+        return embedded_model_path()
+    except FileNotFoundError:
+        return None
+
+
 def _same_file(a, b) -> bool:
     try:
         return a.exists() and b.exists() and a.samefile(b)

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from magicpig_jax.argparsing import Parser, check_output, in_flag_terms, path_arg
+from magicpig_jax.argparsing import Parser, check_output, in_flag_terms, model_input, path_arg
 
 __all__ = ["main", "DEMO_DOCUMENT", "DEMO_QUESTION"]
 
@@ -219,7 +219,7 @@ def _cmd_generate(args) -> int:
     if args.json is not None:
         check_output("--json", args.json, "file",
                      inputs={"--document": args.document, "--magicpig-config": args.magicpig_config,
-                             "--model": args.model})
+                             "--model": model_input(args.model)})
     layered = _layer_configs(args)
     prompt = _generate_prompt(args)
     _check_model(args, layered)

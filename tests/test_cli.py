@@ -127,6 +127,17 @@ def test_an_output_never_replaces_the_model(capsys, tmp_path, command, out_flag,
     assert model.read_bytes() == b"not a model"
 
 
+def test_an_output_never_replaces_the_embedded_model(capsys):
+    # no --model: the embedded GGUF under site-packages is the input
+    from magicpig_jax.io.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    size = path.stat().st_size
+    one_line_error(run_here(capsys, "generate", "--prompt", "hi", "--json", str(path)),
+                   "would overwrite the --model input")
+    assert path.stat().st_size == size
+
+
 @pytest.mark.parametrize("args,expected", [
     (["generate", "--attention", "foo"], "generate: argument --attention: takes a comma-separated subset of dense, "
                                          "magicpig, magicpig-ref,"),

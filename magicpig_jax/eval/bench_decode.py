@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from magicpig_jax.argparsing import Parser, check_output, path_arg
+from magicpig_jax.argparsing import Parser, check_output, model_input, path_arg
 from magicpig_jax.eval.peer import PEERS, llama_cpp_available
 from magicpig_jax.eval.rss import OtherLoad, PeakRSS, software_versions
 
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if not text.strip():
         p.error(f"--text {args.text} is empty")
     try:
-        check_output("--out", args.out, "prefix", inputs={"--model": args.model})
+        check_output("--out", args.out, "prefix", inputs={"--model": model_input(args.model)})
     except ValueError as err:
         p.error(str(err))
     from magicpig_jax.host.index import HOST_MAX_K

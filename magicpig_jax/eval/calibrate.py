@@ -516,12 +516,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--kl-budget must be a positive finite number, got {args.kl_budget}")
     if args.forced_tokens < args.length:
         _check_prefix(args.length, args.forced_tokens, args.num_sink, args.num_local)
-    from magicpig_jax.argparsing import check_output, in_flag_terms
+    from magicpig_jax.argparsing import check_output, in_flag_terms, model_input
     from magicpig_jax.attention import MagicPIGConfig
 
     with in_flag_terms(num_sink="--num-sink", num_local="--num-local", seed="--seed"):
         MagicPIGConfig(num_sink=args.num_sink, num_local=args.num_local, seed=args.seed)
-    check_output("--out", args.out, "file", inputs={"--text": args.text, "--model": args.model})
+    check_output("--out", args.out, "file", inputs={"--text": args.text, "--model": model_input(args.model)})
     try:
         text = args.text.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
