@@ -15,17 +15,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-import magicpig_jax
 from magicpig_jax.attention import MagicPIGConfig
 from magicpig_jax.decode_loop import DecodeHooks, Sampling, start_decode
 from magicpig_jax.generation import decode_spec, prefill
+from tests._tiny import tiny_model
 
 CFG = MagicPIGConfig(num_sink=4, num_local=4)
 STEPS = 30  # with a generation buffer of 8 the first append is due at 4 + 4 + 2 * 8 = 24 positions
 
 
 def _run(model, rows, attention, budget=None, **changes):
-    """The run and its logits, float32 ``[steps, B, V]``."""
+    """The run, its spec and its logits, float32 ``[steps, B, V]``."""
     spec = decode_spec(model, attention, CFG, None, budget, 16, positions=STEPS + 8)
     spec = dataclasses.replace(spec, generation_buffer=8, **changes)
     logits = []
@@ -33,36 +33,35 @@ def _run(model, rows, attention, budget=None, **changes):
                        hooks=DecodeHooks(on_logits=lambda t, x: logits.append(np.asarray(x))))
     for _ in run:
         pass
-    return run, np.stack(logits)
+    return run, spec, np.stack(logits)
 
 
 @pytest.fixture(scope="module")
-def embedded_model():
-    return magicpig_jax.load_model()
+def model():
+    return tiny_model(0)  # the bugs are the decoders', not a model's: the 3-layer model compiles fast
 
 
 @pytest.fixture(scope="module")
-def rows(embedded_model):
-    ids = embedded_model.tokenizer.encode("Once upon a time there was a king who", add_special_tokens=False)
-    return [ids[:1], ids[:2], ids[:3], ids[:6]]
+def rows():
+    return [[5], [5, 17], [5, 17, 29], [5, 17, 29, 41, 53, 65]]
 
 
 @pytest.fixture(scope="module")
-def dense_run(embedded_model, rows):
-    return _run(embedded_model, rows, "dense")
+def dense_run(model, rows):
+    return _run(model, rows, "dense")
 
 
-@pytest.mark.parametrize("attention,host", [("topk", True), ("quest", True), ("topk", False)])
-def test_every_key_budget_decodes_as_dense(embedded_model, rows, dense_run, attention, host):
+@pytest.mark.parametrize("attention,host", [("topk", True), ("quest", True), ("topk", False), ("quest", False)])
+def test_every_key_budget_decodes_as_dense(model, rows, dense_run, attention, host):
     # budget 1.0 keeps every key of the range: a position attended twice or not at all shows in the logits
-    (run, logits), (dense, dense_logits) = _run(embedded_model, rows, attention, 1.0, host=host), dense_run
-    np.testing.assert_allclose(logits, dense_logits, atol=2e-3, rtol=0)
+    (run, _, logits), (dense, _, dense_logits) = _run(model, rows, attention, 1.0, host=host), dense_run
+    np.testing.assert_allclose(logits, dense_logits, atol=1e-4, rtol=0)
     assert run.outputs == dense.outputs
 
 
-def test_host_index_never_hashes_a_sink(embedded_model, rows):
-    run, _ = _run(embedded_model, rows, "magicpig")
-    layer = 1  # layers 0 and 15 are dense by default
+def test_host_index_never_hashes_a_sink(model, rows):
+    run, spec, _ = _run(model, rows, "magicpig")
+    (layer,) = spec.sparse_layers(model.config.num_layers)  # layers 0 and 1 are dense by default
     bounds = np.asarray(run.indices[layer].bounds)
     assert (bounds[:, 0] == CFG.num_sink).all(), bounds.tolist()  # start: num_sink for every row
     assert (bounds[:, 1] > CFG.num_sink).all(), bounds.tolist()  # and the appends took place
