@@ -113,9 +113,11 @@ def _add_generate(sub) -> None:
                    help="storage of the KV cache (default bfloat16: half the bytes; docs/benchmarks.md gives its "
                         "KL from a float32 cache)")
     p.add_argument("--magicpig-config", type=path_arg, default=None,
-                   help="per-layer (K, L) or dense from `magicpig-jax calibrate` for magicpig/magicpig-ref "
-                        "(replaces --K, --L, --num-sink, --num-local, --seed, --layers-per-projection and "
-                        "--dense-layers there)")
+                   help="per-layer (K, L) or dense from `magicpig-jax calibrate` for magicpig/magicpig-ref/hybrid "
+                        "(the file gives those backends' K, L, sinks, local window, SimHash seed and dense layers: "
+                        "--K, --L, --layers-per-projection, --heavy and --dense-layers are refused beside it, and "
+                        "--num-sink "
+                        "and --num-local then apply to topk/quest/oracle only)")
     p.add_argument("--json", type=path_arg, default=None,
                    help="also write the results as JSON here (token_ids hold the EOS or stop-string token that "
                         "ended a row; text is cut before it)")

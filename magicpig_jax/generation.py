@@ -218,8 +218,8 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
       model: the loaded model.
       prompts: B lists of token ids (lengths may differ; each >= 1).
       max_new_tokens: decode budget; the cache capacity is
-        ``round_up(max_len + max_new_tokens + 1, CHUNK)``, at most the context (or sliding
-        window) + 1 rounded up, unless ``allow_beyond_context``: decoding stops there anyway.
+        ``round_up(max_len + max_new_tokens + 1, CHUNK)``, at most the context + 1 rounded
+        up, unless ``allow_beyond_context``: decoding stops there anyway.
       allow_beyond_context: permit positions past the model's trained context
         (timing experiments only).
       cache_dtype: dtype of the KV cache.
@@ -429,7 +429,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     Args:
       model: from :func:`magicpig_jax.load_model`.
       prompt: a str (one user message), a list of messages ``{"role": "system" | "user" |
-        "assistant", "content": str}`` (a conversation), or a list of either (a batch,
+        "assistant" | "tool", "content": str}`` (a conversation), or a list of either (a batch,
         decoded together; one :class:`Generation` per row).
       attention: one of :data:`magicpig_jax.models.backends.BACKENDS`: ``"magicpig"`` (default;
         the host op on the CPU), ``"magicpig-ref"``, ``"dense"``, ``"topk"``, ``"quest"``,

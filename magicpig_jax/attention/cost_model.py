@@ -75,7 +75,8 @@ def tables_for_fraction(
       (if ``L > 2``) ``expected_sampled_fraction(cosines, K, L - 1) < target``.
 
     Raises:
-      ValueError: ``target`` outside ``(0, 1)``, an invalid ``K`` or ``max_L``, or a target not reachable
+      TypeError: ``K`` not an int.
+      ValueError: ``target`` outside ``(0, 1)``, ``K`` out of range, an invalid ``max_L``, or a target not reachable
         with ``L <= max_L``.
 
     Source: arXiv 2410.16179, Section 4.2 (Eq. (9)); proofs/cost_model.md (monotonicity in L).

@@ -91,7 +91,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "topk:N, topk:FRACTION (likewise quest, oracle); topk-ref, quest-ref; magicpig@FILE (see "
                         f"--magicpig-config) (default: {DEFAULT_METHODS})")
     p.add_argument("--out", type=path_arg, required=True, help="output folder (results.jsonl, summary.md, PNGs)")
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: embedded SmolLM2)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file, a Hugging Face directory or an orbax checkpoint directory from "
+                        "`magicpig-jax convert` (default: embedded SmolLM2)")
     p.add_argument("--haystack", default=DEFAULT_HAYSTACK,
                    help="prose: licenses-heldout (the default: /usr/share/common-licenses without calibrate's "
                         "LGPL-2.1), licenses (all of them), jargon (Debian jargon-text) or a text file")
