@@ -392,14 +392,14 @@ class DecodeRun:
                                  jnp.float32(self.sampling.temperature), jnp.float32(self.sampling.top_p))
 
     def _check_logits(self, t: int, sampled: np.ndarray, done: np.ndarray) -> None:
-        """Raise if a live row's logits for token ``t`` held NaN or +inf (``sample_token`` gave -1).
+        """Raise if a live row's logits for token ``t`` held NaN or ±inf (``sample_token`` gave -1).
 
         Teacher-forced runs too: their logits would give a NaN likelihood, which the evaluation's
         means would drop."""
         bad = np.nonzero((np.asarray(sampled) < 0) & ~done)[0]
         if len(bad):
             raise FloatingPointError(
-                f"the logits for new token {t} of row(s) {bad.tolist()} contain NaN or +inf "
+                f"the logits for new token {t} of row(s) {bad.tolist()} contain NaN or ±inf "
                 f"({self.spec.backend} attention): a weight, activation or KV-cache value is not finite")
 
     def _take(self, tok: np.ndarray, done: np.ndarray) -> None:

@@ -259,6 +259,21 @@ def test_greedy_sampling_skips_the_sort_but_sampling_still_samples():
     np.testing.assert_array_equal(np.asarray(top), np.argmax(np.asarray(logits), -1))  # top-p -> argmax only
 
 
+
+def test_sample_token_marks_every_non_finite_row():
+    # a model's logits are finite: NaN, +inf and -inf (e.g. an infinite scale in a Q4_1 block, which
+    # the kernels turn into -inf where gguf-py's dequantization gives NaN) all mark the row -1
+    from magicpig_jax.models.decoding import sample_token
+
+    sample_token = jax.jit(sample_token)
+    logits = np.random.default_rng(0).standard_normal((4, 20)).astype(np.float32)
+    logits[1, 3], logits[2, 7], logits[3, 0] = np.nan, np.inf, -np.inf
+    for temperature in (0.0, 0.8):
+        tok = np.asarray(sample_token(jnp.asarray(logits), jax.random.key(0), jnp.float32(temperature),
+                                      jnp.float32(1.0)))
+        assert tok[0] >= 0 and list(tok[1:]) == [-1, -1, -1], (temperature, tok)
+
+
 _greedy_jit = None
 
 

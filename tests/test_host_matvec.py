@@ -160,6 +160,16 @@ def test_bad_input_names_the_parameter():
         quant_matvec(x, good.astype(jnp.int8), "Q4_1")
     with pytest.raises(ValueError, match="max_threads"):
         quant_matvec(x, good, "Q4_1", max_threads=-1)
+    with pytest.raises(ValueError, match="max_threads"):
+        quant_matvec(x, good, "Q4_1", max_threads=2**63)
+    # an int x was cast to float32 and the product back to int (truncated), a complex x lost its
+    # imaginary part: both silently
+    from magicpig_jax.models.linear import packed_matmul
+    for bad in (jnp.ones((1, 64), jnp.int32), jnp.ones((1, 64), jnp.complex64), jnp.ones((1, 64), bool)):
+        with pytest.raises(TypeError, match="x must be floating-point"):
+            quant_matvec(bad, good, "Q4_1")
+        with pytest.raises(TypeError, match="x must be floating-point"):
+            packed_matmul(bad, good, "Q4_1")
     with pytest.raises(ValueError, match="multiple of 144 bytes"):
         dequantize_rows(jnp.zeros((2, 100), jnp.uint8), "Q4_K")
     with pytest.raises(ValueError, match="impl must be one of"):

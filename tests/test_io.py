@@ -66,10 +66,11 @@ CFG = dataclasses.replace(TINY, vocab_size=258)
 
 
 def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None, skip=(), extra=None, extra_tensors=None,
-                pre="smollm"):
+                pre="smollm", raw=None):
     """A tiny GGUF; with ``quant`` ("Q4_1"/"Q8_0") the matrices whose input dim is a
     multiple of 32 are stored quantized, the rest as F32. Metadata keys in ``skip`` are
-    left out; ``extra`` maps more keys to values."""
+    left out; ``extra`` maps more keys to values; ``raw`` maps a GGUF tensor name to
+    ``(array, raw_dtype or None)`` written as it is, in place of the weight."""
     cfg = CFG
     tokens, merges = _byte_vocab()
     w = _SkippingWriter(str(path), arch, skip)
@@ -101,7 +102,10 @@ def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None, skip=(), 
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
-        if quant and value.ndim == 2 and value.shape[1] % 32 == 0:
+        if gname in (raw or {}):
+            array, raw_dtype = raw[gname]
+            w.add_tensor(gname, array, raw_dtype=raw_dtype)
+        elif quant and value.ndim == 2 and value.shape[1] % 32 == 0:
             qtype = gguf.GGMLQuantizationType[quant]
             w.add_tensor(gname, gguf.quants.quantize(np.asarray(value, np.float32), qtype), raw_dtype=qtype)
         else:
@@ -394,6 +398,51 @@ def test_unused_gguf_tensor_is_refused(tmp_path, tiny):
     path = tmp_path / "layer.gguf"
     _write_gguf(path, weights, extra_tensors={"blk.7.attn_norm.weight": np.ones(CFG.hidden_size, np.float32)})
     with pytest.raises(ValueError, match="unexpected tensor blk.7.attn_norm.weight"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_1", "I8", "F64"])
+def test_gguf_tensor_of_an_unreadable_type_is_named(tmp_path, tiny, capsys, qtype):
+    # gguf-py cannot dequantize these: a bare NotImplementedError (no tensor, no file) while the model
+    # was built, and a traceback from the CLI
+    rows, cols = CFG.num_heads * CFG.head_dim, CFG.hidden_size
+    if qtype == "Q8_1":
+        array, raw_dtype = np.zeros((rows, cols // 32 * 40), np.uint8), gguf.GGMLQuantizationType.Q8_1
+    else:
+        array, raw_dtype = np.zeros((rows, cols), {"I8": np.int8, "F64": np.float64}[qtype]), None
+    path = tmp_path / "t.gguf"
+    _write_gguf(path, _hf_weights(tiny), raw={"blk.0.attn_q.weight": (array, raw_dtype)})
+    with pytest.raises(ValueError, match=f"tensor blk.0.attn_q.weight is of type {qtype}, which cannot be read"):
+        load_model(path)
+    assert cli_main(["generate", "--model", str(path), "--prompt", "hi", "--no-chat"]) == 2
+    assert f"of type {qtype}" in capsys.readouterr().err
+
+
+def test_gguf_header_that_does_not_match_its_data_is_refused(tmp_path, tiny):
+    # a tensor's type changed in the header alone (F32 -> F16: half the bytes): its data and every
+    # later tensor's were read from the wrong bytes, finite and silently wrong (llama.cpp refuses it)
+    path = tmp_path / "t.gguf"
+    _write_gguf(path, _hf_weights(tiny))
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.find(name) + len(name)
+    n_dims = int.from_bytes(data[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at:type_at + 4], "little") == gguf.GGMLQuantizationType.F32
+    data[type_at:type_at + 4] = int(gguf.GGMLQuantizationType.F16).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"the header's type or shape of blk\.0\.attn_q\.weight \(F16"):
+        load_model(path)
+
+
+def test_gguf_q_rows_not_heads_times_head_dim_are_named(tmp_path, tiny):
+    # rows that do not split into the heads' rotary halves failed in NumPy's reshape, naming nothing
+    rows = CFG.num_heads * CFG.head_dim + 2
+    q = np.zeros((rows, CFG.hidden_size), np.float32)
+    path = tmp_path / "t.gguf"
+    _write_gguf(path, _hf_weights(tiny), raw={"blk.0.attn_q.weight": (q, None)})
+    with pytest.raises(ValueError, match=f"tensor blk.0.attn_q.weight has {rows} rows; {CFG.num_heads} heads of "
+                                         f"dim {CFG.head_dim} = {rows - 2} expected"):
         load_model(path)
 
 

@@ -39,8 +39,15 @@ __all__ = ["QUANT_TYPES", "BLOCK_SIZE", "block_bytes", "block_weights", "packed_
 
 
 def _check_threads(max_threads) -> None:
-    if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 0:
-        raise ValueError(f"max_threads must be an int >= 0, got {max_threads!r}")
+    if isinstance(max_threads, bool) or not isinstance(max_threads, int) or not 0 <= max_threads < 2**31:
+        raise ValueError(f"max_threads must be an int in [0, 2**31), got {max_threads!r}")
+
+
+def _check_floating(x, name: str = "x") -> None:
+    # an int or bool x would be cast to float32 and the product cast back (truncated), a complex x
+    # would lose its imaginary part: both silently
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be floating-point (float32, bfloat16, float16), got {x.dtype}")
 
 
 def _check_packed(packed, qtype: str, in_features: int) -> int:
@@ -78,12 +85,17 @@ def quant_matvec(
 
     Returns:
       ``[..., Out]``, equal to ``x @ gguf.quants.dequantize(packed, type).T`` up to float32
-      summation order.
+      summation order, for activations of magnitude above ``2**-102`` (about 2e-31): the AVX2
+      Q4_1, Q4_K and Q6_K kernels scale ``x`` by up to ``2**-24`` (so that the nibbles need no
+      shifts) and XLA's CPU threads flush the resulting subnormals to zero, so smaller activations
+      (far below any model's, whose RMSNorm keeps them near 1) count as 0. An infinite block scale
+      gives ±inf where gguf-py's dequantization gives NaN (the kernels multiply the scale by a sum,
+      not each weight); the decode loop refuses both.
 
     Raises:
       ValueError: unknown ``qtype``/``impl``, ``In`` not a multiple of the type's block, or
         ``packed`` not of shape ``[Out, In / block_weights * block_bytes]``.
-      TypeError: ``packed`` is not uint8.
+      TypeError: ``packed`` is not uint8, or ``x`` is not floating-point.
       ImportError: the native extension is not built.
 
     Source: ggml ``dequantize_row_*`` (:mod:`magicpig_jax.io.gguf_blocks`).
@@ -93,6 +105,7 @@ def quant_matvec(
     packed = jnp.asarray(packed)
     if x.ndim < 1:
         raise ValueError(f"x must have at least one dimension [..., In], got shape {x.shape}")
+    _check_floating(x)
     _check_packed(packed, qtype, int(x.shape[-1]))
     _check_threads(max_threads)
     ops()

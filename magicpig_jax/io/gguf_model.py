@@ -301,6 +301,7 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, GGUFWeights, dict, np.ndar
     reader = _open_reader(path, take=True)
     arch = _architecture(reader, path)
     config, tensors = _config(reader, arch, path)
+    _check_layout(reader, path)
     entries, freq_factors = _entries(tensors, arch, config, path)
     # the tokenizer's fields, and the model's name: llama.cpp sets some token attributes by it
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.") or k == "general.name"}
@@ -703,6 +704,54 @@ def _rope_scaling(reader, arch: str, path: Path) -> tuple | None:
     return scaling
 
 
+def _check_layout(reader, path: Path) -> None:
+    """Refuse a header whose tensors' data do not follow each other (llama.cpp's rule, ``gguf.cpp``).
+
+    Each tensor's data starts where the previous one's (in the header's order) ends, padded to
+    ``general.alignment``. A tensor whose type or shape was changed in the header without its data
+    (a corrupt or hand-edited file) breaks the chain; without this check it would be read from the
+    wrong bytes, finite and silently wrong.
+
+    Raises:
+      GGUFMetadataError: the first tensor that does not start where it should (named).
+    """
+    def described(t) -> str:
+        return f"{t.name} ({t.tensor_type.name}, shape {tuple(int(n) for n in reversed(t.shape))})"
+
+    align, base, expected, before = int(reader.alignment), int(reader.data_offset), 0, None
+    for t in reader.tensors:
+        start = int(t.data_offset) - base
+        if start != expected:
+            raise GGUFMetadataError(
+                f"{path}: tensor {described(t)} starts at byte {start} of the data, but the tensors before it end "
+                f"at {expected}: the header's type or shape of {described(t) if before is None else described(before)}"
+                " or of this tensor does not match the data (a corrupt file; llama.cpp refuses it too)")
+        expected, before = start + -(-int(t.n_bytes) // align) * align, t
+
+
+_DEQUANTIZABLE: dict[str, bool] = {}
+
+
+def _check_dequantizable(t, path: Path) -> None:
+    """Refuse a tensor of a type neither our kernels nor ``gguf.quants.dequantize`` read (named)."""
+    import gguf
+
+    qtype = t.tensor_type.name
+    if qtype in QUANT_TYPES or qtype == "F32":
+        return
+    if qtype not in _DEQUANTIZABLE:
+        _, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        try:  # one zero block: gguf-py raises NotImplementedError for a type it cannot dequantize
+            gguf.quants.dequantize(np.zeros(block_bytes, np.uint8), t.tensor_type)
+            _DEQUANTIZABLE[qtype] = True
+        except NotImplementedError:
+            _DEQUANTIZABLE[qtype] = False
+    if not _DEQUANTIZABLE[qtype]:
+        raise UnsupportedConfigError(
+            f"{path}: tensor {t.name} is of type {qtype}, which cannot be read (supported: F32, "
+            f"{', '.join(QUANT_TYPES)}, and the types gguf-py dequantizes, e.g. Q2_K, Q3_K, IQ4_NL)")
+
+
 def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple[dict, np.ndarray | None]:
     """Where each tensor lies in the file, under its Hugging Face name; Llama 3.1's RoPE factors."""
     import gguf
@@ -712,6 +761,7 @@ def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple
     entries: dict[str, _Entry] = {}
     freq_factors = None
     for name, t in tensors.items():
+        _check_dequantizable(t, path)
         if name in _LONGROPE_TENSORS and config.longrope_switch is not None:
             continue  # in the config's LongRoPE scaling (_longrope)
         if name == "rope_freqs.weight" and arch == "llama":
@@ -743,6 +793,10 @@ def _entries(tensors: dict, arch: str, config: LlamaConfig, path: Path) -> tuple
             rest = name.split(".", 2)[2]
             if rest.startswith(("attn_q.", "attn_k.")):
                 heads = n_head if rest.startswith("attn_q.") else n_kv
+                if shape[0] != heads * config.head_dim:  # before undoing llama.cpp's row permutation by heads
+                    raise UnsupportedConfigError(
+                        f"{path}: tensor {name} has {shape[0]} rows; {heads} heads of dim {config.head_dim} = "
+                        f"{heads * config.head_dim} expected")
         blocks = qtype in QUANT_TYPES and len(shape) == 2
         entry = _Entry(int(t.data_offset), int(t.n_bytes), qtype, shape, heads, blocks)
         entries[packed_key(key, qtype) if blocks else key] = entry

@@ -209,8 +209,10 @@ def sample_token(logits, key, temperature, top_p):
       logits: float32 ``[B, V]``; key: a PRNG key; temperature, top_p: float32 scalars.
 
     Returns:
-      int32 ``[B]``; -1 for a row whose logits contain NaN or +inf (no distribution can be
-      formed from them; the decode loop raises ``FloatingPointError`` on it).
+      int32 ``[B]``; -1 for a row whose logits contain NaN or ±inf (no distribution can be
+      formed from NaN or +inf; a model's logits are finite, so -inf also means a weight or
+      activation that is not finite, e.g. an infinite scale in a quantized block, where the
+      float64 reference gives NaN; the decode loop raises ``FloatingPointError`` on it).
 
     Source: Holtzman et al. 2020 (nucleus sampling).
     """
@@ -229,7 +231,7 @@ def sample_token(logits, key, temperature, top_p):
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
     token = jax.lax.cond(temperature > 0, nucleus, lambda _: greedy, None)
-    broken = jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
+    broken = jnp.any(~jnp.isfinite(logits), axis=-1)
     return jnp.where(broken, -1, token).astype(jnp.int32)
 
 

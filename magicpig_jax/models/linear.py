@@ -143,7 +143,14 @@ def packed_matmul(x: Float[Array, "*M In"], packed: UInt8[Array, "Out RB"], qtyp
 
     Returns:
       ``[..., Out]`` in ``x``'s dtype (float32 accumulation).
+
+    Raises:
+      TypeError: ``x`` is not floating-point (an int would be truncated, a complex lose its
+        imaginary part).
     """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be floating-point (float32, bfloat16, float16), got {x.dtype}")
     if not _host_available():
         return _jax_dequant_matmul(x, packed, qtype)
     from magicpig_jax.host.matvec import quant_matvec
