@@ -90,6 +90,17 @@ class DecodeHooks:
 StopFn = Callable[[int, list[int]], bool]  # (row, its ids so far) -> stop this row now
 
 
+def check_not_consumed(state) -> None:
+    """Refuse a :class:`~magicpig_jax.generation.PrefillState` whose cache a decode consumed.
+
+    Raises:
+      ValueError: ``state.cache`` is ``None`` (an earlier decode ran with ``consume_prefill=True``).
+    """
+    if state.cache is None:
+        raise ValueError("this PrefillState's cache was consumed by an earlier decode (consume_prefill=True): "
+                         "prefill again, or decode with consume_prefill=False while the state is still needed")
+
+
 def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: Sampling, *,
                  stop_on_eos: bool = True, stop: StopFn | None = None, progress=None,
                  hooks: DecodeHooks | None = None, consume_prefill: bool = False) -> DecodeRun:
@@ -125,9 +136,7 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     if hooks.forced_tokens is not None and (len(hooks.forced_tokens) != B or (not hooks.then_sample and any(
             len(f) < max_new_tokens for f in hooks.forced_tokens))):
         raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
-    if state.cache is None:
-        raise ValueError("this PrefillState's cache was consumed by an earlier decode (consume_prefill=True): "
-                         "prefill again, or decode with consume_prefill=False while the state is still needed")
+    check_not_consumed(state)
     # A row stops at max_new_tokens or where its next token would need a position past the
     # context: token i is predicted at position prompt_length + i - 1.
     max_positions, limit_name = position_limit(model, state)

@@ -19,7 +19,7 @@ from flax import nnx
 from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
 from magicpig_jax.attention.baselines import Budget
 from magicpig_jax.attention.layer_configs import check_layer_indices
-from magicpig_jax.decode_loop import Sampling, run_decode, start_decode
+from magicpig_jax.decode_loop import Sampling, check_not_consumed, run_decode, start_decode
 from magicpig_jax.io.loader import LoadedModel
 from magicpig_jax.memory import compile_then_trim
 from magicpig_jax.models.backends import BACKENDS, BUDGETED, DecodeSpec
@@ -188,7 +188,7 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
       ``(state of the prompts, state of the prefixes)``; both report the one prefill's seconds.
 
     Raises:
-      ValueError: as :func:`prefill`, or a prefix length outside ``[1, len(prompt)]``.
+      TypeError, ValueError: as :func:`prefill`; ValueError: a prefix length outside ``[1, len(prompt)]``.
     """
     if len(prefix_lengths) != len(prompts):
         raise ValueError(f"prefix_lengths has {len(prefix_lengths)} entries for {len(prompts)} prompts")
@@ -383,7 +383,8 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       model: the loaded model.
       state: a :class:`PrefillState` (its cache is copied, so it can be reused).
       attention: one of :data:`magicpig_jax.models.backends.BACKENDS`
-        (``"dense"``, ``"magicpig"``, ``"magicpig-ref"``, ``"topk"``, ``"quest"``, ``"oracle"``).
+        (``"dense"``, ``"magicpig"``, ``"magicpig-ref"``, ``"topk"``, ``"quest"``, ``"oracle"``,
+        ``"hybrid"``).
       max_new_tokens: tokens to generate per row (stops earlier on EOS), ``>= 1``.
       config: MagicPIG configuration (default :class:`MagicPIGConfig()`); its ``num_sink`` and
         ``num_local`` also define the static set of TopK, Quest and oracle sampling. A
@@ -407,11 +408,14 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       ``(token_ids per row, stats dict)`` (see :class:`Generation` for the keys).
 
     Raises:
-      ValueError: unknown attention, bad sampling parameters, not enough cache capacity, or
-        ``page_size`` outside quest.
+      ValueError: unknown attention, bad sampling parameters, not enough cache capacity,
+        ``page_size`` outside quest, or a ``state`` whose cache an earlier decode consumed.
       TypeError: ``dense_layers`` that are not integers.
+      FloatingPointError: a live row's logits held NaN or ±inf (a weight, activation or cache
+        value that is not finite); raised at the step that produced them.
     """
     page_size = _page_size(attention, page_size)
+    check_not_consumed(state)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh,
                        positions=state.cache.capacity)
     return run_decode(model, state, spec, max_new_tokens, sampling or Sampling(), stop_on_eos=stop_on_eos,
@@ -433,7 +437,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         decoded together; one :class:`Generation` per row).
       attention: one of :data:`magicpig_jax.models.backends.BACKENDS`: ``"magicpig"`` (default;
         the host op on the CPU), ``"magicpig-ref"``, ``"dense"``, ``"topk"``, ``"quest"``,
-        ``"oracle"``.
+        ``"oracle"``, ``"hybrid"`` (pure JAX; a :class:`~magicpig_jax.attention.HybridConfig`
+        sets its heavy threshold).
       max_new_tokens: maximum tokens to generate per row, ``>= 1``; a row also stops at EOS,
         at a stop string, or where the model's context is full.
       config: :class:`MagicPIGConfig` (default K=10, L=150, 4 sinks, 64 local), or a
@@ -468,6 +473,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
       TypeError / ValueError: a malformed prompt, a prompt longer than the model's context,
         an unknown attention, bad parameters, ``page_size`` outside quest, or ``top_p`` other than
         1 with greedy decoding (all checked before the prefill).
+      FloatingPointError: a row's logits held NaN or ±inf (a weight, activation or cache value
+        that is not finite); with ``stream=True``, raised by the iterator.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")

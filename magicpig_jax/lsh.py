@@ -231,10 +231,10 @@ def log_sampling_probability(p: Float[Array, "..."], K: int, L: int) -> Float[Ar
     ``log C(L,2) + 2 log P + (L-2) log1p(-P) + log sum_m c_m r^m``,
     ``r = P/(1-P)``, ``c_m = C(L, m+2)/C(L, 2)``, which has no cancellation.
     Relative error of ``u`` against float64 stays below 1e-4 (the tests' bound) wherever
-    the true ``u >= 1e-30`` (measured: < 1.1e-5 over K in 1..32, L in 2..5000; < 4e-6
-    where ``u >= 1e-20``); ``log u`` is finite for ``p >= 1.2e-38`` (the smallest normal float32) and
-    ``-inf`` for ``p = 0`` and for subnormal ``p``, which XLA's CPU backend flushes to zero (a
-    ``p`` computed from a cosine is never that small); NaN only for a NaN ``p``.
+    the true ``u >= 1e-30`` (``tests/test_lsh.py``, over K in 1..32, L in 2..5000); ``log u``
+    is finite for ``p >= 1.2e-38`` (the smallest normal float32) and ``-inf`` for ``p = 0``
+    and for subnormal ``p``, which XLA's CPU backend flushes to zero (a ``p`` computed from a
+    cosine is never that small); NaN only for a NaN ``p``.
 
     Args:
       p: collision probability per bit, any shape, values in ``[0, 1]``

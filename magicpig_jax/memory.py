@@ -12,7 +12,8 @@ test suite) otherwise dies in the compiler when ``mmap`` fails.
 cache layers, index tables, XLA temporaries) are mapped on their own and unmapped when
 freed. By default glibc raises its mmap threshold to the size of the largest buffer freed
 so far (up to 32 MiB), after which such buffers come from the heap and stay resident once
-freed: decoding SmolLM2 at 6K tokens kept about 350 MB of freed cache copies that way.
+freed: a long decode kept hundreds of MB of freed cache copies resident that way
+(docs/benchmarks.md, "Memory").
 :func:`magicpig_jax.io.loader.load_model` calls it.
 
 ``drop_compiled_programs()`` frees every compiled program now and returns the freed heap to

@@ -171,6 +171,7 @@ def prepare_offload(
 
     Raises:
       ValueError: ``host_device`` is not a CPU device, or bad shapes / config.
+      TypeError: a config, index or lengths of the wrong type or dtype (named).
     """
     if host_device.platform != "cpu":
         raise ValueError(f"host_device must be a CPU device (the host op runs on the CPU platform), "
@@ -228,13 +229,23 @@ def offload_magicpig_attention(
     Args:
       q: float ``[B, Hq, D]`` on the accelerator (the layer's query; moved there if not).
       accel_state, host_state: from :func:`prepare_offload`.
-      config: the :class:`MagicPIGConfig` of the index.
+      config: the :class:`MagicPIGConfig` of the index (its K and L hash the query; the static
+        set is the one :func:`prepare_offload` placed).
       impl, max_threads: the host op's kernel choice and thread cap.
 
     Returns:
       ``(out float32 [B, Hq, D], lse float32 [B, Hq])`` on the accelerator and
       ``num_sampled int32 [B, Hq]`` on the host device; equal to
       ``host_magicpig_attention(q, k, v, index, config, lengths, static_window=window)``.
+
+    Raises:
+      TypeError, ValueError: as :func:`magicpig_jax.lsh.simhash_codes` and
+        :func:`magicpig_jax.host.host_sampled_attention`: ``q`` of another shape than the layer's,
+        or a ``config`` whose K or L is not the index's (its query codes do not fit the tables).
+      ImportError: the native extension is not built.
+
+    Source: arXiv 2410.16179, Section 4.3 (the CPU-GPU system); docs/design.md, "Sharding and
+    accelerator offload".
     """
     accel = accel_state.projections.devices().pop()
     host_dev = host_state.k.devices().pop()

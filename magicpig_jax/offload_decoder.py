@@ -327,7 +327,8 @@ class OffloadDecodeStep:
     (``B × (Hq (D + L) + 2 Hkv D) × 4`` bytes) and ``out, lse`` and the index's end come back
     (``B × (Hq (D + 1) + 1) × 4`` bytes), each direction packed into one ``uint32`` array: JAX moves
     an array between the accelerator's client and the CPU's by a synchronous copy of its own, so
-    seven arrays per layer had cost several times the host op on a GPU. The keys never move.
+    seven arrays per layer cost seven synchronous copies (docs/benchmarks.md, "On a GPU"). The keys
+    never move.
     """
 
     def __init__(self, graphdef, state_treedef, spec):

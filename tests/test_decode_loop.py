@@ -154,6 +154,9 @@ def test_consuming_the_prefill_decodes_the_same_tokens_without_a_copy(small_cont
     assert copied[0].outputs == copied[1].outputs == consumed.outputs
     with pytest.raises(ValueError, match="cache was consumed by an earlier decode"):
         start_decode(model, state, spec, 6, sampling)
+    from magicpig_jax.generation import decode  # it read the consumed cache's capacity first (AttributeError)
+    with pytest.raises(ValueError, match="cache was consumed by an earlier decode"):
+        decode(model, state, attention=attention, max_new_tokens=6)
 
 
 def test_prefix_state_of_one_prefill_equals_prefilling_the_prefix():

@@ -63,6 +63,9 @@ class HybridConfig(MagicPIGConfig):
     Raises:
       TypeError: a field is not an int.
       ValueError: a field out of range (the message names it).
+
+    Source: ``proofs/hybrid.md`` (the estimator and its unbiasedness), after vAttention (2025):
+    exact top keys plus importance sampling of the rest.
     """
 
     heavy: int = 8

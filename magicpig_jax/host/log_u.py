@@ -39,7 +39,7 @@ def table_size(K: int, L: int) -> int:
     ``f`` bends where ``L p^K ~ 1``, around ``p* = L^(-1/K)``, over a width of about ``p* / K``;
     the error of the linear interpolation grows as ``(1 / (T * width))^2``. ``T >= 128 K L^(1/K)``
     keeps 128 intervals across that width: 2^14 at K = 10, L = 150, but 2^17 at K = 1, L = 1000
-    (where 2^14 intervals gave an error of 2.9e-5 in ``log u``).
+    (where 2^14 intervals would leave too few across the bend for the tests' bound on ``log u``).
     """
     need = 128 * K * L ** (1.0 / K)
     size = LOG_U_TABLE_SIZE
@@ -93,6 +93,8 @@ def log_u_table(K: int, L: int, size: int = LOG_U_TABLE_SIZE) -> np.ndarray:
 
     Raises:
       TypeError / ValueError: bad ``K`` or ``L`` (:func:`magicpig_jax.lsh.validate_k_l`).
+
+    Source: arXiv 2410.16179, Eq. (9) (``u = 1 - (1 - p^K)^L - L p^K (1 - p^K)^(L-1)``).
     """
     lsh.validate_k_l(K, L)
     return _log_u_table_np(K, L, size)
@@ -107,7 +109,13 @@ def log_u_exact(cos: np.ndarray, K: int, L: int) -> np.ndarray:
 
     Returns:
       float64 ``log u`` (natural log), same shape as ``cos``.
+
+    Raises:
+      TypeError / ValueError: bad ``K`` or ``L`` (:func:`magicpig_jax.lsh.validate_k_l`).
+
+    Source: arXiv 2410.16179, Eq. (9), with ``p = 1 - arccos(cos) / pi`` (Section 4.2).
     """
+    lsh.validate_k_l(K, L)
     c = np.clip(np.asarray(cos, np.float64), -1.0, 1.0)
     p = 1.0 - np.arccos(c) / math.pi
     log_u, _ = _log_u_f64(p, K, L)
@@ -134,6 +142,7 @@ def host_log_u(cos: Float[Array, "..."], K: int, L: int, impl: str = "auto") -> 
       float32 ``log u`` (natural log), floored at ``LOG_U_FLOOR``; same shape as ``cos``.
 
     Raises:
+      TypeError: K or L not an int.
       ValueError: bad K, L or impl.
       ImportError: the native extension is not built.
 

@@ -46,6 +46,10 @@ class QuestPages:
         (pages past the range hold +inf / -inf).
       start, end: int32 ``[B]``.
       page_size: static int.
+
+    ``P`` is the number of pages, ``ceil(capacity / page_size)``.
+
+    Source: Tang et al., ICML 2024 (arXiv 2406.10774), Section 3.2 (the per-page min/max metadata).
     """
 
     kmin: Float[Array, "B Hkv P D"]
@@ -98,6 +102,8 @@ def quest_build_pages(k: Float[Array, "B Hkv N D"], start: Int[Array, " B"], end
 
     Raises:
       ValueError / TypeError: a bad ``page_size``, ``capacity`` or shapes.
+
+    Source: Tang et al., ICML 2024 (arXiv 2406.10774), Section 3.2 (each page's elementwise key min/max).
     """
     check_page_size(page_size)
     if k.ndim != 4:
@@ -169,7 +175,12 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
 
 def quest_pages_kept(budget: Budget, n: jax.Array, page_size: int) -> jax.Array:
     """Pages each row keeps, as :func:`magicpig_jax.attention.quest_attention`: ``max(1, floor(t/page))``
-    with ``t = min(budget_tokens, n)``, or every page when ``t = n`` (int32 ``[B]``)."""
+    with ``t = min(budget_tokens, n)``, or every page when ``t = n`` (int32 ``[B]``).
+
+    Raises:
+      TypeError, ValueError: as :func:`magicpig_jax.attention.budget_tokens` (a budget that is not a
+        token count >= 0 or a fraction in (0, 1]).
+    """
     tokens = jnp.minimum(budget_tokens(budget, n), n)
     all_pages = (n + page_size - 1) // page_size
     return jnp.where(tokens >= n, all_pages, jnp.maximum(tokens // page_size, 1)).astype(jnp.int32)

@@ -253,7 +253,11 @@ def load_model(path: str | Path | None = None, packed_weights: bool = True) -> L
     Raises:
       FileNotFoundError: the path (or the embedded package) is missing; the
         message says how to install the embedded model.
-      ValueError: unsupported architecture or malformed file.
+      ValueError: unsupported architecture or malformed file; the subclasses name what:
+        :class:`~magicpig_jax.models.limits.UnsupportedConfigError` (a field, tensor or type we
+        do not implement), :class:`~magicpig_jax.io.gguf_model.GGUFMetadataError` (a missing or
+        inconsistent GGUF key or tensor) and
+        :class:`~magicpig_jax.io.gguf_tokenizer.TokenizerMetadataError` (the tokenizer's files).
     """
     from magicpig_jax.memory import release_freed_buffers
 

@@ -189,6 +189,12 @@ class Tokenizer:
             tokens are matched either way.
           add_special_tokens: add BOS / EOS as :attr:`add_bos_token` / :attr:`add_eos_token`
             say, unless the ids already start with BOS / end with EOS.
+
+        Returns:
+          the ids, a list of int.
+
+        Raises:
+          TypeError: ``text`` is not a str.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
@@ -218,6 +224,7 @@ class Tokenizer:
 
         Raises:
           ValueError: the model has no chat template.
+          TypeError: ``messages`` is not a list of dicts (named).
           ChatTemplateError (a ValueError): the template failed (named).
         """
         if not self.chat_template:
@@ -242,6 +249,7 @@ class Tokenizer:
 
         Raises:
           ValueError: the model has no chat template.
+          TypeError: ``messages`` is not a list of dicts (named).
           ChatTemplateError (a ValueError): the template failed (named).
         """
         # as the template will see them: strings inside message objects are then escaped too

@@ -374,7 +374,7 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
 
     ``decode_step`` takes the NNX ``graphdef`` as a static argument and the parameter
     ``State`` as a pytree: every call then hashes the graph definition and flattens the
-    state in Python, about 25 ms per step for SmolLM2 on CPU. The function returned here
+    state in Python, as long as a small model's step on CPU. The function returned here
     closes over both and is cached per (graphdef, treedef, spec), so a decode loop pays
     that once. Call it as ``step(leaves, cache, indices, tokens, base_key, t, temperature,
     top_p)`` with ``leaves = jax.tree.leaves(state)``; the sampling key is

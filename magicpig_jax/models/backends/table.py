@@ -24,6 +24,13 @@ __all__ = ["LayerState", "backend_for", "check_layers", "per_layer"]
 
 
 def check_layers(spec: DecodeSpec) -> None:
+    """Refuse a :class:`DecodeSpec` whose per-layer configs (``spec.layers``) cannot run as given.
+
+    Raises:
+      TypeError: ``spec.layers`` is not a :class:`LayerConfigs`.
+      ValueError: a backend without per-layer configs, offload or a mesh, ``dense_layers`` other
+        than the configs' dense layers, or ``spec.magicpig`` other than their ``base()``.
+    """
     layers = spec.layers
     if not isinstance(layers, LayerConfigs):
         raise TypeError(f"layers must be a LayerConfigs, got {type(layers).__name__}")
