@@ -67,5 +67,14 @@ def test_bench_decode_tiny(tmp_path, monkeypatch):
     from importlib.metadata import version
 
     assert (data["meta"]["jax"], data["meta"]["jaxlib"]) == (version("jax"), version("jaxlib"))
+    # the commit the figures came from (this checkout's HEAD; "-dirty" with edited tracked files)
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    assert head and data["meta"]["source"].removesuffix("-dirty").startswith(head), (data["meta"]["source"], head)
+    assert data["meta"]["cpu"]
     # every configuration frees the earlier ones' compiled programs before its peak is measured
     assert events == ["drop", "reset"] * 4

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["OtherLoad", "PeakRSS", "software_versions"]
+__all__ = ["OtherLoad", "PeakRSS", "cpu_model", "software_versions", "source_revision"]
 
 
 class PeakRSS:
@@ -83,7 +83,35 @@ class OtherLoad:
 
 def software_versions() -> dict[str, str]:
     """The versions a benchmark's figures depend on, for its JSON: jax and jaxlib (XLA's CPU code
-    generation changes between releases)."""
+    generation changes between releases), and the commit of our own source (:func:`source_revision`)."""
     from importlib.metadata import version
 
-    return {"jax": version("jax"), "jaxlib": version("jaxlib")}
+    return {"jax": version("jax"), "jaxlib": version("jaxlib"), "source": source_revision(), "cpu": cpu_model()}
+
+
+def source_revision() -> str:
+    """The commit this package runs from, for a result's provenance: ``git describe --always --dirty``
+    of its source checkout (an editable install: ``-dirty`` when tracked files were edited), or
+    ``"unknown"`` (an installed wheel, or no git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]  # <root>/magicpig_jax/eval/rss.py
+    if not (root / "pyproject.toml").is_file() or not (root / ".git").exists():
+        return "unknown"
+    try:
+        proc = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or ``"unknown"``: VMs of one kind differ in it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

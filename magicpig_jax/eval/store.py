@@ -105,16 +105,11 @@ def machine_info() -> dict:
     """The machine a run happened on (for the results' provenance)."""
     import jax
 
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "jax": jax.__version__, "devices": [str(d) for d in jax.devices()]}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return info
+    from magicpig_jax.eval.rss import cpu_model, source_revision
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "cpu": cpu_model(),
+            "source": source_revision()}
 
 
 UNRECORDED = object()  # check_fingerprint's default of a key that older results files do not hold
