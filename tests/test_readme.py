@@ -60,6 +60,7 @@ BASH_SUBSTITUTIONS = {
 }
 PYTHON_SUBSTITUTIONS = {
     "max_new_tokens=64": "max_new_tokens=8",
+    "B, Hq, Hkv, N, D = 2, 8, 2, 8192, 64": "B, Hq, Hkv, N, D = 2, 8, 2, 2048, 64",
 }
 
 

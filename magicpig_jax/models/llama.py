@@ -31,10 +31,11 @@ class RopeFrequencies(nnx.Variable):
 
 
 def apply_rope(
-    x: Float[Array, "B T H D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " D2"],
+    x: Float[Array, "B T Hx D"], positions: Int[Array, "B T"], inv_freq: Float[Array, " R2"],
     scale: float = 1.0,
-) -> Float[Array, "B T H D"]:
-    """Rotary position embedding in the Hugging Face (rotate-half) layout.
+) -> Float[Array, "B T Hx D"]:
+    """Rotary position embedding in the Hugging Face (rotate-half) layout, of queries (``Hx = Hq``)
+    or keys (``Hx = Hkv``) ``[B, T, Hx, D]`` at int ``positions [B, T]``, in ``x``'s dtype.
 
     ``x * cos + rotate_half(x) * sin`` with angles ``positions * inv_freq`` (Su et al.,
     RoFormer; matches transformers' ``apply_rotary_pos_emb``). ``scale`` multiplies cos and
