@@ -374,6 +374,12 @@ class OffloadDecodeStep:
         self._leaves = leaves
 
     def __call__(self, leaves, cache, indices, tokens, base_key, t, temperature, top_p):
+        """One decode step, with the arguments and results of
+        :func:`magicpig_jax.models.decoding.compiled_decode_step`'s step (tokens int32 ``[B]``).
+
+        Raises:
+          ValueError: a sparse layer's sliding window is shorter than the cache (it must stay dense).
+        """
         from magicpig_jax.models.cache import KVCache
         from magicpig_jax.models.decoding import sample_token
 

@@ -64,6 +64,8 @@ class StopStrings:
         self.tail = 4 * max((len(s) for s in self.stop), default=0) + 4
 
     def __call__(self, row: int, ids: Sequence[int]) -> bool:
+        """Whether the text of ``ids`` (a row's tokens so far; only the last few are decoded) holds
+        a stop string (``row`` is unused: every row has the same stop strings)."""
         text = self.decode(ids[-self.tail:])
         return any(s in text for s in self.stop)
 

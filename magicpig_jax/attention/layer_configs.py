@@ -149,6 +149,7 @@ class LayerConfigs:
 
     @property
     def num_layers(self) -> int:
+        """The model's layer count (one entry per layer)."""
         return len(self.layers)
 
     def config(self, layer: int) -> MagicPIGConfig | str:
@@ -157,10 +158,12 @@ class LayerConfigs:
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
+        """The layers kept dense, ascending."""
         return tuple(i for i, c in self.layers if c == DENSE)
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:
+        """The layers with a (K, L) config, ascending."""
         return tuple(i for i, c in self.layers if c != DENSE)
 
     def base(self) -> MagicPIGConfig:

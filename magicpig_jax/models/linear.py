@@ -217,6 +217,12 @@ class Linear(nnx.Module):
         self.kernel = nnx.data(None)
 
     def __call__(self, x: Float[Array, "*M In"]) -> Float[Array, "*M Out"]:
+        """``x @ W.T`` in ``x``'s dtype (float32 accumulation), from the GGUF rows or the kernel.
+
+        Raises:
+          ValueError: the layer's rows were stacked into its parent's matrix (it holds none).
+          TypeError: ``x`` is not floating-point (GGUF rows).
+        """
         if self.packed is not None:
             return packed_matmul(x, self.packed[...], self.qtype)
         if self.kernel is None:
