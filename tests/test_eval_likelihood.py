@@ -25,3 +25,23 @@ def test_likelihood_metrics():
     assert m2["kl"] == pytest.approx(np.mean((p * (ld - other)).sum(-1))) and m2["kl"] > 0
     s = make_likelihood_sample(lambda x: [ord(c) % 97 for c in x], 500, 0, haystack=HAY, forced=16)
     assert len(s.ids) == 500 and len(s.targets) == 16 and s.prefix + s.targets == list(s.ids)
+
+
+def test_likelihood_samples_of_a_length_are_distinct_documents():
+    # each sample drew its start on its own: at 2K with seed 0, samples 0 and 1 of the default haystack
+    # were the same text (zero-width intervals over "independent" documents)
+    from magicpig_jax.eval.corpus import load_prose
+    from magicpig_jax.eval.likelihood import likelihood_start
+    from magicpig_jax.eval.settings import DEFAULT_HAYSTACK
+
+    P = len(load_prose(DEFAULT_HAYSTACK))
+    for length in (2048, 4096, 8192):
+        for seed in (0, 1):
+            starts = [likelihood_start(P, length, i, seed) for i in range(P)]
+            assert sorted(starts) == list(range(P)), (length, seed)  # every paragraph once
+    assert likelihood_start(P, 2048, P, 0) == likelihood_start(P, 2048, 0, 0)  # then it wraps
+    encode = lambda x: [ord(c) % 97 for c in x]  # noqa: E731
+    docs = [make_likelihood_sample(encode, 2048, i, haystack=DEFAULT_HAYSTACK, forced=16) for i in range(16)]
+    assert len({d.paragraph for d in docs}) == 16 and len({d.ids for d in docs}) == 16
+    with pytest.raises(ValueError, match="num_paragraphs"):
+        likelihood_start(0, 2048, 0)

@@ -27,7 +27,7 @@ import numpy as np
 from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK, load_prose
 from magicpig_jax.eval.tasks import sample_seed
 
-__all__ = ["LikelihoodSample", "make_likelihood_sample", "log_softmax", "LogitsRecorder", "compare_to_dense"]
+__all__ = ["LikelihoodSample", "likelihood_start", "make_likelihood_sample", "log_softmax", "LogitsRecorder", "compare_to_dense"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +59,33 @@ class LikelihoodSample:
         return list(self.ids[self.length - self.forced:])
 
 
+def likelihood_start(num_paragraphs: int, length: int, index: int, seed: int = 0) -> int:
+    """The first paragraph of likelihood sample ``index``: entry ``index mod P`` of a permutation of
+    the ``P = num_paragraphs`` paragraphs seeded by ``(length, seed)``.
+
+    Drawing each sample's start on its own repeated starts (16 draws from 476 paragraphs repeat
+    one about every fifth time), i.e. identical documents counted as independent samples; a
+    permutation gives distinct starts to the first P samples of a length. Long documents of a
+    small corpus still overlap in text (their starts differ).
+
+    Raises:
+      ValueError: ``num_paragraphs < 1`` or ``index < 0``.
+    """
+    if num_paragraphs < 1 or index < 0:
+        raise ValueError(f"need num_paragraphs >= 1 and index >= 0, got {num_paragraphs}, {index}")
+    order = list(range(num_paragraphs))
+    random.Random(sample_seed("likelihood-starts", length, 0, seed)).shuffle(order)
+    return order[index % num_paragraphs]
+
+
 def make_likelihood_sample(encode: Callable[[str], list[int]], length: int, index: int, *, seed: int = 0,
                            haystack: str = DEFAULT_HAYSTACK, forced: int = 256) -> LikelihoodSample:
     """Real prose of exactly ``length`` tokens, starting at a seeded paragraph.
 
     Paragraphs (see :func:`magicpig_jax.eval.corpus.load_prose`) are joined with blank lines,
-    from a paragraph chosen by :func:`sample_seed` ``("likelihood", length, index, seed)``,
-    wrapping around the corpus, until the text has at least ``length`` tokens; the ids are
-    cut to ``length``.
+    from the paragraph :func:`likelihood_start` gives (distinct for the first P indices of a
+    length and seed: no two samples are the same text), wrapping around the corpus, until the
+    text has at least ``length`` tokens; the ids are cut to ``length``.
 
     Args:
       encode: text -> token ids (no chat template).
@@ -82,7 +101,7 @@ def make_likelihood_sample(encode: Callable[[str], list[int]], length: int, inde
         raise ValueError(f"need 1 <= forced < length, got forced={forced}, length={length}")
     paras = load_prose(haystack)
     s = sample_seed("likelihood", length, index, seed)
-    start = random.Random(s).randrange(len(paras))
+    start = likelihood_start(len(paras), length, index, seed)
     text, ids = "", []
     for i in range(len(paras)):
         text += ("\n\n" if text else "") + paras[(start + i) % len(paras)]

@@ -44,7 +44,7 @@ class EvalSettings:
                "num_sink": self.num_sink, "num_local": self.num_local, "dense_layers": dl,
                "max_new_tokens": self.max_new_tokens, "likelihood_tokens": self.likelihood_tokens,
                "budget_from": self.budget_from, "page_size": self.page_size,
-               "haystack_sha1": haystack_digest(self.haystack)}
+               "haystack_sha1": haystack_digest(self.haystack), "likelihood_starts": "distinct"}
         if self.layers_per_projection != 1:  # results files written before the option keep their fingerprint
             out["layers_per_projection"] = self.layers_per_projection
         return out
@@ -60,7 +60,9 @@ def haystack_digest(haystack: str) -> str:
 
 # The value of a setting that a fingerprint leaves out (store.check_fingerprint compares it so); the
 # haystack's digest is compared only where both fingerprints hold it (results written before it).
-FINGERPRINT_DEFAULTS = {"layers_per_projection": 1, "haystack_sha1": UNRECORDED}
+# "likelihood_starts": absent from results written when each likelihood sample drew its start on its own
+# (repeats possible); they are not resumed with the distinct starts of likelihood.likelihood_start.
+FINGERPRINT_DEFAULTS = {"layers_per_projection": 1, "haystack_sha1": UNRECORDED, "likelihood_starts": "independent"}
 
 
 SETUPS = {"A": "the question is inside the dense prefill (the whole prompt is prefilled; the methods decode the "
