@@ -366,11 +366,15 @@ def _runs_on(spec) -> str:
     return f"{name}, {jax.default_backend().upper()}"
 
 
-def _where(spec, prompt_tokens: int) -> str:
-    """Which attention runs where, and a note when the prompt leaves nothing to sample."""
+def _where(spec, prompt_tokens: int, num_layers: int) -> str:
+    """Which attention runs where, and a note when the layers or the prompt leave nothing to sample."""
     where = _runs_on(spec)
     cfg = spec.magicpig
-    if spec.backend != "dense" and prompt_tokens <= cfg.num_sink + cfg.num_local:
+    if spec.backend != "dense" and not spec.sparse_layers(num_layers):
+        dense = tuple(range(num_layers))
+        where += (f"; note: every layer of this {num_layers}-layer model is dense (dense layers {dense}), so the "
+                  "result equals dense attention: choose the dense layers with --dense-layers")
+    elif spec.backend != "dense" and prompt_tokens <= cfg.num_sink + cfg.num_local:
         where += (f"; note: the prompt ({prompt_tokens} tokens) is no longer than num_sink + num_local = "
                   f"{cfg.num_sink + cfg.num_local}, so every key is static and the result equals dense attention")
     return where
@@ -391,11 +395,14 @@ def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops, con
     run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion, consume_prefill=consume)
     drop_compiled_programs()  # the index build's program (and the cache copy's)
     text = TextStream(model.tokenizer.decode, stops)
-    print(f"\n=== answer with {spec.backend} attention ({_where(spec, int(state.prompt_lengths[0]))}) ===",
-          flush=True)
+    where = _where(spec, int(state.prompt_lengths[0]), model.config.num_layers)
+    print(f"\n=== answer with {spec.backend} attention ({where}) ===", flush=True)
     for outputs in run:
         print(text.push(outputs[0]), end="", flush=True)
     print(text.push(run.outputs[0], final=True), flush=True)
+    if run.stop_reasons[0] == "context":
+        print(f"(stopped after {len(run.outputs[0])} tokens: the model's context of {run.max_positions} positions "
+              "is full)", flush=True)
     stats = run.stats()
     full = model.tokenizer.decode(run.outputs[0])
     stats["text"] = criterion.cut(full) if criterion else full

@@ -178,7 +178,7 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     index_seconds = time.perf_counter() - t0 if sparse else None
     run = DecodeRun(model, spec, sampling, hooks, state, cache, indices, limits, stop_on_eos, stop, progress,
                     step=(leaves, step, compile_seconds))
-    run.index_seconds, run.max_new_tokens = index_seconds, max_new_tokens
+    run.index_seconds, run.max_new_tokens, run.max_positions = index_seconds, max_new_tokens, int(max_positions)
     for b in np.nonzero(limits < max_new_tokens)[0]:
         run.stop_reasons[b] = limit_name
     return run
@@ -374,6 +374,7 @@ class DecodeRun:
         self.frac_steps = self.steps = 0
         self.seconds = 0.0
         self.index_seconds: float | None = None
+        self.max_positions: int | None = None  # the positions a row may fill (start_decode sets it)
         self.max_new_tokens = int(limits.max()) if len(limits) else 0
         self.stop_reasons: list[str] = ["length"] * self.B
         self.outputs: list[list[int]] = [[] for _ in range(self.B)]

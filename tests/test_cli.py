@@ -389,7 +389,7 @@ def test_generate_help_shows_defaults_and_checkpoints(capsys):
 def test_generate_streams_says_where_it_runs_and_writes_strict_json(tmp_path):
     out_json = tmp_path / "run.json"
     proc = run("generate", "--model", str(FAMILY), "--prompt", "hi", "--max-new-tokens", "1",
-               "--attention", "magicpig,dense", "--json", str(out_json))
+               "--attention", "magicpig,dense", "--dense-layers", "0", "--json", str(out_json))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[0] == ("attention: magicpig (magicpig (host op), CPU); "
                                            "dense (dense (host exact op), CPU)")
@@ -402,6 +402,20 @@ def test_generate_streams_says_where_it_runs_and_writes_strict_json(tmp_path):
     assert data["kv_dtype"] == "bfloat16" and data["results"]["dense"]["magicpig"] is None
     assert data["results"]["magicpig"]["magicpig"]["K"] == 10 and data["results"]["magicpig"]["layer_configs"] is None
     assert 100e6 < data["peak_rss_bytes"] < 20e9  # the process's peak resident memory, in bytes
+
+
+def test_generate_says_when_every_layer_is_dense_or_the_context_is_full(capsys):
+    # a 2-layer model keeps its default dense layers {0, 1}: magicpig then equalled dense with no word
+    # of it; and a row cut by the model's context (512 positions here) looked like a finished answer
+    proc = run_here(capsys, "generate", "--model", str(FAMILY), "--prompt", "hi " * 250, "--no-chat",
+                    "--max-new-tokens", "20", "--attention", "magicpig")
+    assert proc.returncode == 0, proc.stderr
+    assert ("note: every layer of this 2-layer model is dense (dense layers (0, 1)), so the result equals dense "
+            "attention: choose the dense layers with --dense-layers") in proc.stdout
+    assert "note: the prompt" not in proc.stdout
+    prompt = int(re.search(r"prompt: (\d+) tokens", proc.stdout).group(1))
+    assert 490 < prompt < 512
+    assert f"(stopped after {512 - prompt + 1} tokens: the model's context of 512 positions is full)" in proc.stdout
 
 
 def _default_sigint():

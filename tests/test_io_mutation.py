@@ -366,8 +366,8 @@ def test_tokenizer_fields_special_ids_encode_decode_and_messages():
     assert tok.decode(np.array([0, 70, 5])) == "a"
     assert tok.decode([0, 70], skip_special_tokens=False) == "<|begin_of_text|>a"
     # the chat template
-    with pytest.raises(ValueError, match=_exact("this model has no chat template; pass chat=False to use the raw "
-                                                "prompt")):
+    with pytest.raises(ValueError, match=_exact("this model has no chat template; use the raw prompt: chat=False "
+                                                "(the CLI: --no-chat)")):
         tok.apply_chat_template([{"role": "user", "content": "a"}])
     chat = Tokenizer(backend, chat_template="{{ bos_token }}|{{ eos_token }}|{{ add_generation_prompt }}|{{ x }}",
                      eos_token_ids=(5,), bos_token_id=0)

@@ -216,10 +216,11 @@ def write_random_gguf(path: str | Path, shape: Shape | str = "tiny", layout: str
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", type=Path)
-    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    p.add_argument("--layout", default="Q4_K_M")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("out", type=Path, help="the GGUF file to write")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
+                   help="the model's shape (default llama3-8b: a file of about 4.9 GB; 'tiny' writes under 1 MB)")
+    p.add_argument("--layout", default="Q4_K_M", help="the tensor types (default Q4_K_M)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random blocks (default 0)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     write_random_gguf(args.out, args.shape, args.layout, args.seed, log=print)

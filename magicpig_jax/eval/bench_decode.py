@@ -360,6 +360,8 @@ def _print(results: list[dict]) -> None:
         print(f"{r['prompt_tokens']:>7} {r['batch']:>3} {r['method']:>10} "
               f"{m['median']:>8.1f} [{m['min']:.1f}, {m['max']:.1f}] {t['median']:>8.1f} [{t['min']:.1f}, "
               f"{t['max']:.1f}] {r['peak_rss_bytes'] / 1e9:>7.2f}GB {frac:>8} {same:>8}")
+    print("(ms/step and tok/s: median [min, max] over the repeats; '= dense': of row 0's greedy tokens, how many "
+          "equal dense's at the same position: after the first difference the continuations diverge)")
     for row in ratios(results):
         parts = [f"{k.removeprefix('magicpig_over_').replace('_', '.')} {v:.2f}x" for k, v in row.items()
                  if k.startswith("magicpig_over")]

@@ -27,7 +27,8 @@ import numpy as np
 from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK, load_prose
 from magicpig_jax.eval.tasks import sample_seed
 
-__all__ = ["LikelihoodSample", "likelihood_start", "make_likelihood_sample", "log_softmax", "LogitsRecorder", "compare_to_dense"]
+__all__ = ["LikelihoodSample", "likelihood_start", "make_likelihood_sample", "log_softmax", "LogitsRecorder",
+           "compare_to_dense"]
 
 
 @dataclasses.dataclass(frozen=True)

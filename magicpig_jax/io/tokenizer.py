@@ -228,7 +228,7 @@ class Tokenizer:
           ChatTemplateError (a ValueError): the template failed (named).
         """
         if not self.chat_template:
-            raise ValueError("this model has no chat template; pass chat=False to use the raw prompt")
+            raise ValueError("this model has no chat template; use the raw prompt: chat=False (the CLI: --no-chat)")
         # a caller's bos_token / eos_token override the model's, as in transformers
         bos, eos = kwargs.pop("bos_token", self.bos_token), kwargs.pop("eos_token", self.eos_token)
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
