@@ -11,7 +11,6 @@ current one is read back: see :class:`DecodeRun`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from magicpig_jax.memory import compile_then_trim, trim_heap
+from magicpig_jax.memory import LRUCache, compile_then_trim, trim_heap
 from magicpig_jax.models.backends import DecodeSpec, backend_for
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.decoding import build_indices, check_capacity, compiled_decode_step, sample_token
@@ -122,8 +121,9 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
 
     Raises:
       ValueError: ``max_new_tokens < 1``, bad forced tokens, not enough cache capacity, a
-        ``state`` whose cache an earlier decode consumed, or rows / KV heads that the spec's mesh
-        does not divide.
+        ``state`` whose cache an earlier decode consumed, ``consume_prefill`` with a state that
+        shares its cache (:func:`~magicpig_jax.generation.prefill_with_prefixes`), or rows / KV
+        heads that the spec's mesh does not divide.
     """
     hooks = hooks or DecodeHooks()
     B = len(state.prompt_lengths)
@@ -143,6 +143,9 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     # (in int64: a max_new_tokens past int32, which the context clips anyway, must not overflow)
     limits = np.minimum(np.int64(min(max_new_tokens, np.iinfo(np.int64).max)),
                         np.asarray(max_positions, np.int64) - state.prompt_lengths + 1)
+    if consume_prefill and getattr(state, "shares_cache", False):
+        raise ValueError("this PrefillState shares its cache buffers with another (prefill_with_prefixes): "
+                         "consuming it would delete the other's; decode it with consume_prefill=False")
     cache = _decode_cache(state, spec, limits, consume_prefill)
     n_layers = model.config.num_layers
     graphdef, params = nnx.split(model.module)
@@ -220,7 +223,7 @@ def _decode_cache(state, spec: DecodeSpec, limits: np.ndarray, consume: bool) ->
 # (step, index tree) -> the step jitted over the index's leaves; least recently used evicted
 # first, as large as the step cache (models/decoding.py), so that an evaluation cycling its
 # methods per document finds each one's program again (memory.compile_then_trim keys by it).
-_FLAT_STEPS: collections.OrderedDict = collections.OrderedDict()
+_FLAT_STEPS = LRUCache()
 _FLAT_STEPS_SIZE = 64
 
 
@@ -258,9 +261,7 @@ def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling,
     tree = box["tree"]
     key = (step.jitted, tree, dims, max_count)
     flat = _FLAT_STEPS.get(key)
-    if flat is not None:
-        _FLAT_STEPS.move_to_end(key)
-    else:
+    if flat is None:
         inner = step.jitted
         S, Hq, V = dims
 
@@ -283,9 +284,7 @@ def _step_compiled_ahead(step, leaves, cache, build, B: int, sampling: Sampling,
             return tok, toks, logits, nss, cache, jax.tree.leaves(indices)
 
         flat = jax.jit(flat_chunk, donate_argnums=(1, 2))
-        if len(_FLAT_STEPS) >= _FLAT_STEPS_SIZE:
-            _FLAT_STEPS.popitem(last=False)
-        _FLAT_STEPS[key] = flat
+        _FLAT_STEPS.put(key, flat, _FLAT_STEPS_SIZE)
     compiled = compile_then_trim(flat, leaves, cache, shapes, jax.ShapeDtypeStruct((B,), jnp.int32),
                                  jax.random.key(sampling.seed), np.int32(1), np.int32(1),
                                  jnp.float32(sampling.temperature), jnp.float32(sampling.top_p))
@@ -343,7 +342,10 @@ class DecodeRun:
 
     The Python loop over the jitted step keeps EOS, stop criteria, hooks and statistics on
     the host. ``outputs``, ``stop_reasons`` and :meth:`stats` are valid at any point (also
-    after an interruption).
+    after an interruption). A run is iterated once: its cache has moved past the prefill, so a
+    second ``for`` loop over it (to continue after a ``break``, or after it finished) raises
+    ``RuntimeError`` instead of decoding from the prefill's logits again into the moved cache;
+    keep the first iterator to continue, or start a new run from the prefill.
 
     Steps run in chunks: one program call runs ``count`` steps (1 until a step has been
     timed, then as many as fit in ``CHUNK_SECONDS``, at most ``CHUNK_MAX``; always 1 with
@@ -375,6 +377,7 @@ class DecodeRun:
         self.seconds = 0.0
         self.index_seconds: float | None = None
         self.max_positions: int | None = None  # the positions a row may fill (start_decode sets it)
+        self._iterated = False  # __iter__ runs once (the cache moves on)
         self.max_new_tokens = int(limits.max()) if len(limits) else 0
         self.stop_reasons: list[str] = ["length"] * self.B
         self.outputs: list[list[int]] = [[] for _ in range(self.B)]
@@ -474,6 +477,10 @@ class DecodeRun:
         self.seconds = now - self._t0
 
     def __iter__(self):
+        if self._iterated:
+            raise RuntimeError("this DecodeRun was already iterated (its cache has moved past the prefill): "
+                               "keep its first iterator to continue, or start_decode again from the prefill")
+        self._iterated = True
         hooks = self.hooks
         if hooks.on_logits is not None:
             hooks.on_logits(0, np.asarray(self.state.last_logits))

@@ -50,6 +50,8 @@ class PrefillState:
         experiments); decoding then stops only at the cache capacity.
       compile_seconds: the part of ``seconds`` spent compiling the chunk function (a short
         prompt's prefill is mostly that).
+      shares_cache: the cache's buffers are another state's too (:func:`prefill_with_prefixes`):
+        a decode must copy them (``consume_prefill=True`` is refused).
     """
 
     cache: KVCache
@@ -58,6 +60,7 @@ class PrefillState:
     seconds: float
     allow_beyond_context: bool = False
     compile_seconds: float = 0.0
+    shares_cache: bool = False
 
 
 @dataclasses.dataclass
@@ -170,8 +173,9 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
 
     Causal attention makes a prefix's keys, values and next-token logits independent of the
     tokens after it, so the prefix state is the prompt's cache with the row lengths cut to the
-    prefixes (the two states share the cache buffers; a decode copies them unless it consumes
-    the state) and the logits at each prefix's last position. ``magicpig-jax eval`` uses it for
+    prefixes (the two states share the cache buffers: a decode copies them, and
+    ``consume_prefill=True``, which would delete the other state's, is refused) and the logits
+    at each prefix's last position. ``magicpig-jax eval`` uses it for
     RULER's two setups of one sample (the question inside the prefill, or decoded after the
     document). A decode from the prefix state overwrites the cached positions past the prefix
     as it appends; nothing reads them before (every attention masks by the row lengths). Under
@@ -207,7 +211,9 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
     prefix = np.asarray(prefix_lengths, np.int32)
     logits = hidden_to_logits(graphdef, params, jnp.asarray(hidden))
     cache = dataclasses.replace(full.cache, lengths=jnp.asarray(prefix))
-    return full, PrefillState(cache, logits, prefix, full.seconds, full.allow_beyond_context, full.compile_seconds)
+    return (dataclasses.replace(full, shares_cache=True),
+            PrefillState(cache, logits, prefix, full.seconds, full.allow_beyond_context, full.compile_seconds,
+                         shares_cache=True))
 
 
 def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,

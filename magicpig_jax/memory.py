@@ -136,22 +136,66 @@ def compile_then_trim(jitted, *args, **kwargs):
     """
     key = _signature(jitted, args, kwargs)
     compiled = _COMPILED.get(key) if key is not None else None
-    if compiled is not None:
-        _COMPILED.move_to_end(key)  # least recently used is evicted first
-    else:
+    if compiled is None:
         compiled = jitted.lower(*args, **kwargs).compile()
         trim_heap()
         if key is not None:
-            if len(_COMPILED) >= _COMPILED_SIZE:
-                _COMPILED.popitem(last=False)
-            _COMPILED[key] = compiled
+            _COMPILED.put(key, compiled, _COMPILED_SIZE)
     return compiled
+
+
+class LRUCache:
+    """A bounded mapping that evicts the least recently used entry first, safe to share between threads.
+
+    The caches of compiled programs (here, the decode steps of :mod:`magicpig_jax.models.decoding`
+    and the chunked steps of :mod:`magicpig_jax.decode_loop`) are module-level: two threads decoding
+    at once must not see an entry vanish between its lookup and its use (an ``OrderedDict``'s
+    ``get`` then ``move_to_end`` raised ``KeyError`` when another thread evicted the key between
+    them). A value is looked up and moved, or inserted and the oldest evicted, under one lock;
+    building a value (compiling) happens outside it, so two threads may build the same one.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self._data: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        """The value of ``key`` (now the most recently used), or None."""
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key, value, maxsize: int) -> None:
+        """Store ``value`` under ``key``, then evict the least recently used down to ``maxsize`` entries."""
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            while len(self._data) > maxsize:
+                self._data.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._data.clear()
+
+    def items(self) -> list:
+        """A snapshot of the ``(key, value)`` pairs, least recently used first."""
+        with self._lock:
+            return list(self._data.items())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
 
 
 # Least recently used evicted first. Sized for an evaluation that cycles a dozen decode methods
 # per document (one step program each, plus the prefill's): a smaller or oldest-first cache
 # compiles every method again for every document.
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_COMPILED = LRUCache()
 _COMPILED_SIZE = 32
 
 

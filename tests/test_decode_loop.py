@@ -201,6 +201,14 @@ def test_prefix_state_of_one_prefill_equals_prefilling_the_prefix():
     again, _ = decode(model, full, attention="dense", max_new_tokens=6, stop_on_eos=False)
     ref, _ = decode(model, whole, attention="dense", max_new_tokens=6, stop_on_eos=False)
     assert again == ref
+    # consuming one would delete the other's buffers (a later decode of it: "Array has been deleted")
+    from magicpig_jax.decode_loop import start_decode
+    from magicpig_jax.generation import decode_spec
+
+    for state in (full, pre):
+        with pytest.raises(ValueError, match="shares its cache buffers"):
+            start_decode(model, state, decode_spec(model, "dense"), 6, Sampling(), consume_prefill=True)
+    assert decode(model, full, attention="dense", max_new_tokens=6, stop_on_eos=False)[0] == ref
     with pytest.raises(ValueError, match=r"prefix_lengths\[1\] must be in \[1, 41\]"):
         prefill_with_prefixes(model, prompts, [290, 42], 8)
     with pytest.raises(ValueError, match="prefix_lengths has 1 entries"):
@@ -305,3 +313,33 @@ def test_sampling_takes_numpy_scalars_and_refuses_bools():
     for bad in (True, np.bool_(True)):
         with pytest.raises(ValueError, match="temperature"):
             Sampling(temperature=bad)
+
+
+def test_a_run_is_iterated_once():
+    # a second `for` over a run restarted from the prefill's logits on the moved cache: after a break
+    # at token 3 the tokens were [t0, t1, t2, t3, t0', ...] (the first token again, a later position),
+    # and a finished run iterated again grew past max_new_tokens
+    from magicpig_jax.decode_loop import start_decode
+    from magicpig_jax.generation import decode_spec
+
+    model = tiny_model(2)
+    state = prefill(model, [list(range(3, 20))], 8)
+    spec = decode_spec(model, "dense")
+    whole = start_decode(model, state, spec, 8, Sampling(), stop_on_eos=False)
+    for _ in whole:
+        pass
+    with pytest.raises(RuntimeError, match="already iterated"):
+        for _ in whole:
+            pass
+    assert len(whole.outputs[0]) == 8
+    run = start_decode(model, state, spec, 8, Sampling(), stop_on_eos=False)
+    steps = iter(run)
+    for i, _ in enumerate(steps):
+        if i == 3:
+            break
+    with pytest.raises(RuntimeError, match="already iterated"):
+        for _ in run:
+            pass
+    for _ in steps:  # the first iterator continues where it stopped
+        pass
+    assert run.outputs == whole.outputs

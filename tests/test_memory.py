@@ -152,3 +152,43 @@ def test_compile_then_trim_evicts_the_least_recently_used_program(monkeypatch):
     assert memory.compile_then_trim(fns[0], spec) is c0
     assert len(memory._COMPILED) == 2
     drop_compiled_programs()
+
+
+def test_the_program_caches_are_safe_to_share_between_threads():
+    # get-then-move_to_end on an OrderedDict raised KeyError when another thread evicted the key in
+    # between (4 threads compiling 34 shapes through a 32-entry cache); the caches now do each
+    # lookup and each insertion under one lock
+    import sys
+    import threading
+
+    from magicpig_jax import decode_loop, memory
+    from magicpig_jax.models import decoding
+
+    assert all(isinstance(c, memory.LRUCache) for c in (memory._COMPILED, decode_loop._FLAT_STEPS,
+                                                        decoding._STEP_CACHE))
+    cache, errors = memory.LRUCache(), []
+
+    def hammer(seed: int) -> None:
+        try:
+            for i in range(20000):
+                key = (seed * 7 + i) % 34
+                if cache.get(key) is None:
+                    cache.put(key, object(), 32)
+                assert len(cache) <= 32
+        except Exception as err:  # noqa: BLE001 - any failure in a thread is the finding
+            errors.append(err)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hammer, args=(s,)) for s in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:1]
+    assert len(cache) == 32 and len(cache.items()) == 32
+    cache.clear()
+    assert len(cache) == 0

@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention import dense_attention, merge_attention
 from magicpig_jax.attention._common import softcap_logits
+from magicpig_jax.memory import LRUCache
 from magicpig_jax.models.backends import (
     BACKENDS,
     DecodeSpec,
@@ -365,7 +366,7 @@ def decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperatu
 decode_step.lower = _decode_step_jit.lower
 
 
-_STEP_CACHE: dict[tuple, object] = {}  # insertion-ordered; oldest evicted first
+_STEP_CACHE = LRUCache()  # least recently used evicted first; shared by threads
 _STEP_CACHE_SIZE = 64
 
 
@@ -408,9 +409,7 @@ def compiled_decode_step(graphdef, state_treedef, spec: DecodeSpec):
         return jitted(leaves, cache, indices, *args)
 
     fn.jitted = jitted
-    if len(_STEP_CACHE) >= _STEP_CACHE_SIZE:  # bounded: each entry holds compiled executables
-        _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
-    _STEP_CACHE[key] = fn
+    _STEP_CACHE.put(key, fn, _STEP_CACHE_SIZE)  # bounded: each entry holds compiled executables
     return fn
 
 
