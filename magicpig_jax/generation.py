@@ -453,7 +453,9 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         ``magicpig-ref`` and ``hybrid`` only, and its recorded model sizes must be this model's).
         Dense attention reads no :class:`MagicPIGConfig` (accepted, so that one loop can compare
         backends).
-      dense_layers: layers kept dense (default :func:`default_dense_layers`).
+      dense_layers: layers kept dense (default :func:`default_dense_layers`: layers 0 and
+        ``num_layers // 2``, which on a 2-layer model are every layer, so that every backend then
+        decodes densely and ``stats["sampled_fraction"]`` is None; the CLI notes it).
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there, refused
         for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.
       page_size: Quest's page size in tokens (default 16; refused for the other backends).

@@ -74,7 +74,10 @@ def test_bench_decode_tiny(tmp_path, monkeypatch):
     root = Path(__file__).resolve().parent.parent
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
-    assert head and data["meta"]["source"].removesuffix("-dirty").startswith(head), (data["meta"]["source"], head)
+    if head:  # a git checkout (CI's clean clone)
+        assert data["meta"]["source"].removesuffix("-dirty").startswith(head), (data["meta"]["source"], head)
+    else:  # an sdist, or git refuses the folder
+        assert data["meta"]["source"] == "unknown"
     assert data["meta"]["cpu"]
     # every configuration frees the earlier ones' compiled programs before its peak is measured
     assert events == ["drop", "reset"] * 4

@@ -433,6 +433,18 @@ def test_gguf_header_that_does_not_match_its_data_is_refused(tmp_path, tiny):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"the header's type or shape of blk\.0\.attn_q\.weight \(F16"):
         load_model(path)
+    # the first tensor's offset moved (its data would be read from the second's bytes)
+    _write_gguf(path, _hf_weights(tiny))
+    data = bytearray(path.read_bytes())
+    first = gguf.GGUFReader(str(path)).tensors[0].name.encode()
+    at = data.find(first) + len(first)
+    offset_at = at + 4 + 8 * int.from_bytes(data[at:at + 4], "little") + 4
+    assert int.from_bytes(data[offset_at:offset_at + 8], "little") == 0
+    data[offset_at:offset_at + 8] = (32).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"the first tensor, {first.decode()} .* starts at byte 32 of the data, "
+                                         "not at 0"):
+        load_model(path)
 
 
 def test_gguf_q_rows_not_heads_times_head_dim_are_named(tmp_path, tiny):

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap
 from magicpig_jax.host._ext import impl_code, ops
-from magicpig_jax.host.validate import check_kv_dtypes
+from magicpig_jax.host.validate import check_kv_dtypes, check_pool_threads
 
 __all__ = ["MAX_GROUP", "host_exact_attention"]
 
@@ -75,8 +75,7 @@ def host_exact_attention(
     """
     code = impl_code(impl)
     softcap = check_softcap(softcap)
-    if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 0:
-        raise ValueError(f"max_threads must be an int >= 0, got {max_threads!r}")
+    check_pool_threads(max_threads)
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_kv_dtypes(k, v)
     if Hq // Hkv > MAX_GROUP:

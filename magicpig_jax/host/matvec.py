@@ -25,6 +25,7 @@ import numpy as np
 from jaxtyping import Array, Float, UInt8
 
 from magicpig_jax.host._ext import impl_code, ops
+from magicpig_jax.host.validate import check_pool_threads
 from magicpig_jax.io.gguf_blocks import (
     BLOCK_SIZE,
     QUANT_TYPES,
@@ -39,8 +40,7 @@ __all__ = ["QUANT_TYPES", "BLOCK_SIZE", "block_bytes", "block_weights", "packed_
 
 
 def _check_threads(max_threads) -> None:
-    if isinstance(max_threads, bool) or not isinstance(max_threads, int) or not 0 <= max_threads < 2**31:
-        raise ValueError(f"max_threads must be an int in [0, 2**31), got {max_threads!r}")
+    check_pool_threads(max_threads)
 
 
 def _check_floating(x, name: str = "x") -> None:

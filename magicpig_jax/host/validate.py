@@ -37,6 +37,19 @@ def check_config(config: MagicPIGConfig) -> None:
         raise ValueError(f"L must be in [2, {HOST_MAX_L}] for the host index, got L={config.L}")
 
 
+def check_pool_threads(max_threads: object) -> int:
+    """A thread cap on XLA's intra-op pool (0: all of it), as the ops' int64 attribute takes it.
+
+    Raises:
+      ValueError: not an int >= 0 (a bool included), or not below 2**31.
+    """
+    if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 0:
+        raise ValueError(f"max_threads must be an int >= 0, got {max_threads!r}")
+    if max_threads >= 2**31:
+        raise ValueError(f"max_threads must be below 2**31, got {max_threads}")
+    return max_threads
+
+
 def check_int(name: str, value: object, lo: int, hi: int) -> int:
     """``value`` as an int in ``[lo, hi]``.
 

@@ -709,8 +709,9 @@ def _check_layout(reader, path: Path) -> None:
 
     Each tensor's data starts where the previous one's (in the header's order) ends, padded to
     ``general.alignment``. A tensor whose type or shape was changed in the header without its data
-    (a corrupt or hand-edited file) breaks the chain; without this check it would be read from the
-    wrong bytes, finite and silently wrong.
+    (a corrupt or hand-edited file) breaks the chain, unless it is the last tensor or its size
+    changed within the alignment padding (llama.cpp's check has the same reach); without this
+    check it would be read from the wrong bytes, finite and silently wrong.
 
     Raises:
       GGUFMetadataError: the first tensor that does not start where it should (named).
@@ -721,11 +722,14 @@ def _check_layout(reader, path: Path) -> None:
     align, base, expected, before = int(reader.alignment), int(reader.data_offset), 0, None
     for t in reader.tensors:
         start = int(t.data_offset) - base
+        if start != expected and before is None:
+            raise GGUFMetadataError(f"{path}: the first tensor, {described(t)}, starts at byte {start} of the data, "
+                                    "not at 0 (a corrupt file; llama.cpp refuses it too)")
         if start != expected:
             raise GGUFMetadataError(
                 f"{path}: tensor {described(t)} starts at byte {start} of the data, but the tensors before it end "
-                f"at {expected}: the header's type or shape of {described(t) if before is None else described(before)}"
-                " or of this tensor does not match the data (a corrupt file; llama.cpp refuses it too)")
+                f"at {expected}: the header's type or shape of {described(before)} does not match the data, or "
+                "this tensor's offset is wrong (a corrupt file; llama.cpp refuses it too)")
         expected, before = start + -(-int(t.n_bytes) // align) * align, t
 
 
