@@ -130,6 +130,17 @@ def static_kv(k, v, start, end, lengths, *, num_sink: int, window: int) -> Stati
     The same split as :func:`magicpig_jax.host.host_magicpig_attention` (``W`` = its
     ``static_window``). Runs where ``k``/``v`` live; ``device_put`` the result to the
     accelerator.
+
+    Args:
+      k, v: float ``[B, Hkv, N, D]``, the layer's cache.
+      start, end: int32 ``[B]``, each row's hashed range ``[start, end)`` (the index's).
+      lengths: int32 ``[B]``, each row's valid keys.
+      num_sink: static, the sink tokens ``S`` kept exactly.
+      window: static, the tail positions ``W`` kept exactly.
+
+    Returns:
+      a :class:`StaticKV`: the sinks ``[B, Hkv, S, D]`` and the tail ``[B, Hkv, W, D]`` in ``k``'s
+      dtype, with their valid counts int32 ``[B]``.
     """
     B, _, N, _ = k.shape
     ns = min(num_sink, N)

@@ -353,8 +353,18 @@ def decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperatu
     step writes nothing for a full row and leaves its length unchanged (never a write clamped
     into the last slot).
 
+    Args:
+      graphdef, state: the model, split by ``nnx.split`` (``graphdef`` static).
+      cache: the :class:`KVCache` (donated).
+      indices: the per-layer decode states of ``spec``'s backend (donated; ``None`` for dense layers).
+      tokens: int32 ``[B]``, each row's last token (written at position ``cache.lengths``).
+      key: the PRNG key of this step's sampling.
+      temperature, top_p: float32 scalars (temperature 0: greedy).
+      spec: the :class:`DecodeSpec` (static).
+
     Returns:
-      ``(next_tokens int32 [B], logits float32 [B, V], num_sampled int32 [S, B, Hq], cache, indices)``.
+      ``(next_tokens int32 [B], logits float32 [B, V], num_sampled int32 [S, B, Hq], cache, indices)``,
+      S the number of sparse layers (``spec.sparse_layers``).
 
     Raises:
       ValueError: a row of ``cache`` is full.
