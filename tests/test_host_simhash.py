@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from magicpig_jax import host, lsh
@@ -32,6 +32,7 @@ def _np_signs(xc32: np.ndarray, proj: np.ndarray):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=min(40, settings.default.max_examples))  # fewer than the default 100 (CI time)
 @given(
     M=st.integers(0, 150),
     D=st.integers(1, 40),
