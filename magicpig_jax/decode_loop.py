@@ -143,7 +143,7 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     # (in int64: a max_new_tokens past int32, which the context clips anyway, must not overflow)
     limits = np.minimum(np.int64(min(max_new_tokens, np.iinfo(np.int64).max)),
                         np.asarray(max_positions, np.int64) - state.prompt_lengths + 1)
-    if consume_prefill and getattr(state, "shares_cache", False):
+    if consume_prefill and state.shares_cache:
         raise ValueError("this PrefillState shares its cache buffers with another (prefill_with_prefixes): "
                          "consuming it would delete the other's; decode it with consume_prefill=False")
     cache = _decode_cache(state, spec, limits, consume_prefill)
