@@ -270,7 +270,16 @@ class LayerConfigs:
         return cls(tuple(layers), tuple((str(k), str(v)) for k, v in info.items()), shape)
 
     def save(self, path: str | Path, extra: Mapping | None = None) -> Path:
-        """Write the JSON file (``extra`` keys, e.g. the calibration's measurements, are added)."""
+        """Write the JSON file (``extra`` keys, e.g. the calibration's measurements, are added).
+
+        Returns:
+          the path written.
+
+        Raises:
+          ValueError: an ``extra`` key that is not one of ``REPORT_KEYS`` (:meth:`load` would refuse
+            the file).
+          OSError: the file cannot be written.
+        """
         path = Path(path)
         obj = self.to_json()
         unknown = sorted(set(extra or {}) - set(REPORT_KEYS) - set(obj))

@@ -114,6 +114,14 @@ def first_mean(index: HostIndex, k_new: Float[Array, "B Hkv T D"], counts: Int[A
     row's mean (per KV head) to the mean of those keys, so they, and every later key, are hashed
     centered (arXiv 2410.16179, Section 4.2); the mean of a row that already hashes keys is kept.
     The keys past ``counts[b]`` are selected out (their rows may hold anything).
+
+    Args:
+      index: the layer's :class:`HostIndex`.
+      k_new: float ``[B, Hkv, T, D]``, the ``T`` keys being appended (``T`` new positions).
+      counts: int32 ``[B]`` in ``[0, T]``, the keys each row appends.
+
+    Returns:
+      ``index`` with ``mean`` (float32 ``[B, Hkv, D]``) set for the rows that were empty.
     """
     T = k_new.shape[2]
     empty = (index.end == index.start) & (counts > 0)  # [B]
@@ -134,6 +142,9 @@ def host_key_codes(index: HostIndex, k_new: Float[Array, "B Hkv T D"]) -> UInt32
     Returns:
       uint32 ``[B, Hkv, T, L]``: :func:`magicpig_jax.lsh.simhash_codes` of
       ``k_new - index.mean``, by the host kernel (:func:`~magicpig_jax.host.simhash.host_simhash_codes`).
+
+    Raises:
+      TypeError, ValueError, ImportError: as :func:`~magicpig_jax.host.simhash.host_simhash_codes`.
     """
     return host_simhash_codes(k_new, index.projections, index.K, index.L, center=index.mean)
 

@@ -153,6 +153,9 @@ def build_indices(cache: KVCache, spec: DecodeSpec, num_layers: int) -> tuple:
     :class:`~magicpig_jax.models.backends.SharedProjections`: no copy of the matrix, and the
     source layer recorded, so :func:`decode_step` hashes it with the matrix its keys were hashed
     with whatever spec it is given.
+
+    Raises:
+      ValueError: ``num_layers`` is not the cache's layer count.
     """
     if num_layers != len(cache.k):
         raise ValueError(f"num_layers must be the cache's layer count {len(cache.k)}, got {num_layers}")
