@@ -47,7 +47,7 @@ XLA_CACHE := $(abspath build/xla-cache)
 test: install-test
 	$(BIN)/ruff check magicpig_jax tests proofs tools examples
 	rm -rf $(XLA_CACHE)
-	JAX_COMPILATION_CACHE_DIR=$(XLA_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	JAX_COMPILATION_CACHE_DIR=$(XLA_CACHE) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # The host op built with AddressSanitizer + UndefinedBehaviorSanitizer, and its fuzz/edge tests run under it
 # (CI runs it after the suite). The tests that compile a whole decoder around the op (embedded model,
@@ -65,7 +65,7 @@ asan: install-test
 	  $(BIN)/python -m pytest tests/test_host_ops.py tests/test_host_matvec.py tests/test_host_exact.py \
 	    tests/test_host_topk.py tests/test_host_quest.py tests/test_host_build.py tests/test_host_attention.py \
 	    tests/test_host_simhash.py \
-	    -q -p no:cacheprovider -n 2 --dist loadfile -k "not embedded_model and not packed_decode and not backend and not decoder"
+	    -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -k "not embedded_model and not packed_decode and not backend and not decoder"
 
 # Mutation testing (mutmut, the `mutate` extra; not part of `make test`): the modules and tests of
 # [tool.mutmut] in pyproject.toml, on a copy of the tracked tree in build/mutmut (mutmut writes its
