@@ -105,7 +105,8 @@ def make_mesh(batch: int | None = None, kv_heads: int = 1, devices: Sequence[jax
         local device count every process owns one row of the batch axis).
 
     Raises:
-      ValueError: the sizes are not positive or need more devices than given.
+      ValueError: the sizes are not positive, need more devices than given, or the mesh would
+        hold a device twice.
     """
     devices = list(jax.devices() if devices is None else devices)
     if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
@@ -116,7 +117,12 @@ def make_mesh(batch: int | None = None, kv_heads: int = 1, devices: Sequence[jax
         raise ValueError(f"batch must be a positive int, got {batch!r} (with {len(devices)} devices)")
     if batch * kv_heads > len(devices):
         raise ValueError(f"a {batch} x {kv_heads} mesh needs {batch * kv_heads} devices, have {len(devices)}")
-    grid = np.array(devices[: batch * kv_heads], dtype=object).reshape(batch, kv_heads)
+    used = devices[: batch * kv_heads]
+    repeated = sorted({str(d) for d in used if used.count(d) > 1})
+    if repeated:
+        raise ValueError(f"devices must be distinct: {', '.join(repeated)} appear more than once in the "
+                         f"{batch} x {kv_heads} mesh")
+    grid = np.array(used, dtype=object).reshape(batch, kv_heads)
     return Mesh(grid, (BATCH, KV_HEADS))
 
 

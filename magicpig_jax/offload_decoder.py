@@ -312,6 +312,20 @@ def _segment_fn(structure, K: int, L: int, windows: tuple = (), softcap: float |
                    donate_argnames=("dense_kv", "pending_state"))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """:class:`OffloadDecodeStep`'s structure (no arrays): per segment ``(a, dense, b, jitted fn,
+    parts treedef, parts' positions in leaves)``; ``inv_freq``: the positions of the RoPE tables
+    (model, LongRoPE's long, the local layers'), None where the model has none."""
+
+    config: object
+    spec: object
+    num_heads: int
+    sparse: tuple
+    segments: tuple
+    inv_freq: tuple
+
+
 class OffloadDecodeStep:
     """The decode step of the offload system (arXiv 2410.16179, Section 4.3), as the decoder calls it.
 
@@ -334,44 +348,48 @@ class OffloadDecodeStep:
     def __init__(self, graphdef, state_treedef, spec):
         self.graphdef, self.treedef, self.spec = graphdef, state_treedef, spec
         self.accel, self.host = spec.offload_devices()
-        self._leaves = None  # the parameters the split below was made from
+        self._plan: _Plan | None = None  # made on the first call, from the structure alone
 
-    def _split(self, leaves):
-        if self._leaves is not None and len(self._leaves) == len(leaves) and all(
-                a is b for a, b in zip(self._leaves, leaves, strict=True)):
-            return
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
-        self.layers = [nnx.split(layer) for layer in model.layers]
-        self.embed = self.head = nnx.split(_shell(model))
-        self.num_heads = model.config.num_heads
-        self.config = model.config
-        self.spec = self.spec.with_softcap(model.config.attn_logit_softcap)  # Gemma 2's, for the host op
-        softcap = self.spec.logit_softcap
-        self.inv_freq = model.inv_freq[...]
-        self.inv_freq_long = None if model.inv_freq_long is None else model.inv_freq_long[...]
-        self.inv_freq_local = None if model.inv_freq_local is None else model.inv_freq_local[...]
-        n = len(self.layers)
-        sparse = self.spec.sparse_layers(n)
-        self.sparse = list(sparse)
+    def _make_plan(self) -> _Plan:
+        """The step's structure: segments, their jitted functions and where their weights are.
+
+        Made from the graph definition and the state's tree structure alone (the model merged
+        with each parameter's position in ``leaves`` in place of the array), so the step holds no
+        weights (it lives in a cache shared by every model of this shape, and by threads): each
+        call takes its weights from its own ``leaves``.
+        """
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, list(range(self.treedef.num_leaves))))
+        layers = [nnx.split(layer) for layer in model.layers]
+        shell = nnx.split(_shell(model))
+        spec = self.spec.with_softcap(model.config.attn_logit_softcap)  # Gemma 2's, for the host op
+        n = len(layers)
+        sparse = list(spec.sparse_layers(n))
         # Segments: [start or sparse layer i, dense layers ..., next sparse layer or the head].
         # One jitted function per distinct segment structure (equal layer graphdefs share it), made
         # here so that no step hashes a graphdef.
-        bounds = [None, *self.sparse, None]
-        self.plan, fns = [], {}
-        K, L = self.spec.magicpig.K, self.spec.magicpig.L
+        bounds = [None, *sparse, None]
+        segments, fns = [], {}
+        K, L = spec.magicpig.K, spec.magicpig.L
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             dense = list(range(0 if a is None else a + 1, n if b is None else b))
-            structure = (self.embed[0] if a is None else None, self.layers[a][0] if a is not None else None,
-                         tuple(self.layers[i][0] for i in dense), self.layers[b][0] if b is not None else None,
-                         self.head[0] if b is None else None)
+            structure = (shell[0] if a is None else None, layers[a][0] if a is not None else None,
+                         tuple(layers[i][0] for i in dense), layers[b][0] if b is not None else None,
+                         shell[0] if b is None else None)
             windows = tuple(model.config.layer_window(i) for i in dense)
             if (structure, windows) not in fns:
-                fns[structure, windows] = _segment_fn(structure, K, L, windows, softcap)
-            parts = (self.embed[1] if a is None else None, self.layers[a][1] if a is not None else None,
-                     tuple(self.layers[i][1] for i in dense), self.layers[b][1] if b is not None else None,
-                     self.head[1] if b is None else None)
-            self.plan.append((a, dense, b, fns[structure, windows], parts))
-        self._leaves = leaves
+                fns[structure, windows] = _segment_fn(structure, K, L, windows, spec.logit_softcap)
+            parts = (shell[1] if a is None else None, layers[a][1] if a is not None else None,
+                     tuple(layers[i][1] for i in dense), layers[b][1] if b is not None else None,
+                     shell[1] if b is None else None)
+            positions, parts_treedef = jax.tree.flatten(parts)
+            segments.append((a, dense, b, fns[structure, windows], parts_treedef, tuple(positions)))
+
+        def position(freq):
+            return None if freq is None else freq.get_value()
+
+        return _Plan(config=model.config, spec=spec, num_heads=model.config.num_heads, sparse=tuple(sparse),
+                     segments=tuple(segments), inv_freq=(position(model.inv_freq), position(model.inv_freq_long),
+                                                         position(model.inv_freq_local)))
 
     def __call__(self, leaves, cache, indices, tokens, base_key, t, temperature, top_p):
         """One decode step, with the arguments and results of
@@ -383,9 +401,11 @@ class OffloadDecodeStep:
         from magicpig_jax.models.cache import KVCache
         from magicpig_jax.models.decoding import sample_token
 
-        self._split(leaves)
-        spec = self.spec
-        binding = sorted(set(self.sparse) & set(self.config.binding_windows(cache.capacity)))
+        plan = self._plan
+        if plan is None:  # two threads' first calls may both make it: equal plans, either is kept
+            plan = self._plan = self._make_plan()
+        spec = plan.spec
+        binding = sorted(set(plan.sparse) & set(plan.config.binding_windows(cache.capacity)))
         if binding:
             raise ValueError(f"layers {binding} attend through a sliding window shorter than this cache of "
                              f"{cache.capacity} positions: keep them in dense_layers (generation.decode_spec does)")
@@ -395,8 +415,9 @@ class OffloadDecodeStep:
         k_layers, v_layers, states = list(cache.k), list(cache.v), list(indices)
         x, pending, counts = tokens, None, []
         # (the model's frequencies, LongRoPE's by each row's position [B, 1, D/2]; the local ones or None)
-        inv_freq = rope_tables(self.config, self.inv_freq, self.inv_freq_long, self.inv_freq_local, pos[:, None])
-        for a, dense, b, segment, parts in self.plan:
+        inv_freq = rope_tables(plan.config, *(None if i is None else leaves[i] for i in plan.inv_freq), pos[:, None])
+        for a, dense, b, segment, parts_treedef, positions in plan.segments:
+            parts = jax.tree.unflatten(parts_treedef, [leaves[i] for i in positions])
             x, pend_state, new_kv, res = segment(
                 parts, inv_freq, x, pos, pending, _accel_part(states[a] if a is not None else None),
                 tuple((k_layers[i], v_layers[i]) for i in dense), _accel_part(states[b] if b is not None else None))
@@ -412,13 +433,13 @@ class OffloadDecodeStep:
             up, k_new, v_new, out_s, lse_s = res
             st = states[b]
             down, ns, k_h, v_h, index = _host_layer(jax.device_put(up, self.host), pos_h, k_layers[b], v_layers[b],
-                                                    st.index, spec=spec, num_heads=self.num_heads)
+                                                    st.index, spec=spec, num_heads=plan.num_heads)
             k_layers[b], v_layers[b] = k_h, v_h
             states[b] = dataclasses.replace(st, index=index)
             counts.append(ns)
             pending = (jax.device_put(down, self.accel), out_s, lse_s, k_new, v_new)
         next_tokens = _sample(logits, base_key, t, temperature, top_p, sample_token)
-        num_sampled = jnp.stack(counts) if counts else jnp.zeros((0, tokens.shape[0], self.num_heads), jnp.int32)
+        num_sampled = jnp.stack(counts) if counts else jnp.zeros((0, tokens.shape[0], plan.num_heads), jnp.int32)
         # a full row writes nothing and keeps its length (decode_step's rule)
         new_cache = KVCache(k=tuple(k_layers), v=tuple(v_layers), lengths=jnp.where(pos < cache.capacity, pos + 1, pos))
         return next_tokens, logits, num_sampled, new_cache, tuple(states)

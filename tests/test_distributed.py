@@ -140,6 +140,7 @@ _CHECKS = textwrap.dedent(r'''
             "head_split": lambda: dist.sharded_build_index(mesh, k[:, :6], proj, cfg),
             "bad_mesh": lambda: dist.sharded_build_index(jax.make_mesh((8,), ("x",)), k, proj, cfg),
             "too_many": lambda: dist.make_mesh(batch=4, kv_heads=4),
+            "repeated": lambda: dist.make_mesh(batch=2, kv_heads=2, devices=jax.devices()[:3] + jax.devices()[:1]),
             "lengths": lambda: dist.sharded_build_index(mesh, k, proj, cfg, np.full(B, N + 1, np.int32)),
             "gqa": lambda: dist.sharded_magicpig_attention(mesh, q[:, :12], k, v, ref_index, cfg),
         }
@@ -218,6 +219,8 @@ def test_errors_name_the_problem(results):
     assert "Hkv=6" in e["head_split"]
     assert "('batch', 'kv_heads')" in e["bad_mesh"]
     assert "needs 16 devices" in e["too_many"]
+    # a device twice in one mesh failed later with a bare AssertionError inside jax.device_put
+    assert "devices must be distinct" in e["repeated"] and "cpu:0" in e["repeated"]
     assert "lengths must be in [0, 300]" in e["lengths"]
     assert "multiple of Hkv" in e["gqa"]
 

@@ -313,6 +313,38 @@ _DECODER = textwrap.dedent(r'''
                 pass
             R[family][name] = [run.outputs, run.stats()["sampled_fraction"]]
     R["auto_on_cpu"] = backend_for(DecodeSpec(backend="magicpig")).name
+    # Two models of one architecture (one cached offload step serves both) decoding in two threads
+    # at once, three runs each: each run's tokens equal its model's run alone.
+    import gc, threading, weakref
+    from flax import nnx
+    from magicpig_jax.memory import drop_compiled_programs
+    base = dict(backend="magicpig", magicpig=cfg, dense_layers=(0,), generation_buffer=8)
+    spec = DecodeSpec(**base, offload=True, host_device=host_dev)
+    models = [tiny_model(0), tiny_model(1)]
+    states = [prefill(m, prompts[:2], 24) for m in models]
+    def decode(i):
+        run = start_decode(models[i], states[i], spec, 24, Sampling())
+        for _ in run:
+            pass
+        return run.outputs
+    alone = [decode(i) for i in range(2)]
+    threaded = [[], []]
+    def worker(i):
+        for _ in range(3):
+            try:
+                threaded[i].append(decode(i))
+            except Exception as e:
+                threaded[i].append(f"{type(e).__name__}: {e}")
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    R["threads"] = {"alone": alone, "threaded": threaded}
+    # A model decoded by the offload step is freed once the caller drops it (the cached step holds no weights).
+    refs = [weakref.ref(x) for x in jax.tree.leaves(nnx.split(models[0].module)[1])]
+    decode(0)  # the model the step ran last
+    del models, states
+    gc.collect()
+    R["weights_alive_after_del"] = [sum(r() is not None for r in refs), len(refs)]
     print("RESULT " + json.dumps(R))
 ''')
 
@@ -376,6 +408,23 @@ def test_offload_decoder_windows_its_dense_layers(decoder_results):
     assert r["offload"] == r["one_device"] and all(len(t) == 12 for t in r["offload"])
     # the window changed what layer 0 computes: these are not the unwindowed model's tokens
     assert r["offload"] != [t[:12] for t in decoder_results["float32"]["one_device"]["tokens"]]
+
+
+def test_offload_decoder_serves_two_models_in_two_threads(decoder_results):
+    """Two models of one architecture share the cached offload step: decoding in two threads at
+    once, each run gives its own model's tokens (a step that kept the last model's weights in its
+    fields swapped them under the other thread: wrong tokens, or a half-made plan's crash)."""
+    alone, threaded = decoder_results["threads"]["alone"], decoder_results["threads"]["threaded"]
+    assert alone[0] != alone[1]  # the two models' weights differ, and so do their tokens
+    for i in range(2):
+        assert threaded[i] == [alone[i]] * 3
+
+
+def test_offload_step_holds_no_weights(decoder_results):
+    """Once the caller drops a model decoded by the offload step, its parameter arrays are freed
+    (on a GPU, accelerator memory): the step in the compiled-programs cache holds no weights."""
+    alive, total = decoder_results["weights_alive_after_del"]
+    assert total > 0 and alive == 0
 
 
 def test_offload_is_not_chosen_on_a_cpu_backend(decoder_results):

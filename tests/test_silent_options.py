@@ -1,15 +1,16 @@
 """Options and inputs that were accepted and then ignored or mishandled are refused, naming them.
 
-A heavy threshold outside the hybrid backend, a budget for a backend that takes none, a seed
-that ``jax.random.key`` would fold onto a smaller one, a float ``max_new_tokens``, an eval whose
-``--out`` an invalid setting would have written, and a ``magicpig@FILE`` whose file changed
-since its results were recorded.
+A host device without the offload decoder, a heavy threshold outside the hybrid backend, a
+budget for a backend that takes none, a seed that ``jax.random.key`` would fold onto a smaller
+one, a float ``max_new_tokens``, an eval whose ``--out`` an invalid setting would have written,
+and a ``magicpig@FILE`` whose file changed since its results were recorded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import pytest
 
 from magicpig_jax.attention import HybridConfig, LayerConfigs, MagicPIGConfig
@@ -25,6 +26,16 @@ from tests.test_eval_run import _settings, char_model
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(0)
+
+
+def test_a_host_device_needs_the_offload_decoder():
+    """host_device is the offload decoder's; on a spec that does not offload it was ignored."""
+    cpu = jax.devices("cpu")[0]
+    for kwargs in ({}, {"offload": False}, {"backend": "dense"}):
+        spec = {"backend": "magicpig"} | kwargs
+        with pytest.raises(ValueError, match=r"host_device applies to the offload decoder only \(offload=True\)"):
+            DecodeSpec(**spec, host_device=cpu)
+    assert DecodeSpec(backend="magicpig", offload=True, host_device=cpu).host_device == cpu
 
 
 def test_a_heavy_threshold_needs_the_hybrid_backend(model):

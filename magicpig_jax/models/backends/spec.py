@@ -75,8 +75,9 @@ class DecodeSpec:
         or compare the uncapped scores, which the monotone cap orders the same way).
 
     Raises:
-      ValueError: unknown backend, a budgeted backend without a budget, or a configuration
-        the chosen backend cannot run (e.g. K > 16 on the host op).
+      ValueError: unknown backend, a budgeted backend without a budget, a configuration
+        the chosen backend cannot run (e.g. K > 16 on the host op), or ``host_device``
+        without the offload decoder (it would be ignored).
     """
 
     backend: str = "dense"
@@ -130,6 +131,10 @@ class DecodeSpec:
                              f"got backend={self.backend!r}, mesh={self.mesh}")
         if self.host_device is not None and self.host_device.platform != "cpu":
             raise ValueError(f"host_device must be a CPU device, got {self.host_device}")
+        if self.host_device is not None and not self.offload:
+            raise ValueError(f"host_device applies to the offload decoder only (offload=True), which this spec does "
+                             f"not run (backend={self.backend!r}, offload={self.offload}); drop host_device or "
+                             "pass offload=True")
         if self.host is None:
             object.__setattr__(self, "host", self.backend in HOST_BACKENDS and not self.offload
                                and host_ops_by_default())
