@@ -35,10 +35,13 @@ sequence of accelerator and host computations, :mod:`magicpig_jax.offload`).
   hybrid        the hybrid LSH estimator (:mod:`magicpig_jax.attention.hybrid`): keys that collide
                 in ``>= heavy`` tables kept exactly, the rest weighted by ``1/u_c`` (pure JAX).
 
-The host entries of TopK and Quest move generated tokens into the range on MagicPIG's schedule
-(:func:`append_due`), so their static part is a bounded window, as the host MagicPIG's is; the
-pure-JAX entries keep the range of the prefill. The two give the same results while no append
-is due (the first ``static_window - num_local`` generated tokens).
+The host entries (MagicPIG's, TopK's and Quest's) move generated tokens into the range on
+MagicPIG's schedule (:func:`append_due`), so their static part is a bounded window; the pure-JAX
+entries (``magicpig-ref``, ``oracle``, ``hybrid``, and TopK and Quest off the CPU backend) keep the
+range of the prefill, every generated token exact. The two give the same results while no append
+is due (the first ``static_window - num_local`` generated tokens, 512 by default); past that,
+``magicpig-ref`` keeps exact the tokens the host op samples, so it is the host op's reference for
+the prompt's keys, not for a long generation's.
 
 A :class:`~magicpig_jax.attention.LayerConfigs` in :attr:`DecodeSpec.layers` gives each layer its
 own MagicPIG configuration (or keeps it dense): the chosen entry is wrapped (:func:`per_layer`) so
