@@ -171,7 +171,7 @@ def _assert_static_is_the_float64_selection(q, k, v, out, lse, start, end, lengt
     np.testing.assert_allclose(lse, r_lse, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=40)
+@settings(max_examples=20)
 @given(data=st.data(), N=st.integers(1, 12), Hkv=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_static_attention_matches_float64(data, N, Hkv, seed):
     B, Hq = 2, 2 * Hkv
@@ -185,7 +185,7 @@ def test_static_attention_matches_float64(data, N, Hkv, seed):
     _assert_static_is_the_float64_selection(q, k, v, out, lse, start, end, lengths, num_sink, window)
 
 
-@settings(max_examples=40)
+@settings(max_examples=20)
 @given(data=st.data(), N=st.integers(1, 12), seed=st.integers(0, 2**16))
 def test_static_attention_clips_out_of_range_positions_the_same_way_on_both_paths(data, N, seed):
     """start > end, lengths > N or negative positions (a traced caller cannot be refused): the

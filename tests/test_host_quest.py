@@ -56,7 +56,7 @@ def problems(draw):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@settings(max_examples=min(40, settings.default.max_examples))  # fewer than the default 100 (CI time)
+@settings(max_examples=min(20, settings.default.max_examples))  # fewer than the default 100 (CI time)
 @given(problems())
 def test_matches_float64_reference(impl, p):
     B, Hq, Hkv, N, D, page, dtype, ties, starts, ends, budget, seed = p
@@ -141,7 +141,7 @@ def test_a_key_with_an_infinite_component(impl, budget, component, q_sign, finit
         np.testing.assert_allclose(np.asarray(got_lse), ref_lse, atol=3e-5, rtol=1e-5)
 
 
-@settings(max_examples=min(40, settings.default.max_examples))  # fewer than the default 100 (CI time)
+@settings(max_examples=min(20, settings.default.max_examples))  # fewer than the default 100 (CI time)
 @given(problems(), CAPS)
 def test_context_adds_the_static_set_in_one_softmax(p, cap):
     """With context, [0, start) and [end, context) join the kept pages' keys in one softmax (with a
@@ -171,7 +171,7 @@ def test_context_adds_the_static_set_in_one_softmax(p, cap):
     np.testing.assert_allclose(np.asarray(lse)[fin], ref_lse[fin], atol=3e-5, rtol=1e-5)
 
 
-@settings(max_examples=min(40, settings.default.max_examples))  # fewer than the default 100 (CI time)
+@settings(max_examples=min(20, settings.default.max_examples))  # fewer than the default 100 (CI time)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 5, 16]), st.sampled_from([1, 7, 40]))  # max_count is static
 def test_append_equals_a_rebuild(seed, page, max_count):
     rng = np.random.default_rng(seed)

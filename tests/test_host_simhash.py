@@ -32,7 +32,7 @@ def _np_signs(xc32: np.ndarray, proj: np.ndarray):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@settings(max_examples=min(40, settings.default.max_examples))  # fewer than the default 100 (CI time)
+@settings(max_examples=min(20, settings.default.max_examples))  # fewer than the default 100 (CI time)
 @given(
     M=st.integers(0, 150),
     D=st.integers(1, 40),

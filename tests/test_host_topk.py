@@ -69,7 +69,7 @@ def _data(B, Hq, Hkv, N, D, dtype, ties, seed):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@settings(max_examples=min(40, settings.default.max_examples))  # fewer than the default 100 (CI time)
+@settings(max_examples=min(20, settings.default.max_examples))  # fewer than the default 100 (CI time)
 @given(problems())
 def test_matches_float64_reference(impl, p):
     B, Hq, Hkv, N, D, dtype, ties, starts, ends, budget, seed = p
