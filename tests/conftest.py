@@ -125,13 +125,12 @@ RUN_FIRST = ("test_readme.py", "test_readme_paths.py", "test_notebooks.py", "tes
 
 
 def pytest_collection_modifyitems(config, items):
-    """The heaviest files first (:data:`RUN_FIRST`); under mutmut, a mutant's tests fastest first.
-
-    Under mutmut: the tests in the order of their durations as mutmut measured them.
+    """The heaviest files first (:data:`RUN_FIRST`; within a file, and for the other files, the
+    collection order); under mutmut, a mutant's tests fastest first.
 
     mutmut runs each mutant's tests with ``-x``, so a killed mutant costs the tests up to the
     first failure: the direct float64 comparisons (a second each) then go before the decoders
-    compiled end to end (ten). The order of a normal run is unchanged.
+    compiled end to end (ten), in the order of their durations as mutmut measured them.
     """
     rank = {name: i for i, name in enumerate(RUN_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(RUN_FIRST)))  # stable: the rest keep their order

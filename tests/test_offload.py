@@ -317,7 +317,6 @@ _DECODER = textwrap.dedent(r'''
     # at once, three runs each: each run's tokens equal its model's run alone.
     import gc, threading, weakref
     from flax import nnx
-    from magicpig_jax.memory import drop_compiled_programs
     base = dict(backend="magicpig", magicpig=cfg, dense_layers=(0,), generation_buffer=8)
     spec = DecodeSpec(**base, offload=True, host_device=host_dev)
     models = [tiny_model(0), tiny_model(1)]

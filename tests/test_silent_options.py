@@ -31,7 +31,7 @@ def model():
 def test_a_host_device_needs_the_offload_decoder():
     """host_device is the offload decoder's; on a spec that does not offload it was ignored."""
     cpu = jax.devices("cpu")[0]
-    for kwargs in ({}, {"offload": False}, {"backend": "dense"}):
+    for kwargs in ({"offload": False}, {"backend": "dense"}):
         spec = {"backend": "magicpig"} | kwargs
         with pytest.raises(ValueError, match=r"host_device applies to the offload decoder only \(offload=True\)"):
             DecodeSpec(**spec, host_device=cpu)

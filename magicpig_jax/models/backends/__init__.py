@@ -37,7 +37,7 @@ sequence of accelerator and host computations, :mod:`magicpig_jax.offload`).
 
 The host entries (MagicPIG's, TopK's and Quest's) move generated tokens into the range on
 MagicPIG's schedule (:func:`append_due`), so their static part is a bounded window; the pure-JAX
-entries (``magicpig-ref``, ``oracle``, ``hybrid``, and TopK and Quest off the CPU backend) keep the
+entries (``magicpig-ref``, ``oracle``, ``hybrid``, and TopK and Quest without the host op) keep the
 range of the prefill, every generated token exact. The two give the same results while no append
 is due (the first ``static_window - num_local`` generated tokens, 512 by default); past that,
 ``magicpig-ref`` keeps exact the tokens the host op samples, so it is the host op's reference for
