@@ -95,6 +95,11 @@ def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk, window: int
     return out.transpose(0, 3, 1, 2, 4).reshape(B, C, Hq, D)
 
 
+# One traced and lowered function for every layer of a prefill chunk with the same shapes (each layer
+# calls it instead of tracing its own copy of the block loop).
+_causal_block_attention_call = jax.jit(_causal_block_attention, static_argnames=("chunk", "window", "softcap"))
+
+
 @partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def prefill_chunk(graphdef, state, cache: KVCache, tokens, chunk_start, lengths):
     """Dense prefill of one chunk of ``C`` tokens for every row.
@@ -123,8 +128,8 @@ def prefill_chunk(graphdef, state, cache: KVCache, tokens, chunk_start, lengths)
         return new_k[i], new_v[i]
 
     def attend(i, q, k_cache, v_cache):
-        return _causal_block_attention(q, k_cache, v_cache, chunk_start, C, model.config.layer_window(i),
-                                       model.config.attn_logit_softcap)
+        return _causal_block_attention_call(q, k_cache, v_cache, chunk_start, C, model.config.layer_window(i),
+                                            model.config.attn_logit_softcap)
 
     hidden = model.forward(tokens, positions, write_kv, attend, lengths)
     return hidden, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=lengths.astype(jnp.int32))

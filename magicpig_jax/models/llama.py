@@ -11,6 +11,7 @@ H hidden size, V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -267,6 +268,35 @@ class DecoderLayer(nnx.Module):
         y = self.mlp(self.post_attention_layernorm(x))
         return x + (y if self.mlp_output_norm is None else self.mlp_output_norm(y))
 
+    def attention_inputs(self, x: Float[Array, "B T H"], positions: Int[Array, "B T"], inv_freq):
+        """q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` of the residual stream ``x``:
+        ``self_attn.qkv(input_layernorm(x), positions, inv_freq)``, as one jitted call shared by
+        every layer of this structure (see ``_block_qkv``)."""
+        graphdef, state = nnx.split(self)
+        return _block_qkv(graphdef, state, x, positions, inv_freq)
+
+    def after_attention(self, x: Float[Array, "B T H"], o: Float[Array, "B T HqD"]) -> Float[Array, "B T H"]:
+        """The block's output ``add_mlp(add_attention(x, o))`` for the attention result ``o``, as one
+        jitted call shared by every layer of this structure."""
+        graphdef, state = nnx.split(self)
+        return _block_residual(graphdef, state, x, o)
+
+
+# A model's layers of one structure (the same parameter shapes, GGUF types and static attributes: an
+# equal nnx graph definition) share one traced and lowered program for each half of the block: Python
+# tracing and MLIR lowering were most of a process's time before its first token, done once per layer
+# for every prefill and decode program. XLA inlines the calls, so the compiled program is unchanged.
+@partial(jax.jit, static_argnums=0)
+def _block_qkv(graphdef, state, x, positions, inv_freq):
+    layer = nnx.merge(graphdef, state)
+    return layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+
+
+@partial(jax.jit, static_argnums=0)
+def _block_residual(graphdef, state, x, o):
+    layer = nnx.merge(graphdef, state)
+    return layer.add_mlp(layer.add_attention(x, o))
+
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 WriteFn = Callable[[int, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
@@ -375,11 +405,11 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         inv_freq = self.rope(positions, lengths)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
+            q, k, v = layer.attention_inputs(x, positions, inv_freq)
             k_cache, v_cache = write_kv(i, k, v)
             o = attend(i, q, k_cache, v_cache)
             B, T = o.shape[:2]
-            x = layer.add_mlp(layer.add_attention(x, o.reshape(B, T, -1)))
+            x = layer.after_attention(x, o.reshape(B, T, -1))
         return self.norm(x)
 
     def logits(self, h: Float[Array, "... H"]) -> Float[Array, "... V"]:
