@@ -3,8 +3,9 @@
 :meth:`DecoderLayer.attention_inputs` and :meth:`DecoderLayer.after_attention` are jitted
 functions of the layer's graph definition (static) and state: tracing a model traces them once
 per distinct layer structure, not once per layer (the traces were most of a process's time before
-its first token). Checked on the jaxpr, and that the shared programs compute what the layer's
-methods compute called directly.
+its first token). Checked on the jaxpr; that the shared programs compute what the layer's
+methods compute called directly; and that a change of the settings the blocks read while tracing
+(``models.linear.PREFILL_MODE``) traces them again.
 """
 
 from __future__ import annotations
@@ -74,3 +75,34 @@ def test_shared_programs_compute_the_layers_methods():
         want = layer.add_mlp(layer.add_attention(want, o.reshape(*o.shape[:2], -1)))
     np.testing.assert_allclose(np.asarray(_forward(model, tokens)), np.asarray(model.norm(want)), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_a_changed_prefill_setting_traces_again():
+    # packed_matmul reads models.linear's PREFILL_MODE / PREFILL_TILE_BYTES while tracing: a program traced
+    # after a change must follow it, not reuse the blocks traced under the old value
+    from magicpig_jax.models import linear
+    from tests._gguf_rows import random_rows
+
+    config = LlamaConfig(vocab_size=40, hidden_size=256, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, max_position_embeddings=64)
+    model = Llama(config, nnx.Rngs(1))
+    rng = np.random.default_rng(0)
+    for layer in model.layers:
+        layer.mlp.down_proj.set_packed(random_rows(rng, "Q8_0", 256, 256), "Q8_0")
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((1, 32), jnp.int32)
+
+    def dequantize_calls():
+        program = jax.jit(lambda s: _forward(nnx.merge(graphdef, s), tokens))
+        return program.lower(state).as_text().count("magicpig_dequantize")
+
+    saved = linear.PREFILL_MODE, linear.PREFILL_TILE_BYTES
+    try:
+        linear.PREFILL_MODE, linear.PREFILL_TILE_BYTES = "tiled", 4 * 256 * 32  # 32 rows a tile: 8 tiles a matrix
+        tiled = dequantize_calls()
+        linear.PREFILL_MODE = "layer"  # the whole matrix at once
+        layer = dequantize_calls()
+    finally:
+        linear.PREFILL_MODE, linear.PREFILL_TILE_BYTES = saved
+    # the lowered text holds the layers' one shared function: 8 tiles, then one whole-matrix dequantization
+    assert (tiled, layer) == (8, 1)

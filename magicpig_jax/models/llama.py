@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from magicpig_jax.models import linear as linear_settings
 from magicpig_jax.models.config import LlamaConfig
 from magicpig_jax.models.dequant import dequantize
 from magicpig_jax.models.linear import Linear, PackedWeight, dense_matmul, make_packed, packed_matmul
@@ -273,29 +274,38 @@ class DecoderLayer(nnx.Module):
         ``self_attn.qkv(input_layernorm(x), positions, inv_freq)``, as one jitted call shared by
         every layer of this structure (see ``_block_qkv``)."""
         graphdef, state = nnx.split(self)
-        return _block_qkv(graphdef, state, x, positions, inv_freq)
+        return _block_qkv(graphdef, _trace_settings(), state, x, positions, inv_freq)
 
     def after_attention(self, x: Float[Array, "B T H"], o: Float[Array, "B T HqD"]) -> Float[Array, "B T H"]:
         """The block's output ``add_mlp(add_attention(x, o))`` for the attention result ``o``, as one
         jitted call shared by every layer of this structure."""
         graphdef, state = nnx.split(self)
-        return _block_residual(graphdef, state, x, o)
+        return _block_residual(graphdef, _trace_settings(), state, x, o)
 
 
 # A model's layers of one structure (the same parameter shapes, GGUF types and static attributes: an
 # equal nnx graph definition) share one traced and lowered program for each half of the block: Python
 # tracing and MLIR lowering were most of a process's time before its first token, done once per layer
 # for every prefill and decode program. XLA inlines the calls, so the compiled program is unchanged.
-@partial(jax.jit, static_argnums=0)
-def _block_qkv(graphdef, state, x, positions, inv_freq):
+# The module-level settings that packed_matmul reads while tracing are a static argument too
+# (_trace_settings), so that changing one traces again instead of reusing a trace made under the old value.
+@partial(jax.jit, static_argnums=(0, 1))
+def _block_qkv(graphdef, settings, state, x, positions, inv_freq):
     layer = nnx.merge(graphdef, state)
     return layer.self_attn.qkv(layer.input_layernorm(x), positions, inv_freq)
 
 
-@partial(jax.jit, static_argnums=0)
-def _block_residual(graphdef, state, x, o):
+@partial(jax.jit, static_argnums=(0, 1))
+def _block_residual(graphdef, settings, state, x, o):
     layer = nnx.merge(graphdef, state)
     return layer.add_mlp(layer.add_attention(x, o))
+
+
+def _trace_settings() -> tuple:
+    """What the blocks' tracing reads besides their arguments: :mod:`magicpig_jax.models.linear`'s
+    ``MATVEC_MAX_TOKENS``, ``PREFILL_MODE``, ``PREFILL_TILE_BYTES`` and whether the host op is built."""
+    return (linear_settings.MATVEC_MAX_TOKENS, linear_settings.PREFILL_MODE, linear_settings.PREFILL_TILE_BYTES,
+            linear_settings._host_available())
 
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
