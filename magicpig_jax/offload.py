@@ -101,13 +101,16 @@ class AccelState:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "index", "lengths"],
-                   meta_fields=["window"])
+                   meta_fields=["window", "config"])
 @dataclasses.dataclass
 class HostState:
     """What a layer keeps in host memory: the KV cache, its index, the row lengths.
 
     ``window``: the tail positions attended on the accelerator (static); the host op
     attends exactly the unhashed keys of ``[end, lengths - window)`` besides the sampled ones.
+    ``config``: the :class:`MagicPIGConfig` :func:`prepare_offload` placed the static set with
+    (static); :func:`offload_magicpig_attention` refuses another one. None for a state built by
+    hand (then nothing is checked).
     """
 
     k: Float[Array, "B Hkv N D"]
@@ -115,6 +118,7 @@ class HostState:
     index: host.HostIndex
     lengths: Int[Array, " B"]
     window: int
+    config: MagicPIGConfig | None = None
 
 
 def default_devices() -> tuple[jax.Device, jax.Device]:
@@ -198,7 +202,7 @@ def prepare_offload(
     static = static_kv(k, v, index.start, index.end, lengths, num_sink=config.num_sink, window=static_window)
     accel = AccelState(projections=index.projections, static=static)
     return jax.device_put(accel, accel_device), HostState(k=k, v=v, index=index, lengths=lengths,
-                                                          window=static_window)
+                                                          window=static_window, config=config)
 
 
 @functools.partial(jax.jit, static_argnames=("K", "L"))
@@ -240,8 +244,9 @@ def offload_magicpig_attention(
     Args:
       q: float ``[B, Hq, D]`` on the accelerator (the layer's query; moved there if not).
       accel_state, host_state: from :func:`prepare_offload`.
-      config: the :class:`MagicPIGConfig` of the index (its K and L hash the query; the static
-        set is the one :func:`prepare_offload` placed).
+      config: the :class:`MagicPIGConfig` given to :func:`prepare_offload` (its K and L hash the
+        query; its sinks and local window are the static set placed there). Another configuration
+        is refused: a field it changes (e.g. ``num_local``) could not take effect here.
       impl, max_threads: the host op's kernel choice and thread cap.
 
     Returns:
@@ -252,12 +257,18 @@ def offload_magicpig_attention(
     Raises:
       TypeError, ValueError: as :func:`magicpig_jax.lsh.simhash_codes` and
         :func:`magicpig_jax.host.host_sampled_attention`: ``q`` of another shape than the layer's,
-        or a ``config`` whose K or L is not the index's (its query codes do not fit the tables).
+        a ``config`` whose K or L is not the index's (its query codes do not fit the tables), or
+        a ``config`` other than the one :func:`prepare_offload` was given (the fields named).
       ImportError: the native extension is not built.
 
     Source: arXiv 2410.16179, Section 4.3 (the CPU-GPU system); docs/design.md, "Sharding and
     accelerator offload".
     """
+    placed = host_state.config
+    if placed is not None and config != placed:
+        diff = ", ".join(f"{f.name}={getattr(config, f.name)} (prepared with {getattr(placed, f.name)})"
+                         for f in dataclasses.fields(placed) if getattr(config, f.name) != getattr(placed, f.name))
+        raise ValueError(f"config must be the MagicPIGConfig given to prepare_offload: {diff}")
     accel = accel_state.projections.devices().pop()
     host_dev = host_state.k.devices().pop()
     q = jax.device_put(q, accel)

@@ -21,9 +21,10 @@ import pytest
 from tests._xla import with_test_flag
 
 ROOT = Path(__file__).resolve().parent.parent
+NUM_LOCAL = 8  # the subprocess's cfg.num_local
 
 _CHECKS = textwrap.dedent(r'''
-    import json, os, traceback
+    import dataclasses, json, os, traceback
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     import jax, jax.numpy as jnp, numpy as np
     from magicpig_jax import host, lsh, offload
@@ -126,12 +127,20 @@ _CHECKS = textwrap.dedent(r'''
             "config": lambda: offload.prepare_offload(k_h, k_h, index, MagicPIGConfig(K=7, L=20), lengths,
                                                       accel_device=accel, host_device=host_dev),
         }
+        a_state, h_state = offload.prepare_offload(k_h, k_h, index, cfg, lengths, accel_device=accel,
+                                                   host_device=host_dev)
+        q_a = jax.device_put(q, accel)
+        # a static set other than the one placed cannot take effect: refused, not ignored
+        cases["other_num_local"] = lambda: offload.offload_magicpig_attention(
+            q_a, a_state, h_state, dataclasses.replace(cfg, num_local=cfg.num_local + 1))
         for name, fn in cases.items():
             try:
                 fn()
                 out[name] = "no error"
             except ValueError as e:
                 out[name] = "ValueError: " + str(e)
+        out["same_config"] = bool(np.all(np.isfinite(np.asarray(
+            offload.offload_magicpig_attention(q_a, a_state, h_state, dataclasses.replace(cfg))[0]))))
         return out
 
     check("errors", errors)
@@ -206,6 +215,9 @@ def test_errors(results):
     assert "static_window" in e["window"]
     assert "lengths must be in [0, 400]" in e["lengths"]
     assert "K=7" in e["config"]
+    assert e["other_num_local"].startswith("ValueError: config must be the MagicPIGConfig given to prepare_offload")
+    assert f"num_local={NUM_LOCAL + 1} (prepared with {NUM_LOCAL})" in e["other_num_local"], e["other_num_local"]
+    assert e["same_config"]  # an equal config (another object) is accepted
 
 
 def test_accelerator_check_script_runs_on_cpu():
