@@ -372,8 +372,10 @@ def _where(spec, prompt_tokens: int, num_layers: int) -> str:
     cfg = spec.magicpig
     if spec.backend != "dense" and not spec.sparse_layers(num_layers):
         dense = tuple(range(num_layers))
+        how = ("the --magicpig-config file keeps every layer dense" if spec.layers is not None
+               else "choose the dense layers with --dense-layers")
         where += (f"; note: every layer of this {num_layers}-layer model is dense (dense layers {dense}), so the "
-                  "result equals dense attention: choose the dense layers with --dense-layers")
+                  f"result equals dense attention: {how}")
     elif spec.backend != "dense" and prompt_tokens <= cfg.num_sink + cfg.num_local:
         where += (f"; note: the prompt ({prompt_tokens} tokens) is no longer than num_sink + num_local = "
                   f"{cfg.num_sink + cfg.num_local}, so every key is static and the result equals dense attention")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
+from magicpig_jax.attention import HybridConfig, LayerConfigs, MagicPIGConfig
 from magicpig_jax.attention.baselines import Budget
 from magicpig_jax.attention.layer_configs import check_layer_indices
 from magicpig_jax.decode_loop import Sampling, check_not_consumed, run_decode, start_decode
@@ -253,6 +253,13 @@ def cache_capacity(model: LoadedModel, longest_prompt: int, max_new_tokens: int,
     return _round_up(want, CHUNK)
 
 
+def _check_max_new_tokens(max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
 def _check_token_ids(name: str, ids, vocab_size: int) -> None:
     """Refuse token ids that are not integers in ``[0, vocab_size)``: the embedding gather would
     read out of range (NaN logits) or wrap a negative id to the end of the vocabulary."""
@@ -347,7 +354,9 @@ def decode_spec(model: LoadedModel, attention: str = "magicpig", config: MagicPI
                 f"{model.config.sliding_window} tokens; such layers decode exactly over their window, so a "
                 "sparse method would run on no layer: use attention 'dense'")
         dl = tuple(sorted(set(dl) | set(windowed)))
-    return DecodeSpec(backend=attention, magicpig=config or MagicPIGConfig(), dense_layers=dl, budget=budget,
+    if config is None:  # the hybrid estimator's configuration carries its heavy threshold
+        config = HybridConfig() if attention == "hybrid" else MagicPIGConfig()
+    return DecodeSpec(backend=attention, magicpig=config, dense_layers=dl, budget=budget,
                       page_size=page_size, mesh=mesh, logit_softcap=model.config.attn_logit_softcap)
 
 
@@ -392,7 +401,8 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
         (``"dense"``, ``"magicpig"``, ``"magicpig-ref"``, ``"topk"``, ``"quest"``, ``"oracle"``,
         ``"hybrid"``).
       max_new_tokens: tokens to generate per row (stops earlier on EOS), ``>= 1``.
-      config: MagicPIG configuration (default :class:`MagicPIGConfig()`); its ``num_sink`` and
+      config: MagicPIG configuration (default :class:`MagicPIGConfig()`; for ``"hybrid"``
+        :class:`~magicpig_jax.attention.HybridConfig()`, heavy threshold 8); its ``num_sink`` and
         ``num_local`` also define the static set of TopK, Quest and oracle sampling. A
         :class:`~magicpig_jax.attention.LayerConfigs` gives each layer its own (K, L) or keeps it
         dense (``magicpig``, ``magicpig-ref``, ``hybrid`` only; then ``dense_layers`` stays unset).
@@ -416,10 +426,11 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
     Raises:
       ValueError: unknown attention, bad sampling parameters, not enough cache capacity,
         ``page_size`` outside quest, or a ``state`` whose cache an earlier decode consumed.
-      TypeError: ``dense_layers`` that are not integers.
+      TypeError: ``dense_layers`` that are not integers, a ``max_new_tokens`` that is not an int.
       FloatingPointError: a live row's logits held NaN or ±inf (a weight, activation or cache
         value that is not finite); raised at the step that produced them.
     """
+    _check_max_new_tokens(max_new_tokens)
     page_size = _page_size(attention, page_size)
     check_not_consumed(state)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh,
@@ -447,7 +458,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         sets its heavy threshold).
       max_new_tokens: maximum tokens to generate per row, ``>= 1``; a row also stops at EOS,
         at a stop string, or where the model's context is full.
-      config: :class:`MagicPIGConfig` (default K=10, L=150, 4 sinks, 64 local), or a
+      config: :class:`MagicPIGConfig` (default K=10, L=150, 4 sinks, 64 local; for ``"hybrid"``
+        a :class:`~magicpig_jax.attention.HybridConfig` with those and heavy threshold 8), or a
         :class:`~magicpig_jax.attention.LayerConfigs` (per-layer (K, L) or dense, e.g. from
         ``magicpig-jax calibrate``; :meth:`LayerConfigs.load` reads its JSON file; ``magicpig``,
         ``magicpig-ref`` and ``hybrid`` only, and its recorded model sizes must be this model's).
@@ -484,10 +496,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
       FloatingPointError: a row's logits held NaN or ±inf (a weight, activation or cache value
         that is not finite); with ``stream=True``, raised by the iterator.
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
-        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_max_new_tokens(max_new_tokens)
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     # an option that would be ignored is refused, as the CLI refuses its flag (dense_layers and config are
     # accepted with attention 'dense', where they do nothing, so that one loop can compare backends)

@@ -146,6 +146,13 @@ def test_a_non_utf8_file_names_itself(tmp_path):
         LayerConfigs.load(path)
 
 
+def test_an_unreadable_number_names_the_file(tmp_path):
+    path = tmp_path / "bigint.json"
+    path.write_text('{"format": ' + "9" * 5000 + "}")  # past Python's int-string conversion limit
+    with pytest.raises(ValueError, match=f"layer-configs file {path} cannot be read as JSON"):
+        LayerConfigs.load(path)
+
+
 TINY_SHAPE = {"num_layers": 3, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 97}
 
 

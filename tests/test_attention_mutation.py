@@ -134,6 +134,10 @@ def test_shape_dtype_and_config_messages():
         ({"num_sink": -1}, ValueError, "num_sink must be >= 0, got num_sink=-1"),
         ({"num_sink": 1.5}, TypeError, "num_sink must be an int, got float 1.5"),
         ({"num_local": -2}, ValueError, "num_local must be >= 0, got num_local=-2"),
+        # past int32 positions: refused here, not an OverflowError after the prefill
+        ({"num_local": 2**29 + 1}, ValueError, f"num_local must be <= 2**29 (positions are int32), got "
+                                               f"num_local={2**29 + 1}"),
+        ({"num_sink": 2**31}, ValueError, f"num_sink must be <= 2**29 (positions are int32), got num_sink={2**31}"),
         ({"num_local": None}, TypeError, "num_local must be an int, got NoneType None"),
         ({"num_local": True}, TypeError, "num_local must be an int, got bool True"),
         ({"seed": -1}, ValueError, "seed must be >= 0, got seed=-1"),

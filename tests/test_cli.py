@@ -404,7 +404,7 @@ def test_generate_streams_says_where_it_runs_and_writes_strict_json(tmp_path):
     assert 100e6 < data["peak_rss_bytes"] < 20e9  # the process's peak resident memory, in bytes
 
 
-def test_generate_says_when_every_layer_is_dense_or_the_context_is_full(capsys):
+def test_generate_says_when_every_layer_is_dense_or_the_context_is_full(capsys, tmp_path):
     # a 2-layer model keeps its default dense layers {0, 1}: magicpig then equalled dense with no word
     # of it; and a row cut by the model's context (512 positions here) looked like a finished answer
     proc = run_here(capsys, "generate", "--model", str(FAMILY), "--prompt", "hi " * 250, "--no-chat",
@@ -414,6 +414,17 @@ def test_generate_says_when_every_layer_is_dense_or_the_context_is_full(capsys):
             "attention: choose the dense layers with --dense-layers") in proc.stdout
     assert "note: the prompt" not in proc.stdout
     prompt = int(re.search(r"prompt: (\d+) tokens", proc.stdout).group(1))
+    # every layer dense by a calibrated file: the note does not point to --dense-layers, which the file excludes
+    from magicpig_jax.attention import LayerConfigs
+    from magicpig_jax.io.loader import load_model
+
+    shape = load_model(str(FAMILY)).config.model_shape()
+    path = LayerConfigs(((0, "dense"), (1, "dense")), model_shape=shape).save(tmp_path / "all_dense.json")
+    dense_file = run_here(capsys, "generate", "--model", str(FAMILY), "--prompt", "hi", "--no-chat",
+                          "--max-new-tokens", "2", "--attention", "magicpig", "--magicpig-config", str(path))
+    assert dense_file.returncode == 0, dense_file.stderr
+    assert ("so the result equals dense attention: the --magicpig-config file keeps every layer dense"
+            in dense_file.stdout)
     assert 490 < prompt < 512
     assert f"(stopped after {512 - prompt + 1} tokens: the model's context of 512 positions is full)" in proc.stdout
 

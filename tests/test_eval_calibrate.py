@@ -137,6 +137,14 @@ def test_file_and_eval_check(calibrated, tmp_path):
     with pytest.raises(ValueError, match="num_local"):
         cal.check_config_for_eval(path, model, EvalSettings(**{**settings.__dict__, "haystack": str(other),
                                                                "num_local": 64}))
+    # a malformed calibration record names the file and the field (it crashed with AttributeError)
+    for field, bad, want in (("calibration", "oops", "'calibration' must be an object"),
+                             ("calibration", {"paragraph_sha1": 5}, "'calibration.paragraph_sha1' must be a list"),
+                             ("calibration", {"paragraph_sha1": [[1]]}, "'calibration.paragraph_sha1' must be a list")):
+        broken = tmp_path / "broken.json"
+        broken.write_text(json.dumps(dict(json.loads(path.read_text()), **{field: bad})))
+        with pytest.raises(ValueError, match=f"^{re.escape(str(broken))}: {re.escape(want)}"):
+            cal.check_config_for_eval(broken, model, EvalSettings(**{**settings.__dict__, "haystack": str(other)}))
     # a file calibrated for a model of other sizes (its layer count equal) is named, not applied
     shape = dict(model.config.model_shape(), hidden_size=model.config.hidden_size + 1)
     foreign = dataclasses.replace(lc, model_shape=shape).save(tmp_path / "foreign.json", extra=report)

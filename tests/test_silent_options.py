@@ -49,6 +49,16 @@ def test_a_heavy_threshold_needs_the_hybrid_backend(model):
             decode_spec(model, backend, per_layer)
     assert decode_spec(model, "hybrid", per_layer).layers == per_layer
     assert decode_spec(model, "hybrid", hy).magicpig == hy
+    # no config: the hybrid backend gets the default HybridConfig (a plain MagicPIGConfig, which it
+    # refuses, made generate(attention="hybrid") fail whatever the prompt)
+    assert decode_spec(model, "hybrid").magicpig == HybridConfig()
+    assert generate(char_model(), "abc", attention="hybrid", max_new_tokens=2, chat=False).stats["attention"] == "hybrid"
+
+
+def test_a_generation_buffer_keeps_the_static_window_an_int32():
+    with pytest.raises(ValueError, match=r"generation_buffer must be in \[1, 2\*\*29\]"):
+        DecodeSpec(backend="magicpig", generation_buffer=2**30)
+    assert DecodeSpec(backend="magicpig", generation_buffer=2**29).static_window == 64 + 2**30
 
 
 def test_a_budget_only_for_the_budgeted_backends(model):

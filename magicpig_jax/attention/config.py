@@ -16,6 +16,9 @@ __all__ = ["MagicPIGConfig", "GENERATION_BUFFER"]
 # arXiv 2410.16179, Section 5). The unhashed tail ``[end, length)`` is therefore never longer than
 # ``num_local + 2 * GENERATION_BUFFER`` positions: that bound is :meth:`MagicPIGConfig.static_window`.
 GENERATION_BUFFER = 256
+# The most sink or local tokens a configuration may keep: positions are int32, and the static
+# window (num_local plus two generation buffers) must stay one.
+MAX_STATIC_TOKENS = 2**29
 
 
 def _check_count(name: str, value: object) -> None:
@@ -33,8 +36,9 @@ class MagicPIGConfig:
       K: SimHash bits per table, 1 <= K <= 32 (codes are uint32).
       L: number of hash tables, L >= 2; a key is sampled when its code equals the
         query's in at least 2 of the L tables.
-      num_sink: sink tokens at the start of the context kept exactly (static set), >= 0.
-      num_local: last prompt tokens (local window) kept exactly (static set), >= 0.
+      num_sink: sink tokens at the start of the context kept exactly (static set), in
+        ``[0, 2**29]``.
+      num_local: last prompt tokens (local window) kept exactly (static set), in ``[0, 2**29]``.
       seed: seed of the Gaussian SimHash projections, in ``[0, 2**32)`` (``jax.random.key`` keeps
         32 bits: a larger seed would silently repeat a smaller one's hyperplanes).
       layers_per_projection: consecutive layers that share one projection matrix, >= 1:
@@ -62,8 +66,10 @@ class MagicPIGConfig:
 
     def __post_init__(self) -> None:
         validate_k_l(self.K, self.L)
-        _check_count("num_sink", self.num_sink)
-        _check_count("num_local", self.num_local)
+        for name in ("num_sink", "num_local"):
+            _check_count(name, getattr(self, name))
+            if getattr(self, name) > MAX_STATIC_TOKENS:
+                raise ValueError(f"{name} must be <= 2**29 (positions are int32), got {name}={getattr(self, name)}")
         _check_count("seed", self.seed)
         if self.seed >= 2**32:
             raise ValueError(f"seed must be < 2**32, got seed={self.seed}")

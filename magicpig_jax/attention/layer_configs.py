@@ -311,6 +311,8 @@ class LayerConfigs:
             raise ValueError(f"layer-configs file {path} gives {err} twice in one object") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"layer-configs file {path} is not JSON: {err}") from None
+        except ValueError as err:  # e.g. an integer of more digits than Python converts
+            raise ValueError(f"layer-configs file {path} cannot be read as JSON: {err}") from None
         except RecursionError:
             raise ValueError(f"layer-configs file {path} is not a layer-configs object: JSON nested too deeply "
                              "to read") from None

@@ -84,8 +84,12 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
     """Refuse a calibrated file that does not fit an evaluation: other static set, other layer count,
     or a calibration text that shares a paragraph with the evaluation haystack.
 
+    The overlap is checked against the file's ``calibration.paragraph_sha1`` (written by
+    ``magicpig-jax calibrate``); a file without a calibration record (written by hand) has no
+    text to compare.
+
     Raises:
-      ValueError: naming the mismatch.
+      ValueError: naming the mismatch, or a malformed calibration record (naming the field).
     """
     from magicpig_jax.attention import LayerConfigs
     from magicpig_jax.eval.corpus import load_prose
@@ -100,7 +104,15 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
         raise ValueError(f"{path}: calibrated with num_sink={base.num_sink}, num_local={base.num_local}; the "
                          f"evaluation uses {settings.num_sink}, {settings.num_local}")
     obj = json.loads(Path(path).read_text())
-    cal = set((obj.get("calibration") or {}).get("paragraph_sha1") or [])
+    record = obj.get("calibration", {})
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: 'calibration' must be an object (calibrate's record), got "
+                         f"{type(record).__name__}")
+    hashes = record.get("paragraph_sha1", [])
+    if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+        raise ValueError(f"{path}: 'calibration.paragraph_sha1' must be a list of strings (the calibration "
+                         f"text's paragraph hashes)")
+    cal = set(hashes)
     hay = {hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(settings.haystack)}
     shared = cal & hay
     if shared:

@@ -55,7 +55,7 @@ class DecodeSpec:
       page_size: Quest's page size (tokens).
       generation_buffer: (host op) generated tokens stay static until the unhashed tail
         reaches :attr:`static_window` positions; then the oldest ``generation_buffer`` of
-        them are appended to the index in one call.
+        them are appended to the index in one call; in ``[1, 2**29]``.
       host: whether "magicpig" runs through the host op on the CPU backend (default: iff
         JAX's default backend is the CPU).
       mesh: optional ``("batch", "kv_heads")`` mesh for the host op (None: one device).
@@ -112,8 +112,9 @@ class DecodeSpec:
             raise ValueError(f"budget applies to the {', '.join(BUDGETED)} backends only, got backend={self.backend!r}")
         if isinstance(self.generation_buffer, bool) or not isinstance(self.generation_buffer, int):
             raise TypeError(f"generation_buffer must be an int, got {self.generation_buffer!r}")
-        if self.generation_buffer < 1:
-            raise ValueError(f"generation_buffer must be >= 1, got {self.generation_buffer}")
+        if not 1 <= self.generation_buffer <= 2**29:
+            raise ValueError(f"generation_buffer must be in [1, 2**29] (the static window, num_local plus two "
+                             f"buffers, is an int32 position), got {self.generation_buffer}")
         if self.backend != "hybrid":
             configs = [self.magicpig, *(c for _, c in (self.layers.layers if self.layers is not None else ()))]
             if any(getattr(c, "heavy", None) is not None for c in configs):
