@@ -396,7 +396,7 @@ def _stream_answer(model, state, spec, max_new_tokens: int, sampling, stops, con
     criterion = StopStrings(model.tokenizer.decode, stops) if stops else None
     run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion, consume_prefill=consume)
     drop_compiled_programs()  # the index build's program (and the cache copy's)
-    text = TextStream(model.tokenizer.decode, stops)
+    text = TextStream(model.tokenizer.decode, stops, getattr(model.tokenizer, "partial_token", None))
     where = _where(spec, int(state.prompt_lengths[0]), model.config.num_layers)
     print(f"\n=== answer with {spec.backend} attention ({where}) ===", flush=True)
     for outputs in run:

@@ -523,7 +523,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     # the prefill is not needed after this decode: decode in its cache, not in a copy of it
     run = start_decode(model, state, spec, max_new_tokens, sampling, stop=criterion, consume_prefill=True)
     if stream:
-        return _stream(run, TextStream(decode_text, stops))
+        return _stream(run, TextStream(decode_text, stops, getattr(model.tokenizer, "partial_token", None)))
     for _ in run:
         pass
     stats = {**run.stats(), "model": str(model.source), "stop": list(stops)}

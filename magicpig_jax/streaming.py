@@ -1,9 +1,13 @@
 """Text as it is generated: stop strings and incremental decoding that never splits a character.
 
 Byte-level tokenizers emit a multi-byte UTF-8 character over several tokens; decoding the
-ids so far then ends in U+FFFD until the character is complete. :class:`TextStream` emits
-only the text that can no longer change, and holds back a tail that could still become a
-stop string, so a streamed answer equals the final one piece by piece.
+ids so far then ends in U+FFFD until the character is complete. A SentencePiece tokenizer
+with byte fallback (``<0xF0>`` tokens; Hugging Face's ``ByteFallback`` decoder) decodes each
+run of byte tokens as one piece, and a run that is not UTF-8 as a whole becomes one U+FFFD
+per byte, characters of it that were already complete included: the text of a run can
+change until a token that is not a byte token closes it. :class:`TextStream` emits only the
+text that can no longer change, and holds back a tail that could still become a stop string,
+so a streamed answer equals the final one piece by piece.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ def check_stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
     Raises:
       TypeError: not a string or a sequence of strings.
-      ValueError: an empty stop string, or one holding a lone surrogate (bytes that were not
-        UTF-8, which decoded text never contains).
+      ValueError: an empty stop string, one holding a lone surrogate (bytes that were not
+        UTF-8, which decoded text never contains), or one holding U+FFFD (which the text of a
+        character still being completed ends in, so it would stop rows on valid text).
     """
     if stop is None:
         return ()
@@ -33,6 +38,9 @@ def check_stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
         raise ValueError("stop strings must be non-empty")
     if any("\ud800" <= c <= "\udfff" for s in stop for c in s):
         raise ValueError("stop strings must be valid Unicode text, got a lone surrogate (bytes that are not UTF-8)")
+    if any(_REPLACEMENT in s for s in stop):
+        raise ValueError("stop strings must not hold U+FFFD: the text of a character still being generated ends "
+                         "in it, so such a stop string would end rows whose text is valid")
     return tuple(stop)
 
 
@@ -64,9 +72,15 @@ class StopStrings:
         self.tail = 4 * max((len(s) for s in self.stop), default=0) + 4
 
     def __call__(self, row: int, ids: Sequence[int]) -> bool:
-        """Whether the text of ``ids`` (a row's tokens so far; only the last few are decoded) holds
-        a stop string (``row`` is unused: every row has the same stop strings)."""
+        """Whether the text of ``ids`` (a row's tokens so far) holds a stop string (``row`` is
+        unused: every row has the same stop strings). Only the last few ids are decoded each
+        step; a hit there is confirmed on the whole text, since a tail that starts inside a run
+        of byte-fallback tokens can decode otherwise than the run does."""
         text = self.decode(ids[-self.tail:])
+        if not any(s in text for s in self.stop):
+            return False
+        if len(ids) > self.tail:
+            text = self.decode(ids)
         return any(s in text for s in self.stop)
 
     def cut(self, text: str) -> str:
@@ -81,11 +95,25 @@ class TextStream:
     Args:
       decode: ids -> text (special tokens skipped).
       stop: stop strings; text that could still be the start of one is held back.
+      partial: token id -> whether a later token can still change its text at the end of a
+        text (:meth:`magicpig_jax.io.tokenizer.Tokenizer.partial_token`: byte-fallback tokens
+        and parts of characters); the text of a trailing run of them is held back. Default:
+        a token whose own text holds U+FFFD, which misses byte-fallback tokens of ASCII bytes.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (),
+                 partial: Callable[[int], bool] | None = None):
         self.decode, self.stop = decode, tuple(stop)
         self.sent = 0
+        self._partial = partial if partial is not None else (lambda i: _REPLACEMENT in self.decode([i]))
+
+    def _open_tail(self, ids: Sequence[int]) -> int:
+        """Where the trailing run of tokens that are parts of characters starts (``len(ids)``
+        if the last token is whole): the text of that run can still change (module docstring)."""
+        j = len(ids)
+        while j and self._partial(int(ids[j - 1])):
+            j -= 1
+        return j
 
     def _safe_end(self, text: str, final: bool) -> int:
         end = len(text)
@@ -105,6 +133,11 @@ class TextStream:
         if self.stop:
             text = StopStrings(self.decode, self.stop).cut(text)
         end = self._safe_end(text, final)
+        if not final:
+            j = self._open_tail(ids)
+            if j < len(ids):  # nothing past the text of the tokens before the open run
+                head = self.decode(ids[:j])
+                end = min(end, len(head) if text.startswith(head) else 0)
         if end <= self.sent:
             return ""
         piece, self.sent = text[self.sent:end], end

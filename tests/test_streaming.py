@@ -1,15 +1,19 @@
-"""Incremental text and stop strings against the whole-text decode of a real byte-level tokenizer."""
+"""Incremental text and stop strings against the whole-text decode of real tokenizers: byte-level
+(qwen2) and SentencePiece with byte fallback (mistral, gemma2, phi3)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from magicpig_jax.io.tokenizer import Tokenizer
 from magicpig_jax.streaming import StopStrings, TextStream, check_stop_strings
 
-FAMILY = Path(__file__).parent / "fixtures" / "families" / "qwen2"
+FAMILIES = Path(__file__).parent / "fixtures" / "families"
+FAMILY = FAMILIES / "qwen2"
 TEXT = "Héllo wörld, 你好 🎉🎉 naïve — done. STOP here"
 
 
@@ -47,3 +51,60 @@ def test_stop_strings_are_checked():
         check_stop_strings(["a\udcff"])
     with pytest.raises(TypeError, match="stop must be"):
         check_stop_strings([1])
+
+
+@pytest.fixture(scope="module")
+def byte_fallback():
+    return {name: Tokenizer.from_hf_dir(FAMILIES / name) for name in ("mistral", "gemma2", "phi3")}
+
+
+def test_a_byte_fallback_run_is_streamed_as_the_final_text(byte_fallback):
+    # A run of <0xNN> tokens decodes as one UTF-8 piece: cut two bytes into the second emoji, the
+    # whole run (the complete first emoji too) becomes U+FFFD per byte. The first emoji was streamed
+    # before, and the stream then differed from .text.
+    for tok in byte_fallback.values():
+        ids = tok.encode("Hi \U0001F98A\U0001F98A")[:-2]
+        assert tok.partial_token(ids[-1]) and not tok.partial_token(tok.encode("Hi")[-1])
+        stream = TextStream(tok.decode, partial=tok.partial_token)
+        pieces = [stream.push(ids[:n]) for n in range(1, len(ids) + 1)] + [stream.push(ids, final=True)]
+        assert "".join(pieces) == tok.decode(ids) == "Hi " + "\ufffd" * 6
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_streamed_pieces_join_to_the_final_text(tok, byte_fallback, data):
+    name = data.draw(st.sampled_from(["qwen2", "mistral", "gemma2", "phi3"]))
+    t = tok if name == "qwen2" else byte_fallback[name]
+    ids = data.draw(st.lists(st.integers(0, t.backend.get_vocab_size() - 1), min_size=1, max_size=30))
+    full = t.decode(ids)
+    stops = [full[len(full) // 2:len(full) // 2 + 2]] if data.draw(st.booleans()) and len(full) > 3 else []
+    stops = [s for s in stops if s and "\ufffd" not in s]
+    criterion = StopStrings(t.decode, stops) if stops else None
+    stream = TextStream(t.decode, stops, t.partial_token)
+    pieces, used = [], len(ids)
+    for n in range(1, len(ids) + 1):
+        pieces.append(stream.push(ids[:n]))
+        # whatever was streamed is final: a prefix of the whole text so far (cut at a stop string)
+        so_far = criterion.cut(t.decode(ids[:n])) if criterion else t.decode(ids[:n])
+        assert so_far.startswith("".join(pieces)), (name, ids[:n])
+        if criterion and criterion(0, ids[:n]):
+            used = n
+            break
+    pieces.append(stream.push(ids[:used], final=True))
+    final = t.decode(ids[:used])
+    assert "".join(pieces) == (criterion.cut(final) if criterion else final)
+    if criterion:  # the criterion fires where the whole text first holds a stop string, never before
+        assert any(s in final for s in stops)
+        assert used == 1 or not any(s in t.decode(ids[:used - 1]) for s in stops)
+
+
+def test_the_criterion_confirms_a_tail_hit_on_the_whole_text(byte_fallback):
+    tok = byte_fallback["mistral"]
+    byte = {tok.backend.id_to_token(i): i for i in range(tok.backend.get_vocab_size())}
+    # <0xC3> then nine <0x41> ("A"): the run is not UTF-8 as a whole, so the text is ten U+FFFD,
+    # while the last eight ids alone decode to "AAAAAAAA"
+    ids = [byte["<0xC3>"]] + [byte["<0x41>"]] * 9
+    assert tok.decode(ids) == "\ufffd" * 10 and tok.decode(ids[-8:]) == "A" * 8
+    assert not StopStrings(tok.decode, ["A"])(0, ids)
+    with pytest.raises(ValueError, match="must not hold U\\+FFFD"):
+        check_stop_strings(["a\ufffd"])

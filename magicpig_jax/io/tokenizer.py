@@ -213,6 +213,24 @@ class Tokenizer:
         """Text of token ids."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def partial_token(self, token_id: int) -> bool:
+        """Whether a later token can still change the text of ``token_id`` at the end of a text:
+        a byte-fallback token (``<0xNN>`` under a ``ByteFallback`` decoder, which decodes a run
+        of them as one UTF-8 piece, U+FFFD per byte if the run is not UTF-8 as a whole), or a
+        token whose own text holds U+FFFD (part of a byte-level tokenizer's multi-byte
+        character), or one with no text (a skipped special token, which does not end a run).
+        Used by :class:`~magicpig_jax.streaming.TextStream`."""
+        token_id = int(token_id)
+        cache = self.__dict__.setdefault("_partial", {})
+        if token_id not in cache:
+            if "_byte_fallback" not in self.__dict__:
+                self._byte_fallback = '"ByteFallback"' in self.backend.to_str()
+            piece = self.backend.id_to_token(token_id) or ""
+            text = self.decode([token_id])
+            cache[token_id] = ((self._byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece) is not None)
+                               or "\ufffd" in text or text == "")
+        return cache[token_id]
+
     # -- chat -----------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
