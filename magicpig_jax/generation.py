@@ -424,7 +424,7 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       ``(token_ids per row, stats dict)`` (see :class:`Generation` for the keys).
 
     Raises:
-      ValueError: unknown attention, bad sampling parameters, not enough cache capacity,
+      ValueError: unknown attention, ``max_new_tokens < 1``, bad sampling parameters, not enough cache capacity,
         ``page_size`` outside quest, or a ``state`` whose cache an earlier decode consumed.
       TypeError: ``dense_layers`` that are not integers, a ``max_new_tokens`` that is not an int.
       FloatingPointError: a live row's logits held NaN or ±inf (a weight, activation or cache
@@ -475,7 +475,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         a sampled row depends on its position (one key per step for all rows; see
         :attr:`Sampling.seed`).
       stop: a stop string or a list of them; the text is cut before the first one (one holding a
-        special token's text, which decoded text leaves out, is refused).
+        special token's text, which decoded text leaves out, or U+FFFD, is refused).
       stream: return an iterator of text pieces as tokens are produced (one prompt only);
         a character split over several byte tokens is emitted whole.
       chat: apply the chat template (False: ``prompt`` is raw text).

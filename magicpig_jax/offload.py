@@ -101,16 +101,16 @@ class AccelState:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "index", "lengths"],
-                   meta_fields=["window", "config"])
+                   meta_fields=["window", "placed"])
 @dataclasses.dataclass
 class HostState:
     """What a layer keeps in host memory: the KV cache, its index, the row lengths.
 
     ``window``: the tail positions attended on the accelerator (static); the host op
     attends exactly the unhashed keys of ``[end, lengths - window)`` besides the sampled ones.
-    ``config``: the :class:`MagicPIGConfig` :func:`prepare_offload` placed the static set with
-    (static); :func:`offload_magicpig_attention` refuses another one. None for a state built by
-    hand (then nothing is checked).
+    ``placed``: the ``(K, L, num_sink, num_local)`` of the configuration :func:`prepare_offload`
+    was given (static); :func:`offload_magicpig_attention` refuses a configuration with others.
+    None for a state built by hand (then nothing is checked).
     """
 
     k: Float[Array, "B Hkv N D"]
@@ -118,7 +118,11 @@ class HostState:
     index: host.HostIndex
     lengths: Int[Array, " B"]
     window: int
-    config: MagicPIGConfig | None = None
+    placed: tuple[int, int, int, int] | None = None
+
+
+# The fields of a configuration that a prepared offload state fixes (its tables, its static set).
+PLACED_FIELDS = ("K", "L", "num_sink", "num_local")
 
 
 def default_devices() -> tuple[jax.Device, jax.Device]:
@@ -202,7 +206,8 @@ def prepare_offload(
     static = static_kv(k, v, index.start, index.end, lengths, num_sink=config.num_sink, window=static_window)
     accel = AccelState(projections=index.projections, static=static)
     return jax.device_put(accel, accel_device), HostState(k=k, v=v, index=index, lengths=lengths,
-                                                          window=static_window, config=config)
+                                                          window=static_window,
+                                                          placed=tuple(getattr(config, f) for f in PLACED_FIELDS))
 
 
 @functools.partial(jax.jit, static_argnames=("K", "L"))
@@ -244,9 +249,10 @@ def offload_magicpig_attention(
     Args:
       q: float ``[B, Hq, D]`` on the accelerator (the layer's query; moved there if not).
       accel_state, host_state: from :func:`prepare_offload`.
-      config: the :class:`MagicPIGConfig` given to :func:`prepare_offload` (its K and L hash the
-        query; its sinks and local window are the static set placed there). Another configuration
-        is refused: a field it changes (e.g. ``num_local``) could not take effect here.
+      config: a :class:`MagicPIGConfig` with the K, L, ``num_sink`` and ``num_local`` given to
+        :func:`prepare_offload` (its K and L hash the query; the static set was placed there). One
+        with others is refused: such a field (e.g. ``num_local``) could not take effect here. Its
+        seed and ``layers_per_projection`` are not read (the hyperplanes are the index's).
       impl, max_threads: the host op's kernel choice and thread cap.
 
     Returns:
@@ -258,17 +264,19 @@ def offload_magicpig_attention(
       TypeError, ValueError: as :func:`magicpig_jax.lsh.simhash_codes` and
         :func:`magicpig_jax.host.host_sampled_attention`: ``q`` of another shape than the layer's,
         a ``config`` whose K or L is not the index's (its query codes do not fit the tables), or
-        a ``config`` other than the one :func:`prepare_offload` was given (the fields named).
+        a ``config`` whose K, L or static set is not the one :func:`prepare_offload` was given
+        (the fields named).
       ImportError: the native extension is not built.
 
     Source: arXiv 2410.16179, Section 4.3 (the CPU-GPU system); docs/design.md, "Sharding and
     accelerator offload".
     """
-    placed = host_state.config
-    if placed is not None and config != placed:
-        diff = ", ".join(f"{f.name}={getattr(config, f.name)} (prepared with {getattr(placed, f.name)})"
-                         for f in dataclasses.fields(placed) if getattr(config, f.name) != getattr(placed, f.name))
-        raise ValueError(f"config must be the MagicPIGConfig given to prepare_offload: {diff}")
+    placed = host_state.placed
+    if placed is not None:
+        diff = ", ".join(f"{name}={getattr(config, name)} (prepared with {was})"
+                         for name, was in zip(PLACED_FIELDS, placed, strict=True) if getattr(config, name) != was)
+        if diff:
+            raise ValueError(f"config must have the K, L and static set given to prepare_offload: {diff}")
     accel = accel_state.projections.devices().pop()
     host_dev = host_state.k.devices().pop()
     q = jax.device_put(q, accel)

@@ -90,12 +90,28 @@ def test_streamed_pieces_join_to_the_final_text(tok, byte_fallback, data):
         if criterion and criterion(0, ids[:n]):
             used = n
             break
+        if not stops and not t.partial_token(ids[n - 1]):
+            # nothing withheld past what can still change: after a whole token, all of the text
+            # but an incomplete character's U+FFFD has been streamed
+            assert "".join(pieces) == so_far.rstrip("\ufffd"), (name, ids[:n])
     pieces.append(stream.push(ids[:used], final=True))
     final = t.decode(ids[:used])
     assert "".join(pieces) == (criterion.cut(final) if criterion else final)
     if criterion:  # the criterion fires where the whole text first holds a stop string, never before
         assert any(s in final for s in stops)
         assert used == 1 or not any(s in t.decode(ids[:used - 1]) for s in stops)
+
+
+def test_words_of_byte_tokens_stream_word_by_word(byte_fallback):
+    # Korean words are "▁" + <0xNN> tokens here. "▁" alone decodes to "" (its space stripped) but
+    # ends a byte run: it was taken for a skipped special token, and nothing streamed until the end.
+    text = "Answer: 안녕 하세요 세계 여러분 반갑 습니다"
+    for tok in byte_fallback.values():
+        ids = tok.encode(text)
+        stream = TextStream(tok.decode, partial=tok.partial_token)
+        pieces = [stream.push(ids[:n]) for n in range(1, len(ids) + 1)]
+        assert "".join(pieces).startswith("Answer: 안녕 하세요 세계 여러분 반갑"), "".join(pieces)
+        assert "".join(pieces) + stream.push(ids, final=True) == tok.decode(ids)
 
 
 def test_the_criterion_confirms_a_tail_hit_on_the_whole_text(byte_fallback):

@@ -63,6 +63,9 @@ def main(argv=None) -> int:
     perf = subprocess.Popen(["perf", "record", "-F", str(args.frequency), "-p", str(os.getpid()), "-o", str(args.out)],
                             stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # perf attaches
+    if perf.poll() is not None:
+        raise SystemExit(f"perf record exited with status {perf.returncode} (is perf allowed here? "
+                         "/proc/sys/kernel/perf_event_paranoid)")
     t0 = time.perf_counter()
     n = sum(1 for _ in steps)
     seconds = time.perf_counter() - t0

@@ -218,17 +218,23 @@ class Tokenizer:
         a byte-fallback token (``<0xNN>`` under a ``ByteFallback`` decoder, which decodes a run
         of them as one UTF-8 piece, U+FFFD per byte if the run is not UTF-8 as a whole), or a
         token whose own text holds U+FFFD (part of a byte-level tokenizer's multi-byte
-        character), or one with no text (a skipped special token, which does not end a run).
+        character), or a skipped special token (no text; it does not end a run).
         Used by :class:`~magicpig_jax.streaming.TextStream`."""
         token_id = int(token_id)
         cache = self.__dict__.setdefault("_partial", {})
         if token_id not in cache:
             if "_byte_fallback" not in self.__dict__:
                 self._byte_fallback = '"ByteFallback"' in self.backend.to_str()
-            piece = self.backend.id_to_token(token_id) or ""
+            if "_special_ids" not in self.__dict__:
+                self._special_ids = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+            piece = self.backend.id_to_token(token_id)
             text = self.decode([token_id])
-            cache[token_id] = ((self._byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece) is not None)
-                               or "\ufffd" in text or text == "")
+            # A skipped special token (or an id the vocabulary lacks) has no text and does not end a
+            # run; a plain token can have none too (SentencePiece's "▁" alone, its leading space
+            # stripped) and does end one.
+            silent = text == "" and (piece is None or token_id in self._special_ids)
+            cache[token_id] = ((self._byte_fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece or "") is not None)
+                               or "\ufffd" in text or silent)
         return cache[token_id]
 
     # -- chat -----------------------------------------------------------------------------------
