@@ -586,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         return _interrupted() if _Sigint.seen else status
     except KeyboardInterrupt:
         return _interrupted()
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, TypeError, OSError) as err:  # OSError: FileNotFoundError, a name too long, a directory...
         if _Sigint.seen:
             return _interrupted()
         print(_error_line(_command(args), str(err)), file=sys.stderr)

@@ -179,3 +179,41 @@ def test_a_special_split_across_strings_stays_text():
     tok.chat_template = "{{ bos_token }}|{{ messages[0].content }}"
     assert tok.apply_chat_template(ONE, bos_token="B") == "B|x"
     tok.chat_template = template
+
+
+def test_the_other_special_tokens_are_template_variables_and_survive_convert(tmp_path):
+    """transformers renders with ``{**tokenizer.special_tokens_map, **kwargs}``: a template may read
+    ``pad_token`` or ``unk_token``; a caller's keyword still wins. A converted checkpoint keeps them."""
+    import shutil
+
+    from magicpig_jax.io.loader import convert_model
+
+    folder = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "qwen2", folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    cfg.update(pad_token="<|endoftext|>", unk_token={"content": "<|im_start|>", "special": True}, sep_token=None)
+    cfg["chat_template"] = "[{{ pad_token }}|{{ unk_token }}|{{ sep_token is defined }}]{{ messages[0].content }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    tok = load_model(folder).tokenizer
+    assert tok.template_tokens == {"pad_token": "<|endoftext|>", "unk_token": "<|im_start|>"}
+    assert tok.apply_chat_template(ONE) == "[<|endoftext|>|<|im_start|>|False]x"
+    assert tok.apply_chat_template(ONE, pad_token="P") == "[P|<|im_start|>|False]x"
+    convert_model(folder, tmp_path / "ckpt")
+    assert load_model(tmp_path / "ckpt").tokenizer.apply_chat_template(ONE) == "[<|endoftext|>|<|im_start|>|False]x"
+
+
+def test_tokenizer_config_flags_must_be_booleans(tmp_path):
+    import shutil
+
+    from magicpig_jax.io.tokenizer import Tokenizer, TokenizerMetadataError
+
+    folder = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "qwen2", folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": "false"}), encoding="utf-8")
+    with pytest.raises(TokenizerMetadataError, match="'add_bos_token' must be true, false or null, got 'false'"):
+        Tokenizer.from_hf_dir(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    (folder / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(TokenizerMetadataError, match=r"chat_template\.jinja is not UTF-8"):
+        Tokenizer.from_hf_dir(folder)

@@ -66,14 +66,14 @@ CFG = dataclasses.replace(TINY, vocab_size=258)
 
 
 def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None, skip=(), extra=None, extra_tensors=None,
-                pre="smollm", raw=None):
+                pre="smollm", raw=None, endianess=gguf.GGUFEndian.LITTLE):
     """A tiny GGUF; with ``quant`` ("Q4_1"/"Q8_0") the matrices whose input dim is a
     multiple of 32 are stored quantized, the rest as F32. Metadata keys in ``skip`` are
     left out; ``extra`` maps more keys to values; ``raw`` maps a GGUF tensor name to
     ``(array, raw_dtype or None)`` written as it is, in place of the weight."""
     cfg = CFG
     tokens, merges = _byte_vocab()
-    w = _SkippingWriter(str(path), arch, skip)
+    w = _SkippingWriter(str(path), arch, skip, endianess)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -121,9 +121,9 @@ def _write_gguf(path, weights, arch="llama", n_vocab=None, quant=None, skip=(), 
 class _SkippingWriter(gguf.GGUFWriter):
     """A GGUFWriter that drops the metadata keys in ``skip`` (for missing-key tests)."""
 
-    def __init__(self, path, arch, skip):
+    def __init__(self, path, arch, skip, endianess=gguf.GGUFEndian.LITTLE):
         self._skip = set(skip)
-        super().__init__(path, arch)
+        super().__init__(path, arch, endianess=endianess)
 
     def add_key_value(self, key, val, vtype, sub_type=None):
         if key not in self._skip:
@@ -230,6 +230,15 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny):
     path = tmp_path / "gpt2.gguf"
     _write_gguf(path, _hf_weights(tiny), arch="gpt2")
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gpt2'.*supported: llama"):
+        load_model(path)
+
+
+def test_a_gguf_of_the_other_byte_order_is_refused(tmp_path, tiny):
+    """gguf-py swaps a big-endian file's metadata, so its config and tokenizer read right, but the
+    tensors were read as little-endian bytes: finite, wrong logits (or NaN in F16)."""
+    path = tmp_path / "big.gguf"
+    _write_gguf(path, _hf_weights(tiny), endianess=gguf.GGUFEndian.BIG)
+    with pytest.raises(ValueError, match=r"big\.gguf is a GGUF file of the other byte order"):
         load_model(path)
 
 
@@ -387,6 +396,29 @@ def test_unimplemented_gguf_metadata_is_refused(tmp_path, tiny, extra, named):
     _write_gguf(path, _hf_weights(tiny), extra=extra, pre=pre)
     with pytest.raises(ValueError, match=re.escape(named)):
         load_model(path)
+
+
+@pytest.mark.parametrize(("key", "value", "kind"), [
+    ("llama.attention.head_count", 4.7, "an integer"),  # int() made it 4 heads
+    ("llama.block_count", 2.9, "an integer"),
+    ("llama.embedding_length", "64", "an integer"),
+    ("llama.rope.freq_base", "abc", "a number"),
+    ("llama.attention.layer_norm_rms_epsilon", True, "a number"),
+    ("tokenizer.ggml.add_bos_token", "false", "a bool"),  # bool("false") turned BOS on
+    ("tokenizer.ggml.eos_token_id", 1.5, "an integer"),
+    ("llama.context_length", [64, 64], "an integer"),  # not a per-layer key
+])
+def test_gguf_metadata_of_the_wrong_type_is_refused(tmp_path, tiny, key, value, kind):
+    path = tmp_path / "x.gguf"
+    _write_gguf(path, _hf_weights(tiny), extra={key: value})
+    with pytest.raises(ValueError, match=re.escape(f"{key} = {value!r}"[:len(key) + 3]) + f".* must be {kind}"):
+        load_model(path)
+
+
+def test_per_layer_head_counts_pass_the_type_check(tmp_path, tiny):
+    path = tmp_path / "x.gguf"
+    _write_gguf(path, _hf_weights(tiny), extra={"llama.attention.head_count": [CFG.num_heads] * CFG.num_layers})
+    assert load_model(path).config.num_heads == CFG.num_heads
 
 
 def test_unused_gguf_tensor_is_refused(tmp_path, tiny):

@@ -402,7 +402,7 @@ def test_open_reader_errors(tmp_path):
     missing = tmp_path / "none.gguf"
     with _raises(FileNotFoundError, f"model file {missing} does not exist"):
         read_gguf(missing)
-    with _raises(FileNotFoundError, f"model file {tmp_path} does not exist"):
+    with _raises(FileNotFoundError, f"model file {tmp_path} is not a regular file (a .gguf file was expected)"):
         read_gguf_config(tmp_path)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"GGUG" + b"\0" * 60)

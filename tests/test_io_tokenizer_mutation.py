@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
+from magicpig_jax.io.gguf_tokenizer import gguf_tokenizer_parts
 from magicpig_jax.io.tokenizer import Tokenizer, TokenizerMetadataError
 from tests.fixtures.gguf_convert import tokenizer_metadata
 
@@ -452,3 +453,31 @@ def test_unused_tokens_decode_to_nothing():
         assert tok.decode([h, n, i, n + 1], skip_special_tokens=skip) == "hi"
         assert tok.decode([merged], skip_special_tokens=skip) == " the"
     assert tok.encode("[PAD0] the") == _ids(ref, "[PAD0] the")
+
+
+def test_bos_and_unknown_ids_outside_the_vocabulary_are_named():
+    """Both used to load (bos) or raise IndexError (unk); llama.cpp warns and uses another id."""
+    n = len(_llama3_meta()["tokenizer.ggml.tokens"])
+    for bad in (-1, n):
+        with pytest.raises(TokenizerMetadataError, match=_exact(
+                f"tokenizer.ggml.bos_token_id = {bad} is outside the vocabulary of {n} tokens")):
+            gguf_tokenizer_parts(_llama3_meta(**{"tokenizer.ggml.bos_token_id": bad}))
+    n = len(_spm_meta()["tokenizer.ggml.tokens"])
+    assert gguf_tokenizer_parts(_spm_meta(**{"tokenizer.ggml.unknown_token_id": 0}))["backend"].model.unk_token == \
+        _spm_meta()["tokenizer.ggml.tokens"][0]
+    for bad in (-1, n):
+        with pytest.raises(TokenizerMetadataError, match=_exact(
+                f"tokenizer.ggml.unknown_token_id = {bad} is outside the vocabulary of {n} tokens")):
+            gguf_tokenizer_parts(_spm_meta(**{"tokenizer.ggml.unknown_token_id": bad}))
+
+
+@pytest.mark.parametrize("merge", ["Ġ", "Ġ Ġ Ġ", "Ġt zzz-not-a-token", "Ġ Ġ"])
+def test_a_byte_level_merge_the_vocabulary_cannot_hold_is_named(merge):
+    meta = _llama3_meta()
+    tokens = meta["tokenizer.ggml.tokens"]
+    if merge == "Ġ Ġ":  # both parts known but their merge is not a token: drop "ĠĠ" from the vocabulary
+        assert "ĠĠ" in tokens
+        meta["tokenizer.ggml.tokens"] = [t if t != "ĠĠ" else "ĠĠ-renamed" for t in tokens]
+    meta["tokenizer.ggml.merges"] = [merge, *meta["tokenizer.ggml.merges"]]
+    with pytest.raises(TokenizerMetadataError, match=re.escape(f"tokenizer.ggml.merges[0] = {merge!r} is not")):
+        gguf_tokenizer_parts(meta)

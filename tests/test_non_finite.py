@@ -87,6 +87,36 @@ def test_nan_logits_from_the_prefill_raise_before_any_step():
             pass
 
 
+def test_a_nan_key_in_the_prefill_reaches_its_queries_and_only_them():
+    """XLA's CPU max skips NaN, so the block's softmax sum is NaN: the prefill kept such a block
+    as empty (dropped, valid keys included), which gave finite zeros, finite logits and a token."""
+    from magicpig_jax.models.decoding import _causal_block_attention
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 8, 2, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 1, 8, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 1, 8, 16)).astype(np.float32)
+    k[0, 0, 3, 0] = np.nan  # seen by the queries at positions 3..7, causally
+    out = np.asarray(_causal_block_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, 4))
+    assert np.isnan(out[0, 3:]).all()
+    s = np.einsum("chd,nd->hcn", q[0, :3].astype(np.float64), k[0, 0, :3].astype(np.float64)) / 4.0
+    s = np.where(np.arange(3)[None, None, :] <= np.arange(3)[None, :, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("hcn,nd->chd", p / p.sum(-1, keepdims=True), v[0, 0, :3].astype(np.float64))
+    np.testing.assert_allclose(out[0, :3], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nan_weight_gives_nan_prefill_logits_and_the_run_raises():
+    model = tiny_model(0)
+    w = model.module.layers[1].self_attn.q_proj.kernel
+    w[...] = w[...].at[0, 0].set(jnp.nan)
+    state = prefill(model, [[5, 6, 7, 8, 9, 10]], 4)
+    assert not np.isfinite(np.asarray(state.last_logits)).any()
+    with pytest.raises(FloatingPointError, match=r"new token 0 of row\(s\) \[0\]"):
+        for _ in start_decode(model, state, DecodeSpec(backend="dense"), 4, Sampling()):
+            pass
+
+
 def test_quest_page_bounds_carry_a_nan_key_through_build_and_append():
     """XLA's CPU min/max reductions skip NaN; the bounds must not (a finite bound would let the op
     leave the key out unseen)."""

@@ -179,7 +179,8 @@ def test_gguf_yarn_keys_read_as_llama_cpp_reads_them(tmp_path):
 
 @pytest.mark.parametrize(("metadata", "message"), [
     ({"scaling__factor": "4"}, "qwen2.rope.scaling.factor = '4' must be a number"),
-    ({"scaling__original_context_length": "32"}, "qwen2.rope.scaling.original_context_length = '32' must be a number"),
+    ({"scaling__original_context_length": "32"},
+     "qwen2.rope.scaling.original_context_length = '32' must be an integer"),
     ({"scaling__yarn_beta_fast": "fast"}, "qwen2.rope.scaling.yarn_beta_fast = 'fast' must be a number"),
     ({"scaling__original_context_length": 4294967295}, "must be a positive integer <= 2147483647"),
     ({"scaling__yarn_log_multiplier": 0.1}, "yarn_log_multiplier = 0.1.* is not supported"),

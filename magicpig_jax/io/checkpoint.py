@@ -32,7 +32,7 @@ FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 # The keys of MARKER that _write_checkpoint writes (earlier versions wrote a subset).
 _META_KEYS = ("format_version", "config", "chat_template", "eos_token_ids", "bos_token_id", "eos_token_id",
-              "add_bos_token", "add_eos_token")
+              "add_bos_token", "add_eos_token", "template_tokens")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -41,7 +41,7 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.ndarray], tokenizer,
-                    freq_factors: np.ndarray | None = None) -> Path:
+                    freq_factors: np.ndarray | None = None, verify=None) -> Path:
     """Write a converted model to the directory ``out`` (created; must not already hold a checkpoint).
 
     Args:
@@ -51,12 +51,15 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
         rows under :func:`magicpig_jax.io.gguf_model.packed_key` (saved as they are).
       tokenizer: the :class:`magicpig_jax.io.tokenizer.Tokenizer`.
       freq_factors: optional RoPE frequency factors ``[D/2]``.
+      verify: optional callable given the written directory before it is moved to ``out``; what it
+        raises propagates and nothing is left at ``out`` (``convert_model`` loads the model with it).
 
     Returns:
       the directory.
 
     Raises:
       FileExistsError: ``out`` already holds a checkpoint, or is not an empty directory.
+      what ``verify`` raises.
     """
     import shutil
 
@@ -72,6 +75,8 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     partial.mkdir(parents=True)
     try:
         _write_checkpoint(partial, config, weights, tokenizer, freq_factors)
+        if verify is not None:
+            verify(partial)
         if out.exists():
             out.rmdir()
         partial.rename(out)
@@ -101,6 +106,7 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
         "eos_token_id": tokenizer.eos_token_id,
         "add_bos_token": tokenizer.add_bos_token,
         "add_eos_token": tokenizer.add_eos_token,
+        "template_tokens": tokenizer.template_tokens,
     }
     (out / MARKER).write_text(json.dumps(meta, indent=1))
 
@@ -121,7 +127,39 @@ def _read_meta(path: Path) -> dict:
     if unknown:
         raise ValueError(f"checkpoint {path}: its config has fields {unknown} that LlamaConfig does not have "
                          "(written by another version? convert the model again)")
+    _check_meta_types(path, meta)
     return meta
+
+
+def _check_meta_types(path: Path, meta: dict) -> None:
+    """Refuse tokenizer fields of the wrong JSON type (a hand-edited ``"false"`` would read as true)."""
+    from magicpig_jax.io.tokenizer import TEMPLATE_TOKEN_NAMES
+
+    def token_id(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    checks = {"add_bos_token": (lambda v: isinstance(v, bool), "true or false"),
+              "add_eos_token": (lambda v: isinstance(v, bool), "true or false"),
+              "bos_token_id": (lambda v: v is None or token_id(v), "a token id (int >= 0) or null"),
+              "eos_token_id": (lambda v: v is None or token_id(v), "a token id (int >= 0) or null"),
+              "eos_token_ids": (lambda v: isinstance(v, list) and all(map(token_id, v)), "a list of token ids"),
+              "chat_template": (lambda v: v is None or isinstance(v, str), "a string or null"),
+              "template_tokens": (lambda v: isinstance(v, dict) and all(
+                  k in TEMPLATE_TOKEN_NAMES and isinstance(t, str) for k, t in v.items()),
+                  f"an object mapping some of {', '.join(TEMPLATE_TOKEN_NAMES)} to token texts")}
+    for key, (ok, allowed) in checks.items():
+        if key in meta and not ok(meta[key]):
+            raise ValueError(f"checkpoint {path}: {MARKER} '{key}' must be {allowed}, got {meta[key]!r}")
+    cfg = meta["config"]
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None and not (isinstance(scaling, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in scaling)):
+        raise ValueError(f"checkpoint {path}: {MARKER} config 'rope_scaling' must be a list of [key, value] "
+                         f"pairs or null, got {scaling!r}")
+    ids = cfg.get("eos_token_ids", [])
+    if not (isinstance(ids, list) and all(map(token_id, ids))):
+        raise ValueError(f"checkpoint {path}: {MARKER} config 'eos_token_ids' must be a list of token ids, "
+                         f"got {cfg['eos_token_ids']!r}")
 
 
 def read_checkpoint_config(path: str | Path) -> LlamaConfig:
@@ -129,7 +167,8 @@ def read_checkpoint_config(path: str | Path) -> LlamaConfig:
 
     Raises:
       FileNotFoundError: not a checkpoint directory.
-      ValueError: an unknown format version, or an older one whose model has a sliding window.
+      ValueError: an unknown format version, or an older one whose model has a sliding window; a
+        field of the wrong type or out of range (a hand-edited file; named, with the checkpoint).
     """
     meta = _read_meta(Path(path).absolute())
     cfg = dict(meta["config"])
@@ -145,7 +184,10 @@ def read_checkpoint_config(path: str | Path) -> LlamaConfig:
     if cfg.get("sliding_layers") is not None:
         cfg["sliding_layers"] = tuple(cfg["sliding_layers"])
     cfg["nope_layers"] = tuple(cfg.get("nope_layers", ()))
-    return LlamaConfig(**cfg)
+    try:
+        return LlamaConfig(**cfg)
+    except (TypeError, ValueError) as err:  # a hand-edited or damaged config: name the checkpoint
+        raise ValueError(f"checkpoint {path}: {MARKER} config: {err}") from None
 
 
 def read_checkpoint(path: str | Path):
@@ -173,5 +215,6 @@ def read_checkpoint(path: str | Path):
                           chat_template=meta.get("chat_template"), eos_token_ids=meta.get("eos_token_ids", ()),
                           bos_token_id=meta.get("bos_token_id"), eos_token_id=meta.get("eos_token_id"),
                           add_bos_token=meta.get("add_bos_token", False),
-                          add_eos_token=meta.get("add_eos_token", False))
+                          add_eos_token=meta.get("add_eos_token", False),
+                          template_tokens=meta.get("template_tokens"))
     return config, weights, tokenizer, None if freq_factors is None else np.asarray(freq_factors)

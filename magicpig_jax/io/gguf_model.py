@@ -129,6 +129,51 @@ _TOKENIZER_KEYS = {
     "tokenizer.chat_template", "tokenizer.chat_templates", "tokenizer.huggingface.json",
 }
 
+# The JSON-like type each key read here must have (llama.cpp checks a key's GGUF type the same way):
+# int() of 4.7 heads or bool() of the string "false" would load a different model, silently.
+_INT, _NUMBER, _BOOL, _STR = "an integer", "a number", "a bool", "a string"
+_ARCH_KEY_KINDS = {
+    **dict.fromkeys(("context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+                     "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                     "attention.value_length", "attention.sliding_window", "rope.dimension_count",
+                     "rope.scaling.original_context_length", "expert_count", "expert_used_count"), _INT),
+    **dict.fromkeys(("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor",
+                     "rope.scale_linear", "rope.scaling.yarn_ext_factor", "rope.scaling.yarn_beta_fast",
+                     "rope.scaling.yarn_beta_slow", "rope.scaling.yarn_log_multiplier", "rope.scaling.yarn_attn_factor",
+                     "rope.scaling.attn_factor", "attn_logit_softcapping", "final_logit_softcapping"), _NUMBER),
+    "rope.scaling.finetuned": _BOOL,
+    **dict.fromkeys(("rope.scaling.type", "tensor_data_layout"), _STR),
+}
+_OTHER_KEY_KINDS = {
+    **{key: _INT for key in _TOKENIZER_KEYS if key.endswith("_token_id")},
+    **dict.fromkeys(("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_sep_token",
+                     "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.remove_extra_whitespaces"), _BOOL),
+    **dict.fromkeys(("general.architecture", "general.type", "tokenizer.ggml.model", "tokenizer.ggml.pre",
+                     "tokenizer.chat_template", "tokenizer.huggingface.json"), _STR),
+    "split.count": _INT,
+}
+_PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv", "feed_forward_length",  # read by _scalar
+                   "attention.sliding_window")  # an array: refused later, naming what is supported
+_IS_KIND = {_INT: lambda v: isinstance(v, int) and not isinstance(v, bool),
+            _NUMBER: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+            _BOOL: lambda v: isinstance(v, bool), _STR: lambda v: isinstance(v, str)}
+
+
+def _check_key_types(reader, arch: str, path) -> None:
+    """Refuse a metadata value of the wrong type, naming the key (per-layer arrays of the numeric keys pass)."""
+    for key, field in reader.fields.items():
+        kind = _OTHER_KEY_KINDS.get(key)
+        if kind is None and key.startswith(f"{arch}."):
+            kind = _ARCH_KEY_KINDS.get(key[len(arch) + 1:])
+        if kind is None:
+            continue
+        value = field.contents()
+        per_layer = key[len(arch) + 1:] in _PER_LAYER_KEYS and key.startswith(f"{arch}.")
+        values = value if isinstance(value, list) and per_layer else [value]
+        if not values or not all(map(_IS_KIND[kind], values)):
+            raise GGUFMetadataError(f"{path}: {key} = {value!r} must be {kind}"
+                                    + (" (or a per-layer array of them)" if per_layer else ""))
+
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's row permutation of q/k projections (``[n_head*D, ...]``: weights or biases).
@@ -243,7 +288,8 @@ def _scalar(reader, key: str, arch: str, path, default=None, required: bool = Fa
 
 
 def _check_keys(reader, arch: str, path) -> None:
-    """Refuse metadata this reader does not implement (a key could change the computation)."""
+    """Refuse metadata this reader does not implement (a key could change the computation), or of the wrong type."""
+    _check_key_types(reader, arch, path)
     general_type = _field(reader, "general.type")
     if general_type not in (None, "model"):
         raise UnsupportedConfigError(f"{path} is a GGUF {general_type!r} (general.type), not a model")
@@ -368,7 +414,8 @@ def _open_reader(path: Path, take: bool = False):
     ``take``: reuse (and drop) the parse of read_gguf_config's for the same unchanged file.
     """
     if not path.is_file():
-        raise FileNotFoundError(f"model file {path} does not exist")
+        raise FileNotFoundError(f"model file {path} does not exist" if not path.exists()
+                                else f"model file {path} is not a regular file (a .gguf file was expected)")
     if take and _PARSED:
         parsed = _PARSED.pop(_file_key(path), None)
         _PARSED.clear()
@@ -395,6 +442,12 @@ def _open_reader(path: Path, take: bool = False):
         # a valid start whose header or tensor data runs past the end: a partial download or copy
         raise ValueError(f"{path} is a truncated GGUF file ({size} bytes; its header and tensors need more), or its "
                          f"header is corrupt: {err}") from err
+    if getattr(reader, "byte_order", "I") != "I":
+        # gguf-py swaps the metadata but the tensors are read as raw bytes of this machine's order:
+        # finite, silently wrong weights. llama.cpp refuses such a file too.
+        raise UnsupportedConfigError(
+            f"{path} is a GGUF file of the other byte order (big-endian on this little-endian machine, or the "
+            "reverse); its tensors would be read wrong. Use the file made for this byte order")
     return reader
 
 

@@ -120,7 +120,15 @@ def _vocabulary(meta: Mapping) -> tuple[list[str], list[int], dict[str, int]]:
 def _byte_level_backend(meta: Mapping, pre: str, vocab: dict[str, int]) -> tuple[HFTokenizer, bool]:
     """Byte-level BPE (``tokenizer.ggml.model = gpt2``) and llama.cpp's default of ``add_bos_token``."""
     family = PRE_TOKENIZERS[pre]
-    merges = [tuple(m.split(" ", 1)) for m in _meta(meta, "tokenizer.ggml.merges")]
+    merges = []
+    for i, m in enumerate(_meta(meta, "tokenizer.ggml.merges")):
+        pair = tuple(str(m).split(" ", 1))
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            # the tokenizers library fails later with a message naming neither the key nor the entry
+            raise TokenizerMetadataError(
+                f"tokenizer.ggml.merges[{i}] = {m!r} is not 'LEFT RIGHT' with LEFT, RIGHT and their merge in "
+                "tokenizer.ggml.tokens")
+        merges.append(pair)
     normalizer, pre_tok, ignore_merges = _byte_level_parts(family)
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
                                      ignore_merges=ignore_merges))
@@ -140,6 +148,9 @@ def _sentencepiece_backend(meta: Mapping, tokens: list[str], types: list[int],
         raise TokenizerMetadataError(
             f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    if unk_id is not None and not 0 <= int(unk_id) < len(tokens):
+        raise TokenizerMetadataError(
+            f"tokenizer.ggml.unknown_token_id = {unk_id} is outside the vocabulary of {len(tokens)} tokens")
     if unk_id is None:
         unk_id = next((i for i, t in enumerate(types) if t == _UNKNOWN), None)
     backend = HFTokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types),
@@ -234,6 +245,9 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
             eos_ids.append(int(value))
     eos_ids += [i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED) and tokens[i] in EOG_TEXTS]
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    if bos is not None and not 0 <= int(bos) < len(tokens):
+        raise TokenizerMetadataError(
+            f"tokenizer.ggml.bos_token_id = {bos} is outside the vocabulary of {len(tokens)} tokens")
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     if add_bos and bos is None:

@@ -179,19 +179,28 @@ _BYTES_PER_MAPPING = 64 * 2**20
 
 def _tensors(file: Path):
     """``(name, array)`` of each tensor of a safetensors file, in its dtype (bfloat16 as ml_dtypes')."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(file), framework="flax") as f:
-        names = list(f.keys())
+    def unreadable(err: Exception) -> ValueError:  # a partial download, an empty or foreign file
+        return ValueError(f"{file} is not a readable safetensors file ({type(err).__name__}: {err})")
+
+    try:
+        with safe_open(str(file), framework="flax") as f:
+            names = list(f.keys())
+    except (SafetensorError, OSError) as err:
+        raise unreadable(err) from None
     i = 0
     while i < len(names):
         read = 0
-        with safe_open(str(file), framework="flax") as f:
-            while i < len(names) and read < _BYTES_PER_MAPPING:
-                value = np.asarray(f.get_tensor(names[i]))
-                read += value.nbytes
-                yield names[i], value
-                i += 1
+        try:
+            with safe_open(str(file), framework="flax") as f:
+                while i < len(names) and read < _BYTES_PER_MAPPING:
+                    value = np.asarray(f.get_tensor(names[i]))
+                    read += value.nbytes
+                    yield names[i], value
+                    i += 1
+        except (SafetensorError, OSError) as err:
+            raise unreadable(err) from None
 
 
 def _equal(a: np.ndarray, b: np.ndarray) -> bool:

@@ -336,10 +336,22 @@ def convert_model(path: str | Path | None, out: str | Path) -> Path:
     Returns:
       the checkpoint directory (see :mod:`magicpig_jax.io.checkpoint`).
 
+    The checkpoint is loaded as :func:`load_model` would before it is moved to ``out``: a source
+    whose weights the model cannot take (a missing, extra or misshapen tensor) fails here, naming
+    the source, and leaves nothing at ``out``.
+
     Raises:
       FileNotFoundError, ValueError: as :func:`load_model`; FileExistsError if ``out`` holds a checkpoint.
     """
     from magicpig_jax.io.checkpoint import save_checkpoint
 
     _, (config, weights, tokenizer, freq_factors) = _read_source(path)
-    return save_checkpoint(out, config, weights, tokenizer, freq_factors)
+    source = "the embedded model" if path in (None, "embedded") else str(path)
+
+    def loads(written: Path) -> None:
+        try:
+            load_model(written)
+        except ValueError as err:
+            raise ValueError(f"{source} cannot be converted (nothing written to {out}): {err}") from None
+
+    return save_checkpoint(out, config, weights, tokenizer, freq_factors, verify=loads)

@@ -47,7 +47,11 @@ from magicpig_jax.io.gguf_tokenizer import EOG_TEXTS, PRE_TOKENIZERS, TokenizerM
 from magicpig_jax.io.json_files import read_json_object
 
 __all__ = ["Tokenizer", "ChatTemplateError", "TokenizerMetadataError", "PRE_TOKENIZERS", "EOG_TEXTS",
-           "render_chat_template"]
+           "TEMPLATE_TOKEN_NAMES", "render_chat_template"]
+
+# transformers' named special tokens other than BOS and EOS (its ``special_tokens_map``), which it
+# passes to a chat template as variables
+TEMPLATE_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class Tokenizer:
@@ -63,6 +67,10 @@ class Tokenizer:
       eos_token_ids: every id that ends generation (EOS, end of turn, end of message).
       bos_token_id: the BOS id (or None). eos_token_id: the primary EOS id (or None).
       add_bos_token, add_eos_token: whether prompts get BOS / EOS.
+      template_tokens: the other named special tokens a chat template sees besides
+        ``bos_token``/``eos_token`` (``unk_token``, ``sep_token``, ``pad_token``, ``cls_token``,
+        ``mask_token``: transformers passes its ``special_tokens_map``); empty for GGUF files, whose
+        templates llama.cpp renders with BOS and EOS only.
     """
 
     def __init__(
@@ -75,8 +83,15 @@ class Tokenizer:
         eos_token_id: int | None = None,
         add_bos_token: bool = False,
         add_eos_token: bool = False,
+        template_tokens: Mapping[str, str] | None = None,
     ) -> None:
         self.backend = backend
+        template_tokens = dict(template_tokens or {})
+        bad = {k: v for k, v in template_tokens.items() if k not in TEMPLATE_TOKEN_NAMES or not isinstance(v, str)}
+        if bad:
+            raise TokenizerMetadataError(f"template_tokens must map names among {', '.join(TEMPLATE_TOKEN_NAMES)} to "
+                                         f"token texts, got {bad!r}")
+        self.template_tokens = template_tokens
         self.chat_template = chat_template
         self.eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.bos_token_id = None if bos_token_id is None else int(bos_token_id)
@@ -113,10 +128,14 @@ class Tokenizer:
         else ``chat_template.json``. ``add_bos_token``/``add_eos_token`` come from
         ``tokenizer_config.json``, else from what the ``tokenizer.json``
         post-processor adds. Stop ids: ``eos_token_ids`` (from ``config.json`` and
-        ``generation_config.json``) plus the ``eos_token`` of ``tokenizer_config.json``.
+        ``generation_config.json``) plus the ``eos_token`` of ``tokenizer_config.json``. Its
+        ``unk_token``, ``sep_token``, ``pad_token``, ``cls_token`` and ``mask_token`` become
+        :attr:`template_tokens` (chat template variables, as transformers passes them).
 
         Raises:
           FileNotFoundError: no ``tokenizer.json`` in ``folder``.
+          TokenizerMetadataError (a ValueError): ``add_bos_token``/``add_eos_token`` that are not
+            booleans, or a ``chat_template.jinja`` that is not UTF-8 (named).
         """
         folder = Path(folder)
         backend = read_tokenizer_json(folder / "tokenizer.json", "a Hugging Face model directory")
@@ -127,15 +146,28 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default")
         if (folder / "chat_template.jinja").is_file():  # transformers: the file takes priority over the config
-            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            try:
+                template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+            except UnicodeDecodeError as err:
+                raise TokenizerMetadataError(f"{folder / 'chat_template.jinja'} is not UTF-8 text: {err}") from None
         if template is None and (folder / "chat_template.json").is_file():
             template = read_json_object(folder / "chat_template.json").get("chat_template")
 
-        def token_id(key):
+        def token_text(key):
             tok = cfg.get(key)
             if isinstance(tok, Mapping):
                 tok = tok.get("content")
-            return backend.token_to_id(tok) if isinstance(tok, str) else None
+            return tok if isinstance(tok, str) else None
+
+        def token_id(key):
+            tok = token_text(key)
+            return None if tok is None else backend.token_to_id(tok)
+
+        for key in ("add_bos_token", "add_eos_token"):
+            if cfg.get(key) is not None and not isinstance(cfg[key], bool):  # "false" would read as true
+                raise TokenizerMetadataError(f"{cfg_path}: '{key}' must be true, false or null, got {cfg[key]!r}")
+        # what transformers' special_tokens_map gives a chat template besides BOS and EOS
+        template_tokens = {key: token_text(key) for key in TEMPLATE_TOKEN_NAMES if token_text(key) is not None}
 
         plain = backend.encode("a", add_special_tokens=False).ids
         full = backend.encode("a", add_special_tokens=True).ids
@@ -153,7 +185,8 @@ class Tokenizer:
             eos_id = trailing[0]
         eos_ids = list(eos_token_ids) + ([eos_id] if eos_id is not None else [])
         return cls(backend, chat_template=template, eos_token_ids=eos_ids, bos_token_id=bos_id,
-                   eos_token_id=eos_id, add_bos_token=add_bos, add_eos_token=add_eos)
+                   eos_token_id=eos_id, add_bos_token=add_bos, add_eos_token=add_eos,
+                   template_tokens=template_tokens)
 
     # -- tokens ---------------------------------------------------------------------------------
 
@@ -253,7 +286,8 @@ class Tokenizer:
         """
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the raw prompt: chat=False (the CLI: --no-chat)")
-        # a caller's bos_token / eos_token override the model's, as in transformers
+        # a caller's bos_token / eos_token (and other special tokens) override the model's, as in transformers
+        kwargs = {**self.template_tokens, **kwargs}
         bos, eos = kwargs.pop("bos_token", self.bos_token), kwargs.pop("eos_token", self.eos_token)
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=bos, eos_token=eos, **kwargs)

@@ -113,6 +113,12 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm", "sandwich_norms"):
+            if not isinstance(getattr(self, name), bool):  # a string "false" would read as true
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.eos_token_ids, tuple) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be a tuple of token ids (ints >= 0), got {self.eos_token_ids!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -138,6 +144,18 @@ class LlamaConfig:
         if self.max_position_embeddings > MAX_POSITIONS:
             raise ValueError(f"max_position_embeddings must be at most {MAX_POSITIONS} (int32 positions), "
                              f"got {self.max_position_embeddings}")
+        if self.rope_scaling is not None:
+            # The canonical form of a valid scaling (normalize_rope_scaling), whatever built the config: a
+            # hand-edited checkpoint's other type, unknown field or factor <= 0 is refused, not computed with.
+            try:
+                pairs = dict(self.rope_scaling)
+            except (TypeError, ValueError):
+                raise ValueError(f"rope_scaling must be (key, value) pairs or None, "
+                                 f"got {self.rope_scaling!r}") from None
+            canonical = normalize_rope_scaling(pairs)  # ValueError / UnsupportedConfigError naming the field
+            if canonical != self.rope_scaling:
+                raise ValueError(f"rope_scaling must be the sorted (key, value) pairs of normalize_rope_scaling, "
+                                 f"got {self.rope_scaling!r} (canonical: {canonical!r})")
         scaling = dict(self.rope_scaling or {})
         if scaling.get("rope_type") == "yarn":
             missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
@@ -323,7 +341,13 @@ class LlamaConfig:
         scaling, max_positions = complete_yarn(scaling, max_positions)
         scaling = _complete_longrope(scaling, cfg, model_type, max_positions)
         eos = cfg.get("eos_token_id", defaults.get("eos_token_id"))  # Gemma3TextConfig's default: 1
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        eos_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if any(isinstance(e, bool) or not isinstance(e, int) or e < 0 for e in eos_ids):
+            raise ValueError(f"config.json 'eos_token_id' must be a token id (int >= 0), a list of them or null, "
+                             f"got {eos!r}")
+        for key in ("tie_word_embeddings", "attention_bias"):  # bool("false") would be True
+            if get(key) is not None and not isinstance(get(key), bool):
+                raise ValueError(f"config.json {key!r} must be true or false, got {get(key)!r}")
         # transformers' Qwen2 and Mistral attention ignore 'attention_bias' (Qwen2: q/k/v biases
         # always, no o bias; Mistral: none); Llama and Qwen3 put it on q, k, v and o.
         attention_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "qwen3", "smollm3",

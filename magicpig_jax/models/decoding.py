@@ -84,8 +84,12 @@ def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk, window: int
         e = jnp.exp(s - m_safe[..., None])
         tot = jnp.sum(e, axis=-1)
         o = jnp.einsum("bhgcn,bhnd->bhgcd", e, vb, precision=jax.lax.Precision.HIGHEST)
-        o = o / jnp.where(tot > 0, tot, 1.0)[..., None]
-        lse_b = jnp.where(tot > 0, m_safe + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
+        # A block with no visible key has tot = 0 and is empty (lse -inf). A NaN score (a NaN weight,
+        # activation or cache value; XLA's CPU max skips it) makes tot NaN: `~(tot <= 0)` keeps the
+        # block, so the NaN reaches the output and the LSE instead of the block being dropped.
+        live = ~(tot <= 0)
+        o = o / jnp.where(live, tot, 1.0)[..., None]
+        lse_b = jnp.where(live, m_safe + jnp.log(jnp.where(live, tot, 1.0)), -jnp.inf)
         return merge_attention(out, lse, o, lse_b)
 
     init = (jnp.zeros((B, Hkv, G, C, D), jnp.float32), jnp.full((B, Hkv, G, C), -jnp.inf, jnp.float32))

@@ -39,7 +39,8 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
     Raises:
       UnsupportedConfigError: a scaling type other than default, linear, llama3 and yarn, or a
         field the type does not have (named).
-      ValueError: a required field is missing, or a YaRN value is out of range (named).
+      ValueError: a required field is missing, or a value is out of range (a factor that is not
+        a finite number > 0, a llama3 ``high_freq_factor`` not above ``low_freq_factor``; named).
     """
     if not scaling:
         return None
@@ -92,6 +93,8 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
         raise ValueError(f"RoPE scaling {kind!r} has no {', '.join(map(repr, missing))}")
     if kind == "yarn":
         _check_yarn(items)
+    if kind in ("linear", "llama3"):
+        _check_linear_llama3(kind, items)
     if kind == "longrope":
         for key, low in (("factor", 0.0), ("attention_factor", 0.0)):
             value = items.get(key)
@@ -104,6 +107,29 @@ def normalize_rope_scaling(scaling: Mapping | None) -> tuple | None:
             raise ValueError("RoPE scaling 'longrope' 'original_max_position_embeddings' must be a positive integer, "
                              f"got {orig!r}")
     return tuple(sorted({**items, "rope_type": kind}.items()))
+
+
+def _check_linear_llama3(kind: str, items: Mapping) -> None:
+    """Refuse values that make the inverse frequencies inf, NaN or garbage, naming the field.
+
+    transformers' ``rope_config_validation`` only warns on these (a factor that is not a number
+    > 0, ``high_freq_factor <= low_freq_factor``, which divides by zero or flips the smoothing), and
+    then computes with them: a factor of 0 gives infinite frequencies and finite, wrong logits.
+    """
+    keys = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    for key in keys:
+        value = items[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"RoPE scaling {kind!r} {key!r} must be a finite number > 0, got {value!r}")
+    if kind == "llama3":
+        if items["high_freq_factor"] <= items["low_freq_factor"]:
+            raise ValueError(f"RoPE scaling 'llama3' 'high_freq_factor' ({items['high_freq_factor']!r}) must be "
+                             f"greater than 'low_freq_factor' ({items['low_freq_factor']!r})")
+        orig = items["original_max_position_embeddings"]
+        if isinstance(orig, bool) or not isinstance(orig, (int, float)) or not 1 <= orig <= MAX_POSITIONS \
+                or orig != int(orig):
+            raise ValueError(f"RoPE scaling 'llama3' 'original_max_position_embeddings' must be a positive integer "
+                             f"<= {MAX_POSITIONS}, got {orig!r}")
 
 
 def _check_yarn(items: Mapping) -> None:
