@@ -159,3 +159,18 @@ def test_a_per_layer_file_the_host_index_cannot_take_is_named(tmp_path):
     m = Method("magicpig@wide", "magicpig", config_file=str(path))  # the Python API's, at the spec
     with pytest.raises(ValueError, match=f"^magicpig@wide \\({re.escape(str(path))}\\): L must be in \\[2, 4096\\]"):
         _method_spec(char_model(), _settings(num_local=16), (0,), m, None, 768)
+
+
+@pytest.mark.parametrize(("kw", "named"), [
+    ({"likelihood_tokens": 1}, r"--likelihood-tokens must be 0 \(no likelihood task\) or >= 2"),
+    ({"likelihood_tokens": 768}, r"--likelihood-tokens \(768\) must be below every length"),
+    ({"likelihood_tokens": 700}, r"leaves a prefix of 68 tokens at length 768, not longer than the static set"),
+    ({"max_new_tokens": 1}, "--max-new-tokens 1 with setup A"),
+])
+def test_settings_that_decode_nothing_sparsely_are_refused_before_writing(tmp_path, kw, named):
+    """Each reported every method equal to dense (KL 0) or failed after the task samples, with
+    config.json pinning the bad value."""
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=named):
+        run_eval(char_model(), _settings(**kw), out, progress=False)
+    assert not out.exists()

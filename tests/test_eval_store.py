@@ -10,16 +10,74 @@ import pytest
 from magicpig_jax.eval.store import UNRECORDED, ResultStore, check_fingerprint, log_invocation, read_runs
 
 
-def test_result_store_drops_corrupt_tail(tmp_path):
+def test_result_store_drops_only_a_corrupt_last_line(tmp_path):
     p = tmp_path / "r.jsonl"
     good = {"kind": "task", "task": "vt", "length": 1, "index": 0, "method": "dense"}
-    p.write_text(json.dumps(good) + "\n" + "{not json}\n" + json.dumps({**good, "index": 1}) + "\n")
-    store = ResultStore(p)
-    assert len(store.records) == 1 and p.read_text() == json.dumps(good) + "\n"
+    for tail in ('{"kind": "ta', '{not json}\n'):  # cut short by a crash (with or without its newline)
+        p.write_text(json.dumps(good) + "\n" + tail)
+        store = ResultStore(p)
+        assert len(store.records) == 1 and p.read_text() == json.dumps(good) + "\n"
     store.append({**good, "index": 2})
     assert len(ResultStore(p).records) == 2
     with pytest.raises(RuntimeError, match="duplicate"):
         store.append(good)
+
+
+@pytest.mark.parametrize(("bad", "named"), [
+    ("{not json}", "line 2 is not valid JSON"),
+    ("[1, 2]", "line 2 is not a results record"),
+    ('{"foo": 1}', "line 2 is not a results record"),
+])
+def test_a_bad_line_before_the_last_is_refused_and_nothing_is_dropped(tmp_path, bad, named):
+    """A bad middle line used to cut the file there, deleting every valid record after it
+    silently (and a record without its keys raised KeyError)."""
+    p = tmp_path / "r.jsonl"
+    good = {"kind": "task", "task": "vt", "length": 1, "index": 0, "method": "dense"}
+    text = json.dumps(good) + "\n" + bad + "\n" + json.dumps({**good, "index": 1}) + "\n"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=named):
+        ResultStore(p)
+    assert p.read_text() == text
+
+
+def test_results_without_their_config_are_not_given_new_settings(tmp_path):
+    """A folder whose config.json was lost took the new run's settings as its records' own."""
+    (tmp_path / "results.jsonl").write_text('{"kind": "task"}\n')
+    with pytest.raises(ValueError, match="results.jsonl but no config.json"):
+        check_fingerprint(tmp_path, {"seed": 7})
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_options_no_listed_method_reads_are_not_compared(tmp_path):
+    """A folder of dense + budgeted TopK could not take MagicPIG alone: budget_from was compared,
+    and --budget-from was refused as unused."""
+    check_fingerprint(tmp_path, {"seed": 0, "budget_from": "magicpig:8x75"})
+    with pytest.raises(ValueError, match="budget_from"):
+        check_fingerprint(tmp_path, {"seed": 0, "budget_from": "magicpig:10x150"})
+    check_fingerprint(tmp_path, {"seed": 0, "budget_from": "magicpig:10x150"}, unread=frozenset({"budget_from"}))
+    assert json.loads((tmp_path / "config.json").read_text())["fingerprint"]["budget_from"] == "magicpig:8x75"
+
+
+def test_the_model_digest_tells_models_apart_whatever_their_path(tmp_path):
+    """A relative --model named another model from another folder and reused its records."""
+    import shutil
+    from pathlib import Path
+
+    from magicpig_jax.eval.settings import model_digest
+
+    families = Path(__file__).parent / "fixtures" / "families"
+    shutil.copytree(families / "llama3", tmp_path / "a" / "model")
+    shutil.copytree(families / "qwen2", tmp_path / "b" / "model")
+    shutil.copytree(families / "llama3", tmp_path / "c")
+    a, b = model_digest(tmp_path / "a" / "model"), model_digest(tmp_path / "b" / "model")
+    assert a != b and a == model_digest(tmp_path / "c")
+    big = tmp_path / "big.gguf"  # sampled pieces of a large file: one changed byte in a piece is seen
+    data = bytearray(range(256)) * (1 << 14)
+    big.write_bytes(bytes(data))
+    before = model_digest(big, chunks=4, chunk_bytes=1024)
+    data[len(data) - 1] ^= 1
+    big.write_bytes(bytes(data))
+    assert model_digest(big, chunks=4, chunk_bytes=1024) != before
 
 
 def test_fingerprint_is_pinned_and_checked(tmp_path):

@@ -444,7 +444,8 @@ def finish(store: ResultStore, settings: EvalSettings, out: Path, model_source: 
 
     The header names the machine of the last invocation in ``runs.jsonl``, the wall time of the
     invocations logged there (an invocation is logged when it ends: one that was stopped is not),
-    and the span of the records' own time stamps, which covers every invocation.
+    and the span and count of the folder's records, which cover every invocation; the tables
+    summarize only the records this run's settings select.
     """
     out = Path(out)
     records = list(store.records.values())
@@ -458,7 +459,8 @@ def finish(store: ResultStore, settings: EvalSettings, out: Path, model_source: 
     header = (f"## magicpig-jax eval: {model_source}\n\n"
               f"Machine: {machine.get('cpu', machine.get('platform'))}, {machine.get('cpus')} CPUs, "
               f"devices {machine.get('devices')}, jax {machine.get('jax')}. Wall time of the {len(runs)} "
-              f"invocation(s) logged as finished: {wall / 3600:.2f} h.{span} Records: {len(records)}. "
+              f"invocation(s) logged in this folder: {wall / 3600:.2f} h.{span} Records in the folder: {len(records)} "
+              "(the tables use those of this run's tasks, lengths, samples and methods). "
               f"Haystack: {settings.haystack}; "
               + (f"static set {settings.num_sink} sink + {settings.num_local} local; "
                  if any(m.backend != "dense" for m in settings.methods) else "")

@@ -88,7 +88,13 @@ from pathlib import Path
 from magicpig_jax.eval.methods import DEFAULT_METHODS, Method, parse_lengths, parse_method, parse_methods
 from magicpig_jax.eval.plots import write_plots
 from magicpig_jax.eval.report import finish, format_summary, summarize
-from magicpig_jax.eval.settings import FINGERPRINT_DEFAULTS, EvalSettings, make_parser, settings_from_args
+from magicpig_jax.eval.settings import (
+    FINGERPRINT_DEFAULTS,
+    EvalSettings,
+    make_parser,
+    option_readers,
+    settings_from_args,
+)
 from magicpig_jax.eval.store import RESULTS, ResultStore, check_fingerprint, log_invocation, machine_info, record_key
 from magicpig_jax.memory import release_compiled_programs
 
@@ -261,9 +267,10 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
     """Every check of the settings that needs no results, before ``out`` is created or written.
 
     Raises:
-      ValueError: a length beyond the model's context, a calibrated file that does not fit, or
-        a method whose spec is invalid (e.g. a negative ``num_sink``, a dense layer out of range,
-        K too large for the host index).
+      ValueError: a length beyond the model's context, a calibrated file that does not fit, a
+        method whose spec is invalid (e.g. a negative ``num_sink``, a dense layer out of range,
+        K too large for the host index), or settings that leave nothing to decode sparsely
+        (:func:`_check_likelihood_and_answers`).
     """
     from magicpig_jax.eval.calibrate import check_config_for_eval
     from magicpig_jax.generation import cache_capacity
@@ -272,6 +279,7 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
     for length in settings.lengths:
         if length > ctx_limit:
             raise ValueError(f"length {length} exceeds the model's context of {ctx_limit} tokens")
+    _check_likelihood_and_answers(model, settings)
     # a sample's prompt and its decoded tokens fill its length (RULER's sizing; the likelihood task's too)
     positions = cache_capacity(model, max(settings.lengths), 1)
     for m in settings.methods:
@@ -281,6 +289,35 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
         # positions of the longest run (sliding windows shorter than it make their layers dense)
         _method_spec(model, settings, dense_layers, m, 1 if m.budgeted and m.budget is None else m.budget,
                      positions)
+
+
+def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
+    """Refuse settings under which no method would decode anything sparsely (every method would
+    report dense's numbers, KL 0), or that the likelihood documents cannot meet, before anything is
+    written: a failure after the task samples would also pin the bad value in ``config.json``."""
+    sparse = any(m.backend != "dense" for m in settings.methods)
+    n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+    forced = settings.likelihood_tokens
+    if forced > 0 and n_lik > 0:
+        if forced < 2:
+            raise ValueError("--likelihood-tokens must be 0 (no likelihood task) or >= 2: the first forced token "
+                             "is predicted by the dense prefill, so 1 would compare no decode step")
+        static = settings.num_sink + settings.num_local
+        for length in settings.lengths:
+            if forced >= length:
+                raise ValueError(f"--likelihood-tokens ({forced}) must be below every length (got {length})")
+            if sparse and length - forced <= static:
+                raise ValueError(
+                    f"--likelihood-tokens ({forced}) leaves a prefix of {length - forced} tokens at length {length}, "
+                    f"not longer than the static set (--num-sink + --num-local = {static}): no key would be sampled")
+        from magicpig_jax.eval.likelihood import make_likelihood_sample
+
+        # the corpus must hold the longest sample (the same text the run builds; a short FILE fails here)
+        make_likelihood_sample(model.tokenizer.encode, max(settings.lengths), 0, seed=settings.seed,
+                               haystack=settings.haystack, forced=forced)
+    if settings.tasks and "A" in settings.setups and settings.max_new_tokens == 1:
+        raise ValueError("--max-new-tokens 1 with setup A: the answer's only token comes from the dense prefill, so "
+                         "every method would answer as dense; use >= 2 or --setups B")
 
 
 def _check_config_files_unchanged(store: ResultStore, settings: EvalSettings, out: Path) -> None:
@@ -458,7 +495,8 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     fp = settings.fingerprint(model)
     _check_before_writing(model, settings, fp["dense_layers"])
     out.mkdir(parents=True, exist_ok=True)
-    check_fingerprint(out, fp, FINGERPRINT_DEFAULTS)
+    unread = frozenset(k for k, readers in option_readers(settings.methods).items() if not readers)
+    check_fingerprint(out, fp, FINGERPRINT_DEFAULTS, unread)
     store = ResultStore(out / RESULTS)
     _check_config_files_unchanged(store, settings, out)
     t_start, n_before = time.time(), len(store.records)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from magicpig_jax.argparsing import Parser, path_arg
 from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK, load_prose
@@ -45,6 +46,8 @@ class EvalSettings:
                "max_new_tokens": self.max_new_tokens, "likelihood_tokens": self.likelihood_tokens,
                "budget_from": self.budget_from, "page_size": self.page_size,
                "haystack_sha1": haystack_digest(self.haystack), "likelihood_starts": "distinct"}
+        if Path(model.source).exists():  # (a model built in memory, as the tests' tiny one, has no files)
+            out["model_sha1"] = model_digest(model.source)
         if self.layers_per_projection != 1:  # results files written before the option keep their fingerprint
             out["layers_per_projection"] = self.layers_per_projection
         return out
@@ -58,11 +61,36 @@ def haystack_digest(haystack: str) -> str:
     return hashlib.sha1("\n\n".join(load_prose(haystack)).encode()).hexdigest()[:12]
 
 
+def model_digest(source, chunks: int = 64, chunk_bytes: int = 1 << 16) -> str:
+    """SHA-1 (12 hex digits) identifying a model's files: its path alone does not pin them (a relative
+    ``--model`` names another model from another folder; a file may be replaced in place).
+
+    Hashes each file's path relative to ``source``, its size and ``chunks`` evenly spaced pieces of
+    ``chunk_bytes`` (a few MiB of a multi-GB file, read in well under a second): a different model
+    or quantization differs in them. A directory (Hugging Face, checkpoint) hashes all its files.
+    """
+    import hashlib
+
+    root = Path(source)
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    h = hashlib.sha1()
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.relative_to(root) if root.is_dir() else path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            for i in range(chunks if size > chunks * chunk_bytes else 1):
+                f.seek(i * (size - chunk_bytes) // max(chunks - 1, 1) if size > chunks * chunk_bytes else 0)
+                h.update(f.read(chunk_bytes if size > chunks * chunk_bytes else size))
+    return h.hexdigest()[:12]
+
+
 # The value of a setting that a fingerprint leaves out (store.check_fingerprint compares it so); the
 # haystack's digest is compared only where both fingerprints hold it (results written before it).
 # "likelihood_starts": absent from results written when each likelihood sample drew its start on its own
 # (repeats possible); they are not resumed with the distinct starts of likelihood.likelihood_start.
-FINGERPRINT_DEFAULTS = {"layers_per_projection": 1, "haystack_sha1": UNRECORDED, "likelihood_starts": "independent"}
+# "model_sha1" (model_digest): compared only where both hold it, as the haystack's.
+FINGERPRINT_DEFAULTS = {"layers_per_projection": 1, "haystack_sha1": UNRECORDED, "likelihood_starts": "independent",
+                        "model_sha1": UNRECORDED}
 
 
 SETUPS = {"A": "the question is inside the dense prefill (the whole prompt is prefilled; the methods decode the "
@@ -128,9 +156,9 @@ _METHOD_DEFAULTS = {"num_sink": 4, "num_local": 64, "layers_per_projection": 1, 
                     "budget_from": "magicpig:10x150"}
 
 
-def _check_options_used(methods, given: set[str]) -> None:
-    """Refuse a method option that no method of ``--methods`` reads (it would be recorded yet change nothing)."""
-    readers = {
+def option_readers(methods) -> dict[str, list]:
+    """The methods of ``methods`` that read each method option (an option none reads changes no record)."""
+    return {
         "num_sink": [m for m in methods if m.backend != "dense"],
         "num_local": [m for m in methods if m.backend != "dense"],
         "dense_layers": [m for m in methods if m.backend != "dense" and m.config_file is None],
@@ -140,6 +168,11 @@ def _check_options_used(methods, given: set[str]) -> None:
         "page_size": [m for m in methods if m.backend == "quest" or (m.budgeted and m.budget is None)],
         "budget_from": [m for m in methods if m.budgeted and m.budget is None],
     }
+
+
+def _check_options_used(methods, given: set[str]) -> None:
+    """Refuse a method option that no method of ``--methods`` reads (it would be recorded yet change nothing)."""
+    readers = option_readers(methods)
     what = {"num_sink": "a sparse method", "num_local": "a sparse method",
             "dense_layers": "a sparse method without a config file",
             "layers_per_projection": "magicpig:KxL, magicpig-ref or hybrid",

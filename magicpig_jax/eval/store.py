@@ -48,7 +48,13 @@ class ResultStore:
 
     Loading drops a partially written last line (no trailing newline, or not valid JSON)
     by truncating the file to the last complete record; later duplicates of a key are
-    ignored. :meth:`append` writes one line, flushes and fsyncs it.
+    ignored. Any other line that is not a record (invalid JSON before the last line, a
+    value that is not an object, an object without a record's keys) is refused, naming
+    the line: nothing is dropped or rewritten then. :meth:`append` writes one line,
+    flushes and fsyncs it.
+
+    Raises:
+      ValueError: a line other than the last is not a record (its number is named).
     """
 
     def __init__(self, path: Path) -> None:
@@ -62,16 +68,23 @@ class ResultStore:
         if data and not data.endswith(b"\n"):
             keep -= len(lines[-1])
             lines = lines[:-1]
+        last = max((i for i, raw in enumerate(lines) if raw.strip()), default=-1)
         good = 0
-        for raw in lines:
+        for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 good += len(raw) + 1
                 continue
             try:
                 rec = json.loads(raw)
-            except json.JSONDecodeError:
-                keep = good  # a corrupt line: drop it and everything after it
-                break
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                if number - 1 == last:  # a last line cut short: dropped, as a crash leaves it
+                    keep = good
+                    break
+                raise ValueError(f"{self.path}: line {number} is not valid JSON ({err}); later lines hold "
+                                 "records, so nothing is dropped: repair or remove that line") from None
+            if not isinstance(rec, dict) or any(k not in rec for k in ("kind", "task", "length", "index", "method")):
+                raise ValueError(f"{self.path}: line {number} is not a results record (an object with kind, task, "
+                                 f"length, index and method): {raw[:80].decode(errors='replace')!r}")
             self.records.setdefault(record_key(rec), rec)
             good += len(raw) + 1
         if keep < len(data):
@@ -115,23 +128,32 @@ def machine_info() -> dict:
 UNRECORDED = object()  # check_fingerprint's default of a key that older results files do not hold
 
 
-def check_fingerprint(out: Path, fingerprint: dict, defaults: dict | None = None) -> None:
+def check_fingerprint(out: Path, fingerprint: dict, defaults: dict | None = None,
+                      unread: frozenset[str] = frozenset()) -> None:
     """Pin ``fingerprint`` in ``out/config.json``, or check it against the one already there.
 
     Every key of either fingerprint is compared; a key one of them lacks counts as its value in
     ``defaults`` (a setting a fingerprint leaves out at its default), else as None, except that a
     key whose default is :data:`UNRECORDED` (one that older results files do not hold) is compared
-    only where both hold it.
+    only where both hold it. Keys in ``unread`` (options no method of this run reads, e.g.
+    ``budget_from`` without a budgeted baseline) are not compared: this run's records do not
+    depend on them, and the folder keeps the values it recorded.
 
     Raises:
-      ValueError: ``out`` holds results of different settings (the message lists old and new values).
+      ValueError: ``out`` holds results of different settings (the message lists old and new values),
+        or a ``results.jsonl`` without ``config.json`` (records of unknown settings).
     """
     defaults = defaults or {}
     cfg_path = Path(out) / "config.json"
+    results = Path(out) / RESULTS
+    if not cfg_path.exists() and results.exists() and results.read_bytes().strip():
+        # the records' settings are unknown: pinning the new ones would label old records with them
+        raise ValueError(f"{out} holds {results.name} but no config.json, so the settings of its records are "
+                         "unknown; use another --out (or restore config.json)")
     if cfg_path.exists():
         old = json.loads(cfg_path.read_text()).get("fingerprint", {})
         keys = [k for k in sorted(set(old) | set(fingerprint))
-                if defaults.get(k) is not UNRECORDED or (k in old and k in fingerprint)]
+                if k not in unread and (defaults.get(k) is not UNRECORDED or (k in old and k in fingerprint))]
         diff = {k: (old.get(k, defaults.get(k)), fingerprint.get(k, defaults.get(k))) for k in keys
                 if old.get(k, defaults.get(k)) != fingerprint.get(k, defaults.get(k))}
         if diff:
