@@ -42,7 +42,11 @@ class Sampling:
         :attr:`MagicPIGConfig.seed`. One key per step serves the whole batch, so a sampled row's
         tokens (and oracle attention's draws, greedy included) depend on its position in the
         batch: the rows are not the prompts decoded alone with this seed. Greedy decoding with
-        the other methods gives each row its tokens alone.
+        the other methods gives each row its tokens alone up to float32 rounding: a decode step's
+        products run over the whole batch, and their summation order can differ with the batch's
+        size and rows (logits a few 1e-5 apart), which can flip a near-tie of the argmax and, under
+        MagicPIG, which keys a query's SimHash codes select, so a MagicPIG row can diverge from
+        its prompt decoded alone. The prefill does not depend on the other rows.
 
     Raises:
       ValueError: a value out of range, naming the field.

@@ -472,8 +472,9 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.
       page_size: Quest's page size in tokens (default 16; refused for the other backends).
       temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy). In a batch
-        a sampled row depends on its position (one key per step for all rows; see
-        :attr:`Sampling.seed`).
+        a sampled row depends on its position (one key per step for all rows), and a greedy
+        MagicPIG row may differ from its prompt decoded alone (the batch's float32 rounding can
+        change the sampled keys; see :attr:`Sampling.seed`).
       stop: a stop string or a list of them; the text is cut before the first one (one holding a
         special token's text, which decoded text leaves out, or U+FFFD, is refused).
       stream: return an iterator of text pieces as tokens are produced (one prompt only);
