@@ -446,7 +446,7 @@ def _add_convert(sub) -> None:
 def _cmd_convert(args) -> int:
     import time
 
-    from magicpig_jax.io.loader import convert_model, load_model
+    from magicpig_jax.io.loader import convert_model
 
     if not args.model.strip():
         raise ValueError("convert: MODEL is empty (the first argument: a .gguf file, a Hugging Face directory, "
@@ -461,9 +461,9 @@ def _cmd_convert(args) -> int:
     check_output("OUT", args.out, "new-dir")
     start = time.perf_counter()
     out = convert_model(None if args.model == "embedded" else args.model, args.out)
-    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
-    model = load_model(out)
-    print(f"reloaded with --model {out} in {model.load_seconds:.2f} s")
+    # convert_model loaded what it wrote before keeping it: no second load here
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s (loaded back before it was kept; use it with "
+          f"--model {out})")
     return 0
 
 

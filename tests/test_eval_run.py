@@ -174,3 +174,14 @@ def test_settings_that_decode_nothing_sparsely_are_refused_before_writing(tmp_pa
     with pytest.raises(ValueError, match=named):
         run_eval(char_model(), _settings(**kw), out, progress=False)
     assert not out.exists()
+
+
+def test_one_new_token_with_setup_a_is_accepted_when_every_method_is_dense():
+    """Dense answering as dense is what is asked; only a sparse method's records would be vacuous."""
+    from magicpig_jax.eval.run import _check_likelihood_and_answers
+
+    model = char_model()
+    _check_likelihood_and_answers(model, _settings(max_new_tokens=1, methods=parse_methods("dense"), budget_from=None))
+    _check_likelihood_and_answers(model, _settings(max_new_tokens=1, setups=["B"]))
+    with pytest.raises(ValueError, match="every sparse method would answer as dense"):
+        _check_likelihood_and_answers(model, _settings(max_new_tokens=1, setups=["B", "A"]))

@@ -80,6 +80,43 @@ def test_the_model_digest_tells_models_apart_whatever_their_path(tmp_path):
     assert model_digest(big, chunks=4, chunk_bytes=1024) != before
 
 
+def test_the_model_digest_ignores_bookkeeping_beside_the_model(tmp_path):
+    """Re-converting a model, hf download's timestamps, git's files or a results folder inside
+    the model folder made an unchanged model's records unresumable."""
+    import shutil
+    from pathlib import Path
+
+    from magicpig_jax.eval.settings import model_digest
+    from magicpig_jax.io.loader import convert_model
+
+    families = Path(__file__).parent / "fixtures" / "families"
+    hf = tmp_path / "hf"
+    shutil.copytree(families / "llama3", hf)
+    before = model_digest(hf)
+    (hf / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (hf / ".cache" / "huggingface" / "download" / "model.safetensors.metadata").write_text("1765000000.0")
+    (hf / ".git").mkdir()
+    (hf / ".git" / "FETCH_HEAD").write_text("abc")
+    (hf / "runs").mkdir()
+    (hf / "runs" / "results.jsonl").write_text("{}\n")
+    (hf / "README.md").write_text("a model card")
+    assert model_digest(hf) == before
+    config = json.loads((hf / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-6
+    (hf / "config.json").write_text(json.dumps(config))
+    assert model_digest(hf) != before
+
+    one = convert_model(families / "llama3", tmp_path / "one")
+    two = convert_model(families / "llama3", tmp_path / "two")  # orbax's files differ between the two
+    other = convert_model(hf, tmp_path / "other")  # only rms_norm_eps differs
+    assert model_digest(one) == model_digest(two) != model_digest(other)
+    weights = shutil.copytree(families / "llama3", tmp_path / "w")
+    data = bytearray((weights / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # the last byte of the last tensor: a piece every array digest reads
+    (weights / "model.safetensors").write_bytes(bytes(data))
+    assert model_digest(convert_model(weights, tmp_path / "three")) != model_digest(one)
+
+
 def test_fingerprint_is_pinned_and_checked(tmp_path):
     check_fingerprint(tmp_path, {"seed": 0, "model": "m"})
     check_fingerprint(tmp_path, {"seed": 0, "model": "m"})  # the same settings: accepted

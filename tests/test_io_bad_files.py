@@ -105,6 +105,7 @@ def checkpoint(tmp_path_factory) -> Path:
     (lambda m: m["config"].update(eos_token_ids=["x"]), "config 'eos_token_ids' must be a list of token ids"),
     (lambda m: m.update(add_bos_token="false"), "'add_bos_token' must be true or false, got 'false'"),
     (lambda m: m.update(template_tokens={"pad": "x"}), "'template_tokens' must be an object"),
+    (lambda m: m.update(weights_sha1=12), "'weights_sha1' must be a string"),
 ])
 def test_a_hand_edited_checkpoint_is_checked_like_a_config(tmp_path, checkpoint, capsys, edit, named):
     """rope_type "dynamic" with llama3's keys computed llama3; an unknown key was ignored."""

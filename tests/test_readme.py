@@ -83,7 +83,7 @@ def _check_generate_json(out: str, cwd: Path) -> None:
 
 
 def _check_convert(out: str, cwd: Path) -> None:
-    assert re.search(r"reloaded with --model \S*runs/smollm2-ckpt", out), out
+    assert re.search(r"loaded back before it was kept; use it with --model \S*runs/smollm2-ckpt\)", out), out
     assert (cwd / "runs" / "smollm2-ckpt").is_dir()
 
 

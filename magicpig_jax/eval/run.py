@@ -315,9 +315,9 @@ def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
         # the corpus must hold the longest sample (the same text the run builds; a short FILE fails here)
         make_likelihood_sample(model.tokenizer.encode, max(settings.lengths), 0, seed=settings.seed,
                                haystack=settings.haystack, forced=forced)
-    if settings.tasks and "A" in settings.setups and settings.max_new_tokens == 1:
+    if sparse and settings.tasks and "A" in settings.setups and settings.max_new_tokens == 1:
         raise ValueError("--max-new-tokens 1 with setup A: the answer's only token comes from the dense prefill, so "
-                         "every method would answer as dense; use >= 2 or --setups B")
+                         "every sparse method would answer as dense; use >= 2 or --setups B")
 
 
 def _check_config_files_unchanged(store: ResultStore, settings: EvalSettings, out: Path) -> None:

@@ -62,25 +62,42 @@ def haystack_digest(haystack: str) -> str:
 
 
 def model_digest(source, chunks: int = 64, chunk_bytes: int = 1 << 16) -> str:
-    """SHA-1 (12 hex digits) identifying a model's files: its path alone does not pin them (a relative
+    """SHA-1 (12 hex digits) identifying a model: its path alone does not pin it (a relative
     ``--model`` names another model from another folder; a file may be replaced in place).
 
-    Hashes each file's path relative to ``source``, its size and ``chunks`` evenly spaced pieces of
-    ``chunk_bytes`` (a few MiB of a multi-GB file, read in well under a second): a different model
-    or quantization differs in them. A directory (Hugging Face, checkpoint) hashes all its files.
+    Hashes only what the loaders read, so that bookkeeping beside a model does not change it:
+    - a file (GGUF): its size and ``chunks`` evenly spaced pieces of ``chunk_bytes``
+      (:func:`magicpig_jax.io.digest.file_digest`; a few MiB of a multi-GB file);
+    - a checkpoint (``magicpig-jax convert``): its ``magicpig_model.json``, which records the
+      weights' :func:`~magicpig_jax.io.digest.array_digest`, and ``tokenizer.json``. orbax's own
+      files differ between two conversions of the same model (random names, timestamps). A
+      checkpoint written before ``weights_sha1`` adds its ``weights/_METADATA`` (names, shapes,
+      dtypes): two such checkpoints of one architecture and tokenizer look alike;
+    - another directory (Hugging Face): its top-level ``.json``, ``.jinja`` and ``.safetensors``
+      files, by name, size and pieces; not hidden files or subfolders (``.cache/huggingface``'s
+      download timestamps, ``.git``, a results folder kept inside).
+
+    Raises:
+      OSError: a file cannot be read.
     """
     import hashlib
 
+    from magicpig_jax.io.checkpoint import MARKER, is_checkpoint
+    from magicpig_jax.io.digest import file_digest
+
     root = Path(source)
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
     h = hashlib.sha1()
-    for path in files:
-        size = path.stat().st_size
-        h.update(f"{path.relative_to(root) if root.is_dir() else path.name}\0{size}\0".encode())
-        with open(path, "rb") as f:
-            for i in range(chunks if size > chunks * chunk_bytes else 1):
-                f.seek(i * (size - chunk_bytes) // max(chunks - 1, 1) if size > chunks * chunk_bytes else 0)
-                h.update(f.read(chunk_bytes if size > chunks * chunk_bytes else size))
+    if not root.is_dir():
+        file_digest(h, root, root.name, chunks, chunk_bytes)
+    elif is_checkpoint(root):
+        h.update((root / MARKER).read_bytes())
+        h.update((root / "tokenizer.json").read_bytes())
+        if b'"weights_sha1"' not in (root / MARKER).read_bytes() and (root / "weights" / "_METADATA").is_file():
+            h.update((root / "weights" / "_METADATA").read_bytes())
+    else:
+        for path in sorted(root.iterdir()):
+            if path.is_file() and not path.name.startswith(".") and path.suffix in (".json", ".jinja", ".safetensors"):
+                file_digest(h, path, path.name, chunks, chunk_bytes)
     return h.hexdigest()[:12]
 
 

@@ -32,7 +32,7 @@ FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 # The keys of MARKER that _write_checkpoint writes (earlier versions wrote a subset).
 _META_KEYS = ("format_version", "config", "chat_template", "eos_token_ids", "bos_token_id", "eos_token_id",
-              "add_bos_token", "add_eos_token", "template_tokens")
+              "add_bos_token", "add_eos_token", "template_tokens", "weights_sha1")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -97,6 +97,10 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(out / "weights", tree)
     tokenizer.backend.save(str(out / "tokenizer.json"))
+    # orbax's files differ between two saves of the same arrays (random names, timestamps): this
+    # names the weights for eval's model_sha1 (eval.settings.model_digest)
+    from magicpig_jax.io.digest import array_digest
+
     meta = {
         "format_version": FORMAT_VERSION,
         "config": dataclasses.asdict(config),
@@ -107,6 +111,7 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
         "add_bos_token": tokenizer.add_bos_token,
         "add_eos_token": tokenizer.add_eos_token,
         "template_tokens": tokenizer.template_tokens,
+        "weights_sha1": array_digest(tree),
     }
     (out / MARKER).write_text(json.dumps(meta, indent=1))
 
@@ -146,7 +151,8 @@ def _check_meta_types(path: Path, meta: dict) -> None:
               "chat_template": (lambda v: v is None or isinstance(v, str), "a string or null"),
               "template_tokens": (lambda v: isinstance(v, dict) and all(
                   k in TEMPLATE_TOKEN_NAMES and isinstance(t, str) for k, t in v.items()),
-                  f"an object mapping some of {', '.join(TEMPLATE_TOKEN_NAMES)} to token texts")}
+                  f"an object mapping some of {', '.join(TEMPLATE_TOKEN_NAMES)} to token texts"),
+              "weights_sha1": (lambda v: isinstance(v, str), "a string")}
     for key, (ok, allowed) in checks.items():
         if key in meta and not ok(meta[key]):
             raise ValueError(f"checkpoint {path}: {MARKER} '{key}' must be {allowed}, got {meta[key]!r}")
