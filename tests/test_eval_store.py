@@ -100,6 +100,8 @@ def test_the_model_digest_ignores_bookkeeping_beside_the_model(tmp_path):
     (hf / "runs").mkdir()
     (hf / "runs" / "results.jsonl").write_text("{}\n")
     (hf / "README.md").write_text("a model card")
+    for unread in ("special_tokens_map.json", "params.json", "consolidated.safetensors"):  # no loader reads them
+        (hf / unread).write_text("{}")
     assert model_digest(hf) == before
     config = json.loads((hf / "config.json").read_text())
     config["rms_norm_eps"] = 1e-6
@@ -115,6 +117,48 @@ def test_the_model_digest_ignores_bookkeeping_beside_the_model(tmp_path):
     data[-1] ^= 1  # the last byte of the last tensor: a piece every array digest reads
     (weights / "model.safetensors").write_bytes(bytes(data))
     assert model_digest(convert_model(weights, tmp_path / "three")) != model_digest(one)
+
+
+def test_the_model_digest_follows_the_weights_the_loader_reads(tmp_path):
+    """An index placing the shards in a subfolder; weights changed with nothing else; a checkpoint
+    written before weights_sha1; a checkpoint's weights replaced in place."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.numpy import load_file, save_file
+
+    from magicpig_jax.eval.settings import model_digest
+    from magicpig_jax.io.checkpoint import MARKER, read_checkpoint
+    from magicpig_jax.io.loader import convert_model
+
+    families = Path(__file__).parent / "fixtures" / "families"
+    hf = shutil.copytree(families / "llama3", tmp_path / "hf")
+    tensors = load_file(hf / "model.safetensors")
+    (hf / "model.safetensors").unlink()
+    (hf / "shards").mkdir()
+    save_file(tensors, hf / "shards" / "model-00001-of-00001.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "shards/model-00001-of-00001.safetensors" for name in tensors}}))
+    before = model_digest(hf)
+    save_file({k: v * 2 for k, v in tensors.items()}, hf / "shards" / "model-00001-of-00001.safetensors")
+    assert model_digest(hf) != before
+
+    one = convert_model(families / "llama3", tmp_path / "one")
+    two = convert_model(hf, tmp_path / "two")  # the same config and tokenizer, other weights
+    assert model_digest(one) != model_digest(two)
+    for ckpt in (one, two):  # as written before weights_sha1: identified by orbax's array files
+        meta = json.loads((ckpt / MARKER).read_text())
+        del meta["weights_sha1"]
+        (ckpt / MARKER).write_text(json.dumps(meta))
+    assert model_digest(one) != model_digest(two)
+    read_checkpoint(one)  # still readable
+
+    three = convert_model(families / "llama3", tmp_path / "three")
+    four = convert_model(hf, tmp_path / "four")
+    shutil.rmtree(three / "weights")
+    shutil.copytree(four / "weights", three / "weights")
+    with pytest.raises(ValueError, match="its weights do not match the weights_sha1"):
+        read_checkpoint(three)
 
 
 def test_fingerprint_is_pinned_and_checked(tmp_path):

@@ -65,39 +65,26 @@ def model_digest(source, chunks: int = 64, chunk_bytes: int = 1 << 16) -> str:
     """SHA-1 (12 hex digits) identifying a model: its path alone does not pin it (a relative
     ``--model`` names another model from another folder; a file may be replaced in place).
 
-    Hashes only what the loaders read, so that bookkeeping beside a model does not change it:
-    - a file (GGUF): its size and ``chunks`` evenly spaced pieces of ``chunk_bytes``
-      (:func:`magicpig_jax.io.digest.file_digest`; a few MiB of a multi-GB file);
-    - a checkpoint (``magicpig-jax convert``): its ``magicpig_model.json``, which records the
-      weights' :func:`~magicpig_jax.io.digest.array_digest`, and ``tokenizer.json``. orbax's own
-      files differ between two conversions of the same model (random names, timestamps). A
-      checkpoint written before ``weights_sha1`` adds its ``weights/_METADATA`` (names, shapes,
-      dtypes): two such checkpoints of one architecture and tokenizer look alike;
-    - another directory (Hugging Face): its top-level ``.json``, ``.jinja`` and ``.safetensors``
-      files, by name, size and pieces; not hidden files or subfolders (``.cache/huggingface``'s
-      download timestamps, ``.git``, a results folder kept inside).
+    Hashes the files :func:`magicpig_jax.io.loader.model_files` lists (what the loader reads, so
+    that bookkeeping beside a model changes nothing), each by its path relative to ``source``, its
+    size and ``chunks`` evenly spaced pieces of ``chunk_bytes`` (a few MiB of a multi-GB file;
+    :func:`magicpig_jax.io.digest.file_digest`). A checkpoint is named by the weights' digest that
+    its ``magicpig_model.json`` records, as orbax's files differ between two saves of one model.
 
     Raises:
-      OSError: a file cannot be read.
+      OSError: a file cannot be read; FileNotFoundError, ValueError: as the loader, for a model
+        whose weight files cannot be found.
     """
     import hashlib
+    import os
 
-    from magicpig_jax.io.checkpoint import MARKER, is_checkpoint
     from magicpig_jax.io.digest import file_digest
+    from magicpig_jax.io.loader import model_files
 
     root = Path(source)
     h = hashlib.sha1()
-    if not root.is_dir():
-        file_digest(h, root, root.name, chunks, chunk_bytes)
-    elif is_checkpoint(root):
-        h.update((root / MARKER).read_bytes())
-        h.update((root / "tokenizer.json").read_bytes())
-        if b'"weights_sha1"' not in (root / MARKER).read_bytes() and (root / "weights" / "_METADATA").is_file():
-            h.update((root / "weights" / "_METADATA").read_bytes())
-    else:
-        for path in sorted(root.iterdir()):
-            if path.is_file() and not path.name.startswith(".") and path.suffix in (".json", ".jinja", ".safetensors"):
-                file_digest(h, path, path.name, chunks, chunk_bytes)
+    for path in model_files(root):
+        file_digest(h, path, os.path.relpath(path, root) if root.is_dir() else path.name, chunks, chunk_bytes)
     return h.hexdigest()[:12]
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig
 
-__all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "MARKER"]
+__all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "checkpoint_files", "MARKER"]
 
 MARKER = "magicpig_model.json"
 # 1: also a float32 copy of the Q4_1/Q8_0 matrices; 2: the config without ``sliding_layers``
@@ -38,6 +38,30 @@ _META_KEYS = ("format_version", "config", "chat_template", "eos_token_ids", "bos
 def is_checkpoint(path: str | Path) -> bool:
     """True if ``path`` is a directory written by :func:`save_checkpoint`."""
     return (Path(path) / MARKER).is_file()
+
+
+# orbax's bookkeeping beside the arrays (timestamps, the temporary path it was written to)
+_ORBAX_BOOKKEEPING = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The files that identify the checkpoint ``path`` (what ``eval``'s model digest hashes).
+
+    ``magicpig_model.json`` (which records ``weights_sha1``, the weights' digest, checked when
+    they are read) and ``tokenizer.json``. orbax's array files are not listed: their names and
+    bytes differ between two saves of the same arrays. A checkpoint written before
+    ``weights_sha1`` lists its array files instead (orbax's bookkeeping left out), so converting
+    such a model again changes its digest.
+
+    Raises:
+      FileNotFoundError: not a checkpoint directory.
+    """
+    path = Path(path)
+    meta = _read_meta(path.absolute())
+    files = [path / MARKER, path / "tokenizer.json"]
+    if "weights_sha1" not in meta:
+        files += sorted(p for p in (path / "weights").rglob("*") if p.is_file() and p.name not in _ORBAX_BOOKKEEPING)
+    return files
 
 
 def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.ndarray], tokenizer,
@@ -204,7 +228,7 @@ def read_checkpoint(path: str | Path):
 
     Raises:
       FileNotFoundError: not a checkpoint directory.
-      ValueError: an unknown format version.
+      ValueError: an unknown format version; weights that do not match the recorded ``weights_sha1``.
     """
     import orbax.checkpoint as ocp
 
@@ -215,6 +239,13 @@ def read_checkpoint(path: str | Path):
     config = read_checkpoint_config(path)
     with ocp.StandardCheckpointer() as ckpt:
         tree = ckpt.restore(path / "weights")
+    if "weights_sha1" in meta:
+        from magicpig_jax.io.digest import array_digest
+
+        found = array_digest({k: np.asarray(v) for k, v in tree.items()})
+        if found != meta["weights_sha1"]:
+            raise ValueError(f"checkpoint {path}: its weights do not match the weights_sha1 {meta['weights_sha1']} "
+                             f"recorded in {MARKER} (found {found}): replaced or damaged; convert the model again")
     freq_factors = tree.pop("rope_freqs", None)
     weights = {k.replace("/", "."): np.asarray(v) for k, v in tree.items()}
     tokenizer = Tokenizer(read_tokenizer_json(path / "tokenizer.json", "a magicpig_jax checkpoint"),

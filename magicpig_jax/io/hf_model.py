@@ -11,7 +11,7 @@ import numpy as np
 from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 
-__all__ = ["read_hf_config", "read_hf_dir", "read_generation_eos_ids"]
+__all__ = ["read_hf_config", "read_hf_dir", "read_generation_eos_ids", "hf_files"]
 
 
 def read_generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
@@ -225,6 +225,28 @@ def _held(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
     if qtype is not None and value.ndim == 2:
         return packed_key(name, qtype), np.ascontiguousarray(value).view(np.uint8)
     return name, np.asarray(value, dtype=np.float32)
+
+
+# The metadata files the loader and the tokenizer read, where present (tokenizer.Tokenizer.from_hf_dir).
+HF_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "chat_template.jinja", "chat_template.json")
+
+
+def hf_files(folder: str | Path) -> list[Path]:
+    """Every file :func:`read_hf_dir` and the tokenizer read from the Hugging Face directory ``folder``:
+    the metadata files present, the safetensors index if it is used, and the weight files it picks
+    (which an index may place in a subfolder). What ``eval``'s model digest hashes.
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`read_hf_dir` for the weight files.
+    """
+    folder = Path(folder)
+    files = [folder / name for name in HF_METADATA_FILES if (folder / name).is_file()]
+    weights = _weight_files(folder)
+    index = folder / "model.safetensors.index.json"
+    if weights != [folder / "model.safetensors"] and index.is_file():
+        files.append(index)
+    return files + weights
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -19,7 +19,7 @@ from magicpig_jax.models.config import LlamaConfig
 from magicpig_jax.models.llama import Llama
 from magicpig_jax.models.rope import rope_inv_freq
 
-__all__ = ["LoadedModel", "load_model", "read_model_config", "build_llama", "convert_model"]
+__all__ = ["LoadedModel", "load_model", "read_model_config", "build_llama", "convert_model", "model_files"]
 
 
 @dataclasses.dataclass
@@ -298,6 +298,28 @@ def read_model_config(path: str | Path | None = None) -> LlamaConfig:
     if source.is_dir():
         return read_hf_config(source)
     return read_gguf_config(source)
+
+
+def model_files(path: str | Path | None = None) -> list[Path]:
+    """The files that identify the model at ``path``: what its loader reads (a GGUF file; a Hugging
+    Face directory's metadata and weight files, :func:`magicpig_jax.io.hf_model.hf_files`), or for a
+    checkpoint :func:`magicpig_jax.io.checkpoint.checkpoint_files`. Nothing else beside the model
+    (download caches, ``.git``, files no loader reads) is listed.
+
+    Raises:
+      FileNotFoundError, ValueError: the path does not exist, or as the loader for its weight files.
+    """
+    from magicpig_jax.io.checkpoint import checkpoint_files, is_checkpoint
+    from magicpig_jax.io.hf_model import hf_files
+
+    source = _source(path)
+    if not source.exists():
+        raise FileNotFoundError(f"--model path {source} does not exist (expected {MODEL_KINDS})")
+    if source.is_dir() and is_checkpoint(source):
+        return checkpoint_files(source)
+    if source.is_dir():
+        return hf_files(source)
+    return [source]
 
 
 def _read_source(path: str | Path | None):
