@@ -233,6 +233,9 @@ def _cmd_generate(args) -> int:
     except ValueError as err:
         raise ValueError(f"--stop: {err}") from None
     ids = encode_prompt(model, prompt, chat=not args.no_chat, parse_special=args.parse_special)
+    if len(ids) > model.config.max_position_embeddings:  # (prefill refuses it too, after announcing itself)
+        raise ValueError(f"prompt has {len(ids)} tokens, longer than the model's context of "
+                         f"{model.config.max_position_embeddings} tokens")
     positions = cache_capacity(model, len(ids), args.max_new_tokens)  # sliding windows shorter than this bind
     specs = {name: decode_spec(model, name, config_of(name), args.dense_layers, budget(name), positions=positions)
              if layered is None or name not in LAYERED
@@ -420,7 +423,7 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
 
     w = max(len("attention"), *map(len, results))  # the first column fits the longest backend name
     lines = ["", "=== summary ===", f"prompt tokens: {prompt_tokens}    prefill: {prefill_seconds:.2f} s",
-             f"{'attention':<{w}}  {'decode tok/s':>12}  {'steps':>5}  {'compile s':>9}  {'sampled fraction':>16}"]
+             f"{'attention':<{w}}  {'decode tok/s':>12}  {'steps':>5}  {'compile s':>9}  {'keys attended':>16}"]
     for name, r in results.items():
         frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"
         rate = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.2f}"
@@ -429,7 +432,8 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
         per = r["sampled_fraction_per_layer"]
         if per:
             dense = ",".join(map(str, r["dense_layers"])) or "none"
-            lines.append(f"{name}: % of the context's keys sampled per decode step, layer:% (dense layers {dense})")
+            chosen = "sampled" if name.startswith("magicpig") else "selected"  # TopK and Quest select theirs
+            lines.append(f"{name}: % of the context's keys {chosen} per decode step, layer:% (dense layers {dense})")
             cells = " ".join(f"{layer}:{100 * f:.1f}" for layer, f in per.items())
             lines.extend(textwrap.wrap(cells, 96, initial_indent="  ", subsequent_indent="  "))
     return "\n".join(lines)

@@ -116,7 +116,9 @@ def make_mesh(batch: int | None = None, kv_heads: int = 1, devices: Sequence[jax
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be a positive int, got {batch!r} (with {len(devices)} devices)")
     if batch * kv_heads > len(devices):
-        raise ValueError(f"a {batch} x {kv_heads} mesh needs {batch * kv_heads} devices, have {len(devices)}")
+        hint = (" (on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
+                if all(getattr(d, "platform", None) == "cpu" for d in devices) else "")
+        raise ValueError(f"a {batch} x {kv_heads} mesh needs {batch * kv_heads} devices, have {len(devices)}{hint}")
     used = devices[: batch * kv_heads]
     repeated = sorted({str(d) for d in used if used.count(d) > 1})
     if repeated:

@@ -366,7 +366,7 @@ def test_top_level_help_lists_each_subcommand_once():
 
 
 @pytest.mark.parametrize("args,shown", [
-    (["bench", "decode"], ["prompt tokens (default: 1024 4096 8192)", "(default: dense magicpig)",
+    (["bench", "decode"], ["the JSON's prompt_tokens give it) (default: 1024 4096 8192)", "(default: dense magicpig)",
                            "--K K SimHash bits per table", "--text TEXT prose whose tokens"]),
     (["bench", "attention"], ["context lengths (default: 8192 32768 131072)", "--seed SEED seed of the synthetic"]),
     (["study", "attention"], ["(default: 8x60,9x100,10x150,10x170,11x300)", "(default: 0.005,0.01,0.02,0.05,0.1,0.2)",
@@ -427,6 +427,15 @@ def test_generate_says_when_every_layer_is_dense_or_the_context_is_full(capsys, 
             in dense_file.stdout)
     assert 490 < prompt < 512
     assert f"(stopped after {512 - prompt + 1} tokens: the model's context of 512 positions is full)" in proc.stdout
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_the_prefill_is_announced(capsys):
+    proc = run_here(capsys, "generate", "--model", str(FAMILY), "--prompt", "hi " * 600, "--no-chat",
+                    "--max-new-tokens", "2", "--attention", "dense")
+    assert proc.returncode == 2
+    assert re.fullmatch(r"magicpig-jax: error: generate: prompt has \d+ tokens, longer than the model's context of 512 "
+                        r"tokens\n", proc.stderr), proc.stderr
+    assert "prefilling" not in proc.stdout
 
 
 def _default_sigint():

@@ -378,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         if (r["other_processes_cpu_fraction"] or 0) > 0.05:
             print(f"  warning: other processes used {100 * r['other_processes_cpu_fraction']:.0f}% of the CPU time "
                   "while timing: these figures measure time slices, not the op")
+    print("host ms: the op with its static part and merge; op ms: the FFI call alone (cold, median, [min, max]); "
+          "warm: back to back; dense/ref ms: XLA dense and the pure-JAX reference; sampled: fraction of keys; "
+          "GB/s: bytes touched / op ms; %copy, %pair, %warm: that against the copy bandwidth at the start, beside "
+          "each call, and warm; huge: K, V and index bytes on huge pages; idx/kv: index bytes over K and V bytes")
     wrote = f"{args.out}.json" + (" and .png" if plotted else "")
     print(f"copy bandwidth {copy_bw / 1e9:.2f} GB/s (start), {copy_end / 1e9:.2f} GB/s (end); wrote {wrote}")
     return 0 if math.isfinite(copy_bw) else 1

@@ -1,4 +1,4 @@
-"""Batched decode throughput of the embedded SmolLM2: dense vs MagicPIG (host op) vs llama.cpp.
+"""Batched decode throughput of a model (the embedded SmolLM2 by default): dense vs MagicPIG (host op) vs llama.cpp.
 
 For every prompt length the prompt (real prose: the GPL-3 text, repeated as needed) is
 prefilled once, for one row (dense, chunked); its cache is then copied to the B rows of each
@@ -187,12 +187,14 @@ def make_parser() -> argparse.ArgumentParser:
     p = Parser(prog="magicpig-jax bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="the model, as generate's --model (default: the embedded "
                    "SmolLM2-135M-Instruct; --peer needs a GGUF)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt tokens")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192],
+                   help="prompt tokens, each capped at the model's context less --steps + 1 (8192 on an 8K "
+                   "model with --steps 64: 8127; the table and the JSON's prompt_tokens give it)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes B (rows decoded together)")
     p.add_argument("--methods", nargs="+", default=["dense", "magicpig"], choices=["dense", "magicpig", "magicpig-ref"],
                    metavar="METHOD", help="decode backends: dense, magicpig, magicpig-ref")
     p.add_argument("--steps", type=int, default=32, help="decode steps per run (the first is not timed)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median, min, max)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per configuration, >= 3 (median, min, max)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before the repeats")
     p.add_argument("--K", type=int, default=None, help="SimHash bits per table (1..16, the host index; default 10)")
     p.add_argument("--L", type=int, default=None, help="hash tables (>= 2; default 150)")
@@ -294,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         n = length if args.allow_beyond_context else min(length, ctx - args.steps - 1)
         if n < 1:
             p.error(f"--steps {args.steps} leaves no room for a prompt in the model's context of {ctx}")
+        if n < length:
+            tqdm.write(f"--lengths {length}: a prompt of {n} tokens, so that the {args.steps} steps fit the model's "
+                       f"context of {ctx}")
         ids = prompt_ids(model, text, n)
         if "llama.cpp" in args.peer:
             for r in run_peer(model.source, ids, args.batch, args.steps, args.repeats, args.peer_threads,

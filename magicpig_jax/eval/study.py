@@ -297,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "study.json").write_text(json.dumps(result, indent=1))
     if not args.no_plot:
         plot_study(summary, args.out / "study.png")
+    print(f"{'source':9s} {'method':10s} {'params':50s} {'cases':>5s} {'keys %':>7s} {'rel. error':>10s} "
+          f"{'median':>7s}")
+    for row in summary:  # the means the plot shows; every case is in study.json
+        params = ",".join(f"{k}={v}" for k, v in row["params"].items())
+        print(f"{row['source']:9s} {row['method']:10s} {params:50s} {row['cases']:5d} {100 * row['fraction']:7.2f} "
+              f"{row['rel_error']:10.4f} {row['rel_error_median']:7.4f}")
     print(f"wrote {args.out / 'study.json'}" + ("" if args.no_plot else f" and {args.out / 'study.png'}"))
     return 0
 
