@@ -2,7 +2,7 @@
 
 Subcommands:
   generate          answer a question over a long document, MagicPIG and dense
-  convert           write a model as an orbax checkpoint (one folder: weights, tokenizer)
+  convert           a model as one orbax checkpoint folder (weights, tokenizer)
   bench attention   one layer's decode attention: host op, XLA dense, reference
   bench decode      end-to-end decode tokens/s per prompt length and batch
   study attention   estimator error versus cost (TopK, Quest, oracle, MagicPIG)
