@@ -423,17 +423,18 @@ def _summary(results: dict, prompt_tokens: int, prefill_seconds: float) -> str:
 
     w = max(len("attention"), *map(len, results))  # the first column fits the longest backend name
     lines = ["", "=== summary ===", f"prompt tokens: {prompt_tokens}    prefill: {prefill_seconds:.2f} s",
-             f"{'attention':<{w}}  {'decode tok/s':>12}  {'steps':>5}  {'compile s':>9}  {'keys attended':>16}"]
+             f"{'attention':<{w}}  {'decode tok/s':>12}  {'steps':>5}  {'compile s':>9}  {'sampled/selected':>17}"]
     for name, r in results.items():
         frac = "-" if r["sampled_fraction"] is None else f"{100 * r['sampled_fraction']:.2f}%"
         rate = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.2f}"
-        lines.append(f"{name:<{w}}  {rate:>12}  {r['decode_steps']:>5}  {r['compile_seconds']:>9.1f}  {frac:>16}")
+        lines.append(f"{name:<{w}}  {rate:>12}  {r['decode_steps']:>5}  {r['compile_seconds']:>9.1f}  {frac:>17}")
     for name, r in results.items():
         per = r["sampled_fraction_per_layer"]
         if per:
             dense = ",".join(map(str, r["dense_layers"])) or "none"
-            chosen = "sampled" if name.startswith("magicpig") else "selected"  # TopK and Quest select theirs
-            lines.append(f"{name}: % of the context's keys {chosen} per decode step, layer:% (dense layers {dense})")
+            chosen = "selected" if name in ("topk", "quest") else "sampled"  # TopK and Quest select, the rest sample
+            lines.append(f"{name}: % of the context's keys {chosen} per decode step beside the sinks and local "
+                         f"window, layer:% (dense layers {dense})")
             cells = " ".join(f"{layer}:{100 * f:.1f}" for layer, f in per.items())
             lines.extend(textwrap.wrap(cells, 96, initial_indent="  ", subsequent_indent="  "))
     return "\n".join(lines)

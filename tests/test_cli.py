@@ -366,7 +366,7 @@ def test_top_level_help_lists_each_subcommand_once():
 
 
 @pytest.mark.parametrize("args,shown", [
-    (["bench", "decode"], ["the JSON's prompt_tokens give it) (default: 1024 4096 8192)", "(default: dense magicpig)",
+    (["bench", "decode"], ["which caps nothing (default: 1024 4096 8192)", "(default: dense magicpig)",
                            "--K K SimHash bits per table", "--text TEXT prose whose tokens"]),
     (["bench", "attention"], ["context lengths (default: 8192 32768 131072)", "--seed SEED seed of the synthetic"]),
     (["study", "attention"], ["(default: 8x60,9x100,10x150,10x170,11x300)", "(default: 0.005,0.01,0.02,0.05,0.1,0.2)",

@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  warning: other processes used {100 * r['other_processes_cpu_fraction']:.0f}% of the CPU time "
                   "while timing: these figures measure time slices, not the op")
     print("host ms: the op with its static part and merge; op ms: the FFI call alone (cold, median, [min, max]); "
-          "warm: back to back; dense/ref ms: XLA dense and the pure-JAX reference; sampled: fraction of keys; "
+          "warm: back to back; dense/ref ms: XLA dense and the pure-JAX reference; x dense: dense ms / host ms; "
+          "sampled: fraction of the hashed range's keys (the sinks and local window not counted); "
           "GB/s: bytes touched / op ms; %copy, %pair, %warm: that against the copy bandwidth at the start, beside "
           "each call, and warm; huge: K, V and index bytes on huge pages; idx/kv: index bytes over K and V bytes")
     wrote = f"{args.out}.json" + (" and .png" if plotted else "")

@@ -189,7 +189,8 @@ def make_parser() -> argparse.ArgumentParser:
                    "SmolLM2-135M-Instruct; --peer needs a GGUF)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192],
                    help="prompt tokens, each capped at the model's context less --steps + 1 (8192 on an 8K "
-                   "model with --steps 64: 8127; the table and the JSON's prompt_tokens give it)")
+                   "model with --steps 64: 8127; the table and the JSON's prompt_tokens give it); a length above "
+                   "the context is refused unless --allow-beyond-context, which caps nothing")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes B (rows decoded together)")
     p.add_argument("--methods", nargs="+", default=["dense", "magicpig"], choices=["dense", "magicpig", "magicpig-ref"],
                    metavar="METHOD", help="decode backends: dense, magicpig, magicpig-ref")
