@@ -221,6 +221,14 @@ def check_split(mesh: Mesh, B: int, Hkv: int, Hq: int | None = None) -> None:
         raise ValueError(f"Hq ({Hq}) must be a multiple of Hkv ({Hkv}) for GQA")
 
 
+def _placed(mesh: Mesh, x, spec: P):
+    """``x`` on ``mesh`` with ``spec``: a concrete array placed elsewhere (committed to one device,
+    or another sharding) is moved, as the docstrings promise; a tracer is left to jit's constraints."""
+    if isinstance(x, jax.core.Tracer):
+        return x
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
 def _check_rows(name: str, x, B: int, N: int | None) -> None:
     """Concrete per-row values are checked here with the global shapes (inside the shard_map
     they are tracers, which the host op clips instead of rejecting)."""
@@ -291,7 +299,8 @@ def sharded_build_index(
         raise ValueError(f"projections must be [D, K*L] = [{D}, {config.K * config.L}], "
                          f"got {tuple(projections.shape)}")
     lengths = jnp.full((B,), N, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)
-    return _build(k, jnp.asarray(projections, jnp.float32), lengths, mesh=mesh, config=config,
+    k, projections = _placed(mesh, k, KV_SPEC), _placed(mesh, jnp.asarray(projections, jnp.float32), P())
+    return _build(k, projections, _placed(mesh, lengths, ROW_SPEC), mesh=mesh, config=config,
                   capacity=capacity, open_capacity=open_capacity, chunk_size=chunk_size, max_threads=max_threads)
 
 
@@ -378,7 +387,8 @@ def sharded_magicpig_attention(
     Args:
       mesh: a ``("batch", "kv_heads")`` mesh (:func:`make_mesh`).
       q: float ``[B, Hq, D]``.
-      k, v: ``[B, Hkv, N, D]`` float32 or bfloat16, best placed with :func:`shard_kv`.
+      k, v: ``[B, Hkv, N, D]`` float32 or bfloat16, best placed with :func:`shard_kv` (arrays
+        placed otherwise are moved to their shards first).
       host_index: the layer's index from :func:`sharded_build_index` (or
         :func:`shard_host_index`).
       config: the :class:`MagicPIGConfig` the index was built with.
@@ -397,6 +407,10 @@ def sharded_magicpig_attention(
         if not hasattr(x, "ndim") or x.ndim != nd:
             raise ValueError(f"{name} must have {nd} dimensions, got shape {tuple(getattr(x, 'shape', ()))}")
     B, Hkv, N, D = k.shape
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape [B, Hkv, N, D] = {tuple(k.shape)}, got {tuple(v.shape)}")
+    if q.shape[0] != B or q.shape[2] != D:
+        raise ValueError(f"q must be [B, Hq, D] with k's B = {B} and D = {D}, got {tuple(q.shape)}")
     check_split(mesh, B, Hkv, q.shape[1])
     if not isinstance(host_index, host.HostIndex):
         raise TypeError(f"host_index must be a HostIndex, got {type(host_index).__name__}")
@@ -408,5 +422,7 @@ def sharded_magicpig_attention(
     impl_code(impl)
     softcap = check_softcap(softcap)
     lengths = jnp.full((B,), N, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)
+    q, k, v, lengths = (_placed(mesh, q, Q_SPEC), _placed(mesh, k, KV_SPEC), _placed(mesh, v, KV_SPEC),
+                        _placed(mesh, lengths, ROW_SPEC))
     return _attention(q, k, v, host_index, lengths, mesh=mesh, config=config, static_window=static_window,
                       impl=impl, max_threads=max_threads, softcap=softcap)

@@ -189,13 +189,23 @@ def prepare_offload(
       ``(AccelState on accel_device, HostState on host_device)``.
 
     Raises:
-      ValueError: ``host_device`` is not a CPU device, or bad shapes / config.
-      TypeError: a config, index or lengths of the wrong type or dtype (named).
+      ValueError: ``host_device`` is not a CPU device, or bad shapes / config (``v`` not of ``k``'s
+        shape and dtype).
+      TypeError: a device that is not a ``jax.Device``; a config, index or lengths of the wrong type
+        or dtype (named).
     """
+    for name, dev in (("accel_device", accel_device), ("host_device", host_device)):
+        if not isinstance(dev, jax.Device):
+            raise TypeError(f"{name} must be a jax.Device (e.g. jax.devices('cpu')[0]), got {dev!r}")
     if host_device.platform != "cpu":
         raise ValueError(f"host_device must be a CPU device (the host op runs on the CPU platform), "
                          f"got {host_device}")
     check_config(config)
+    if not hasattr(k, "ndim") or k.ndim != 4:
+        raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(getattr(k, 'shape', ()))}")
+    if tuple(getattr(v, "shape", ())) != tuple(k.shape) or getattr(v, "dtype", None) != k.dtype:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)} and dtype {k.dtype}, got "
+                         f"{tuple(getattr(v, 'shape', ()))} {getattr(v, 'dtype', None)}")
     B, Hkv, N, D = k.shape
     check_index(index, config, B, Hkv, D)
     if static_window is None:
@@ -271,14 +281,19 @@ def offload_magicpig_attention(
     Source: arXiv 2410.16179, Section 4.3 (the CPU-GPU system); docs/design.md, "Sharding and
     accelerator offload".
     """
+    check_config(config)
+    B, Hkv, _, D = host_state.k.shape
+    if not hasattr(q, "ndim") or q.ndim != 3 or q.shape[0] != B or q.shape[2] != D or q.shape[1] % Hkv:
+        raise ValueError(f"q must be [B, Hq, D] with the layer's B = {B}, D = {D} and Hq a multiple of Hkv = {Hkv}, "
+                         f"got {tuple(getattr(q, 'shape', ()))}")
     placed = host_state.placed
     if placed is not None:
         diff = ", ".join(f"{name}={getattr(config, name)} (prepared with {was})"
                          for name, was in zip(PLACED_FIELDS, placed, strict=True) if getattr(config, name) != was)
         if diff:
             raise ValueError(f"config must have the K, L and static set given to prepare_offload: {diff}")
-    accel = accel_state.projections.devices().pop()
-    host_dev = host_state.k.devices().pop()
+    accel = next(iter(accel_state.projections.devices()))
+    host_dev = next(iter(host_state.k.devices()))
     q = jax.device_put(q, accel)
     codes, out_s, lse_s = accelerator_part(q, accel_state, K=config.K, L=config.L)
     q_h, codes_h = jax.device_put((q, codes), host_dev)

@@ -104,7 +104,8 @@ def place_decode_state(spec, cache, states):
         start, end = jax.device_put((index.start, index.end), accel)
         layer = _accel_layer(jax.device_put(cache.k[i], accel), jax.device_put(cache.v[i], accel), lengths_a, start,
                              end, jax.device_put(states[i], accel), num_sink=spec.magicpig.num_sink,
-                             window=spec.static_window)
+                             # a ring past the cache's capacity holds nothing more (positions < capacity)
+                             window=min(spec.static_window, cache.capacity))
         layer.index = index
         k_layers[i], v_layers[i], out[i] = k_h, v_h, layer
     for i in set(range(len(k_layers))) - set(sparse):  # the dense layers stay, committed to the accelerator

@@ -132,6 +132,17 @@ _CHECKS = textwrap.dedent(r'''
 
     check("inside_jit", inside_jit)
 
+    def committed():
+        # arrays committed to one device (not placed with shard_kv) are moved to their shards
+        mesh = dist.make_mesh(batch=2, kv_heads=4)
+        dev = jax.devices()[0]
+        kc, vc, qc, pc, lc = jax.device_put((k, v, q, proj, lengths), dev)
+        index = dist.sharded_build_index(mesh, kc, pc, cfg, lc, capacity=CAP)
+        got = dist.sharded_magicpig_attention(mesh, qc, kc, vc, index, cfg, lc, static_window=W)
+        return compare(got, ref) | {"index_equal": index_equal(index, ref_index)}
+
+    check("committed", committed)
+
     def errors():
         out = {}
         mesh = dist.make_mesh(batch=2, kv_heads=4)
@@ -143,6 +154,9 @@ _CHECKS = textwrap.dedent(r'''
             "repeated": lambda: dist.make_mesh(batch=2, kv_heads=2, devices=jax.devices()[:3] + jax.devices()[:1]),
             "lengths": lambda: dist.sharded_build_index(mesh, k, proj, cfg, np.full(B, N + 1, np.int32)),
             "gqa": lambda: dist.sharded_magicpig_attention(mesh, q[:, :12], k, v, ref_index, cfg),
+            "q_dim": lambda: dist.sharded_magicpig_attention(mesh, q[..., :8], k, v, ref_index, cfg),
+            "q_rows": lambda: dist.sharded_magicpig_attention(mesh, q[:4], k, v, ref_index, cfg),
+            "v_shape": lambda: dist.sharded_magicpig_attention(mesh, q, k, v[:, :, :10], ref_index, cfg),
         }
         for name, fn in cases.items():
             try:
@@ -223,6 +237,17 @@ def test_errors_name_the_problem(results):
     assert "devices must be distinct" in e["repeated"] and "cpu:0" in e["repeated"]
     assert "lengths must be in [0, 300]" in e["lengths"]
     assert "multiple of Hkv" in e["gqa"]
+    # these named per-device shapes ("q (1, 4, 16) and k (1, 1, 512, 32) disagree") or JAX's own split error
+    assert "q must be [B, Hq, D] with k's B = 8 and D = 16, got (8, 16, 8)" in e["q_dim"]
+    assert "q must be [B, Hq, D] with k's B = 8 and D = 16, got (4, 16, 16)" in e["q_rows"]
+    assert "v must have k's shape [B, Hkv, N, D] = (8, 8, 300, 16), got (8, 8, 10, 16)" in e["v_shape"]
+
+
+def test_arrays_committed_to_one_device_are_moved_to_their_shards(results):
+    """The docstring promised it; a committed k raised JAX's 'incompatible devices'."""
+    r = _ok(results, "committed")
+    assert r["index_equal"]
+    _assert_equal_results(r)
 
 
 _DECODE_CHECK = r"""

@@ -421,6 +421,29 @@ def test_advise_huge_pages_keeps_values_and_results():
     assert host.advise_huge_pages() == 0
 
 
+def test_advise_huge_pages_leaves_a_sharded_arrays_devices_alone():
+    """It popped the device out of the set JAX keeps for a one-device mesh's sharding: the array
+    then reported no device and a later decode on that mesh failed with 'pop from an empty set'."""
+    from magicpig_jax import distributed
+
+    mesh = distributed.make_mesh(batch=1, kv_heads=1)
+    z = jax.jit(lambda a: a + 1)(distributed.shard_kv(mesh, jnp.ones((1, 1, 8 << 10, 64))))  # 2 MiB: advised
+    host.advise_huge_pages(z)
+    assert z.devices() == {jax.devices()[0]}
+    assert jax.jit(lambda a: a * 2)(distributed.shard_kv(mesh, jnp.ones((1, 1, 8, 4)))).devices() == {jax.devices()[0]}
+
+
+def test_donating_a_host_index_keeps_the_callers_hyperplanes():
+    """host_append's docstring says to donate the index: the index held the caller's projections
+    array itself, so donating it deleted them."""
+    cfg, q, k, v, proj, lens = make_case(1, 4, 2, 256, 32, 6, 10, [200])
+    proj = jnp.asarray(proj, jnp.float32)
+    hidx = host.host_build_index(k, proj, cfg, lens, capacity=512)
+    jax.jit(host.host_append, donate_argnums=0)(hidx, k[:, :, :4], jnp.array([4], jnp.int32))
+    assert not proj.is_deleted()
+    host.host_build_index(k, proj, cfg, lens)  # usable for the next layer
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K", [4, 8])
 def test_one_row_split_over_threads_matches_reference(impl, K):

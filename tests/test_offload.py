@@ -133,12 +133,20 @@ _CHECKS = textwrap.dedent(r'''
         # a static set other than the one placed cannot take effect: refused, not ignored
         cases["other_num_local"] = lambda: offload.offload_magicpig_attention(
             q_a, a_state, h_state, dataclasses.replace(cfg, num_local=cfg.num_local + 1))
+        # these were accepted (v) or named the sinks' or projections' shapes, or raised AttributeError
+        cases["v_shape"] = lambda: offload.prepare_offload(k_h, k_h[:, :, :300], index, cfg, lengths,
+                                                           accel_device=accel, host_device=host_dev)
+        cases["q_dim"] = lambda: offload.offload_magicpig_attention(q_a[..., :8], a_state, h_state, cfg)
+        cases["q_rows"] = lambda: offload.offload_magicpig_attention(q_a[:2], a_state, h_state, cfg)
+        cases["no_config"] = lambda: offload.offload_magicpig_attention(q_a, a_state, h_state, None)
+        cases["device_name"] = lambda: offload.prepare_offload(k_h, k_h, index, cfg, lengths, accel_device=accel,
+                                                               host_device="cpu")
         for name, fn in cases.items():
             try:
                 fn()
                 out[name] = "no error"
-            except ValueError as e:
-                out[name] = "ValueError: " + str(e)
+            except (ValueError, TypeError) as e:
+                out[name] = f"{type(e).__name__}: {e}"
         # equal K, L and static set: accepted, whatever else differs (seed, class)
         from magicpig_jax.attention import HybridConfig
         out["same_config"] = all(bool(np.all(np.isfinite(np.asarray(
@@ -223,6 +231,14 @@ def test_errors(results):
                                            "prepare_offload")
     assert f"num_local={NUM_LOCAL + 1} (prepared with {NUM_LOCAL})" in e["other_num_local"], e["other_num_local"]
     assert e["same_config"]  # an equal config (another object) is accepted
+    assert e["v_shape"] == ("ValueError: v must have k's shape (3, 2, 400, 16) and dtype float32, got "
+                            "(3, 2, 300, 16) float32")
+    assert e["q_dim"] == ("ValueError: q must be [B, Hq, D] with the layer's B = 3, D = 16 and Hq a multiple of "
+                          "Hkv = 2, got (3, 8, 8)")
+    assert "got (2, 8, 16)" in e["q_rows"]
+    assert e["no_config"].startswith("TypeError: config must be a MagicPIGConfig")
+    assert e["device_name"] == ("TypeError: host_device must be a jax.Device (e.g. jax.devices('cpu')[0]), "
+                                "got 'cpu'")
 
 
 def test_accelerator_check_script_runs_on_cpu():
@@ -299,6 +315,20 @@ _DECODER = textwrap.dedent(r'''
         for _ in run:
             pass
         R["windowed"][name] = run.outputs
+    # A generation buffer far past the cache: the accelerator's ring is capped at the cache's capacity.
+    state = prefill(model, prompts, 8)
+    big = dict(backend="magicpig", magicpig=cfg, dense_layers=(0,), generation_buffer=4096)
+    R["big_buffer"] = {}
+    for name, spec in (("one_device", DecodeSpec(**big)),
+                       ("offload", DecodeSpec(**big, offload=True, host_device=host_dev))):
+        run = start_decode(model, state, spec, 8, Sampling())
+        for _ in run:
+            pass
+        R["big_buffer"][name] = run.outputs
+        if name == "offload":
+            sparse = spec.sparse_layers(model.config.num_layers)
+            R["big_buffer"]["ring_slots"] = int(run.indices[sparse[0]].ring_k.shape[2])
+            R["big_buffer"]["capacity"] = int(state.cache.capacity)
     # Context 255, capacity 256: the 250-token row stops at the context after 6 tokens while the
     # 10-token row decodes 20; the stopped row's steps write nothing once it is full.
     short_ctx = tiny_model(0, dataclasses.replace(TINY, max_position_embeddings=255))
@@ -395,6 +425,13 @@ def test_offload_decoder_keeps_kv_and_index_on_the_host(decoder_results, dtype):
     # Generated tokens reached the host index (appends every 8 steps once the tail exceeds W).
     assert all(end > n - 8 for end, n in zip(r["index_end"], r["prompt_lengths"], strict=True))
     assert r["index_start"] == [2, 2, 2]  # num_sink, the 1-token prompt's row too
+
+
+def test_offload_decoder_ring_is_capped_at_the_cache(decoder_results):
+    """A ring of num_local + 2 x generation_buffer positions held GBs past a small cache."""
+    r = decoder_results["big_buffer"]
+    assert r["offload"] == r["one_device"]
+    assert r["ring_slots"] == r["capacity"] < 8 + 2 * 4096
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])

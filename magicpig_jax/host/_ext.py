@@ -105,7 +105,7 @@ def advise_huge_pages(*trees) -> int:
             continue
         for shard in leaf.addressable_shards:
             data = shard.data
-            if data.devices().pop().platform != "cpu" or data.nbytes < (2 << 20):
+            if next(iter(data.devices())).platform != "cpu" or data.nbytes < (2 << 20):
                 continue
             try:
                 ptr = data.unsafe_buffer_pointer()

@@ -86,7 +86,8 @@ def host_build_index(
                          f"L={config.L}, got {tuple(projections.shape)}")
     start, end, mean = hashed_mean(k, config, lengths)
     mean = mean_or_nan_for_projections(mean, jnp.asarray(projections))  # refuses integer or non-finite ones
-    projections = jnp.asarray(projections, jnp.float32)
+    # a copy: the index is donated to host_append, which must not delete the caller's hyperplanes
+    projections = jnp.array(projections, jnp.float32, copy=True)
     codes = host_simhash_codes(k, projections, config.K, config.L, center=mean, max_threads=max_threads)
     ops()
     nc, ch = chunk_geometry(capacity, chunk_size)
