@@ -88,9 +88,12 @@ def quant_matvec(
       summation order, for activations of magnitude above ``2**-102`` (about 2e-31): the AVX2
       Q4_1, Q4_K and Q6_K kernels scale ``x`` by up to ``2**-24`` (so that the nibbles need no
       shifts) and XLA's CPU threads flush the resulting subnormals to zero, so smaller activations
-      (far below any model's, whose RMSNorm keeps them near 1) count as 0. An infinite block scale
-      gives ±inf where gguf-py's dequantization gives NaN (the kernels multiply the scale by a sum,
-      not each weight); the decode loop refuses both.
+      (far below any model's, whose RMSNorm keeps them near 1) count as 0; and below about
+      ``1e34``: the kernels apply a block's scale after summing ``q * x`` and its min as ``m * sum(x)``,
+      so larger activations can overflow to ±inf, or NaN (``0 * inf``), where the exact product is
+      finite. An infinite block scale gives ±inf where gguf-py's dequantization gives NaN (the
+      kernels multiply the scale by a sum, not each weight), and an infinite activation may give NaN
+      where it gives ±inf; the decode loop refuses non-finite logits either way.
 
     Raises:
       ValueError: unknown ``qtype``/``impl``, ``In`` not a multiple of the type's block, or
