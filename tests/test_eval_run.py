@@ -7,6 +7,7 @@ Haystack: ``/usr/share/common-licenses`` (no apt package needed).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -19,6 +20,7 @@ from magicpig_jax.eval.cost import step_bytes
 from magicpig_jax.eval.methods import parse_methods
 from magicpig_jax.eval.report import finish
 from magicpig_jax.eval.run import EvalSettings, run_eval
+from magicpig_jax.eval.store import ResultStore
 from magicpig_jax.io.loader import LoadedModel
 from magicpig_jax.io.tokenizer import Tokenizer
 from tests._tiny import TINY, tiny_model
@@ -176,12 +178,28 @@ def test_settings_that_decode_nothing_sparsely_are_refused_before_writing(tmp_pa
     assert not out.exists()
 
 
+def test_a_tasks_only_folder_of_an_older_version_resumes(tmp_path):
+    """Folders written before likelihood_starts was recorded were refused even when neither run had a
+    likelihood document: a setting nothing reads."""
+    out = tmp_path / "run"
+    settings = _settings(tasks=["niah_single"], samples=1, likelihood_tokens=0, methods=parse_methods("dense"),
+                         setups=["A"])
+    run_eval(char_model(), settings, out, progress=False)
+    config = json.loads((out / "config.json").read_text())
+    del config["fingerprint"]["likelihood_starts"]  # as an older version wrote it
+    (out / "config.json").write_text(json.dumps(config))
+    run_eval(char_model(), dataclasses.replace(settings, samples=2), out, progress=False)
+    assert len([r for r in ResultStore(out / "results.jsonl").records.values() if r.get("task") == "niah_single"]) == 2
+    with pytest.raises(ValueError, match="likelihood_starts"):  # a likelihood run still is refused
+        run_eval(char_model(), dataclasses.replace(settings, likelihood_tokens=8), out, progress=False)
+
+
 def test_one_new_token_with_setup_a_is_accepted_when_every_method_is_dense():
     """Dense answering as dense is what is asked; only a sparse method's records would be vacuous."""
     from magicpig_jax.eval.run import _check_likelihood_and_answers
 
     model = char_model()
-    _check_likelihood_and_answers(model, _settings(max_new_tokens=1, methods=parse_methods("dense"), budget_from=None))
+    _check_likelihood_and_answers(model, _settings(max_new_tokens=1, methods=parse_methods("dense")))
     _check_likelihood_and_answers(model, _settings(max_new_tokens=1, setups=["B"]))
     with pytest.raises(ValueError, match="every sparse method would answer as dense"):
         _check_likelihood_and_answers(model, _settings(max_new_tokens=1, setups=["B", "A"]))

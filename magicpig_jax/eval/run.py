@@ -495,8 +495,11 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     fp = settings.fingerprint(model)
     _check_before_writing(model, settings, fp["dense_layers"])
     out.mkdir(parents=True, exist_ok=True)
-    unread = frozenset(k for k, readers in option_readers(settings.methods).items() if not readers)
-    check_fingerprint(out, fp, FINGERPRINT_DEFAULTS, unread)
+    unread = {k for k, readers in option_readers(settings.methods).items() if not readers}
+    n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+    if settings.likelihood_tokens == 0 or n_lik == 0:  # no likelihood document this run: its settings read nothing
+        unread |= {"likelihood_tokens", "likelihood_starts"}
+    check_fingerprint(out, fp, FINGERPRINT_DEFAULTS, frozenset(unread))
     store = ResultStore(out / RESULTS)
     _check_config_files_unchanged(store, settings, out)
     t_start, n_before = time.time(), len(store.records)
