@@ -190,9 +190,9 @@ def prepare_offload(
 
     Raises:
       ValueError: ``host_device`` is not a CPU device, or bad shapes / config (``v`` not of ``k``'s
-        shape and dtype).
-      TypeError: a device that is not a ``jax.Device``; a config, index or lengths of the wrong type
-        or dtype (named).
+        shape).
+      TypeError: a device that is not a ``jax.Device``; ``k`` or ``v`` not an array, or of different
+        dtypes; a config, index or lengths of the wrong type or dtype (named).
     """
     for name, dev in (("accel_device", accel_device), ("host_device", host_device)):
         if not isinstance(dev, jax.Device):
@@ -201,11 +201,15 @@ def prepare_offload(
         raise ValueError(f"host_device must be a CPU device (the host op runs on the CPU platform), "
                          f"got {host_device}")
     check_config(config)
-    if not hasattr(k, "ndim") or k.ndim != 4:
-        raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(getattr(k, 'shape', ()))}")
-    if tuple(getattr(v, "shape", ())) != tuple(k.shape) or getattr(v, "dtype", None) != k.dtype:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)} and dtype {k.dtype}, got "
-                         f"{tuple(getattr(v, 'shape', ()))} {getattr(v, 'dtype', None)}")
+    for name, x in (("k", k), ("v", v)):
+        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be a JAX or NumPy array [B, Hkv, N, D], got {type(x).__name__}")
+    if k.ndim != 4:
+        raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if v.dtype != k.dtype:
+        raise TypeError(f"v must have k's dtype {k.dtype}, got {v.dtype}")
     B, Hkv, N, D = k.shape
     check_index(index, config, B, Hkv, D)
     if static_window is None:
@@ -214,7 +218,9 @@ def prepare_offload(
     lengths = check_lengths_strict(lengths, B, N)
     k, v, index, lengths = jax.device_put((k, v, index, lengths), host_device)
     static = static_kv(k, v, index.start, index.end, lengths, num_sink=config.num_sink, window=static_window)
-    accel = AccelState(projections=index.projections, static=static)
+    # a copy: with accel_device == host_device, device_put keeps the buffer, and donating the index
+    # (host_append) would delete the accelerator's hyperplanes with it
+    accel = AccelState(projections=jnp.array(index.projections, copy=True), static=static)
     return jax.device_put(accel, accel_device), HostState(k=k, v=v, index=index, lengths=lengths,
                                                           window=static_window,
                                                           placed=tuple(getattr(config, f) for f in PLACED_FIELDS))
@@ -283,7 +289,7 @@ def offload_magicpig_attention(
     """
     check_config(config)
     B, Hkv, _, D = host_state.k.shape
-    if not hasattr(q, "ndim") or q.ndim != 3 or q.shape[0] != B or q.shape[2] != D or q.shape[1] % Hkv:
+    if not hasattr(q, "ndim") or q.ndim != 3 or q.shape[0] != B or q.shape[2] != D or Hkv < 1 or q.shape[1] % Hkv:
         raise ValueError(f"q must be [B, Hq, D] with the layer's B = {B}, D = {D} and Hq a multiple of Hkv = {Hkv}, "
                          f"got {tuple(getattr(q, 'shape', ()))}")
     placed = host_state.placed

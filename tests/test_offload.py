@@ -136,6 +136,10 @@ _CHECKS = textwrap.dedent(r'''
         # these were accepted (v) or named the sinks' or projections' shapes, or raised AttributeError
         cases["v_shape"] = lambda: offload.prepare_offload(k_h, k_h[:, :, :300], index, cfg, lengths,
                                                            accel_device=accel, host_device=host_dev)
+        cases["v_dtype"] = lambda: offload.prepare_offload(k_h, k_h.astype(jnp.bfloat16), index, cfg, lengths,
+                                                           accel_device=accel, host_device=host_dev)
+        cases["k_list"] = lambda: offload.prepare_offload(np.asarray(k).tolist(), k_h, index, cfg, lengths,
+                                                          accel_device=accel, host_device=host_dev)
         cases["q_dim"] = lambda: offload.offload_magicpig_attention(q_a[..., :8], a_state, h_state, cfg)
         cases["q_rows"] = lambda: offload.offload_magicpig_attention(q_a[:2], a_state, h_state, cfg)
         cases["no_config"] = lambda: offload.offload_magicpig_attention(q_a, a_state, h_state, None)
@@ -231,14 +235,42 @@ def test_errors(results):
                                            "prepare_offload")
     assert f"num_local={NUM_LOCAL + 1} (prepared with {NUM_LOCAL})" in e["other_num_local"], e["other_num_local"]
     assert e["same_config"]  # an equal config (another object) is accepted
-    assert e["v_shape"] == ("ValueError: v must have k's shape (3, 2, 400, 16) and dtype float32, got "
-                            "(3, 2, 300, 16) float32")
+    assert e["v_shape"] == "ValueError: v must have k's shape (3, 2, 400, 16), got (3, 2, 300, 16)"
+    assert e["v_dtype"] == "TypeError: v must have k's dtype float32, got bfloat16"  # as the host op's check
+    assert e["k_list"] == "TypeError: k must be a JAX or NumPy array [B, Hkv, N, D], got list"
     assert e["q_dim"] == ("ValueError: q must be [B, Hq, D] with the layer's B = 3, D = 16 and Hq a multiple of "
                           "Hkv = 2, got (3, 8, 8)")
     assert "got (2, 8, 16)" in e["q_rows"]
     assert e["no_config"].startswith("TypeError: config must be a MagicPIGConfig")
     assert e["device_name"] == ("TypeError: host_device must be a jax.Device (e.g. jax.devices('cpu')[0]), "
                                 "got 'cpu'")
+
+
+def test_donating_the_host_index_keeps_the_accelerators_hyperplanes_on_one_device():
+    """With accel_device == host_device (a CPU-only machine), the accelerator state and the index
+    shared one hyperplane buffer: donating the index to host_append, as its docstring says, deleted
+    the accelerator's, and the next step failed with 'Array has been deleted'."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from magicpig_jax import host, offload
+    from magicpig_jax.attention import MagicPIGConfig
+
+    cpu = jax.devices("cpu")[0]
+    cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=4)
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((1, 2, 64, 16), np.float32))
+    q = jnp.asarray(rng.standard_normal((1, 4, 16), np.float32))
+    proj = jnp.asarray(rng.standard_normal((16, cfg.K * cfg.L), np.float32))
+    index = host.host_build_index(k, proj, cfg, capacity=128)
+    a_state, h_state = offload.prepare_offload(k, k, index, cfg, accel_device=cpu, host_device=cpu)
+    appended = jax.jit(host.host_append, donate_argnums=0)(h_state.index, k[:, :, :2], jnp.array([2], jnp.int32))
+    assert not a_state.projections.is_deleted()
+    out, _, _ = offload.offload_magicpig_attention(q, a_state, dataclasses.replace(h_state, index=appended), cfg)
+    assert np.isfinite(np.asarray(out)).all()
 
 
 def test_accelerator_check_script_runs_on_cpu():
