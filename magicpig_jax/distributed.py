@@ -234,6 +234,12 @@ def _check_rows(name: str, x, B: int, N: int | None) -> None:
     they are tracers, which the host op clips instead of rejecting)."""
     if x is None or isinstance(x, jax.core.Tracer):
         return
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        # several processes (make_array_from_process_local_data): the values live on other hosts,
+        # so only the shape and dtype are checked here; the host op clips the values
+        if tuple(x.shape) != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be int [B] = [{B}], got {x.dtype} {list(x.shape)}")
+        return
     arr = np.asarray(x)
     if arr.shape != (B,) or not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name} must be int [B] = [{B}], got {arr.dtype} {list(arr.shape)}")

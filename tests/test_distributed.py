@@ -306,3 +306,53 @@ def test_full_model_decode_sharded_over_8_devices_equals_one_device():
     assert r["split_error"] == "batch size B=3 is not divisible by the mesh's 'batch' axis (4 devices)"
     # two sharded decodes (own and shared matrices), each step program compiled once, not twice
     assert r["mesh_compiles"] == [1, 1]
+
+
+_TWO_PROCESSES = r"""
+import json, os, sys
+rank, port = int(sys.argv[1]), sys.argv[2]
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+import jax
+jax.distributed.initialize(coordinator_address="127.0.0.1:" + port, num_processes=2, process_id=rank)
+import numpy as np
+from jax.sharding import NamedSharding
+from magicpig_jax import distributed as dist, host
+from magicpig_jax.attention import MagicPIGConfig
+
+B, Hq, Hkv, N, D = 2, 4, 2, 64, 16
+cfg = MagicPIGConfig(K=6, L=20, num_sink=3, num_local=8)
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal(s, np.float32) for s in ((B, Hq, D), (B, Hkv, N, D), (B, Hkv, N, D)))
+proj = rng.standard_normal((D, cfg.K * cfg.L), np.float32)
+lengths = np.array([64, 40], np.int32)
+mesh = dist.make_mesh(batch=2, kv_heads=2)  # this process's row on its two devices
+local = lambda x, spec: jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x[rank:rank + 1])
+kg, vg, qg, lg = local(k, dist.KV_SPEC), local(v, dist.KV_SPEC), local(q, dist.Q_SPEC), local(lengths, dist.ROW_SPEC)
+index = dist.sharded_build_index(mesh, kg, proj, cfg, lg, capacity=64)
+out, lse, ns = dist.sharded_magicpig_attention(mesh, qg, kg, vg, index, cfg, lg)
+ref = np.asarray(host.host_magicpig_attention(q, k, v, host.host_build_index(k, proj, cfg, lengths, capacity=64),
+                                              cfg, lengths)[0])
+print("RESULT " + json.dumps({"rows": sorted({s.index[0].start for s in out.addressable_shards}),
+                              "max_diff": max(float(np.abs(np.asarray(s.data) - ref[s.index]).max())
+                                              for s in out.addressable_shards)}))
+"""
+
+
+def test_two_processes_with_process_local_rows():
+    """The module docstring's multi-process use: lengths made with make_array_from_process_local_data
+    are not addressable here, and checking their values with np.asarray raised."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ) | {"XLA_FLAGS": with_test_flag(), "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESSES, str(rank), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, err[-3000:]
+    results = [json.loads([ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1][7:]) for out, _ in outs]
+    assert [r["rows"] for r in results] == [[0], [1]]  # each process computed its own row
+    assert all(r["max_diff"] < 1e-5 for r in results), results
