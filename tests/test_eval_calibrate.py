@@ -153,11 +153,61 @@ def test_file_and_eval_check(calibrated, tmp_path):
         cal.check_config_for_eval(foreign, model, EvalSettings(**{**settings.__dict__, "haystack": str(other)}))
 
 
+def test_the_python_api_records_the_models_sizes_and_the_texts_paragraphs(calibrated, tmp_path):
+    """Only the command line recorded them: a file from calibrate() was applied to a model of other
+    sizes, and evaluated on a haystack holding its calibration text, without a word."""
+    from magicpig_jax.eval.methods import parse_methods
+    from magicpig_jax.eval.run import EvalSettings
+
+    model, lc, report = calibrated
+    path = lc.save(tmp_path / "api.json", extra=report)
+    assert dict(LayerConfigs.load(path).model_shape) == dict(model.config.model_shape())
+    assert report["search_complete"] is True  # max_evals=4 was enough for the fixture's assignments
+    same = tmp_path / "same.txt"
+    same.write_text(TEXT + "\n")
+    settings = EvalSettings(tasks=[], lengths=[600], samples=1, methods=parse_methods("dense"), num_local=16,
+                            haystack=str(same))
+    with pytest.raises(ValueError, match="shares 1 paragraph"):
+        cal.check_config_for_eval(path, model, settings)
+
+
+def test_a_calibration_text_named_like_a_haystack_is_read_as_the_file(tmp_path, monkeypatch):
+    """--text licenses (a file in the working directory) recorded the paragraphs of every system license."""
+    import hashlib
+
+    from magicpig_jax.eval.corpus import text_paragraphs
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "licenses").write_text(TEXT.replace(". ", ".\n\n"))
+    want = [hashlib.sha1(p.encode()).hexdigest()[:12] for p in text_paragraphs((tmp_path / "licenses").read_text())]
+    assert cal.paragraph_hashes("licenses") == want and len(want) == 40
+
+
+def test_a_search_cut_short_by_max_evals_says_so(capsys):
+    model = char_model()
+    lc, report = cal.calibrate(model, TEXT, kl_budget=0.05, length=600, forced_tokens=12, candidates=((4, 8), (6, 16)),
+                               num_local=16, probes=2, repeats=1, max_evals=1, cost="bytes", progress=False)
+    err = capsys.readouterr().err
+    # 6 assignments, one measured: the fixture's run (max_evals=4) found a sparse one under this budget
+    assert report["assignments"] == 6 and len(report["tried"]) == 2 and report["search_complete"] is False
+    assert "--max-evals 1 ran out before the search converged" in err
+    assert not lc.sparse_layers and "no measured assignment with a sparse layer met the KL budget 0.05" in err
+    cal.calibrate(model, TEXT, kl_budget=1e-9, length=600, forced_tokens=12, candidates=((4, 8), (6, 16)),
+                  num_local=16, probes=2, repeats=1, max_evals=8, cost="bytes", progress=False)
+    err = capsys.readouterr().err  # a budget no sparse layer meets, the search complete: only that note
+    assert "ran out" not in err and "no measured assignment with a sparse layer met the KL budget 1e-09" in err
+
+
 def test_command_line_is_wired(tmp_path, capsys):
     assert cli.main(["calibrate", "--kl-budget", "0.1", "--out", str(tmp_path / "x.json"),
                      "--candidates", "10xz"]) == 2
     assert "candidates" in capsys.readouterr().err
     assert cli.main(["calibrate", "--kl-budget", "-1", "--out", str(tmp_path / "x.json")]) == 2
+    capsys.readouterr()
+    assert cli.main(["calibrate", "--kl-budget", "0.1", "--out", str(tmp_path / "x.json"),
+                     "--candidates", "10x150,6x5000"]) == 2  # it was refused only after the load and prefill
+    assert capsys.readouterr().err == ("magicpig-jax: error: calibrate: --candidates 6x5000: L must be in [2, 4096] "
+                                       "(the host index)\n")
     lc = LayerConfigs.uniform(MagicPIGConfig(), 30, [0, 15])
     path = lc.save(tmp_path / "u.json")
     assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(path), "--dense-layers", "0"]) == 2

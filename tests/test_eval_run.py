@@ -168,6 +168,7 @@ def test_a_per_layer_file_the_host_index_cannot_take_is_named(tmp_path):
     ({"likelihood_tokens": 768}, r"--likelihood-tokens \(768\) must be below every length"),
     ({"likelihood_tokens": 700}, r"leaves a prefix of 68 tokens at length 768, not longer than the static set"),
     ({"max_new_tokens": 1}, "--max-new-tokens 1 with setup A"),
+    ({"lengths": [48], "likelihood_tokens": 0}, "a context of 48 tokens .* is too small"),  # config.json was written
 ])
 def test_settings_that_decode_nothing_sparsely_are_refused_before_writing(tmp_path, kw, named):
     """Each reported every method equal to dense (KL 0) or failed after the task samples, with

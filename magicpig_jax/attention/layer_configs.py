@@ -36,7 +36,7 @@ _FIELDS = ("format", *_COMMON, "layers", "info", "model_shape")
 # top-level key is refused: it would read as a setting and be ignored.
 REPORT_KEYS = ("assignments", "attention_bytes_per_step", "attention_ms_per_step", "calibration", "cost",
                "dense_attention_bytes_per_step", "dense_attention_ms_per_step", "kl_budget", "measured_kl",
-               "model", "per_layer", "seconds", "tried")
+               "model", "per_layer", "search_complete", "seconds", "tried")
 # The model sizes a calibrated file records (``LlamaConfig.model_shape()``), checked where it is applied.
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 _LAYER_FIELDS = ("K", "L", "heavy")

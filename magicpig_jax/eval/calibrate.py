@@ -77,7 +77,7 @@ def paragraph_hashes(source: str) -> list[str]:
     (:func:`magicpig_jax.eval.corpus.load_prose`)."""
     from magicpig_jax.eval.corpus import load_prose
 
-    return [hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(str(source))]
+    return [hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(Path(source))]
 
 
 def check_config_for_eval(path: str | Path, model, settings) -> None:
@@ -132,12 +132,14 @@ def _pairs(text: str) -> list[tuple[int, int]]:
         except ValueError as err:
             raise ValueError(f"--candidates takes KxL pairs like 10x150,11x300, got {text!r}") from err
         from magicpig_jax.argparsing import in_flag_terms
-        from magicpig_jax.host.index import HOST_MAX_K
+        from magicpig_jax.host.index import HOST_MAX_K, HOST_MAX_L
 
         with in_flag_terms(K=f"--candidates {k}x{l_}: K", L=f"--candidates {k}x{l_}: L"):
             validate_k_l(k, l_)
         if k > HOST_MAX_K:
             raise ValueError(f"--candidates {k}x{l_}: K must be in [1, {HOST_MAX_K}] (the host index)")
+        if not 2 <= l_ <= HOST_MAX_L:  # refused after the model load and the prefill otherwise
+            raise ValueError(f"--candidates {k}x{l_}: L must be in [2, {HOST_MAX_L}] (the host index)")
         if (k, l_) in out:  # each candidate is measured on every layer: a repeat costs a whole pass
             raise ValueError(f"--candidates lists {k}x{l_} more than once")
         out.append((k, l_))
@@ -392,6 +394,11 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
               max_evals: int = 8, cost: str = "ms", progress: bool = True, layers_per_projection: int = 1):
     """Calibrate per-layer configs on ``text`` (see the module docstring); returns ``(LayerConfigs, report)``.
 
+    The configs record the model's sizes (``model_shape``, checked where the file is used) and the
+    report the text's paragraph hashes (``calibration.paragraph_sha1``, which ``eval`` compares with
+    its haystack): save them with ``configs.save(path, extra=report)``. ``report["search_complete"]``
+    is False when ``max_evals`` ran out before the search converged (a note is printed).
+
     Raises:
       ValueError: a budget <= 0, a prefix (``length - forced_tokens``) no longer than the static
         set (``num_sink + num_local``), a ``length`` past the model's context (``max_position_embeddings``:
@@ -463,13 +470,26 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         else:
             lo = mid + 1
     best = order[hi]
+    complete = lo >= hi  # False: --max-evals ran out with assignments between lo and hi unmeasured
+    if not complete:
+        print(f"calibrate: note: --max-evals {max_evals} ran out before the search converged; the "
+              f"{hi - lo} cheaper assignment(s) not measured may meet the budget (raise --max-evals)",
+              file=sys.stderr, flush=True)
+    if all(x == DENSE for x in best):
+        print(f"calibrate: note: no measured assignment with a sparse layer met the KL budget {kl_budget}: every "
+              "layer stays dense", file=sys.stderr, flush=True)
+    from magicpig_jax.eval.corpus import text_paragraphs
+
     report = {
         "kl_budget": kl_budget, "measured_kl": tried.get(best), "cost": cost,
         "attention_ms_per_step": ms[best], "dense_attention_ms_per_step": ms[order[-1]],
         "attention_bytes_per_step": nbytes[best], "dense_attention_bytes_per_step": nbytes[order[-1]],
         "calibration": {"length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
                         "candidates": [f"{k}x{l_}" for k, l_ in candidates], "num_sink": num_sink,
-                        "num_local": num_local, "seed": seed, "layers_per_projection": layers_per_projection},
+                        "num_local": num_local, "seed": seed, "layers_per_projection": layers_per_projection,
+                        # what eval's overlap check compares with its haystack (check_config_for_eval)
+                        "paragraph_sha1": [hashlib.sha1(p.encode()).hexdigest()[:12] for p in text_paragraphs(text)]},
+        "search_complete": complete,
         "per_layer": [{"layer": i, "choice": best[i], "ms": c.ms, "ms_fit": c.ms_fit, "bytes": c.bytes,
                        "error": c.error, "fraction": c.fraction} for i, c in enumerate(per_layer)],
         "tried": [{"ms": ms[a], "bytes": nbytes[a], "kl": kl, "sparse_layers": sum(x != DENSE for x in a),
@@ -477,7 +497,7 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         "assignments": len(order),
         "seconds": time.perf_counter() - t0,
     }
-    return to_layer_configs(best, base), report
+    return dataclasses.replace(to_layer_configs(best, base), model_shape=model.config.model_shape()), report
 
 
 # --- command line -----------------------------------------------------------------------------
@@ -544,10 +564,8 @@ def main(argv: list[str] | None = None) -> int:
                            probes=args.probes, repeats=args.repeats, max_evals=args.max_evals, cost=args.cost,
                            progress=not args.no_progress, layers_per_projection=args.layers_per_projection)
     report["model"] = str(model.source)
-    report["calibration"].update({"text": str(args.text), "sha256": hashlib.sha256(text.encode()).hexdigest(),
-                                  "paragraph_sha1": paragraph_hashes(str(args.text))})
-    lc = dataclasses.replace(lc, info=(("model", str(model.source)), ("kl_budget", str(args.kl_budget))),
-                             model_shape=model.config.model_shape())
+    report["calibration"].update({"text": str(args.text), "sha256": hashlib.sha256(text.encode()).hexdigest()})
+    lc = dataclasses.replace(lc, info=(("model", str(model.source)), ("kl_budget", str(args.kl_budget))))
     path = lc.save(args.out, extra=report)
     sparse = len(lc.sparse_layers)
     print(f"wrote {path}: {sparse} sparse layers, dense {list(lc.dense_layers)}; measured KL "

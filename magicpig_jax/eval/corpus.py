@@ -36,6 +36,7 @@ import re
 from pathlib import Path
 
 __all__ = [
+    "text_paragraphs",
     "JARGON_PATH",
     "LICENSES_DIR",
     "MIN_PARAGRAPH_WORDS",
@@ -92,6 +93,12 @@ def _read_text(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace")
 
 
+def text_paragraphs(text: str) -> list[str]:
+    """The paragraphs of ``text`` as a haystack file's are split (blank-line separated blocks,
+    whitespace collapsed, of >= :data:`MIN_PARAGRAPH_WORDS` words)."""
+    return _paragraphs([text])
+
+
 def _paragraphs(texts: list[str]) -> list[str]:
     """Blank-line separated blocks, whitespace collapsed, of >= MIN_PARAGRAPH_WORDS words."""
     paragraphs = []
@@ -104,25 +111,27 @@ def _paragraphs(texts: list[str]) -> list[str]:
 
 
 @functools.cache
-def load_prose(haystack: str = DEFAULT_HAYSTACK) -> tuple[str, ...]:
+def load_prose(haystack: str | Path = DEFAULT_HAYSTACK) -> tuple[str, ...]:
     """The paragraphs of a haystack (see the module docstring), whitespace collapsed.
 
     Args:
-      haystack: ``"jargon"``, ``"licenses"``, ``"licenses-heldout"`` or a path to a text file.
+      haystack: ``"jargon"``, ``"licenses"``, ``"licenses-heldout"`` or a path to a text file (a
+        :class:`~pathlib.Path` is always a file, even one named like a haystack).
 
     Raises:
       FileNotFoundError: the source is missing; for ``jargon`` the message says how to install it.
       ValueError: the source has no paragraph of at least :data:`MIN_PARAGRAPH_WORDS` words.
     """
     held: set[str] = set()  # paragraphs left out (licenses-heldout: the calibration text's)
-    if haystack == "jargon":
+    named = not isinstance(haystack, Path)  # a str may name a haystack; a Path is a file
+    if named and haystack == "jargon":
         if not JARGON_PATH.is_file():
             raise FileNotFoundError(
                 f"{JARGON_PATH} not found: the 'jargon' haystack is Debian's jargon-text package; install it with "
                 "`make eval-data` or `apt-get install -y jargon-text` (as root), or pass --haystack licenses"
             )
         texts = [_read_text(JARGON_PATH)]
-    elif haystack in ("licenses", "licenses-heldout"):
+    elif named and haystack in ("licenses", "licenses-heldout"):
         if not LICENSES_DIR.is_dir():
             raise FileNotFoundError(f"{LICENSES_DIR} not found (the {haystack!r} haystack); pass --haystack FILE")
         held_out = haystack == "licenses-heldout"

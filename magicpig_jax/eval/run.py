@@ -267,9 +267,10 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
     """Every check of the settings that needs no results, before ``out`` is created or written.
 
     Raises:
-      ValueError: a length beyond the model's context, a calibrated file that does not fit, a
-        method whose spec is invalid (e.g. a negative ``num_sink``, a dense layer out of range,
-        K too large for the host index), or settings that leave nothing to decode sparsely
+      ValueError: a length beyond the model's context, or too small for a task's haystack, a
+        calibrated file that does not fit, a method whose spec is invalid (e.g. a negative
+        ``num_sink``, a dense layer out of range, K too large for the host index), or settings
+        that leave nothing to decode sparsely
         (:func:`_check_likelihood_and_answers`).
     """
     from magicpig_jax.eval.calibrate import check_config_for_eval
@@ -280,6 +281,12 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
         if length > ctx_limit:
             raise ValueError(f"length {length} exceeds the model's context of {ctx_limit} tokens")
     _check_likelihood_and_answers(model, settings)
+    if settings.tasks:  # a length too small for a task's smallest haystack fails the first sample
+        from magicpig_jax.eval.tasks import make_sample
+
+        for task in settings.tasks:
+            make_sample(task, min(settings.lengths), 0, lambda p, a: len(prompt_ids(model, p, a)), seed=settings.seed,
+                        haystack=settings.haystack, max_new_tokens=settings.max_new_tokens)
     # a sample's prompt and its decoded tokens fill its length (RULER's sizing; the likelihood task's too)
     positions = cache_capacity(model, max(settings.lengths), 1)
     for m in settings.methods:
