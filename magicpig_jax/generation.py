@@ -388,7 +388,7 @@ def _page_size(attention: str, page_size: int | None) -> int:
 
 
 def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpig",
-           max_new_tokens: int = 64, config: MagicPIGConfig | None = None,
+           max_new_tokens: int = 64, config: MagicPIGConfig | LayerConfigs | None = None,
            dense_layers: Sequence[int] | None = None, sampling: Sampling | None = None,
            budget: Budget | None = None, page_size: int | None = None, stop_on_eos: bool = True,
            progress: Callable[[int], object] | None = None, mesh=None) -> tuple[list[list[int]], dict]:
@@ -440,7 +440,7 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
 
 
 def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new_tokens: int = 128,
-             config: MagicPIGConfig | None = None, dense_layers: Sequence[int] | None = None,
+             config: MagicPIGConfig | LayerConfigs | None = None, dense_layers: Sequence[int] | None = None,
              budget: Budget | None = None, page_size: int | None = None, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None, stream: bool = False,
              chat: bool = True, parse_special: bool = False,

@@ -171,6 +171,13 @@ def test_a_file_records_its_model_and_refuses_another(tmp_path):
         lc.check_model(dict(TINY_SHAPE, num_layers=30))
     LayerConfigs(lc.layers).check_model(dict(TINY_SHAPE, head_dim=64))  # a file from before: layers only
     assert hash(LayerConfigs(lc.layers)) == hash(lc)  # the sizes do not change the computation
+    with pytest.raises(ValueError, match=r"check_model: shape lacks \['hidden_size', 'num_heads'"):
+        lc.check_model({"num_layers": 3})  # the other five sizes passed unchecked
+    for bad in (-1, 3, True):  # -1 returned the last layer's entry
+        with pytest.raises(IndexError, match=r"layer must be an int in \[0, 3\)"):
+            lc.config(bad)
+    with pytest.raises(ValueError, match=r"extra keys \['layers'\] are the configs' own fields"):
+        lc.save(tmp_path / "clash.json", extra={"layers": {}})  # it was dropped without a word
     with pytest.raises(ValueError, match=r"unknown keys \['heads'\]"):
         LayerConfigs(lc.layers, model_shape={"heads": 4})
     with pytest.raises(ValueError, match="gives 5 layers, the configs 3"):

@@ -153,7 +153,13 @@ class LayerConfigs:
         return len(self.layers)
 
     def config(self, layer: int) -> MagicPIGConfig | str:
-        """The entry of ``layer`` (a config or ``"dense"``)."""
+        """The entry of ``layer`` (a config or ``"dense"``).
+
+        Raises:
+          IndexError: ``layer`` outside ``[0, num_layers)`` (a negative index does not count from the end).
+        """
+        if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
         return self.layers[layer][1]
 
     @property
@@ -185,8 +191,11 @@ class LayerConfigs:
           shape: the model's sizes by the keys of ``MODEL_SHAPE_KEYS`` (``LlamaConfig.model_shape()``).
 
         Raises:
-          ValueError: naming the sizes that differ.
+          ValueError: naming the sizes that differ, or a ``shape`` lacking some of ``MODEL_SHAPE_KEYS``.
         """
+        missing = [k for k in MODEL_SHAPE_KEYS if k not in shape]
+        if missing:  # a size left out would pass unchecked
+            raise ValueError(f"check_model: shape lacks {missing} (give LlamaConfig.model_shape())")
         self.check_num_layers(shape["num_layers"])
         differ = [f"{k} {v} (this model: {shape[k]})" for k, v in self.model_shape if k in shape and shape[k] != v]
         if differ:
@@ -277,16 +286,20 @@ class LayerConfigs:
 
         Raises:
           ValueError: an ``extra`` key that is not one of ``REPORT_KEYS`` (:meth:`load` would refuse
-            the file).
+            the file), or one of the configs' own fields (it would be dropped).
+          TypeError: an ``extra`` value JSON cannot hold (e.g. a NumPy scalar).
           OSError: the file cannot be written.
         """
         path = Path(path)
         obj = self.to_json()
-        unknown = sorted(set(extra or {}) - set(REPORT_KEYS) - set(obj))
+        clash = sorted(set(extra or {}) & set(obj))
+        if clash:
+            raise ValueError(f"save: extra keys {clash} are the configs' own fields, not report keys")
+        unknown = sorted(set(extra or {}) - set(REPORT_KEYS))
         if unknown:  # load() would refuse the file
             raise ValueError(f"save: extra keys {unknown} are not report keys (REPORT_KEYS)")
         if extra:
-            obj.update({k: v for k, v in extra.items() if k not in obj})
+            obj.update(extra)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(obj, indent=1) + "\n")
         return path
