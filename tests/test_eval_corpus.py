@@ -46,7 +46,9 @@ def test_heldout_licenses_exclude_the_calibration_text():
     others = set(corpus._paragraphs([p.read_text() for p in files if not p.name.startswith("LGPL-2")]))
     assert lgpl2 - others and not (lgpl2 - others) & set(held)
     cfg = Path(__file__).resolve().parent.parent / "examples" / "results" / "calibrated_smollm2.json"
-    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=30, model_shape=lambda: {"num_layers": 30}))
+    shape = {"num_layers": 30, "hidden_size": 576, "num_heads": 9, "num_kv_heads": 3, "head_dim": 64,
+             "vocab_size": 49152}  # SmolLM2-135M's, for which the committed file was calibrated
+    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=30, model_shape=lambda: shape))
     check_config_for_eval(cfg, model, types.SimpleNamespace(haystack="licenses-heldout", num_sink=4, num_local=64))
     with pytest.raises(ValueError, match="shares .* paragraph"):
         check_config_for_eval(cfg, model, types.SimpleNamespace(haystack="licenses", num_sink=4, num_local=64))

@@ -195,6 +195,16 @@ def test_a_tasks_only_folder_of_an_older_version_resumes(tmp_path):
         run_eval(char_model(), dataclasses.replace(settings, likelihood_tokens=8), out, progress=False)
 
 
+def test_a_run_without_task_samples_is_not_refused_for_the_tasks_haystack():
+    from magicpig_jax.eval.run import _check_before_writing
+
+    model = char_model()
+    small = _settings(lengths=[48], likelihood_tokens=8, num_local=8)
+    with pytest.raises(ValueError, match="is too small for the smallest haystack"):
+        _check_before_writing(model, small, (0,))
+    _check_before_writing(model, dataclasses.replace(small, samples=0), (0,))  # likelihood documents only
+
+
 def test_one_new_token_with_setup_a_is_accepted_when_every_method_is_dense():
     """Dense answering as dense is what is asked; only a sparse method's records would be vacuous."""
     from magicpig_jax.eval.run import _check_likelihood_and_answers

@@ -475,7 +475,10 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         print(f"calibrate: note: --max-evals {max_evals} ran out before the search converged; the "
               f"{hi - lo} cheaper assignment(s) not measured may meet the budget (raise --max-evals)",
               file=sys.stderr, flush=True)
-    if all(x == DENSE for x in best):
+    if len(order) == 1:
+        print("calibrate: note: no candidate costs less than dense attention in any layer: every layer stays dense",
+              file=sys.stderr, flush=True)
+    elif all(x == DENSE for x in best):
         print(f"calibrate: note: no measured assignment with a sparse layer met the KL budget {kl_budget}: every "
               "layer stays dense", file=sys.stderr, flush=True)
     from magicpig_jax.eval.corpus import text_paragraphs
@@ -555,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         MagicPIGConfig(num_sink=args.num_sink, num_local=args.num_local, seed=args.seed)
     check_output("--out", args.out, "file", inputs={"--text": args.text, "--model": model_input(args.model)})
     try:
-        text = args.text.read_text(encoding="utf-8")
+        # newlines kept as they are (no universal-newline translation): the paragraphs recorded
+        # are then split as eval's load_prose splits this file (a CR-only file is one paragraph in both)
+        text = args.text.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"--text {args.text} is not UTF-8 text (byte {err.start})") from None
     model = load_model(args.model)

@@ -281,12 +281,12 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
         if length > ctx_limit:
             raise ValueError(f"length {length} exceeds the model's context of {ctx_limit} tokens")
     _check_likelihood_and_answers(model, settings)
-    if settings.tasks:  # a length too small for a task's smallest haystack fails the first sample
-        from magicpig_jax.eval.tasks import make_sample
+    if settings.tasks and settings.samples > 0:  # a length too small for a task's haystack fails its samples
+        from magicpig_jax.eval.tasks import check_length_fits
 
         for task in settings.tasks:
-            make_sample(task, min(settings.lengths), 0, lambda p, a: len(prompt_ids(model, p, a)), seed=settings.seed,
-                        haystack=settings.haystack, max_new_tokens=settings.max_new_tokens)
+            check_length_fits(task, min(settings.lengths), lambda p, a: len(prompt_ids(model, p, a)),
+                              seed=settings.seed, haystack=settings.haystack, max_new_tokens=settings.max_new_tokens)
     # a sample's prompt and its decoded tokens fill its length (RULER's sizing; the likelihood task's too)
     positions = cache_capacity(model, max(settings.lengths), 1)
     for m in settings.methods:

@@ -54,6 +54,7 @@ __all__ = [
     "MAX_NEW_TOKENS",
     "Sample",
     "make_sample",
+    "check_length_fits",
     "sample_seed",
     "score",
     "string_match_all",
@@ -381,6 +382,27 @@ def _check(task: str, prompt: str, outputs: tuple[str, ...]) -> None:
             raise AssertionError(f"fwe: answers occur {counts} times")
 
 
+def check_length_fits(task: str, length: int, count_tokens: Callable[[str, str], int], *, seed: int = 0,
+                      haystack: str = DEFAULT_HAYSTACK, max_new_tokens: int | None = None) -> None:
+    """Refuse a ``length`` too small for ``task``'s smallest haystack (sample 0's), as
+    :func:`make_sample` would, with two tokenizations instead of its whole search.
+
+    Raises:
+      ValueError: unknown task, or ``length`` too small (the message of :func:`make_sample`).
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    new = MAX_NEW_TOKENS[task] if max_new_tokens is None else int(max_new_tokens)
+    _smallest_fits(task, length, new, _builder(task, length, sample_seed(task, length, 0, seed), haystack),
+                   count_tokens)
+
+
+def _smallest_fits(task: str, length: int, new: int, build, count_tokens) -> None:
+    if count_tokens(*build(_min_units(task))[:2]) > length - new:
+        raise ValueError(f"{task}: a context of {length} tokens (with {new} new tokens) is too small "
+                         f"for the smallest haystack")
+
+
 def make_sample(task: str, length: int, index: int, count_tokens: Callable[[str, str], int], *,
                 seed: int = 0, haystack: str = DEFAULT_HAYSTACK, max_new_tokens: int | None = None) -> Sample:
     """Generate one sample whose prompt fills ``length - max_new_tokens`` tokens (RULER's sizing).
@@ -412,10 +434,8 @@ def make_sample(task: str, length: int, index: int, count_tokens: Callable[[str,
     budget = length - new
     s = sample_seed(task, length, index, seed)
     build = _builder(task, length, s, haystack)
+    _smallest_fits(task, length, new, build, count_tokens)
     lo = _min_units(task)
-    if count_tokens(*build(lo)[:2]) > budget:
-        raise ValueError(f"{task}: a context of {length} tokens (with {new} new tokens) is too small "
-                         f"for the smallest haystack")
     hi = lo * 2
     while count_tokens(*build(hi)[:2]) <= budget:
         lo, hi = hi, hi * 2
