@@ -304,6 +304,17 @@ _DECODER = textwrap.dedent(r'''
     # the third row is shorter than num_sink: the sinks fill as it decodes, and are never hashed
     prompts = [[int(t) for t in rng.integers(1, 90, 300)], [int(t) for t in rng.integers(1, 90, 250)], [7]]
     R = {"devices": [str(accel), str(host_dev)]}
+
+    def both(m, state, base, steps):
+        """The finished one-device and offload runs of ``m`` from ``state`` (DecodeSpec fields ``base``)."""
+        runs = {}
+        for name, spec in (("one_device", DecodeSpec(**base)),
+                           ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
+            runs[name] = start_decode(m, state, spec, steps, Sampling())
+            for _ in runs[name]:
+                pass
+        return runs
+
     for dtype in ("float32", "bfloat16"):
         state = prefill(model, prompts, 40, cache_dtype=jnp.dtype(dtype))
         cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
@@ -340,41 +351,23 @@ _DECODER = textwrap.dedent(r'''
     state = prefill(windowed, prompts, 12)
     cfg = MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8)
     base = dict(backend="magicpig", magicpig=cfg, dense_layers=(0,), generation_buffer=8)
-    R["windowed"] = {}
-    for name, spec in (("one_device", DecodeSpec(**base)),
-                       ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
-        run = start_decode(windowed, state, spec, 12, Sampling())
-        for _ in run:
-            pass
-        R["windowed"][name] = run.outputs
+    R["windowed"] = {name: run.outputs for name, run in both(windowed, state, base, 12).items()}
     # A generation buffer far past the cache: the accelerator's ring is capped at the cache's capacity.
     state = prefill(model, prompts, 8)
     big = dict(backend="magicpig", magicpig=cfg, dense_layers=(0,), generation_buffer=4096)
-    R["big_buffer"] = {}
-    for name, spec in (("one_device", DecodeSpec(**big)),
-                       ("offload", DecodeSpec(**big, offload=True, host_device=host_dev))):
-        run = start_decode(model, state, spec, 8, Sampling())
-        for _ in run:
-            pass
-        R["big_buffer"][name] = run.outputs
-        if name == "offload":
-            sparse = spec.sparse_layers(model.config.num_layers)
-            R["big_buffer"]["ring_slots"] = int(run.indices[sparse[0]].ring_k.shape[2])
-            R["big_buffer"]["capacity"] = int(state.cache.capacity)
+    runs = both(model, state, big, 8)
+    sparse = DecodeSpec(**big).sparse_layers(model.config.num_layers)
+    R["big_buffer"] = {name: run.outputs for name, run in runs.items()} | {
+        "ring_slots": int(runs["offload"].indices[sparse[0]].ring_k.shape[2]), "capacity": int(state.cache.capacity)}
     # Context 255, capacity 256: the 250-token row stops at the context after 6 tokens while the
     # 10-token row decodes 20; the stopped row's steps write nothing once it is full.
     short_ctx = tiny_model(0, dataclasses.replace(TINY, max_position_embeddings=255))
     crng = np.random.default_rng(1)
     rows = [[int(t) for t in crng.integers(1, 90, 250)], [int(t) for t in crng.integers(1, 90, 10)]]
     state = prefill(short_ctx, rows, 20)
-    R["context"] = {}
-    for name, spec in (("one_device", DecodeSpec(**base)),
-                       ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
-        run = start_decode(short_ctx, state, spec, 20, Sampling())
-        for _ in run:
-            pass
-        R["context"][name] = [run.outputs, run.stop_reasons, int(state.cache.capacity),
-                              np.asarray(run.cache.lengths).tolist()]
+    R["context"] = {name: [run.outputs, run.stop_reasons, int(state.cache.capacity),
+                           np.asarray(run.cache.lengths).tolist()]
+                    for name, run in both(short_ctx, state, base, 20).items()}
     # Gemma 3 (the transformers fixture): sandwich norms, the local RoPE base on its windowed
     # layers 0 and 2 (dense here: their window of 8 binds), the query scale on the sparse layer 1;
     # Gemma 2: attention logit soft-capping in the host op, the static part and the dense layers 0
@@ -384,13 +377,8 @@ _DECODER = textwrap.dedent(r'''
         gemma = load_model(os.path.join(os.environ["ROOT"], "tests", "fixtures", "families", family))
         state = prefill(gemma, [[int(t) for t in rng.integers(3, 600, 300)]], 12)
         base = dict(backend="magicpig", magicpig=cfg, dense_layers=(0, 2), generation_buffer=8)
-        R[family] = {}
-        for name, spec in (("one_device", DecodeSpec(**base)),
-                           ("offload", DecodeSpec(**base, offload=True, host_device=host_dev))):
-            run = start_decode(gemma, state, spec, 12, Sampling())
-            for _ in run:
-                pass
-            R[family][name] = [run.outputs, run.stats()["sampled_fraction"]]
+        R[family] = {name: [run.outputs, run.stats()["sampled_fraction"]]
+                     for name, run in both(gemma, state, base, 12).items()}
     R["auto_on_cpu"] = backend_for(DecodeSpec(backend="magicpig")).name
     # Two models of one architecture (one cached offload step serves both) decoding in two threads
     # at once, three runs each: each run's tokens equal its model's run alone.
