@@ -184,7 +184,7 @@ def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict
       0, ``"higher KL"`` above; else ``"... (sign test)"`` when the sign test gives p < 0.05;
       else ``"tie"``).
     """
-    n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+    n_lik = settings.likelihood_documents
     by_label = {m.label: m for m in settings.methods}
     out: dict = {}
     for length in settings.lengths:
@@ -247,7 +247,7 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
     """
     labels = [m.label for m in settings.methods]
     topk = topk_reference(settings)
-    n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+    n_lik = settings.likelihood_documents
     setups = _setups(settings)
     out: dict = {}
     for length in settings.lengths:

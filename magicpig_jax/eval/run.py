@@ -225,7 +225,7 @@ def _units(settings: EvalSettings) -> list[tuple[str, str, int, int, str]]:
         for index in range(settings.samples):
             units.extend(("task", task, length, index, setup) for task in settings.tasks for setup in settings.setups)
         if settings.likelihood_tokens > 0:
-            n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+            n_lik = settings.likelihood_documents
             units.extend(("likelihood", "prose", length, index, "A") for index in range(n_lik))
     return units
 
@@ -303,7 +303,7 @@ def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
     report dense's numbers, KL 0), or that the likelihood documents cannot meet, before anything is
     written: a failure after the task samples would also pin the bad value in ``config.json``."""
     sparse = any(m.backend != "dense" for m in settings.methods)
-    n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+    n_lik = settings.likelihood_documents
     forced = settings.likelihood_tokens
     if forced > 0 and n_lik > 0:
         if forced < 2:
@@ -503,7 +503,7 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     _check_before_writing(model, settings, fp["dense_layers"])
     out.mkdir(parents=True, exist_ok=True)
     unread = {k for k, readers in option_readers(settings.methods).items() if not readers}
-    n_lik = settings.samples if settings.likelihood_samples is None else settings.likelihood_samples
+    n_lik = settings.likelihood_documents
     if settings.likelihood_tokens == 0 or n_lik == 0:  # no likelihood document this run: its settings read nothing
         unread |= {"likelihood_tokens", "likelihood_starts"}
     check_fingerprint(out, fp, FINGERPRINT_DEFAULTS, frozenset(unread))

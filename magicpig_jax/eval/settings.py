@@ -35,6 +35,11 @@ class EvalSettings:
     page_size: int = 16
     setups: list[str] = dataclasses.field(default_factory=lambda: ["A", "B"])
 
+    @property
+    def likelihood_documents(self) -> int:
+        """Likelihood documents per length: ``likelihood_samples``, or ``samples`` when it is None."""
+        return self.samples if self.likelihood_samples is None else self.likelihood_samples
+
     def fingerprint(self, model) -> dict:
         """The settings every record of one results file must share."""
         from magicpig_jax.models.config import default_dense_layers
