@@ -4,8 +4,10 @@ SciPy), the setups, the markdown, the Pareto front and the plots."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
+import numpy as np
 import pytest
 from scipy import stats as sst
 
@@ -14,7 +16,7 @@ from magicpig_jax.eval.methods import parse_methods
 from magicpig_jax.eval.plots import pareto_front, write_plots
 from magicpig_jax.eval.report import format_summary, summarize
 from magicpig_jax.eval.run import EvalSettings
-from magicpig_jax.eval.stats import wilson_interval
+from magicpig_jax.eval.stats import newcombe_paired_interval, paired_t_interval, wilson_interval
 
 
 def _rec(kind, method, index, setup="A", **kw):
@@ -53,11 +55,14 @@ def test_summarize_and_format():
     assert dense["kl"] == 0.0 and dense["budget"] is None and dense["likelihood_budget"] is None
     ta = topk["tasks"]["A"]
     assert ta["mean_accuracy"] == 0.5 and ta["cost"] == pytest.approx(0.05) and topk["budget"] == 16
-    # paired difference to dense: -1, 0, 0, 0 -> mean -0.25 with a t interval
-    d = [-1.0, 0.0, 0.0, 0.0]
-    lo, hi = sst.t.interval(0.95, 3, loc=-0.25, scale=sst.tstd(d) / 2)
-    assert lo < -1  # the t interval leaves [-1, 1], where a difference of two scores lies: clipped
-    assert ta["diff_vs_dense"]["niah_single"] == pytest.approx([-0.25, -1.0, hi])
+    # paired difference to dense of 0/1 scores: -1, 0, 0, 0 -> mean -0.25 with Newcombe's paired interval
+    assert ta["diff_vs_dense"]["niah_single"] == pytest.approx(
+        [-0.25, *newcombe_paired_interval([0, 1, 1, 0], [1, 1, 1, 0])])
+    assert ta["diff_ci_method"]["niah_single"] == "newcombe"
+    # the mean over tasks: Wilson at the effective size (one task: its own Wilson); setup B's dense scored
+    # 2 of 2, and its interval keeps a width (a bootstrap over the samples had none)
+    assert ta["mean_accuracy_ci"] == pytest.approx(list(wilson_interval(2, 4)))
+    assert b["mean_accuracy_ci"] == pytest.approx(list(wilson_interval(2, 2))) and b["mean_accuracy_ci"][0] < 0.5
     assert topk["kl"] == pytest.approx(0.5) and topk["likelihood_samples"] == 3
     lo, hi = sst.t.interval(0.95, 2, loc=0.5, scale=0.25 / math.sqrt(3))
     assert lo < 0 and topk["kl_ci"] == pytest.approx([0.0, hi])  # a KL is not negative: clipped at 0
@@ -267,3 +272,58 @@ def test_perplexity_is_exp_of_the_mean_nll():
     assert dense["ppl"] == pytest.approx(math.exp(7 / 3)) and dense["ppl"] < sum(map(math.exp, nll)) / 3
     lo, hi = sst.t.interval(0.95, 2, loc=7 / 3, scale=sst.tstd(nll) / math.sqrt(3))
     assert lo < 0 and dense["ppl_ci"] == pytest.approx([1.0, math.exp(hi)])  # an NLL is not negative: clipped at 0
+
+
+def test_fractional_scores_get_t_intervals_and_the_mean_over_tasks_a_conservative_width():
+    """A task scored in fractions (multi-value: 4 expected strings) pairs with dense by Student's t,
+    clipped to [-1, 1]; the mean over tasks is Wilson's at the effective size, wider than the t interval
+    of the fractions alone would be."""
+    settings = EvalSettings(tasks=["niah_single", "niah_multivalue"], lengths=[1024], samples=4,
+                            methods=parse_methods("dense,topk:16"))
+    frac = [0.75, 0.5, 1.0, 0.25]
+    records = [
+        *[_rec("task", "dense", i, score=1.0) for i in range(4)],
+        *[{**_rec("task", "dense", i, score=1.0), "task": "niah_multivalue"} for i in range(4)],
+        *[_rec("task", "topk:16", i, score=1.0, budget=16) for i in range(4)],
+        *[{**_rec("task", "topk:16", i, score=s, budget=16), "task": "niah_multivalue"} for i, s in enumerate(frac)],
+    ]
+    ta = summarize(records, settings)[1024]["topk:16"]["tasks"]["A"]
+    assert ta["ci_method"] == {"niah_single": "wilson", "niah_multivalue": "t"}
+    assert ta["diff_ci_method"] == {"niah_single": "newcombe", "niah_multivalue": "t"}
+    d = np.subtract(frac, 1.0)
+    lo, hi = sst.t.interval(0.95, 3, loc=d.mean(), scale=sst.tstd(d) / 2)
+    assert ta["diff_vs_dense"]["niah_multivalue"] == pytest.approx([d.mean(), max(lo, -1.0), min(hi, 1.0)])
+    # both tasks' means (1.0 and 0.625) at the effective size 8: Wilson of 6.5 in 8, in [0, 1]
+    mean = (1.0 + 0.625) / 2
+    assert ta["mean_accuracy"] == pytest.approx(mean) and ta["needle_accuracy"] == pytest.approx(mean)
+    z = 1.959963984540054
+    center = (mean + z * z / 16) / (1 + z * z / 8)
+    half = z * math.sqrt(mean * (1 - mean) / 8 + z * z / 256) / (1 + z * z / 8)
+    assert ta["mean_accuracy_ci"] == pytest.approx([center - half, center + half])
+    assert ta["needle_accuracy_ci"] == ta["mean_accuracy_ci"]
+
+
+def test_reread_intervals_tool_flags_a_verdict_the_t_interval_gave_otherwise(tmp_path, capsys):
+    """tools/reread_intervals.py on a folder: 20 pairs, the method losing the needle on 4 where dense
+    found it, 16 agreeing: the paired t interval excludes 0, Newcombe's holds it (a changed verdict)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "reread_intervals", Path(__file__).parents[1] / "tools" / "reread_intervals.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    scores = {"dense": [1.0] * 4 + [0.0] * 16, "topk:16": [0.0] * 20}
+    lines = [json.dumps({**_rec("task", m, i, score=s), **({"budget": 16} if m != "dense" else {})})
+             for m, ss in scores.items() for i, s in enumerate(ss)]
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    argv = ["magicpig-jax", "eval", "--samples", "20", "--tasks", "niah_single", "--lengths", "1024",
+            "--methods", "dense,topk:16", "--likelihood-samples", "0", "--out", str(tmp_path)]
+    (tmp_path / "runs.jsonl").write_text(json.dumps({"argv": argv}) + "\n")
+    assert tool.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    t_lo, t_hi = paired_t_interval(scores["topk:16"], scores["dense"])
+    n_lo, n_hi = newcombe_paired_interval(scores["topk:16"], scores["dense"])
+    assert t_hi < 0 <= n_hi  # the case the tool exists to find
+    assert f"Δ -20.0 [{100 * n_lo:+.1f}, {100 * n_hi:+.1f}] (newcombe); paired t [{100 * t_lo:+.1f}, " in out
+    assert "<- verdict differs" in out and out.rstrip().endswith("differs from the paired t interval's in 1")

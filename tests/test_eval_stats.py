@@ -6,17 +6,18 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from scipy import special
 from scipy import stats as sst
 
 from magicpig_jax.eval.stats import (
     interval_for_scores,
+    newcombe_paired_interval,
     paired_t_interval,
     regularized_incomplete_beta,
     sign_test,
-    stratified_bootstrap_interval,
+    stratified_wilson_interval,
     t_interval,
     t_quantile,
     wilson_interval,
@@ -91,23 +92,126 @@ def test_interval_for_scores_picks_wilson_or_t():
     assert interval_for_scores([]) == (None, None, None)
 
 
-@settings(max_examples=20)
-@given(st.lists(st.lists(st.sampled_from([0.0, 1.0]), min_size=2, max_size=30), min_size=1, max_size=4),
-       st.integers(0, 1000))
-def test_stratified_bootstrap_brackets_the_mean(groups, seed):
-    lo, hi = stratified_bootstrap_interval(groups, resamples=500, seed=seed)
-    mean = float(np.mean([np.mean(g) for g in groups]))
-    assert lo <= mean + 1e-12 and mean - 1e-12 <= hi
-    assert stratified_bootstrap_interval(groups, resamples=500, seed=seed) == (lo, hi)  # reproducible
+@given(st.integers(1, 200), st.data())
+def test_stratified_wilson_of_one_group_is_wilson(n, data):
+    k = data.draw(st.integers(0, n))
+    lo, hi = stratified_wilson_interval([[1.0] * k + [0.0] * (n - k)])
+    rlo, rhi = wilson_ref(k, n)
+    assert lo == pytest.approx(max(rlo, 0.0), abs=1e-12) and hi == pytest.approx(min(rhi, 1.0), abs=1e-12)
 
 
-def test_stratified_bootstrap_shrinks_like_one_over_sqrt_n():
-    rng = np.random.default_rng(0)
-    small = [list(rng.integers(0, 2, 20).astype(float))]
-    big = [list(rng.integers(0, 2, 2000).astype(float))]
-    w_small = np.subtract(*stratified_bootstrap_interval(small)[::-1])
-    w_big = np.subtract(*stratified_bootstrap_interval(big)[::-1])
-    assert 5 < w_small / w_big < 15  # sqrt(100) = 10
+@given(st.lists(st.integers(0, 15), min_size=1, max_size=5))
+def test_stratified_wilson_of_equal_groups_is_wilson_of_the_pooled_counts(ks):
+    n = 15
+    lo, hi = stratified_wilson_interval([[1.0] * k + [0.0] * (n - k) for k in ks])
+    rlo, rhi = wilson_ref(sum(ks), n * len(ks))
+    assert lo == pytest.approx(max(rlo, 0.0), abs=1e-12) and hi == pytest.approx(min(rhi, 1.0), abs=1e-12)
+
+
+def test_stratified_wilson_keeps_the_width_of_a_task_that_scored_all_one():
+    """Two tasks of 20 samples, one at 20/20: the interval of the mean of (1.0, 0.5) is Wilson's at 40
+    samples, not the other task's spread alone (a bootstrap over the samples gave the 20/20 task none)."""
+    lo, hi = stratified_wilson_interval([[1.0] * 20, [1.0] * 10 + [0.0] * 10])
+    rlo, rhi = wilson_ref(30, 40)
+    assert (lo, hi) == pytest.approx((rlo, rhi), abs=1e-12)
+    lo, hi = stratified_wilson_interval([[1.0] * 20, [1.0] * 20])
+    assert hi == 1.0 and lo == pytest.approx(wilson_ref(40, 40)[0], abs=1e-12) and lo < 0.95
+    assert stratified_wilson_interval([[0.0] * 5])[0] == 0.0
+    assert stratified_wilson_interval([[], [None]]) == (None, None)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        stratified_wilson_interval([[1.5, 0.0]])
+
+
+def test_stratified_wilson_coverage_is_near_nominal():
+    """Exact coverage (a sum over both tasks' binomials, 12 samples each) of the mean of two tasks'
+    proportions, including a task at or near 1, where a percentile bootstrap has no width."""
+    n = 12
+    for ps in ((0.95, 1.0), (0.9, 0.7), (0.5, 0.5), (0.99, 0.6)):
+        truth = float(np.mean(ps))
+        cover = 0.0
+        for k1 in range(n + 1):
+            for k2 in range(n + 1):
+                lo, hi = stratified_wilson_interval([[1.0] * k1 + [0.0] * (n - k1), [1.0] * k2 + [0.0] * (n - k2)])
+                if lo - 1e-12 <= truth <= hi + 1e-12:
+                    cover += sst.binom.pmf(k1, n, ps[0]) * sst.binom.pmf(k2, n, ps[1])
+        assert 0.90 <= cover <= 1.0, (ps, cover)
+
+
+def _table(a, b, c, d):
+    """Paired 0/1 scores with a both-1, b x-only, c y-only and d both-0 samples."""
+    return [1] * a + [1] * b + [0] * c + [0] * d, [1] * a + [0] * b + [1] * c + [0] * d
+
+
+def newcombe_ref(a, b, c, d):
+    """Newcombe's method 10 in float64 from the paper's definitions: the Wilson limits as the roots
+    of the score quadratic (wilson_ref), phi with ad - bc lowered by n/2 toward 0 when positive."""
+    n = a + b + c + d
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = (max(x, 0.0) if i == 0 else min(x, 1.0) for i, x in enumerate(wilson_ref(a + b, n)))
+    l2, u2 = (max(x, 0.0) if i == 0 else min(x, 1.0) for i, x in enumerate(wilson_ref(a + c, n)))
+    denom = (a + b) * (c + d) * (a + c) * (b + d)
+    num = a * d - b * c
+    if num > n / 2:
+        num -= n / 2
+    elif num > 0:
+        num = 0.0
+    phi = num / math.sqrt(denom) if denom else 0.0
+    dl, du = p1 - l1, u2 - p2
+    el, eu = p2 - l2, u1 - p1
+    return (p1 - p2 - math.sqrt(max(dl * dl - 2 * phi * dl * du + du * du, 0.0)),
+            p1 - p2 + math.sqrt(max(el * el - 2 * phi * el * eu + eu * eu, 0.0)))
+
+
+@given(st.integers(0, 12), st.integers(0, 12), st.integers(0, 12), st.integers(0, 12))
+def test_newcombe_paired_interval_matches_its_definition(a, b, c, d):
+    if a + b + c + d == 0:
+        assert newcombe_paired_interval([], []) == (None, None)
+        return
+    xs, ys = _table(a, b, c, d)
+    lo, hi = newcombe_paired_interval(xs, ys)
+    rlo, rhi = newcombe_ref(a, b, c, d)
+    assert lo == pytest.approx(max(rlo, -1.0), abs=1e-12) and hi == pytest.approx(min(rhi, 1.0), abs=1e-12)
+    delta = (b - c) / (a + b + c + d)
+    assert -1.0 <= lo <= delta + 1e-12 and delta - 1e-12 <= hi <= 1.0
+    # the difference y - x has the mirrored interval
+    mlo, mhi = newcombe_paired_interval(ys, xs)
+    assert (mlo, mhi) == pytest.approx((-hi, -lo), abs=1e-12)
+
+
+def test_newcombe_paired_interval_keeps_a_width_without_discordant_pairs():
+    """20 samples where both methods always score 1: the paired t interval is [0, 0]; Newcombe's is
+    ± the Wilson interval's distance from 1 at 20 of 20 (about 16 pp)."""
+    xs, ys = _table(20, 0, 0, 0)
+    assert paired_t_interval(xs, ys) == (0.0, 0.0)
+    lo, hi = newcombe_paired_interval(xs, ys)
+    w = 1.0 - wilson_ref(20, 20)[0]
+    assert (lo, hi) == pytest.approx((-w, w), abs=1e-12) and 0.15 < w < 0.17
+    with pytest.raises(ValueError, match="0 or 1"):
+        newcombe_paired_interval([0.5], [1])
+    with pytest.raises(ValueError, match="lengths"):
+        newcombe_paired_interval([1], [1, 0])
+
+
+def test_newcombe_paired_coverage_is_near_nominal():
+    """Exact coverage (a sum over the multinomial of the 2 × 2 table, 12 pairs) of the true difference,
+    where discordant pairs are rare (the paired t interval's coverage there is far below 95%)."""
+    n = 12
+    for pi in ((0.9, 0.02, 0.05, 0.03), (0.95, 0.0, 0.05, 0.0), (0.5, 0.1, 0.1, 0.3), (0.3, 0.2, 0.1, 0.4)):
+        truth = pi[1] - pi[2]
+        cover = t_cover = 0.0
+        for a in range(n + 1):
+            for b in range(n + 1 - a):
+                for c in range(n + 1 - a - b):
+                    d = n - a - b - c
+                    pm = sst.multinomial.pmf([a, b, c, d], n, pi)
+                    xs, ys = _table(a, b, c, d)
+                    lo, hi = newcombe_paired_interval(xs, ys)
+                    cover += pm * (lo - 1e-12 <= truth <= hi + 1e-12)
+                    tlo, thi = paired_t_interval(xs, ys)
+                    t_cover += pm * (tlo is not None and tlo - 1e-12 <= truth <= thi + 1e-12)
+        assert 0.93 <= cover <= 1.0, (pi, cover)
+        if pi[1] == 0.0:
+            assert t_cover < 0.8, (pi, t_cover)  # why the t interval is not used for 0/1 scores
 
 
 def test_paired_t_interval():

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING
 from magicpig_jax.eval.cost import BYTE_PARTS
 from magicpig_jax.eval.stats import (
     interval_for_scores,
+    newcombe_paired_interval,
     paired_t_interval,
     sign_test,
-    stratified_bootstrap_interval,
+    stratified_wilson_interval,
     t_interval,
 )
 from magicpig_jax.eval.store import ResultStore, machine_info, read_runs
@@ -78,8 +79,23 @@ def _bytes(recs: list[dict]) -> tuple[float | None, dict]:
     return _mean([(r.get("bytes_per_step") or {}).get("total") for r in recs]), parts
 
 
-def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str], seed: int) -> dict:
-    acc, acc_ci, how, n, diff = {}, {}, {}, {}, {}
+def _paired_scores(pairs: list[tuple[float, float]]) -> tuple[list, str | None]:
+    """``[mean, low, high]`` of the paired score difference and the interval's method: Newcombe's
+    when every score is 0 or 1, else t (clipped to [-1, 1], where a difference of two scores lies)."""
+    if not pairs:
+        return [None, None, None], None
+    xs, ys = [a for a, _ in pairs], [b for _, b in pairs]
+    mean = sum(a - b for a, b in pairs) / len(pairs)
+    if all(v in (0, 1) for v in (*xs, *ys)):
+        return [mean, *newcombe_paired_interval(xs, ys)], "newcombe"
+    lo, hi = paired_t_interval(xs, ys)
+    if lo is None:
+        return [mean, None, None], None
+    return [mean, max(lo, -1.0), min(hi, 1.0)], "t"
+
+
+def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str]) -> dict:
+    acc, acc_ci, how, n, diff, diff_how = {}, {}, {}, {}, {}, {}
     by_task = {t: [r for r in task_recs if r["task"] == t] for t in tasks}
     for t, rs in by_task.items():
         scores = [r["score"] for r in rs]
@@ -88,23 +104,18 @@ def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str],
         acc_ci[t], how[t], n[t] = [lo, hi], method, len(scores)
         dense = {r["index"]: r["score"] for r in dense_recs if r["task"] == t}
         pairs = [(r["score"], dense[r["index"]]) for r in rs if r["index"] in dense]
-        if pairs:
-            d_lo, d_hi = paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])
-            if d_lo is not None:  # a difference of two scores in [0, 1] lies in [-1, 1]
-                d_lo, d_hi = max(d_lo, -1.0), min(d_hi, 1.0)
-            diff[t] = [sum(a - b for a, b in pairs) / len(pairs), d_lo, d_hi]
-        else:
-            diff[t] = [None, None, None]
+        diff[t], diff_how[t] = _paired_scores(pairs)
     groups = [[r["score"] for r in rs] for rs in by_task.values() if rs]
     mean_acc = _mean([a for a in acc.values() if a is not None])
     niah = [t for t in tasks if t.startswith("niah_") and acc.get(t) is not None]
     b_total, b_parts = _bytes(task_recs)
     return {
         "accuracy": acc, "accuracy_ci": acc_ci, "ci_method": how, "samples": n, "diff_vs_dense": diff,
-        "mean_accuracy": mean_acc, "mean_accuracy_ci": list(stratified_bootstrap_interval(groups, seed=seed)),
+        "diff_ci_method": diff_how,
+        "mean_accuracy": mean_acc, "mean_accuracy_ci": list(stratified_wilson_interval(groups)),
         "needle_accuracy": _mean([acc[t] for t in niah]) if niah else None,
-        "needle_accuracy_ci": list(stratified_bootstrap_interval([[r["score"] for r in by_task[t]] for t in niah],
-                                                                 seed=seed)) if niah else [None, None],
+        "needle_accuracy_ci": list(stratified_wilson_interval([[r["score"] for r in by_task[t]] for t in niah]))
+        if niah else [None, None],
         "cost": _mean([r["sampled_fraction"] for r in task_recs]),
         "ms_per_step": _mean([r.get("ms_per_step") for r in task_recs]),
         "ms_per_step_ci": _ci([r.get("ms_per_step") for r in task_recs]),
@@ -229,7 +240,8 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
 
     Only records of the requested tasks, lengths, methods, setups and sample indices count.
     Per method and length: ``tasks`` (per setup: ``accuracy``, ``accuracy_ci``, ``ci_method``,
-    ``samples``, ``diff_vs_dense`` ``[mean, low, high]`` of the paired score difference,
+    ``samples``, ``diff_vs_dense`` ``[mean, low, high]`` of the paired score difference (its
+    interval's method in ``diff_ci_method``: ``"newcombe"`` or ``"t"``),
     ``mean_accuracy`` (+ ``_ci``), ``needle_accuracy`` (+ ``_ci``, the NIAH tasks), ``cost``,
     ``ms_per_step`` (+ ``_ci``), ``bytes_per_step`` (+ ``_parts``)); from the likelihood
     documents ``kl``, ``nll``, ``top1`` (each + ``_ci``: means over the documents), ``ppl`` (+ ``_ci``:
@@ -265,8 +277,8 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
         topk_ms = {r["index"]: r.get("ms_per_step") for r in lik_recs(topk)} if topk else {}
         for lab in labels:
             lik = lik_recs(lab)
-            tasks = {setup: _task_entry(task_recs(lab, setup), task_recs("dense", setup), settings.tasks,
-                                        settings.seed) for setup in setups}
+            tasks = {setup: _task_entry(task_recs(lab, setup), task_recs("dense", setup), settings.tasks)
+                     for setup in setups}
             ms_pairs = [(r.get("ms_per_step"), topk_ms[r["index"]]) for r in lik if r["index"] in topk_ms]
             kl_pairs = [] if lab == topk else [(r["kl"], topk_kl[r["index"]]) for r in lik if r["index"] in topk_kl]
             kl_topk = _paired(kl_pairs)
@@ -427,8 +439,10 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
     lines.append(
         "\nEvery cell is a mean with its 95% interval in brackets. Accuracy: RULER's string_match_all (percent "
         "of expected strings in the answer) over the samples; interval: Wilson's when every score is 0 or 1, "
-        "else Student's t; mean over tasks: stratified bootstrap (2000 resamples). Δ vs dense: the paired "
-        "difference of scores to dense on the same samples (percentage points, t interval), per task. "
+        "else Student's t; mean over tasks: Wilson's at the stratified mean's effective sample size (Yan & Su "
+        "2010; conservative when the tasks differ). Δ vs dense: the paired difference of scores to dense on the "
+        "same samples (percentage points), per task; interval: Newcombe's paired score interval (1998, method 10) "
+        "when every score is 0 or 1, else Student's t. "
         "Keys %: mean fraction of the context's keys sampled (MagicPIG, hybrid), selected (TopK, Quest) or "
         "distinctly drawn (oracle) per decode step in the sparse layers, static set excluded (dense = 100%). "
         "ms/step: measured wall time of a decode step (after the first), t interval over samples; on a shared "
