@@ -19,6 +19,7 @@
 // of 0 can take the other sign.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -156,12 +157,27 @@ __attribute__((target("avx2,fma"))) void SignBitsAvx2(const float* xt, int64_t R
 template <typename T>
 void HashItem(const T* x, const float* center, int64_t rows_per_center, const float* P, int64_t D, int64_t K,
               int64_t C, int64_t m0, int64_t R, int64_t l0, int64_t l1, bool avx2, uint32_t* codes, int64_t L) {
-  // The rows, centered and widened to float32, exactly as JAX's x.astype(float32) - mean.
+  // The rows, centered and widened to float32, exactly as JAX's x.astype(float32) - mean, then
+  // scaled by the power of two that brings each row's largest magnitude into [1, 2), as
+  // magicpig_jax.lsh.exponent_scaled: the signs are kept, and a tiny row's products no longer
+  // fall below float32's normal range (flushed to zero under FTZ) nor a huge row's overflow.
   std::vector<float> xt(static_cast<size_t>(R * D));
   for (int64_t i = 0; i < R; ++i) {
     const T* xr = x + (m0 + i) * D;
     const float* cr = center + ((m0 + i) / rows_per_center) * D;
-    for (int64_t d = 0; d < D; ++d) xt[i * D + d] = Load(xr, d) - cr[d];
+    float* row = xt.data() + i * D;
+    float top = 0.0f;
+    bool finite = true;  // a row with a NaN or an infinity is left unscaled, as in JAX
+    for (int64_t d = 0; d < D; ++d) {
+      row[d] = Load(xr, d) - cr[d];
+      finite = finite && std::isfinite(row[d]);
+      top = std::max(top, std::fabs(row[d]));
+    }
+    if (finite && top > 0.0f) {
+      int e = 0;
+      std::frexp(top, &e);  // top = m 2^e, m in [0.5, 1)
+      for (int64_t d = 0; d < D; ++d) row[d] = std::ldexp(row[d], 1 - e);
+    }
   }
   // Columns [cb, ce): from the 16-aligned column at or before table l0's first to table l1's end.
   const int64_t cb = (l0 * K) / 16 * 16, ce = l1 * K;

@@ -31,8 +31,9 @@ __all__ = [
 MAX_K = 32
 MAX_L = 2**16  # tables: codes are [.., L] and the hyperplanes [D, K*L]; the paper uses a few hundred
 
-# Below this value of L * p^K the closed form of u cancels in float32 (u can be
-# as small as ~0.26 at L * p^K = 1, where cancellation costs ~5e-7 relative), and
+# Below this value of L * p^K the closed form of u cancels in float32 (at L * p^K >= 1,
+# u >= 1/4: 1/4 at L = 2, rising toward 1 - 2/e ~ 0.264 as L grows at L * p^K = 1; the
+# cancellation costs ~5e-7 relative), and
 # the series around p^K = 0 is used; with L * p^K < 1 its m-th term is at most
 # 2 * 2^m / (m + 2)!, so 20 terms leave a truncation error < 1e-14 relative.
 _SERIES_THRESHOLD = 1.0
@@ -97,7 +98,12 @@ def simhash_codes(
     Bit ``j`` of the code of table ``l`` is 1 iff ``x · projections[:, l*K + j] > 0``.
     Convention: a projection that is exactly zero (for example the zero vector)
     gives bit 0. Every path of the library (pure JAX and the host op) hashes with
-    this function, so the convention is shared bit for bit.
+    this function, so the convention is shared bit for bit. Each vector is first
+    scaled by a power of two (:func:`exponent_scaled`), which keeps every sign: without
+    it, a vector of norm near 1e-38 had products below float32's normal range, which
+    XLA's CPU backend flushes to zero (bit 0), while its sampling probability ``u`` is
+    computed from the scaled vector; the two then described different samplers (a
+    biased estimate). A vector too large for float32 products no longer overflows.
 
     Args:
       x: ``[..., D]`` float array (any float dtype; projected in float32).
@@ -124,7 +130,7 @@ def simhash_codes(
             f"got {tuple(projections.shape)}"
         )
     proj = jnp.matmul(
-        x.astype(jnp.float32), projections.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        exponent_scaled(x), projections.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
     bits = (proj > 0).reshape(*proj.shape[:-1], L, K).astype(jnp.uint32)
     weights = jnp.left_shift(jnp.uint32(1), jnp.arange(K, dtype=jnp.uint32))
@@ -226,8 +232,9 @@ def log_sampling_probability(p: Float[Array, "..."], K: int, L: int) -> Float[Ar
     ``u = 1 - (1-P)^L - L P (1-P)^(L-1)`` (arXiv 2410.16179, Section 4.2,
     "collides in at least 2 of L tables").
 
-    Computed stably in float32: for ``L*P >= 1`` the closed form (then
-    ``u >= 1 - 2/e ~ 0.26`` and cancellation costs < 1e-6 relative); below, the series
+    Computed stably in float32: for ``L*P >= 1`` the closed form (then ``u >= 1/4``,
+    the value at ``L = 2, P = 1/2``; at ``L*P = 1`` it rises toward ``1 - 2/e ~ 0.264`` as
+    ``L`` grows; cancellation costs < 1e-6 relative); below, the series
     ``log C(L,2) + 2 log P + (L-2) log1p(-P) + log sum_m c_m r^m``,
     ``r = P/(1-P)``, ``c_m = C(L, m+2)/C(L, 2)``, which has no cancellation.
     Relative error of ``u`` against float64 stays below 1e-4 (the tests' bound) wherever

@@ -105,10 +105,32 @@ def library_checks(rng: np.random.Generator) -> None:
             check(abs(float(ll[0]) - l_all * (LOG_BASE if PERTURB else 1)) < 1e-5 * (1 + abs(l_all)), "library lse")
 
 
+def library_far_apart_checks() -> None:
+    """``merge_attention`` itself on LSEs far apart (1500 and 0, beyond float32's exp range) and on an
+    empty part (LSE -inf): the result is the dominant part's (--perturb: the merge without the max shift)."""
+    import jax.numpy as jnp
+
+    from magicpig_jax.attention import merge_attention
+
+    oa, ob = np.array([[1.0, 2.0]]), np.array([[-3.0, 5.0]])
+    for la, lb, want_o, want_l in ((1500.0, 0.0, oa, 1500.0), (0.0, 1500.0, ob, 1500.0),
+                                   (-math.inf, 2.5, ob, 2.5), (-1e30, 3e30, ob, 3e30)):
+        if PERTURB:
+            o, lse = merge_naive((oa[0], la), (ob[0], lb))
+            o, lse = np.asarray(o)[None], np.asarray([lse])
+        else:
+            o, lse = merge_attention(jnp.asarray(oa, jnp.float32), jnp.asarray([la], jnp.float32),
+                                     jnp.asarray(ob, jnp.float32), jnp.asarray([lb], jnp.float32))
+        o, lse = np.asarray(o, np.float64), np.asarray(lse, np.float64)
+        check(bool(np.all(np.isfinite(o))) and np.allclose(o, want_o) and abs(lse[0] - want_l) <= 1e-6 * abs(want_l),
+              f"library merge of LSEs {la} and {lb}: {o}, {lse}")
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     reference_checks(rng)
     library_checks(rng)
+    library_far_apart_checks()
     finish("lse_merge")
 
 

@@ -6,6 +6,7 @@ import itertools
 import math
 from fractions import Fraction as F
 
+import numpy as np
 from _check import PERTURB, check, finish
 
 # Three keys, rational unnormalized weights, a proposal far from the target, 1-D values.
@@ -82,46 +83,119 @@ def iid_checks() -> None:
         check(bias == 0 and mse == var_w / scale, f"proposal = target must be unbiased with MSE Var/B at B={B}")
 
 
-def inclusion_checks() -> None:
-    """MagicPIG-style independent inclusions J_i ~ Bernoulli(u_i), one static key always included."""
-    w_tilde = [F(8), F(5), F(3), F(2), F(1), F(1), F(1, 2), F(1, 4)]
-    vals = [F(2), F(-1), F(3), F(0), F(-4), F(1), F(5), F(-3)]
-    a = [F(1, 3), F(1, 4), F(1, 5), F(1, 6), F(1, 8), F(1, 8), F(1, 10), F(1, 10)]
-    static_w, static_v = F(2), F(1)
-    Z = sum(w_tilde) + static_w
-    o = (sum(w * v for w, v in zip(w_tilde, vals, strict=True)) + static_w * static_v) / Z
-    prev_bias, prev_mse = None, None
-    for t in (1, 2, 4, 8, 16):
-        u = [1 - (1 - ai) ** t for ai in a]
-        e_num, e_den, bias, mse = F(0), F(0), F(0), F(0)
-        for J in itertools.product((0, 1), repeat=len(u)):
-            prob = math.prod((ui if j else 1 - ui for ui, j in zip(u, J, strict=True)), start=F(1))
-            num = sum(j * w / ui * v for j, w, ui, v in zip(J, w_tilde, u, vals, strict=True))
-            den = sum(j * w / ui for j, w, ui in zip(J, w_tilde, u, strict=True))
-            if PERTURB:  # the sums without the inverse inclusion probabilities
-                e_num += prob * sum(j * w * v for j, w, v in zip(J, w_tilde, vals, strict=True))
-                e_den += prob * sum(j * w for j, w in zip(J, w_tilde, strict=True))
-            else:
-                e_num += prob * num
-                e_den += prob * den
-            err = (num + static_w * static_v) / (den + static_w) - o
-            bias += prob * err
-            mse += prob * err * err
-        check(e_num == sum(w * v for w, v in zip(w_tilde, vals, strict=True)), f"HT numerator biased, t={t}")
-        check(e_den == sum(w_tilde), f"HT denominator biased, t={t}")
-        if prev_bias is not None:  # --perturb: claimed increasing
-            check((abs(bias) > abs(prev_bias)) if PERTURB else (abs(bias) < abs(prev_bias)),
-                  f"inclusion bias not decreasing at t={t}")
-            check((mse > prev_mse) if PERTURB else (mse < prev_mse), f"inclusion MSE not decreasing at t={t}")
-        print(f"inclusions t={t}: bias {float(bias):+.5f}, t * MSE {float(t * mse):.4f}")
-        scaled = t * t * mse if PERTURB else t * mse  # --perturb: MSE ~ 1 / t^2
-        check(float(scaled) < 3.0, f"t * MSE = {float(t * mse)} not bounded at t={t}")
-        prev_bias, prev_mse = bias, mse
+def angle(x, y) -> float:
+    c = float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y)))
+    return math.acos(min(1.0, max(-1.0, c)))
+
+
+def binom_u(P: float, L: int) -> float:
+    """P[Binomial(L, P) >= 2] in float64."""
+    return 1.0 - (1.0 - P) ** L - L * P * (1.0 - P) ** (L - 1)
+
+
+def joint_inclusion(q, ki, kj, K: int, L: int) -> float:
+    """pi_ij = P[C_i >= 2 and C_j >= 2] by the closed form of snis.md (perturbed: u_i u_j)."""
+    t_qi, t_qj, t_ij = angle(q, ki), angle(q, kj), angle(ki, kj)
+    pi_, pj_ = 1 - t_qi / math.pi, 1 - t_qj / math.pi
+    ui, uj = binom_u(pi_**K, L), binom_u(pj_**K, L)
+    if PERTURB:  # the inclusions taken as independent
+        return ui * uj
+    S = (1 - (t_qi + t_qj + t_ij) / (2 * math.pi)) ** K
+    Ai, Aj = pi_**K - S, pj_**K - S
+    N0 = 1 - pi_**K - pj_**K + S
+    both_below = N0**L + L * (Ai + Aj + S) * N0 ** (L - 1) + L * (L - 1) * Ai * Aj * N0 ** (L - 2)
+    return ui + uj - 1 + both_below
+
+
+def dependent_inclusion_checks() -> None:
+    """MagicPIG's own sampler over many draws of the hyperplanes: marginals u_i, joint inclusions pi_ij,
+    the unbiased Horvitz-Thompson sum and its variance with covariance terms, and the error falling in L."""
+    import jax
+    import jax.numpy as jnp
+
+    from magicpig_jax import lsh
+    from magicpig_jax.attention import MagicPIGConfig, build_lsh_index
+    from magicpig_jax.attention.magicpig import sampled_mask_and_log_u
+
+    rng = np.random.default_rng(5)
+    d, half, K, L, R = 8, 20, 3, 12, 4000
+    base = rng.normal(size=(half, d))
+    keys = np.concatenate([base, base + 0.02 * rng.normal(size=(half, d))])  # key i + half ~ key i
+    n = len(keys)
+    q = rng.normal(size=d) + 0.8 * base[:4].mean(0)
+    logits = keys @ q / math.sqrt(d)
+    a = np.exp(logits - logits.max())  # the weights of the Horvitz-Thompson denominator
+    vals = rng.normal(size=n)
+    static_w, static_v = 0.5, 1.0
+    o = (a @ vals + static_w * static_v) / (a.sum() + static_w)
+
+    def draws(L_: int, count: int, seed: int):
+        cfg = MagicPIGConfig(K=K, L=L_, num_sink=0, num_local=0)
+        k4 = jnp.asarray(keys[None, None], jnp.float32)
+        q3 = jnp.asarray(q[None, None], jnp.float32)
+
+        def one(key):
+            proj = lsh.simhash_projections(key, d, K, L_)
+            index = build_lsh_index(k4, proj, cfg, center=False)
+            sampled, _, log_u = sampled_mask_and_log_u(q3, k4, index, cfg, jnp.asarray([n], jnp.int32))
+            return sampled[0, 0, 0], log_u[0, 0, 0]
+
+        keys_r = jax.random.split(jax.random.key(seed), count)
+        J, log_u = jax.jit(jax.vmap(one))(keys_r)
+        return np.asarray(J, np.float64), np.exp(np.asarray(log_u[0], np.float64))
+
+    J, u = draws(L, R, 0)
+    # marginals: the library's u against the inclusion frequencies (--perturb: one table's P = p^K)
+    p = np.array([1 - angle(q, k) / math.pi for k in keys])
+    u_claim = p**K if PERTURB else u
+    # --perturb: u claimed as P[at least one table] = 1 - (1 - p^K)^L
+    u_rule = [1 - (1 - x**K) ** L if PERTURB else binom_u(x**K, L) for x in p]
+    check(np.allclose(u, u_rule, rtol=1e-4), "the library's u is not P[Bin(L, p^K) >= 2]")
+    se = np.sqrt(u_claim * (1 - u_claim) / R) + 1e-12
+    check(bool(np.all(np.abs(J.mean(0) - u_claim) <= 5 * se)), "inclusion frequencies differ from u")
+    # joint inclusions: near-duplicate pairs and unrelated pairs
+    worst = 0.0
+    for i, j in [(i, i + half) for i in range(half)] + [(i, (i + 7) % half) for i in range(half)]:
+        pij = joint_inclusion(q, keys[i], keys[j], K, L)
+        freq = float((J[:, i] * J[:, j]).mean())
+        worst = max(worst, abs(freq - pij) / (math.sqrt(pij * (1 - pij) / R) + 1e-12))
+    check(worst <= 5, f"joint inclusion frequency off by {worst:.1f} standard errors")
+    # one hyperplane: three vectors on one side with s = 1 - (t_qi + t_qj + t_ij) / (2 pi) (--perturb: p_i p_j)
+    h = rng.normal(size=(200_000, d))
+    worst = 0.0
+    for i, j in ((0, half), (1, 5), (2, half + 2)):
+        same = (np.sign(h @ q) == np.sign(h @ keys[i])) & (np.sign(h @ q) == np.sign(h @ keys[j]))
+        t_qi, t_qj, t_ij = angle(q, keys[i]), angle(q, keys[j]), angle(keys[i], keys[j])
+        s = (1 - t_qi / math.pi) * (1 - t_qj / math.pi) if PERTURB else 1 - (t_qi + t_qj + t_ij) / (2 * math.pi)
+        worst = max(worst, abs(same.mean() - s) / math.sqrt(s * (1 - s) / len(h)))
+    check(worst <= 5, f"three-vector one-side probability off by {worst:.1f} standard errors")
+    # the Horvitz-Thompson denominator: unbiased (--perturb: without 1/u), its variance with covariances
+    T = J @ (a if PERTURB else a / u)
+    check(abs(T.mean() - a.sum()) <= 5 * T.std(ddof=1) / math.sqrt(R), "HT sum biased")
+    Pi = np.array([[u[i] if i == j else joint_inclusion(q, keys[i], keys[j], K, L) for j in range(n)]
+                   for i in range(n)]) if not PERTURB else np.diag(u) + np.outer(u, u) * (1 - np.eye(n))
+    # --perturb: Pi of independent inclusions, which leaves the diagonal sum a_i^2 (1 - u_i) / u_i
+    var_claim = float(a @ ((Pi / np.outer(u, u) - 1) @ a))
+    T = J @ (a / u)
+    dev2 = (T - T.mean()) ** 2
+    var_se = dev2.std(ddof=1) / math.sqrt(R)
+    diag = float(np.sum(a**2 * (1 - u) / u))
+    print(f"HT variance: measured {dev2.mean():.4f}, with covariances {var_claim:.4f}, diagonal alone {diag:.4f}")
+    check(abs(dev2.mean() - var_claim) <= 5 * var_se, f"HT variance {dev2.mean():.4f} vs {var_claim:.4f}")
+    # the ratio with a static key: its mean squared error falls as L grows (--perturb: claimed to grow)
+    mses = []
+    for L_ in (4, 16, 64):
+        J_, u_ = draws(L_, 1500, L_)
+        num = J_ @ (a / u_ * vals) + static_w * static_v
+        den = J_ @ (a / u_) + static_w
+        mses.append(float(np.mean((num / den - o) ** 2)))
+    print(f"ratio MSE at L = 4, 16, 64: {mses}")
+    check(all((x < y) if PERTURB else (x > y) for x, y in itertools.pairwise(mses)), f"MSE in L: {mses}")
 
 
 def main() -> None:
     iid_checks()
-    inclusion_checks()
+    dependent_inclusion_checks()
     finish("snis")
 
 

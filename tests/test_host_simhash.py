@@ -102,6 +102,30 @@ def test_zero_and_nan_rows_give_bit_0_and_vmap_runs_per_element(impl):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scale", [2.0**-124, 2.0**-100, 2.0**126])
+def test_tiny_and_huge_rows_hash_as_their_unit_scale_rows(impl, scale):
+    """A row times a power of two has the same signs against every hyperplane. At 2^-124 (normal
+    float32 entries, about 4.7e-38) the products fall below the normal range, which XLA's CPU
+    backend flushed to zero (bit 0) before the rows were scaled; at 2^126 products overflowed to ±inf (NaN sums, bit 0).
+    Both paths hash the unit-scale row's codes, and the sampling probability u, computed from the
+    scaled row, then describes the sampler that ran."""
+    K, L, D = 8, 40, 64
+    rng = np.random.default_rng(7)
+    unit = (rng.uniform(1.0, 2.0, size=(2, 5, D)) * rng.choice([-1.0, 1.0], size=(2, 5, D))).astype(np.float32)
+    proj = lsh.simhash_projections(jax.random.key(11), D, K, L)
+    ref = np.asarray(lsh.simhash_codes(jnp.asarray(unit), proj, K, L))
+    x = jnp.asarray(unit * np.float32(scale))
+    assert np.all(np.abs(np.asarray(x)) >= np.finfo(np.float32).tiny)  # normal entries: nothing to flush in x
+    np.testing.assert_array_equal(np.asarray(lsh.simhash_codes(x, proj, K, L)), ref)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: lsh.simhash_codes(a, proj, K, L))(x)), ref)
+    np.testing.assert_array_equal(np.asarray(host_simhash_codes(x, proj, K, L, impl=impl)), ref)
+    # centered: the mean subtracted first, then the row scaled
+    mean = jnp.asarray(rng.normal(size=(2, D)).astype(np.float32) * np.float32(scale) * np.float32(0.25))
+    want = np.asarray(lsh.simhash_codes(x - mean[:, None, :], proj, K, L))
+    np.testing.assert_array_equal(np.asarray(host_simhash_codes(x, proj, K, L, center=mean, impl=impl)), want)
+
+
 def test_bad_arguments_name_the_parameter():
     proj = jnp.zeros((8, 12), jnp.float32)
     x = jnp.zeros((3, 8), jnp.float32)
