@@ -23,6 +23,7 @@ __all__ = [
     "exponent_scaled",
     "cosine_from_dots",
     "collision_probability",
+    "collision_probability_from_cosine",
     "sampling_probability",
     "log_sampling_probability",
     "validate_k_l",

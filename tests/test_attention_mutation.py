@@ -47,10 +47,20 @@ def test_magicpig_messages():
     proj = lsh.simhash_projections(jax.random.key(0), 16, 4, 10)
     index = build_lsh_index(k, proj, cfg)
     assert message(ValueError, magicpig_attention, q, k, v, index, MagicPIGConfig(K=4, L=12)) == (
-        "index.codes must be [B, Hkv, N, L] = (2, 2, 30, 12), got (2, 2, 30, 10)"
+        "the index was built with L=10 tables (index.codes (2, 2, 30, 10)) but config has L=12: "
+        "build the index with this config"
     )
     assert message(ValueError, magicpig_attention, q, k, v, index, MagicPIGConfig(K=5, L=10)) == (
-        "index.projections must be [D, K*L] = (16, 50), got (16, 40)"
+        "the index was built with K=4 bits per table (index.projections (16, 40)) but config has K=5: "
+        "build the index with this config"
+    )
+    # other shapes that do not fit: the general messages
+    assert message(ValueError, magicpig_attention, q[:1], k[:1], v[:1], index, cfg) == (
+        "index.codes must be [B, Hkv, N, L] = (1, 2, 30, 10), got (2, 2, 30, 10)"
+    )
+    q8, k8, v8 = make_qkv(9, N=30, D=8)
+    assert message(ValueError, magicpig_attention, q8, k8, v8, index, cfg) == (
+        "index.projections must be [D, K*L] = (8, 40), got (16, 40)"
     )
     assert message(ValueError, build_lsh_index, k, proj[:, :-1], cfg) == (
         "projections must be [D, K*L] = [16, 40] for K=4, L=10, got (16, 39)"
@@ -596,7 +606,8 @@ def test_hybrid_messages_and_bounds():
             "config must be a HybridConfig, got MagicPIGConfig"
         )
     assert message(ValueError, hybrid_attention, q, k, v, index, HybridConfig(K=4, L=12)) == (
-        "index.codes must be [B, Hkv, N, L] = (2, 2, 10, 12), got (2, 2, 10, 10)"
+        "the index was built with L=10 tables (index.codes (2, 2, 10, 10)) but config has L=12: "
+        "build the index with this config"
     )
     assert message(ValueError, hybrid_attention, q[:, :3], k, v, index, HybridConfig(K=4, L=10)) == (
         "Hq (3) must be a multiple of Hkv (2) for GQA"

@@ -261,6 +261,14 @@ def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, 
         if built is not None and built != asked:
             raise ValueError(f"the index was built with {name}={built} but config has {name}={asked}: "
                              f"build the index with this config")
+    if index.codes.ndim == 4 and index.codes.shape[:3] == (B, Hkv, N) and index.codes.shape[3] != config.L:
+        raise ValueError(f"the index was built with L={index.codes.shape[3]} tables (index.codes "
+                         f"{tuple(index.codes.shape)}) but config has L={config.L}: build the index with this config")
+    if (index.projections.ndim == 2 and index.projections.shape[0] == D and config.L
+            and index.projections.shape[1] != config.K * config.L and index.projections.shape[1] % config.L == 0):
+        raise ValueError(f"the index was built with K={index.projections.shape[1] // config.L} bits per table "
+                         f"(index.projections {tuple(index.projections.shape)}) but config has K={config.K}: "
+                         "build the index with this config")
     if index.codes.shape != (B, Hkv, N, config.L):
         raise ValueError(
             f"index.codes must be [B, Hkv, N, L] = {(B, Hkv, N, config.L)}, got {tuple(index.codes.shape)}"
