@@ -108,6 +108,16 @@ def test_stratified_wilson_of_equal_groups_is_wilson_of_the_pooled_counts(ks):
     assert lo == pytest.approx(max(rlo, 0.0), abs=1e-12) and hi == pytest.approx(min(rhi, 1.0), abs=1e-12)
 
 
+def test_stratified_wilson_weights_tasks_equally_at_unequal_sizes():
+    """Tasks of 10 and 30 samples: the mean of the two proportions (not of the 40 samples) at the effective
+    size T^2 / sum(1/n_t) = 4 / (1/10 + 1/30) = 30, not the 40 samples pooled."""
+    lo, hi = stratified_wilson_interval([[1.0] * 9 + [0.0], [1.0] * 12 + [0.0] * 18])
+    p, n, z = (0.9 + 0.4) / 2, 30.0, sst.norm.ppf(0.975)
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    assert (lo, hi) == pytest.approx((center - half, center + half), abs=1e-12)
+
+
 def test_stratified_wilson_keeps_the_width_of_a_task_that_scored_all_one():
     """Two tasks of 20 samples, one at 20/20: the interval of the mean of (1.0, 0.5) is Wilson's at 40
     samples, not the other task's spread alone (a bootstrap over the samples gave the 20/20 task none)."""
