@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
@@ -467,7 +468,7 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         backends).
       dense_layers: layers kept dense (default :func:`default_dense_layers`: layers 0 and
         ``num_layers // 2``, which on a 2-layer model are every layer, so that every backend then
-        decodes densely and ``stats["sampled_fraction"]`` is None; the CLI notes it).
+        decodes densely and ``stats["sampled_fraction"]`` is None; a ``UserWarning`` says so).
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there, refused
         for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.
       page_size: Quest's page size in tokens (default 16; refused for the other backends).
@@ -518,6 +519,11 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         raise ValueError(f"prompt {empty[0]} encodes to no token (an empty text with chat=False)")
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size,
                        positions=cache_capacity(model, max(map(len, ids)), max_new_tokens))
+    n_layers = model.config.num_layers
+    if spec.backend != "dense" and not spec.sparse_layers(n_layers):  # as the CLI notes it
+        warnings.warn(f"attention={attention!r}: every layer of this {n_layers}-layer model is dense (dense layers "
+                      f"{tuple(spec.dense_layers)}), so the result equals dense attention; choose the dense layers "
+                      "with dense_layers=", UserWarning, stacklevel=2)
     state = prefill(model, ids, max_new_tokens, cache_dtype=cache_dtype)
     decode_text = model.tokenizer.decode
     criterion = StopStrings(decode_text, stops) if stops else None

@@ -75,8 +75,9 @@ def test_stop_string_cuts_the_text_and_reports_stop(model):
 
 
 def test_stream_joins_to_the_text(model):
-    whole = generate(model, "hi there", attention="magicpig", max_new_tokens=7)
-    pieces = list(generate(model, "hi there", attention="magicpig", max_new_tokens=7, stream=True))
+    whole = generate(model, "hi there", attention="magicpig", config=SMALL, dense_layers=(), max_new_tokens=7)
+    pieces = list(generate(model, "hi there", attention="magicpig", config=SMALL, dense_layers=(),
+                           max_new_tokens=7, stream=True))
     assert "".join(pieces) == whole.text and len(pieces) >= 1
 
 
@@ -136,3 +137,17 @@ def jax_leaves(module):
     from flax import nnx
 
     return jax.tree.leaves(nnx.state(module))
+
+
+def test_a_sparse_attention_with_every_layer_dense_warns(model):
+    """The qwen2 fixture has 2 layers: the default dense layers (0 and num_layers // 2) are both, so
+    'magicpig' decodes exactly as dense; the API says so, as the CLI's note does, and the tokens are dense's."""
+    with pytest.warns(UserWarning, match=r"every layer of this 2-layer model is dense \(dense layers \(0, 1\)\)"):
+        got = generate(model, "hi there", attention="magicpig", config=SMALL, max_new_tokens=3)
+    assert got.token_ids == generate(model, "hi there", attention="dense", max_new_tokens=3).token_ids
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one sparse layer: no warning
+        generate(model, "hi there", attention="magicpig", config=SMALL, dense_layers=(0,), max_new_tokens=3)
+        generate(model, "hi there", attention="dense", max_new_tokens=3)
