@@ -228,6 +228,12 @@ def _cmd_generate(args) -> int:
     print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
+    if args.magicpig_config is not None:
+        from magicpig_jax.eval.calibrate import other_model_note
+
+        note = other_model_note(args.magicpig_config, model.source)
+        if note:
+            print(f"magicpig-jax: note: generate: {note}", file=sys.stderr, flush=True)
     try:
         check_stops_for(model.tokenizer, stops)
     except ValueError as err:

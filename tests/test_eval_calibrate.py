@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -289,3 +290,40 @@ def test_default_sweep_reaches_every_assignment_of_a_fine_grid(seed):
     assert set(fine) <= set(default)
     costs = [cal.total_cost(layers, a) for a in default]
     assert costs == sorted(costs) and default[-1] == ("dense",) * 12
+
+
+def test_a_file_calibrated_on_another_model_of_the_same_sizes_is_noted(calibrated, tmp_path, capsys):
+    """The llama3 and qwen2 fixtures have the same sizes, so the sizes check accepts either's file for the
+    other: calibrate records the model's digest, and eval and generate note a file measured on another model."""
+    from magicpig_jax import load_model
+    from magicpig_jax.eval.methods import parse_methods
+    from magicpig_jax.eval.run import EvalSettings
+    from magicpig_jax.eval.settings import model_digest
+
+    families = Path(__file__).parent / "fixtures" / "families"
+    llama3, qwen2 = families / "llama3", families / "qwen2"
+    _, _, report = calibrated
+    assert "model_sha1" in report["calibration"] and report["calibration"]["model_sha1"] is None  # in memory
+    assert cal._model_sha1(llama3) == model_digest(llama3) != model_digest(qwen2)
+    model = load_model(qwen2)
+    shape = model.config.model_shape()
+    assert load_model(llama3).config.model_shape() == shape
+    lc = LayerConfigs(layers=((0, "dense"), (1, MagicPIGConfig(K=4, L=8))), model_shape=shape)
+    path = lc.save(tmp_path / "cfg.json", extra={"calibration": {"model_sha1": model_digest(llama3),
+                                                                 "paragraph_sha1": []}})
+    note = cal.other_model_note(path, qwen2)
+    assert note == (f"{path} was calibrated on another model (digest {model_digest(llama3)}; this model's is "
+                    f"{model_digest(qwen2)}): its layers are applied as written, but the KL budget it met was "
+                    "measured on that model")
+    assert cal.other_model_note(path, llama3) is None
+    other = tmp_path / "other.txt"
+    other.write_text("An entirely different text about hash tables, buckets and the angles between vectors.\n")
+    settings = EvalSettings(tasks=[], lengths=[600], samples=1, methods=parse_methods("dense"), haystack=str(other))
+    capsys.readouterr()
+    cal.check_config_for_eval(path, model, settings)  # noted, not refused
+    assert capsys.readouterr().err == f"magicpig-jax: note: eval: {note}\n"
+    unrecorded = lc.save(tmp_path / "hand.json", extra={"calibration": {"paragraph_sha1": []}})
+    assert cal.other_model_note(unrecorded, qwen2) is None  # written by hand: nothing to compare
+    bad = lc.save(tmp_path / "bad.json", extra={"calibration": {"model_sha1": 5}})
+    with pytest.raises(ValueError, match=r"'calibration.model_sha1' must be a string"):
+        cal.other_model_note(bad, qwen2)

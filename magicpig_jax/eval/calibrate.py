@@ -60,7 +60,8 @@ from magicpig_jax.argparsing import Parser, path_arg
 from magicpig_jax.eval.corpus import CALIBRATION_TEXT
 
 __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
-           "paragraph_hashes", "check_config_for_eval", "pool_ms", "DEFAULT_TEXT", "DEFAULT_CANDIDATES",
+           "paragraph_hashes", "check_config_for_eval", "other_model_note", "pool_ms", "DEFAULT_TEXT",
+           "DEFAULT_CANDIDATES",
            "COST_KINDS"]
 
 DEFAULT_TEXT = CALIBRATION_TEXT  # held out of the default evaluation haystack
@@ -80,9 +81,48 @@ def paragraph_hashes(source: str) -> list[str]:
     return [hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(Path(source))]
 
 
+def _model_sha1(source) -> str | None:
+    """:func:`magicpig_jax.eval.settings.model_digest` of ``source``, None for a model held only in
+    memory (no files to hash)."""
+    from magicpig_jax.eval.settings import model_digest
+
+    try:
+        return model_digest(source)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def other_model_note(path: str | Path, model_source) -> str | None:
+    """A note when the calibrated file at ``path`` was measured on another model than ``model_source``.
+
+    ``magicpig-jax calibrate`` records the model's digest (``calibration.model_sha1``, the digest of
+    the files its loader reads: :func:`magicpig_jax.eval.settings.model_digest`); the sizes check
+    (``model_shape``) accepts any model of the same sizes. A file applied to another model still
+    decodes as it says, but the KL budget it met was measured on the first one. None when the
+    digests match, or the file (written by hand or before the digest was recorded) or the model
+    (held in memory) has none.
+
+    Raises:
+      ValueError: ``calibration.model_sha1`` is not a string (naming the file).
+    """
+    record = json.loads(Path(path).read_text()).get("calibration", {})
+    recorded = record.get("model_sha1") if isinstance(record, dict) else None
+    if recorded is None:
+        return None
+    if not isinstance(recorded, str):
+        raise ValueError(f"{path}: 'calibration.model_sha1' must be a string (the calibrated model's digest), "
+                         f"got {recorded!r}")
+    mine = _model_sha1(model_source)
+    if mine is None or mine == recorded:
+        return None
+    return (f"{path} was calibrated on another model (digest {recorded}; this model's is {mine}): its layers "
+            "are applied as written, but the KL budget it met was measured on that model")
+
+
 def check_config_for_eval(path: str | Path, model, settings) -> None:
     """Refuse a calibrated file that does not fit an evaluation: other static set, other layer count,
-    or a calibration text that shares a paragraph with the evaluation haystack.
+    or a calibration text that shares a paragraph with the evaluation haystack; note on stderr a
+    file calibrated on another model of the same sizes (:func:`other_model_note`).
 
     The overlap is checked against the file's ``calibration.paragraph_sha1`` (written by
     ``magicpig-jax calibrate``); a file without a calibration record (written by hand) has no
@@ -99,6 +139,9 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
         lc.check_model(model.config.model_shape())
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+    note = other_model_note(path, model.source)
+    if note:
+        print(f"magicpig-jax: note: eval: {note}", file=sys.stderr, flush=True)
     base = lc.base()
     if lc.sparse_layers and (base.num_sink, base.num_local) != (settings.num_sink, settings.num_local):
         raise ValueError(f"{path}: calibrated with num_sink={base.num_sink}, num_local={base.num_local}; the "
@@ -487,7 +530,8 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         "kl_budget": kl_budget, "measured_kl": tried.get(best), "cost": cost,
         "attention_ms_per_step": ms[best], "dense_attention_ms_per_step": ms[order[-1]],
         "attention_bytes_per_step": nbytes[best], "dense_attention_bytes_per_step": nbytes[order[-1]],
-        "calibration": {"length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
+        "calibration": {"model_sha1": _model_sha1(model.source),
+                        "length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
                         "candidates": [f"{k}x{l_}" for k, l_ in candidates], "num_sink": num_sink,
                         "num_local": num_local, "seed": seed, "layers_per_projection": layers_per_projection,
                         # what eval's overlap check compares with its haystack (check_config_for_eval)
