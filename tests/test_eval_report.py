@@ -326,4 +326,24 @@ def test_reread_intervals_tool_flags_a_verdict_the_t_interval_gave_otherwise(tmp
     n_lo, n_hi = newcombe_paired_interval(scores["topk:16"], scores["dense"])
     assert t_hi < 0 <= n_hi  # the case the tool exists to find
     assert f"Δ -20.0 [{100 * n_lo:+.1f}, {100 * n_hi:+.1f}] (newcombe); paired t [{100 * t_lo:+.1f}, " in out
-    assert "<- verdict differs" in out and out.rstrip().endswith("differs from the paired t interval's in 1")
+    assert "<- verdict differs" in out
+    assert out.rstrip().endswith("1 Δ cells, 1 of them with a paired t interval (two samples or more); the verdict "
+                                 "(interval holds 0) differs from the paired t interval's in 1")
+
+
+def test_a_fractional_difference_is_clipped_to_its_range_and_needles_exclude_other_tasks():
+    """Fractional scores over two samples: the paired t interval of (-1, -0.25) leaves [-1, 1], where a
+    difference of two scores lies, and is clipped; the needle accuracy and its interval read the NIAH
+    tasks only (a variable-tracking task beside them is left out)."""
+    from magicpig_jax.eval.report import _paired_scores
+
+    mean, lo, hi = _paired_scores([(0.0, 1.0), (0.75, 1.0)])[0]
+    t_lo, t_hi = paired_t_interval([0.0, 0.75], [1.0, 1.0])
+    assert t_lo < -1 and t_hi > 1 and (mean, lo, hi) == pytest.approx((-0.625, -1.0, 1.0))
+    settings = EvalSettings(tasks=["niah_single", "vt"], lengths=[1024], samples=4,
+                            methods=parse_methods("dense"))
+    records = [*[_rec("task", "dense", i, score=1.0) for i in range(4)],
+               *[{**_rec("task", "dense", i, score=0.0), "task": "vt"} for i in range(4)]]
+    ta = summarize(records, settings)[1024]["dense"]["tasks"]["A"]
+    assert ta["needle_accuracy"] == 1.0 and ta["needle_accuracy_ci"] == pytest.approx(list(wilson_interval(4, 4)))
+    assert ta["mean_accuracy"] == 0.5 and ta["mean_accuracy_ci"] == pytest.approx(list(wilson_interval(4, 8)))

@@ -12,12 +12,12 @@ from scipy import special
 from scipy import stats as sst
 
 from magicpig_jax.eval.stats import (
+    effective_size_wilson_interval,
     interval_for_scores,
     newcombe_paired_interval,
     paired_t_interval,
     regularized_incomplete_beta,
     sign_test,
-    stratified_wilson_interval,
     t_interval,
     t_quantile,
     wilson_interval,
@@ -93,46 +93,46 @@ def test_interval_for_scores_picks_wilson_or_t():
 
 
 @given(st.integers(1, 200), st.data())
-def test_stratified_wilson_of_one_group_is_wilson(n, data):
+def test_effective_size_wilson_of_one_group_is_wilson(n, data):
     k = data.draw(st.integers(0, n))
-    lo, hi = stratified_wilson_interval([[1.0] * k + [0.0] * (n - k)])
+    lo, hi = effective_size_wilson_interval([[1.0] * k + [0.0] * (n - k)])
     rlo, rhi = wilson_ref(k, n)
     assert lo == pytest.approx(max(rlo, 0.0), abs=1e-12) and hi == pytest.approx(min(rhi, 1.0), abs=1e-12)
 
 
 @given(st.lists(st.integers(0, 15), min_size=1, max_size=5))
-def test_stratified_wilson_of_equal_groups_is_wilson_of_the_pooled_counts(ks):
+def test_effective_size_wilson_of_equal_groups_is_wilson_of_the_pooled_counts(ks):
     n = 15
-    lo, hi = stratified_wilson_interval([[1.0] * k + [0.0] * (n - k) for k in ks])
+    lo, hi = effective_size_wilson_interval([[1.0] * k + [0.0] * (n - k) for k in ks])
     rlo, rhi = wilson_ref(sum(ks), n * len(ks))
     assert lo == pytest.approx(max(rlo, 0.0), abs=1e-12) and hi == pytest.approx(min(rhi, 1.0), abs=1e-12)
 
 
-def test_stratified_wilson_weights_tasks_equally_at_unequal_sizes():
+def test_effective_size_wilson_weights_tasks_equally_at_unequal_sizes():
     """Tasks of 10 and 30 samples: the mean of the two proportions (not of the 40 samples) at the effective
     size T^2 / sum(1/n_t) = 4 / (1/10 + 1/30) = 30, not the 40 samples pooled."""
-    lo, hi = stratified_wilson_interval([[1.0] * 9 + [0.0], [1.0] * 12 + [0.0] * 18])
+    lo, hi = effective_size_wilson_interval([[1.0] * 9 + [0.0], [1.0] * 12 + [0.0] * 18])
     p, n, z = (0.9 + 0.4) / 2, 30.0, sst.norm.ppf(0.975)
     center = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     assert (lo, hi) == pytest.approx((center - half, center + half), abs=1e-12)
 
 
-def test_stratified_wilson_keeps_the_width_of_a_task_that_scored_all_one():
+def test_effective_size_wilson_keeps_the_width_of_a_task_that_scored_all_one():
     """Two tasks of 20 samples, one at 20/20: the interval of the mean of (1.0, 0.5) is Wilson's at 40
     samples, not the other task's spread alone (a bootstrap over the samples gave the 20/20 task none)."""
-    lo, hi = stratified_wilson_interval([[1.0] * 20, [1.0] * 10 + [0.0] * 10])
+    lo, hi = effective_size_wilson_interval([[1.0] * 20, [1.0] * 10 + [0.0] * 10])
     rlo, rhi = wilson_ref(30, 40)
     assert (lo, hi) == pytest.approx((rlo, rhi), abs=1e-12)
-    lo, hi = stratified_wilson_interval([[1.0] * 20, [1.0] * 20])
+    lo, hi = effective_size_wilson_interval([[1.0] * 20, [1.0] * 20])
     assert hi == 1.0 and lo == pytest.approx(wilson_ref(40, 40)[0], abs=1e-12) and lo < 0.95
-    assert stratified_wilson_interval([[0.0] * 5])[0] == 0.0
-    assert stratified_wilson_interval([[], [None]]) == (None, None)
+    assert effective_size_wilson_interval([[0.0] * 5])[0] == 0.0
+    assert effective_size_wilson_interval([[], [None]]) == (None, None)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        stratified_wilson_interval([[1.5, 0.0]])
+        effective_size_wilson_interval([[1.5, 0.0]])
 
 
-def test_stratified_wilson_coverage_is_near_nominal():
+def test_effective_size_wilson_coverage_is_near_nominal():
     """Exact coverage (a sum over both tasks' binomials, 12 samples each) of the mean of two tasks'
     proportions, including a task at or near 1, where a percentile bootstrap has no width."""
     n = 12
@@ -141,7 +141,7 @@ def test_stratified_wilson_coverage_is_near_nominal():
         cover = 0.0
         for k1 in range(n + 1):
             for k2 in range(n + 1):
-                lo, hi = stratified_wilson_interval([[1.0] * k1 + [0.0] * (n - k1), [1.0] * k2 + [0.0] * (n - k2)])
+                lo, hi = effective_size_wilson_interval([[1.0] * k1 + [0.0] * (n - k1), [1.0] * k2 + [0.0] * (n - k2)])
                 if lo - 1e-12 <= truth <= hi + 1e-12:
                     cover += sst.binom.pmf(k1, n, ps[0]) * sst.binom.pmf(k2, n, ps[1])
         assert 0.90 <= cover <= 1.0, (ps, cover)

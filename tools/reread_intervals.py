@@ -35,10 +35,11 @@ def _holds_zero(lo, hi) -> bool | None:
 
 
 def reread(folder: Path) -> tuple[int, int]:
-    """Print the Δ cells of every logged invocation of ``folder``; return (cells, verdict flips)."""
+    """Print the Δ cells of every logged invocation of ``folder``; return (cells, cells with a paired t
+    interval, verdict flips)."""
     records = list(ResultStore(folder / "results.jsonl").records.values())
     runs = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines() if line.strip()]
-    cells = flips = 0
+    cells = compared = flips = 0
     seen = set()
     for run in runs:
         argv = run["argv"]
@@ -64,26 +65,29 @@ def reread(folder: Path) -> tuple[int, int]:
                         # a single pair has no t interval: no verdict to compare
                         flip = t_lo is not None and _holds_zero(lo, hi) != _holds_zero(t_lo, t_hi)
                         cells += 1
+                        compared += t_lo is not None
                         flips += flip
                         print(f"{folder.name} {length} {setup} {label} {task}: Δ {_pp(mean)} "
                               f"[{_pp(lo)}, {_pp(hi)}] ({t['diff_ci_method'][task]}); paired t "
                               f"[{_pp(t_lo)}, {_pp(t_hi)}]" + ("  <- verdict differs" if flip else ""))
-    return cells, flips
+    return cells, compared, flips
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", type=Path, nargs="+", help="eval output folders (results.jsonl and runs.jsonl)")
     args = p.parse_args(argv)
-    total = total_flips = 0
+    total = total_compared = total_flips = 0
     for folder in args.folders:
         if not (folder / "runs.jsonl").exists() or not (folder / "results.jsonl").exists():
             print(f"{folder}: no runs.jsonl or results.jsonl, skipped")
             continue
-        cells, flips = reread(folder)
+        cells, compared, flips = reread(folder)
         total += cells
+        total_compared += compared
         total_flips += flips
-    print(f"{total} Δ cells; the verdict (interval holds 0) differs from the paired t interval's in {total_flips}")
+    print(f"{total} Δ cells, {total_compared} of them with a paired t interval (two samples or more); the verdict "
+          f"(interval holds 0) differs from the paired t interval's in {total_flips}")
     return 0
 
 

@@ -4,7 +4,7 @@ Accuracy is RULER's ``string_match_all``; KL, perplexity and top-1 agreement com
 teacher-forced likelihood documents (:mod:`magicpig_jax.eval.likelihood`). Every figure is a
 mean over independent samples and carries a 95% interval (:mod:`magicpig_jax.eval.stats`):
 Wilson for a task whose scores are all 0 or 1, Student's t for fractional scores and for the
-per-document KL, perplexity, top-1 agreement and ms per step, a stratified bootstrap for the
+per-document KL, perplexity, top-1 agreement and ms per step, Wilson's at an effective size for the
 mean over tasks; differences to dense (accuracy) and to TopK (KL) are paired over samples.
 
 Cost is reported three ways (:mod:`magicpig_jax.eval.cost`): the fraction of the context's keys
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 from magicpig_jax.eval.cost import BYTE_PARTS
 from magicpig_jax.eval.stats import (
+    effective_size_wilson_interval,
     interval_for_scores,
     newcombe_paired_interval,
     paired_t_interval,
     sign_test,
-    stratified_wilson_interval,
     t_interval,
 )
 from magicpig_jax.eval.store import ResultStore, machine_info, read_runs
@@ -112,9 +112,9 @@ def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str])
     return {
         "accuracy": acc, "accuracy_ci": acc_ci, "ci_method": how, "samples": n, "diff_vs_dense": diff,
         "diff_ci_method": diff_how,
-        "mean_accuracy": mean_acc, "mean_accuracy_ci": list(stratified_wilson_interval(groups)),
+        "mean_accuracy": mean_acc, "mean_accuracy_ci": list(effective_size_wilson_interval(groups)),
         "needle_accuracy": _mean([acc[t] for t in niah]) if niah else None,
-        "needle_accuracy_ci": list(stratified_wilson_interval([[r["score"] for r in by_task[t]] for t in niah]))
+        "needle_accuracy_ci": list(effective_size_wilson_interval([[r["score"] for r in by_task[t]] for t in niah]))
         if niah else [None, None],
         "cost": _mean([r["sampled_fraction"] for r in task_recs]),
         "ms_per_step": _mean([r.get("ms_per_step") for r in task_recs]),
@@ -439,8 +439,8 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
     lines.append(
         "\nEvery cell is a mean with its 95% interval in brackets. Accuracy: RULER's string_match_all (percent "
         "of expected strings in the answer) over the samples; interval: Wilson's when every score is 0 or 1, "
-        "else Student's t; mean over tasks: Wilson's at the stratified mean's effective sample size (Yan & Su "
-        "2010; conservative when the tasks differ). Δ vs dense: the paired difference of scores to dense on the "
+        "else Student's t; mean over tasks: Wilson's at the effective sample size (Kish) of the mean of the "
+        "tasks' accuracies. Δ vs dense: the paired difference of scores to dense on the "
         "same samples (percentage points), per task; interval: Newcombe's paired score interval (1998, method 10) "
         "when every score is 0 or 1, else Student's t. "
         "Keys %: mean fraction of the context's keys sampled (MagicPIG, hybrid), selected (TopK, Quest) or "

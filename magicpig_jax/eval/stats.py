@@ -12,8 +12,8 @@ documents), so each gets an interval:
   ``mean ± t_{0.975, n-1} s / sqrt(n)``. The t quantile is computed here
   (:func:`t_quantile`, from the regularized incomplete beta function) so that SciPy is not a
   run-time dependency.
-* :func:`stratified_wilson_interval` — a mean of per-task mean scores in [0, 1] (the mean task
-  accuracy): Wilson's interval at the stratified mean's effective sample size (Yan & Su 2010).
+* :func:`effective_size_wilson_interval` — a mean of per-task mean scores in [0, 1] (the mean task
+  accuracy): Wilson's interval at the equal-weight mean's effective sample size (Kish).
   A task whose samples all scored 1 keeps its share of the uncertainty, which a bootstrap over
   the samples gives it none of.
 * :func:`newcombe_paired_interval` — the difference of two methods' 0/1 scores on the same
@@ -40,7 +40,7 @@ __all__ = [
     "t_quantile",
     "t_interval",
     "interval_for_scores",
-    "stratified_wilson_interval",
+    "effective_size_wilson_interval",
     "newcombe_paired_interval",
     "paired_t_interval",
     "sign_test",
@@ -186,19 +186,24 @@ def interval_for_scores(scores: Sequence[float | None]) -> tuple[float | None, f
     return max(0.0, lo), min(1.0, hi), "t"
 
 
-def stratified_wilson_interval(groups: Sequence[Sequence[float | None]],
-                               z: float = Z95) -> tuple[float | None, float | None]:
+def effective_size_wilson_interval(groups: Sequence[Sequence[float | None]],
+                                   z: float = Z95) -> tuple[float | None, float | None]:
     """The interval of the mean of per-group mean scores in [0, 1] (each group weighted equally).
 
-    Wilson's score interval at the estimate ``p̄ = mean_t(mean of group t)`` and the effective
-    sample size ``n_eff = 1 / sum_t(w_t² / n_t)`` with ``w_t = 1 / T``, the size at which the
-    stratified mean of a proportion common to the groups has the variance ``p (1 - p) / n_eff``
-    (the stratified Wilson interval of Yan & Su 2010 with equal weights). It is exact Wilson for
-    one group, and Wilson of the pooled counts for groups of equal size. Where the groups'
-    proportions differ, the true variance of ``p̄`` is smaller (``x (1 - x)`` is concave), and a
-    score in [0, 1] that is not 0/1 has a variance at most ``μ (1 - μ)``: the interval is then
-    conservative, never too narrow. A group whose samples all scored 1 (or 0) adds its share of
-    uncertainty; a bootstrap that resamples the samples gives it none.
+    Wilson's score interval at the estimate ``p̄ = mean_t(mean of group t)`` and Kish's effective
+    sample size of that weighted mean, ``n_eff = (sum_i w_i)² / sum_i w_i² = T² / sum_t(1 / n_t)``
+    (each of group t's ``n_t`` samples weighs ``1 / (T n_t)``): the size at which ``p̄`` of a
+    proportion common to the groups has the variance ``p (1 - p) / n_eff``. It is exact Wilson for
+    one group, and Wilson of the pooled counts for groups of equal size. A group whose samples all
+    scored 1 (or 0) adds its share of uncertainty; a bootstrap that resamples the samples gives it
+    none.
+
+    Its coverage is approximately nominal, not guaranteed: it inherits Wilson's dips near 0 and 1
+    (exact coverage down to about 0.84 for one group of 20); at equal sizes, groups whose
+    proportions differ have a smaller true variance than the one assumed (``x (1 - x)`` is concave),
+    and fractional scores a variance at most ``μ (1 - μ)``, both of which widen it; at very unequal
+    sizes it can be too narrow (exact coverage 0.875 for groups of 4 and 40 samples at proportions
+    0.5 and 1). The eval's tasks have equal sample counts.
 
     Args:
       groups: the scores of each group (e.g. of each task), each in [0, 1]; None and non-finite
@@ -211,15 +216,16 @@ def stratified_wilson_interval(groups: Sequence[Sequence[float | None]],
     Raises:
       ValueError: a score outside [0, 1].
 
-    Source: F. Yan and X. Su, "Stratified Wilson and Newcombe confidence intervals for multiple
-    binomial proportions", Statistics in Biopharmaceutical Research 2 (2010); Wilson (1927).
+    Source: E. B. Wilson (1927) at L. Kish's effective sample size (*Survey Sampling*, 1965). It
+    is not the stratified Wilson interval of Yan & Su (2010), which combines each group's Wilson
+    limits and agrees with this one only when the groups' proportions are equal.
     """
     gs = [g for g in (_clean(g) for g in groups) if g.size]
     if not gs:
         return None, None
     bad = [float(v) for g in gs for v in g if not 0.0 <= v <= 1.0]
     if bad:
-        raise ValueError(f"stratified_wilson_interval: scores must be in [0, 1], got {bad[0]}")
+        raise ValueError(f"effective_size_wilson_interval: scores must be in [0, 1], got {bad[0]}")
     t = len(gs)
     p = sum(float(g.mean()) for g in gs) / t
     n_eff = t * t / sum(1.0 / g.size for g in gs)
