@@ -74,16 +74,16 @@ constexpr float kLogUFloor = -69.07755278982137f;  // LOG_U_FLOOR of attention/m
 // Numeric kernels: scalar and AVX2/FMA variants (chosen at run time).
 // ---------------------------------------------------------------------------------------------
 
-// dot = q.k, cdot = q.(k - mean), kc2 = |k - mean|^2.
+// dot = q.k, cdot = qs.(k - mean), kc2 = |k - mean|^2; qs is q scaled by a power of two (ScaledQuery).
 template <typename T>
-void RowScalar(const float* q, const float* mean, const T* k, int64_t D, float* dot, float* cdot,
-               float* kc2) {
+void RowScalar(const float* q, const float* qs, const float* mean, const T* k, int64_t D, float* dot,
+               float* cdot, float* kc2) {
   float a = 0.f, b = 0.f, c = 0.f;
   for (int64_t d = 0; d < D; ++d) {
     float kv = Load(k, d);
     float kc = kv - mean[d];
     a += q[d] * kv;
-    b += q[d] * kc;
+    b += qs[d] * kc;
     c += kc * kc;
   }
   *dot = a;
@@ -106,16 +106,16 @@ void OpenHitsScalar(const uint16_t* open, int64_t L, int64_t stride, int64_t n, 
 
 
 template <typename T>
-__attribute__((target("avx2,fma"), always_inline)) inline void RowAvx2(const float* q, const float* mean, const T* k,
-                                                 int64_t D, float* dot, float* cdot, float* kc2) {
+__attribute__((target("avx2,fma"), always_inline)) inline void RowAvx2(const float* q, const float* qs,
+                                                                         const float* mean, const T* k, int64_t D,
+                                                                         float* dot, float* cdot, float* kc2) {
   __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), c = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
     __m256 kv = Load8(k + d);
-    __m256 qv = _mm256_loadu_ps(q + d);
     __m256 kc = _mm256_sub_ps(kv, _mm256_loadu_ps(mean + d));
-    a = _mm256_fmadd_ps(qv, kv, a);
-    b = _mm256_fmadd_ps(qv, kc, b);
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), kv, a);
+    b = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), kc, b);
     c = _mm256_fmadd_ps(kc, kc, c);
   }
   float sa = Hsum(a), sb = Hsum(b), sc = Hsum(c);
@@ -123,12 +123,46 @@ __attribute__((target("avx2,fma"), always_inline)) inline void RowAvx2(const flo
     float kv = Load(k, d);
     float kc = kv - mean[d];
     sa += q[d] * kv;
-    sb += q[d] * kc;
+    sb += qs[d] * kc;
     sc += kc * kc;
   }
   *dot = sa;
   *cdot = sb;
   *kc2 = sc;
+}
+
+// qs = q times the power of two that brings its largest magnitude into [1, 2) (q itself when it is
+// zero or not finite), as magicpig_jax.lsh.exponent_scaled: the cosine of q and a key is the same
+// from qs (the scaling is exact), and |qs|^2 no longer underflows for a tiny q nor overflows for a
+// huge one, where the pure-JAX reference computes it from the scaled vectors too.
+void ScaledQuery(const float* q, int64_t D, float* qs) {
+  float top = 0.f;
+  bool finite = true;
+  for (int64_t d = 0; d < D; ++d) {
+    finite = finite && std::isfinite(q[d]);
+    top = std::max(top, std::fabs(q[d]));
+  }
+  int e = 0;
+  if (finite && top > 0.f) std::frexp(top, &e);
+  for (int64_t d = 0; d < D; ++d) qs[d] = (finite && top > 0.f) ? std::ldexp(q[d], 1 - e) : q[d];
+}
+
+// Below this, |k - mean|^2 summed in float32 may have lost the key to underflow (each square of a
+// component under ~1e-19 is below float32's normal range): the cosine is then taken in float64.
+constexpr float kTinyKc2 = 1e-30f;
+
+// The centered cosine of qs (norm qsn) and a key, in float64: for the rare key whose centered norm
+// is tiny (kTinyKc2), where the float32 squares underflow; 0 for a zero norm, as the float path.
+template <typename T>
+float TinyKeyCosine(const float* qs, double qsn, const float* mean, const T* k, int64_t D) {
+  double b = 0.0, c = 0.0;
+  for (int64_t d = 0; d < D; ++d) {
+    const double kc = static_cast<double>(Load(k, d)) - static_cast<double>(mean[d]);
+    b += static_cast<double>(qs[d]) * kc;
+    c += kc * kc;
+  }
+  const double norms = qsn * std::sqrt(c);
+  return norms > 0.0 ? static_cast<float>(b / norms) : 0.f;
 }
 
 // q.k alone: the exact (static) candidates need neither the centered dot nor the key's norm.
@@ -597,7 +631,8 @@ struct Scratch {
   std::vector<float> acc;
   std::vector<float> logit;
   std::vector<float> cosine;    // centered cosine of q and each candidate key
-  std::vector<float> kc2;       // squared norm of each sampled candidate's centered key
+  std::vector<float> kc2;       // squared norm of each sampled candidate's centered key (-1: cosine given)
+  std::vector<float> qs;        // the query scaled by a power of two, for the cosine (ScaledQuery)
   std::vector<float> logu;
   std::vector<int32_t> range;   // [L, 2] bucket (start, end) of the chunk being walked
   std::vector<int32_t> walk;    // a chunk's walk: its kept positions, then room for one bucket

@@ -313,3 +313,26 @@ def test_an_index_starting_past_the_context_attends_the_written_keys_exactly(imp
             w = np.exp(s - s.max())
             np.testing.assert_allclose(np.asarray(out[b, h]), w @ vv / w.sum(), rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(float(lse[b, h]), s.max() + np.log(w.sum()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("k_scale,q_scale", [(1e-20, 1.0), (1.0, 1e-20), (1.0, 1e-37), (1e-20, 1e-20)])
+def test_tiny_queries_and_centered_keys_weigh_samples_as_the_reference(impl, k_scale, q_scale):
+    """The op's cosine (for u) squared the query and the centered key in float32: below a norm of about
+    1e-19 the squares underflowed and every sampled key was weighed as if orthogonal (u of p = 1/2),
+    while the codes and the pure-JAX reference use the scaled vectors (outputs 0.2 apart). The query is
+    now scaled by a power of two, and a tiny centered key's cosine taken in float64."""
+    rng = np.random.default_rng(0)
+    B, Hkv, Hq, N, D, K, L = 1, 1, 2, 256, 32, 4, 20
+    cfg = MagicPIGConfig(K=K, L=L, num_sink=4, num_local=16)
+    k = jnp.asarray(rng.normal(size=(B, Hkv, N, D)).astype(np.float32) * np.float32(k_scale))
+    q = jnp.asarray(rng.normal(size=(B, Hq, D)).astype(np.float32) * np.float32(q_scale))
+    v = jnp.asarray(rng.normal(size=(B, Hkv, N, D)).astype(np.float32))
+    proj = lsh.simhash_projections(jax.random.key(1), D, K, L)
+    out, lse, ns = magicpig_attention(q, k, v, build_lsh_index(k, proj, cfg), cfg)
+    got_out, got_lse, got_ns = host.host_magicpig_attention(q, k, v, host.host_build_index(k, proj, cfg), cfg,
+                                                            impl=impl)
+    np.testing.assert_array_equal(np.asarray(got_ns), np.asarray(ns))
+    assert int(np.asarray(ns).min()) > 0
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(out), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(lse), atol=2e-5)
