@@ -22,7 +22,7 @@ from magicpig_jax.attention.baselines import Budget
 from magicpig_jax.attention.layer_configs import check_layer_indices
 from magicpig_jax.decode_loop import Sampling, check_not_consumed, run_decode, start_decode
 from magicpig_jax.io.loader import LoadedModel
-from magicpig_jax.memory import compile_then_trim
+from magicpig_jax.memory import compile_then_trim, note_program_shape
 from magicpig_jax.models.backends import BACKENDS, BUDGETED, DecodeSpec
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.config import default_dense_layers
@@ -290,6 +290,8 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
         )
     B = len(prompts)
     capacity = cache_capacity(model, int(lengths.max()), max_new_tokens, allow_beyond_context)
+    # every cache shape compiles its own programs: keep those of the last few shapes only
+    note_program_shape((model.config, B, capacity, jnp.dtype(cache_dtype).name))
     padded = np.zeros((B, _round_up(int(lengths.max()), CHUNK)), np.int32)
     for b, p in enumerate(prompts):
         padded[b, : len(p)] = p

@@ -23,6 +23,15 @@ compiler's freed working memory otherwise stay resident until the process exits,
 30-layer program is tens of megabytes of it. A process that will call the same programs
 again (a server, repeated ``generate()`` calls) should not: they compile again.
 
+``note_program_shape()`` bounds how many cache shapes keep their compiled programs. Every new
+KV-cache size (a batch size, a capacity: prompts are rounded up to 256 tokens) compiles a new
+prefill chunk, decode step and index build, about a hundred megabytes of code for a 30-layer
+model that JAX keeps for the life of the process: repeated ``generate()`` calls on prompts of
+growing lengths grew the process by that much per 256 tokens, several GB over an 8K context.
+The prefill records each shape it serves, and when a shape beyond the last
+``RETAINED_SHAPES`` (4) arrives, it drops every compiled program first
+(:func:`drop_compiled_programs`): the shapes in use compile again, once, when next called.
+
 ``compile_then_trim()`` compiles a jitted function ahead of its call, from the arguments'
 shapes, and then trims the heap. The prefill compiles its chunk before allocating the KV
 cache, and a decode compiles its step and its index build before building the index: the
@@ -39,7 +48,7 @@ import resource
 import sys
 
 __all__ = ["peak_rss_bytes", "current_rss_bytes", "release_freed_buffers", "release_compiled_programs",
-           "drop_compiled_programs", "trim_heap", "compile_then_trim"]
+           "drop_compiled_programs", "trim_heap", "compile_then_trim", "note_program_shape", "RETAINED_SHAPES"]
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
 _MMAP_THRESHOLD = 4 << 20
@@ -113,6 +122,7 @@ def drop_compiled_programs() -> None:
 
     jax.clear_caches()
     _COMPILED.clear()
+    _SHAPES.clear()
     gc.collect()
     trim_heap()
 
@@ -197,6 +207,39 @@ class LRUCache:
 # compiles every method again for every document.
 _COMPILED = LRUCache()
 _COMPILED_SIZE = 32
+
+RETAINED_SHAPES = 4  # cache shapes whose compiled programs are kept (note_program_shape); >= 1
+_SHAPES = LRUCache()
+
+
+def note_program_shape(key) -> bool:
+    """Record that programs for the cache shape ``key`` are about to compile or run; when ``key`` is
+    new and ``RETAINED_SHAPES`` other shapes are recorded, drop every compiled program first.
+
+    Args:
+      key: hashable, e.g. ``(model config, batch size, cache capacity, cache dtype)``.
+
+    Returns:
+      True when the compiled programs were dropped.
+
+    Raises:
+      ValueError: ``RETAINED_SHAPES`` (a module setting) is not an int >= 1.
+
+    Dropping is :func:`drop_compiled_programs`, which clears every JAX cache of the process
+    (``jax.clear_caches()``): a caller's own jitted functions compile again at their next call.
+    Set ``magicpig_jax.memory.RETAINED_SHAPES`` higher to keep more shapes' programs (each costs
+    its code's memory), or call the prefill with few distinct shapes.
+    """
+    limit = RETAINED_SHAPES
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"magicpig_jax.memory.RETAINED_SHAPES must be an int >= 1, got {limit!r}")
+    if _SHAPES.get(key) is not None:
+        return False
+    dropped = len(_SHAPES) >= limit
+    if dropped:
+        drop_compiled_programs()  # forgets the recorded shapes too
+    _SHAPES.put(key, True, limit)
+    return dropped
 
 
 def _signature(jitted, args, kwargs):

@@ -34,7 +34,8 @@ x = np.ones(16 << 20, np.uint8)
 del x  # glibc's default: freeing a mapped 16 MiB buffer raises its mmap threshold to 16 MiB
 base = current_rss_bytes()
 bufs = [np.ones(8 << 20, np.uint8) for _ in range(24)]  # 192 MiB in buffers of 8 MiB, touched
-pin = np.ones(1 << 16, np.uint8)  # a block allocated after them keeps the heap's top in use
+pin = np.ones(2 << 20, np.uint8)  # allocated after them, it keeps the heap's top in use (2 MiB: too large
+# for a hole the imports left lower in the heap, where a small block landed in some layouts)
 grown = current_rss_bytes() - base
 del bufs
 print(grown >> 20, (current_rss_bytes() - base) >> 20)
@@ -192,3 +193,37 @@ def test_the_program_caches_are_safe_to_share_between_threads():
     assert len(cache) == 32 and len(cache.items()) == 32
     cache.clear()
     assert len(cache) == 0
+
+
+def test_the_prefill_keeps_the_programs_of_the_last_few_cache_shapes(monkeypatch):
+    """Every cache shape compiles its own prefill, decode step and index build, which JAX keeps: repeated
+    prefills of growing prompts grew the process by each shape's code without bound. The prefill records
+    its shapes, and a shape beyond the last RETAINED_SHAPES drops the compiled programs first."""
+    from magicpig_jax import memory
+    from magicpig_jax.generation import CHUNK, prefill
+    from tests._tiny import tiny_model
+
+    drop_compiled_programs()
+    drops = []
+    real = memory.drop_compiled_programs
+    monkeypatch.setattr(memory, "drop_compiled_programs", lambda: (drops.append(1), real())[1])
+    monkeypatch.setattr(memory, "RETAINED_SHAPES", 2)
+    model = tiny_model()
+    probe = jax.jit(lambda x: x + 1)  # a program of the caller's: dropped with the others
+    probe(jnp.ones(3))
+    sizes = [1, CHUNK + 1, 1, 2 * CHUNK + 1]  # capacities CHUNK, 2 CHUNK, CHUNK again, 3 CHUNK
+    for n in sizes[:3]:
+        prefill(model, [[5] * n], 4)
+    assert drops == [] and probe._cache_size() == 1  # two shapes, one of them used twice
+    prefill(model, [[5] * sizes[3]], 4)  # a third shape: the least recent one's programs go
+    assert drops == [1] and probe._cache_size() == 0
+    assert memory.note_program_shape(("x",)) is False  # room again: one shape recorded since the drop
+    assert memory.note_program_shape(("y",)) is True and drops == [1, 1]
+    prefill(model, [[5] * 3, [6] * 2], 4)  # a batch of 2 is another shape: the second recorded
+    assert drops == [1, 1]
+    prefill(model, [[5] * 3], 4, cache_dtype=jnp.bfloat16)  # another cache dtype: a third
+    assert drops == [1, 1, 1]
+    monkeypatch.setattr(memory, "RETAINED_SHAPES", 0)
+    with pytest.raises(ValueError, match="RETAINED_SHAPES must be an int >= 1, got 0"):
+        memory.note_program_shape(("z",))
+    drop_compiled_programs()
