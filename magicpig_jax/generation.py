@@ -493,6 +493,11 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
       a :class:`Generation` (one prompt), a list of them (a batch), or an iterator of str
       (``stream=True``).
 
+    Every cache size (a batch size, a prompt length rounded up to 256 tokens plus
+    ``max_new_tokens``) compiles its own programs; the prefill holds at most 4 sizes' programs and
+    drops every JAX compiled program of the process when a fifth arrives, the caller's own jitted
+    functions' included (:func:`magicpig_jax.memory.note_program_shape`, ``RETAINED_SHAPES``).
+
     Raises:
       TypeError / ValueError: a malformed prompt, a prompt longer than the model's context,
         an unknown attention, bad parameters, ``page_size`` outside quest, or ``top_p`` other than
@@ -523,9 +528,11 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
                        positions=cache_capacity(model, max(map(len, ids)), max_new_tokens))
     n_layers = model.config.num_layers
     if spec.backend != "dense" and not spec.sparse_layers(n_layers):  # as the CLI notes it
+        how = ("the LayerConfigs keep every layer dense" if isinstance(config, LayerConfigs)
+               else "choose the dense layers with dense_layers=")
         warnings.warn(f"attention={attention!r}: every layer of this {n_layers}-layer model is dense (dense layers "
-                      f"{tuple(spec.dense_layers)}), so the result equals dense attention; choose the dense layers "
-                      "with dense_layers=", UserWarning, stacklevel=2)
+                      f"{tuple(spec.dense_layers)}), so the result equals dense attention; {how}", UserWarning,
+                      stacklevel=2)
     state = prefill(model, ids, max_new_tokens, cache_dtype=cache_dtype)
     decode_text = model.tokenizer.decode
     criterion = StopStrings(decode_text, stops) if stops else None

@@ -28,9 +28,10 @@ KV-cache size (a batch size, a capacity: prompts are rounded up to 256 tokens) c
 prefill chunk, decode step and index build, about a hundred megabytes of code for a 30-layer
 model that JAX keeps for the life of the process: repeated ``generate()`` calls on prompts of
 growing lengths grew the process by that much per 256 tokens, several GB over an 8K context.
-The prefill records each shape it serves, and when a shape beyond the last
-``RETAINED_SHAPES`` (4) arrives, it drops every compiled program first
-(:func:`drop_compiled_programs`): the shapes in use compile again, once, when next called.
+The prefill records each shape it serves, and when a fifth shape arrives (``RETAINED_SHAPES``,
+4) it drops every compiled program first (:func:`drop_compiled_programs`; JAX cannot free one
+shape's programs alone) and starts counting again: at most 4 shapes' programs are held, and a
+workload that cycles through more shapes compiles each again when it returns to it.
 
 ``compile_then_trim()`` compiles a jitted function ahead of its call, from the arguments'
 shapes, and then trims the heap. The prefill compiles its chunk before allocating the KV
@@ -208,13 +209,14 @@ class LRUCache:
 _COMPILED = LRUCache()
 _COMPILED_SIZE = 32
 
-RETAINED_SHAPES = 4  # cache shapes whose compiled programs are kept (note_program_shape); >= 1
+RETAINED_SHAPES = 4  # at most this many cache shapes' compiled programs are held (note_program_shape); >= 1
 _SHAPES = LRUCache()
 
 
 def note_program_shape(key) -> bool:
     """Record that programs for the cache shape ``key`` are about to compile or run; when ``key`` is
-    new and ``RETAINED_SHAPES`` other shapes are recorded, drop every compiled program first.
+    new and ``RETAINED_SHAPES`` other shapes are recorded, drop every compiled program first (all
+    of them: JAX frees no single shape's programs) and forget the recorded shapes.
 
     Args:
       key: hashable, e.g. ``(model config, batch size, cache capacity, cache dtype)``.

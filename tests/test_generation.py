@@ -151,3 +151,8 @@ def test_a_sparse_attention_with_every_layer_dense_warns(model):
         warnings.simplefilter("error")  # one sparse layer: no warning
         generate(model, "hi there", attention="magicpig", config=SMALL, dense_layers=(0,), max_new_tokens=3)
         generate(model, "hi there", attention="dense", max_new_tokens=3)
+    from magicpig_jax.attention import LayerConfigs
+
+    all_dense = LayerConfigs(layers=((0, "dense"), (1, "dense")))
+    with pytest.warns(UserWarning, match="the LayerConfigs keep every layer dense"):
+        generate(model, "hi there", attention="magicpig", config=all_dense, max_new_tokens=2)
