@@ -147,14 +147,19 @@ void ScaledQuery(const float* q, int64_t D, float* qs) {
   for (int64_t d = 0; d < D; ++d) qs[d] = (finite && top > 0.f) ? std::ldexp(q[d], 1 - e) : q[d];
 }
 
-// Below this, |k - mean|^2 summed in float32 may have lost the key to underflow (each square of a
-// component under ~1e-19 is below float32's normal range): the cosine is then taken in float64.
+// Outside [kTinyKc2, kHugeKc2], |k - mean|^2 summed in float32 may have lost the key to underflow
+// (each square of a component under ~1e-19 is below float32's normal range) or overflow (over
+// ~1.8e19, where qs.(k - mean) can overflow too): the cosine is then taken in float64, where
+// neither can happen for float32 inputs. A NaN kc2 (a NaN key) stays on the float32 path.
 constexpr float kTinyKc2 = 1e-30f;
+constexpr float kHugeKc2 = 1e30f;
+
+inline bool OutOfFloatRange(float kc2) { return kc2 < kTinyKc2 || kc2 > kHugeKc2; }
 
 // The centered cosine of qs (norm qsn) and a key, in float64: for the rare key whose centered norm
-// is tiny (kTinyKc2), where the float32 squares underflow; 0 for a zero norm, as the float path.
+// is outside the float32 path's range (OutOfFloatRange); 0 for a zero norm, as the float path.
 template <typename T>
-float TinyKeyCosine(const float* qs, double qsn, const float* mean, const T* k, int64_t D) {
+float Float64KeyCosine(const float* qs, double qsn, const float* mean, const T* k, int64_t D) {
   double b = 0.0, c = 0.0;
   for (int64_t d = 0; d < D; ++d) {
     const double kc = static_cast<double>(Load(k, d)) - static_cast<double>(mean[d]);

@@ -316,12 +316,14 @@ def test_an_index_starting_past_the_context_attends_the_written_keys_exactly(imp
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("k_scale,q_scale", [(1e-20, 1.0), (1.0, 1e-20), (1.0, 1e-37), (1e-20, 1e-20)])
-def test_tiny_queries_and_centered_keys_weigh_samples_as_the_reference(impl, k_scale, q_scale):
+@pytest.mark.parametrize("k_scale,q_scale", [(1e-20, 1.0), (1.0, 1e-20), (1.0, 1e-37), (1e-20, 1e-20),
+                                             (1e20, 1e-20), (1e30, 1e-30)])
+def test_tiny_or_huge_queries_and_keys_weigh_samples_as_the_reference(impl, k_scale, q_scale):
     """The op's cosine (for u) squared the query and the centered key in float32: below a norm of about
-    1e-19 the squares underflowed and every sampled key was weighed as if orthogonal (u of p = 1/2),
-    while the codes and the pure-JAX reference use the scaled vectors (outputs 0.2 apart). The query is
-    now scaled by a power of two, and a tiny centered key's cosine taken in float64."""
+    1e-19 the squares underflowed, above about 1.8e19 they overflowed, and every sampled key was weighed
+    as if orthogonal (u of p = 1/2), while the codes and the pure-JAX reference use the scaled vectors
+    (outputs 0.1-0.2 apart). The query is now scaled by a power of two, and a centered key's cosine is
+    taken in float64 when its float32 squared norm is outside [1e-30, 1e30]."""
     rng = np.random.default_rng(0)
     B, Hkv, Hq, N, D, K, L = 1, 1, 2, 256, 32, 4, 20
     cfg = MagicPIGConfig(K=K, L=L, num_sink=4, num_local=16)
