@@ -621,13 +621,13 @@ def test_generate_notes_a_file_calibrated_on_another_model(tmp_path):
     """The qwen2 and llama3 fixtures have the same sizes: a file calibrated on llama3 passes the sizes check
     on qwen2 and is applied, with a note on stderr (the KL budget it met was measured on llama3)."""
     from magicpig_jax.attention import LayerConfigs, MagicPIGConfig
-    from magicpig_jax.eval.settings import model_digest
+    from magicpig_jax.io.digest import weights_identity
 
     llama3 = FAMILY.parent / "llama3"
     path = LayerConfigs.uniform(MagicPIGConfig(K=4, L=6), 2, [0]).save(
-        tmp_path / "cfg.json", extra={"calibration": {"model_sha1": model_digest(llama3)}})
+        tmp_path / "cfg.json", extra={"calibration": {"model_sha1": weights_identity(llama3)}})
     proc = run("generate", "--model", str(FAMILY), "--prompt", "hi", "--max-new-tokens", "2",
                "--attention", "magicpig", "--magicpig-config", str(path))
     assert proc.returncode == 0, proc.stderr
-    assert (f"magicpig-jax: note: generate: {path} was calibrated on another model (digest {model_digest(llama3)}; "
-            f"this model's is {model_digest(FAMILY)})") in proc.stderr
+    assert (f"magicpig-jax: note: generate: {path} was calibrated on another model (weights "
+            f"{weights_identity(llama3)}; this model's are {weights_identity(FAMILY)})") in proc.stderr

@@ -294,28 +294,38 @@ def test_default_sweep_reaches_every_assignment_of_a_fine_grid(seed):
 
 def test_a_file_calibrated_on_another_model_of_the_same_sizes_is_noted(calibrated, tmp_path, capsys):
     """The llama3 and qwen2 fixtures have the same sizes, so the sizes check accepts either's file for the
-    other: calibrate records the model's digest, and eval and generate note a file measured on another model."""
+    other: calibrate records the model's weights identity, and eval and generate note a file measured on
+    another model; the same model converted to a checkpoint, or a GGUF under another name, is not another."""
     from magicpig_jax import load_model
     from magicpig_jax.eval.methods import parse_methods
     from magicpig_jax.eval.run import EvalSettings
-    from magicpig_jax.eval.settings import model_digest
+    from magicpig_jax.io.digest import weights_identity
+    from magicpig_jax.io.loader import convert_model
 
     families = Path(__file__).parent / "fixtures" / "families"
     llama3, qwen2 = families / "llama3", families / "qwen2"
     _, _, report = calibrated
-    assert "model_sha1" in report["calibration"] and report["calibration"]["model_sha1"] is None  # in memory
-    assert cal._model_sha1(llama3) == model_digest(llama3) != model_digest(qwen2)
+    assert report["calibration"]["model_sha1"] is None and report["calibration"]["source_sha1"] is None  # in memory
+    assert cal._identities(llama3) == (weights_identity(llama3), None)
+    assert weights_identity(llama3) != weights_identity(qwen2)
     model = load_model(qwen2)
     shape = model.config.model_shape()
     assert load_model(llama3).config.model_shape() == shape
     lc = LayerConfigs(layers=((0, "dense"), (1, MagicPIGConfig(K=4, L=8))), model_shape=shape)
-    path = lc.save(tmp_path / "cfg.json", extra={"calibration": {"model_sha1": model_digest(llama3),
+    path = lc.save(tmp_path / "cfg.json", extra={"calibration": {"model_sha1": weights_identity(llama3),
                                                                  "paragraph_sha1": []}})
     note = cal.other_model_note(path, qwen2)
-    assert note == (f"{path} was calibrated on another model (digest {model_digest(llama3)}; this model's is "
-                    f"{model_digest(qwen2)}): its layers are applied as written, but the KL budget it met was "
+    assert note == (f"{path} was calibrated on another model (weights {weights_identity(llama3)}; this model's are "
+                    f"{weights_identity(qwen2)}): its layers are applied as written, but the KL budget it met was "
                     "measured on that model")
     assert cal.other_model_note(path, llama3) is None
+    # the same model converted, either way round: its checkpoint records the source's identity
+    converted = convert_model(llama3, tmp_path / "llama3_ckpt")
+    assert cal._identities(converted)[1] == weights_identity(llama3) != weights_identity(converted)
+    assert cal.other_model_note(path, converted) is None
+    from_ckpt = lc.save(tmp_path / "from_ckpt.json", extra={"calibration": dict(
+        zip(("model_sha1", "source_sha1"), cal._identities(converted), strict=True))})
+    assert cal.other_model_note(from_ckpt, llama3) is None and cal.other_model_note(from_ckpt, qwen2) is not None
     other = tmp_path / "other.txt"
     other.write_text("An entirely different text about hash tables, buckets and the angles between vectors.\n")
     settings = EvalSettings(tasks=[], lengths=[600], samples=1, methods=parse_methods("dense"), haystack=str(other))
@@ -327,3 +337,18 @@ def test_a_file_calibrated_on_another_model_of_the_same_sizes_is_noted(calibrate
     bad = lc.save(tmp_path / "bad.json", extra={"calibration": {"model_sha1": 5}})
     with pytest.raises(ValueError, match=r"'calibration.model_sha1' must be a string"):
         cal.other_model_note(bad, qwen2)
+
+
+def test_a_gguf_keeps_its_weights_identity_under_another_name(tmp_path):
+    """A symlink or a renamed copy of a GGUF names the same weights (eval's model_sha1, which hashes the
+    file's name, differs): a file calibrated on it draws no note."""
+    from magicpig_jax.io.digest import weights_identity
+    from magicpig_jax.io.embedded import embedded_model_path
+
+    gguf = Path(embedded_model_path())
+    link = tmp_path / "renamed.gguf"
+    link.symlink_to(gguf)
+    assert weights_identity(link) == weights_identity(gguf)
+    lc = LayerConfigs.load("examples/results/calibrated_smollm2.json")
+    path = lc.save(tmp_path / "cfg.json", extra={"calibration": {"model_sha1": weights_identity(gguf)}})
+    assert cal.other_model_note(path, link) is None

@@ -81,42 +81,51 @@ def paragraph_hashes(source: str) -> list[str]:
     return [hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(Path(source))]
 
 
-def _model_sha1(source) -> str | None:
-    """:func:`magicpig_jax.eval.settings.model_digest` of ``source``, None for a model held only in
-    memory (no files to hash)."""
-    from magicpig_jax.eval.settings import model_digest
+def _identities(source) -> tuple[str | None, str | None]:
+    """``(weights identity, recorded source identity)`` of a model path
+    (:func:`magicpig_jax.io.digest.weights_identity`; a checkpoint's ``source_sha1``); None for a
+    model held only in memory (no files) or a checkpoint that records no source."""
+    from magicpig_jax.io.checkpoint import recorded_source
+    from magicpig_jax.io.digest import weights_identity
 
     try:
-        return model_digest(source)
+        return weights_identity(source), recorded_source(source)
     except (OSError, ValueError, TypeError):
-        return None
+        return None, None
 
 
 def other_model_note(path: str | Path, model_source) -> str | None:
     """A note when the calibrated file at ``path`` was measured on another model than ``model_source``.
 
-    ``magicpig-jax calibrate`` records the model's digest (``calibration.model_sha1``, the digest of
-    the files its loader reads: :func:`magicpig_jax.eval.settings.model_digest`); the sizes check
-    (``model_shape``) accepts any model of the same sizes. A file applied to another model still
-    decodes as it says, but the KL budget it met was measured on the first one. None when the
-    digests match, or the file (written by hand or before the digest was recorded) or the model
-    (held in memory) has none.
+    ``magicpig-jax calibrate`` records the model's weights identity (``calibration.model_sha1``:
+    :func:`magicpig_jax.io.digest.weights_identity`, which a renamed copy or a symlink keeps) and,
+    for a converted checkpoint, the identity of the model it was converted from
+    (``calibration.source_sha1``); the sizes check (``model_shape``) accepts any model of the same
+    sizes. A file applied to another model still decodes as it says, but the KL budget it met was
+    measured on the first one. The model and its converted checkpoints count as one. None when they
+    match, or the file (written by hand or before the identity was recorded) or the model (held in
+    memory) has none.
 
     Raises:
-      ValueError: ``calibration.model_sha1`` is not a string (naming the file).
+      ValueError: ``calibration.model_sha1`` or ``calibration.source_sha1`` is not a string (naming
+        the file).
     """
     record = json.loads(Path(path).read_text()).get("calibration", {})
-    recorded = record.get("model_sha1") if isinstance(record, dict) else None
-    if recorded is None:
+    if not isinstance(record, dict):
         return None
-    if not isinstance(recorded, str):
-        raise ValueError(f"{path}: 'calibration.model_sha1' must be a string (the calibrated model's digest), "
-                         f"got {recorded!r}")
-    mine = _model_sha1(model_source)
-    if mine is None or mine == recorded:
+    recorded = []
+    for key in ("model_sha1", "source_sha1"):
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{path}: 'calibration.{key}' must be a string (the calibrated model's identity), "
+                             f"got {value!r}")
+        if value is not None:
+            recorded.append(value)
+    mine = [x for x in _identities(model_source) if x is not None]
+    if not recorded or not mine or set(recorded) & set(mine):
         return None
-    return (f"{path} was calibrated on another model (digest {recorded}; this model's is {mine}): its layers "
-            "are applied as written, but the KL budget it met was measured on that model")
+    return (f"{path} was calibrated on another model (weights {recorded[0]}; this model's are {mine[0]}): its "
+            "layers are applied as written, but the KL budget it met was measured on that model")
 
 
 def check_config_for_eval(path: str | Path, model, settings) -> None:
@@ -526,11 +535,12 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
               "layer stays dense", file=sys.stderr, flush=True)
     from magicpig_jax.eval.corpus import text_paragraphs
 
+    identities = _identities(model.source)  # which model was measured (other_model_note)
     report = {
         "kl_budget": kl_budget, "measured_kl": tried.get(best), "cost": cost,
         "attention_ms_per_step": ms[best], "dense_attention_ms_per_step": ms[order[-1]],
         "attention_bytes_per_step": nbytes[best], "dense_attention_bytes_per_step": nbytes[order[-1]],
-        "calibration": {"model_sha1": _model_sha1(model.source),
+        "calibration": {"model_sha1": identities[0], "source_sha1": identities[1],
                         "length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
                         "candidates": [f"{k}x{l_}" for k, l_ in candidates], "num_sink": num_sink,
                         "num_local": num_local, "seed": seed, "layers_per_projection": layers_per_projection,

@@ -32,7 +32,7 @@ FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 # The keys of MARKER that _write_checkpoint writes (earlier versions wrote a subset).
 _META_KEYS = ("format_version", "config", "chat_template", "eos_token_ids", "bos_token_id", "eos_token_id",
-              "add_bos_token", "add_eos_token", "template_tokens", "weights_sha1")
+              "add_bos_token", "add_eos_token", "template_tokens", "weights_sha1", "source_sha1")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -42,6 +42,20 @@ def is_checkpoint(path: str | Path) -> bool:
 
 # orbax's bookkeeping beside the arrays (timestamps, the temporary path it was written to)
 _ORBAX_BOOKKEEPING = ("_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+def recorded_source(path: str | Path) -> str | None:
+    """The ``source_sha1`` that the checkpoint ``path`` records (the weights identity of the model it
+    was converted from, :func:`magicpig_jax.io.digest.weights_identity`); None for another kind of
+    model, or a checkpoint converted before it was recorded.
+
+    Raises:
+      ValueError: a ``magicpig_model.json`` that is not valid (as when the checkpoint is read).
+    """
+    path = Path(path)
+    if not is_checkpoint(path):
+        return None
+    return _read_meta(path.absolute()).get("source_sha1")
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -65,7 +79,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.ndarray], tokenizer,
-                    freq_factors: np.ndarray | None = None, verify=None) -> Path:
+                    freq_factors: np.ndarray | None = None, verify=None, source_sha1: str | None = None) -> Path:
     """Write a converted model to the directory ``out`` (created; must not already hold a checkpoint).
 
     Args:
@@ -98,7 +112,7 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     shutil.rmtree(partial, ignore_errors=True)  # an earlier interrupted conversion's
     partial.mkdir(parents=True)
     try:
-        _write_checkpoint(partial, config, weights, tokenizer, freq_factors)
+        _write_checkpoint(partial, config, weights, tokenizer, freq_factors, source_sha1)
         if verify is not None:
             verify(partial)
         if out.exists():
@@ -110,7 +124,8 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     return out
 
 
-def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, freq_factors) -> None:
+def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, freq_factors,
+                      source_sha1: str | None = None) -> None:
     import orbax.checkpoint as ocp
 
     # float weights as float32; raw GGUF blocks (uint8, see io.gguf_model.packed_key) as they are
@@ -136,6 +151,9 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
         "add_eos_token": tokenizer.add_eos_token,
         "template_tokens": tokenizer.template_tokens,
         "weights_sha1": array_digest(tree),
+        # the model it was converted from (io.digest.weights_identity), so that a file calibrated on
+        # that model is known to fit this one (eval.calibrate.other_model_note)
+        **({"source_sha1": source_sha1} if source_sha1 is not None else {}),
     }
     (out / MARKER).write_text(json.dumps(meta, indent=1))
 
@@ -176,7 +194,8 @@ def _check_meta_types(path: Path, meta: dict) -> None:
               "template_tokens": (lambda v: isinstance(v, dict) and all(
                   k in TEMPLATE_TOKEN_NAMES and isinstance(t, str) for k, t in v.items()),
                   f"an object mapping some of {', '.join(TEMPLATE_TOKEN_NAMES)} to token texts"),
-              "weights_sha1": (lambda v: isinstance(v, str), "a string")}
+              "weights_sha1": (lambda v: isinstance(v, str), "a string"),
+              "source_sha1": (lambda v: isinstance(v, str), "a string")}
     for key, (ok, allowed) in checks.items():
         if key in meta and not ok(meta[key]):
             raise ValueError(f"checkpoint {path}: {MARKER} '{key}' must be {allowed}, got {meta[key]!r}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["array_digest", "file_digest", "sampled_pieces"]
+__all__ = ["array_digest", "file_digest", "sampled_pieces", "weights_identity"]
 
 
 def sampled_pieces(size: int, chunks: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -58,4 +58,38 @@ def array_digest(arrays: Mapping[str, np.ndarray], chunks: int = 64, chunk_bytes
         h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
         for offset, length in sampled_pieces(buf.size, chunks, chunk_bytes):
             h.update(buf[offset:offset + length].tobytes())
+    return h.hexdigest()[:12]
+
+
+def weights_identity(source) -> str:
+    """SHA-1 (12 hex digits) naming a model's weights wherever its files lie and whatever they are named.
+
+    A checkpoint (``magicpig-jax convert``) is named by the ``weights_sha1`` its
+    ``magicpig_model.json`` records (orbax's files differ between two saves of the same arrays); a
+    GGUF file by its size and sampled pieces, without its name (a renamed copy or a symlink is the
+    same model); a Hugging Face directory by the files its loader reads, each by its path inside
+    the directory. Unlike eval's ``model_sha1`` (:func:`magicpig_jax.eval.settings.model_digest`),
+    a single file's name does not count.
+
+    Args:
+      source: a model path as :func:`magicpig_jax.io.loader.load_model` takes (not None).
+
+    Raises:
+      OSError: a file cannot be read; FileNotFoundError, ValueError: as the loader, for a path
+        that is no model.
+    """
+    import json
+    import os
+
+    from magicpig_jax.io.checkpoint import MARKER, is_checkpoint
+    from magicpig_jax.io.loader import model_files
+
+    root = Path(source)
+    if is_checkpoint(root):
+        recorded = json.loads((root / MARKER).read_text()).get("weights_sha1")
+        if isinstance(recorded, str):
+            return recorded
+    h = hashlib.sha1()
+    for path in model_files(root):
+        file_digest(h, path, os.path.relpath(path, root) if root.is_dir() else "", 64, 1 << 16)
     return h.hexdigest()[:12]

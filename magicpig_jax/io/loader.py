@@ -360,15 +360,19 @@ def convert_model(path: str | Path | None, out: str | Path) -> Path:
 
     The checkpoint is loaded as :func:`load_model` would before it is moved to ``out``: a source
     whose weights the model cannot take (a missing, extra or misshapen tensor) fails here, naming
-    the source, and leaves nothing at ``out``.
+    the source, and leaves nothing at ``out``. It records the source's weights identity
+    (``source_sha1``, :func:`magicpig_jax.io.digest.weights_identity`).
 
     Raises:
       FileNotFoundError, ValueError: as :func:`load_model`; FileExistsError if ``out`` holds a checkpoint.
     """
-    from magicpig_jax.io.checkpoint import save_checkpoint
+    from magicpig_jax.io.checkpoint import recorded_source, save_checkpoint
+    from magicpig_jax.io.digest import weights_identity
 
-    _, (config, weights, tokenizer, freq_factors) = _read_source(path)
+    src, (config, weights, tokenizer, freq_factors) = _read_source(path)
     source = "the embedded model" if path in (None, "embedded") else str(path)
+    # the original model's identity, through a checkpoint converted again
+    source_sha1 = recorded_source(src) or weights_identity(src)
 
     def loads(written: Path) -> None:
         try:
@@ -376,4 +380,4 @@ def convert_model(path: str | Path | None, out: str | Path) -> Path:
         except ValueError as err:
             raise ValueError(f"{source} cannot be converted (nothing written to {out}): {err}") from None
 
-    return save_checkpoint(out, config, weights, tokenizer, freq_factors, verify=loads)
+    return save_checkpoint(out, config, weights, tokenizer, freq_factors, verify=loads, source_sha1=source_sha1)
