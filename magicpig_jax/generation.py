@@ -587,6 +587,7 @@ def forward_logits(model: LoadedModel, ids: Sequence[int]) -> np.ndarray:
     graphdef, params = nnx.split(model.module)
     padded = np.zeros((1, _round_up(T, CHUNK)), np.int32)
     padded[0, :T] = ids
+    note_program_shape((model.config, 1, padded.shape[1], "float32"))  # as the prefill: bounded programs
     cache = KVCache.zeros(model.config, 1, padded.shape[1])
     out = []
     for s in range(0, padded.shape[1], CHUNK):

@@ -223,6 +223,11 @@ def test_the_prefill_keeps_the_programs_of_the_last_few_cache_shapes(monkeypatch
     assert drops == [1, 1]
     prefill(model, [[5] * 3], 4, cache_dtype=jnp.bfloat16)  # another cache dtype: a third
     assert drops == [1, 1, 1]
+    from magicpig_jax.generation import forward_logits
+
+    forward_logits(model, [5] * (CHUNK + 3))  # its own prefill chunks count as the prefill's
+    forward_logits(model, [5] * (2 * CHUNK + 3))
+    assert drops == [1, 1, 1, 1]
     monkeypatch.setattr(memory, "RETAINED_SHAPES", 0)
     with pytest.raises(ValueError, match="RETAINED_SHAPES must be an int >= 1, got 0"):
         memory.note_program_shape(("z",))
