@@ -148,7 +148,7 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
         lc.check_model(model.config.model_shape())
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-    note = other_model_note(path, model.source)
+    note = other_model_note(path, getattr(model, "source", None))  # None: a model held in memory
     if note:
         print(f"magicpig-jax: note: eval: {note}", file=sys.stderr, flush=True)
     base = lc.base()
