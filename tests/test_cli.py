@@ -625,7 +625,7 @@ def test_generate_notes_a_file_calibrated_on_another_model(tmp_path):
 
     llama3 = FAMILY.parent / "llama3"
     path = LayerConfigs.uniform(MagicPIGConfig(K=4, L=6), 2, [0]).save(
-        tmp_path / "cfg.json", extra={"calibration": {"model_sha1": weights_identity(llama3)}})
+        tmp_path / "cfg.json", extra={"calibration": {"weights_id": weights_identity(llama3)}})
     proc = run("generate", "--model", str(FAMILY), "--prompt", "hi", "--max-new-tokens", "2",
                "--attention", "magicpig", "--magicpig-config", str(path))
     assert proc.returncode == 0, proc.stderr

@@ -305,26 +305,34 @@ def test_a_file_calibrated_on_another_model_of_the_same_sizes_is_noted(calibrate
     families = Path(__file__).parent / "fixtures" / "families"
     llama3, qwen2 = families / "llama3", families / "qwen2"
     _, _, report = calibrated
-    assert report["calibration"]["model_sha1"] is None and report["calibration"]["source_sha1"] is None  # in memory
+    record = report["calibration"]
+    assert record["weights_id"] is None and record["source_weights_id"] is None  # a model held in memory
     assert cal._identities(llama3) == (weights_identity(llama3), None)
     assert weights_identity(llama3) != weights_identity(qwen2)
     model = load_model(qwen2)
     shape = model.config.model_shape()
     assert load_model(llama3).config.model_shape() == shape
     lc = LayerConfigs(layers=((0, "dense"), (1, MagicPIGConfig(K=4, L=8))), model_shape=shape)
-    path = lc.save(tmp_path / "cfg.json", extra={"calibration": {"model_sha1": weights_identity(llama3),
+    path = lc.save(tmp_path / "cfg.json", extra={"calibration": {"weights_id": weights_identity(llama3),
                                                                  "paragraph_sha1": []}})
     note = cal.other_model_note(path, qwen2)
     assert note == (f"{path} was calibrated on another model (weights {weights_identity(llama3)}; this model's are "
                     f"{weights_identity(qwen2)}): its layers are applied as written, but the KL budget it met was "
                     "measured on that model")
     assert cal.other_model_note(path, llama3) is None
+    # a copy whose metadata changed (no generation_config.json, another chat template): the same weights
+    import shutil
+
+    edited = shutil.copytree(llama3, tmp_path / "llama3_edited")
+    (edited / "generation_config.json").unlink(missing_ok=True)
+    (edited / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert weights_identity(edited) == weights_identity(llama3) and cal.other_model_note(path, edited) is None
     # the same model converted, either way round: its checkpoint records the source's identity
     converted = convert_model(llama3, tmp_path / "llama3_ckpt")
     assert cal._identities(converted)[1] == weights_identity(llama3) != weights_identity(converted)
     assert cal.other_model_note(path, converted) is None
     from_ckpt = lc.save(tmp_path / "from_ckpt.json", extra={"calibration": dict(
-        zip(("model_sha1", "source_sha1"), cal._identities(converted), strict=True))})
+        zip(("weights_id", "source_weights_id"), cal._identities(converted), strict=True))})
     assert cal.other_model_note(from_ckpt, llama3) is None and cal.other_model_note(from_ckpt, qwen2) is not None
     other = tmp_path / "other.txt"
     other.write_text("An entirely different text about hash tables, buckets and the angles between vectors.\n")
@@ -334,8 +342,8 @@ def test_a_file_calibrated_on_another_model_of_the_same_sizes_is_noted(calibrate
     assert capsys.readouterr().err == f"magicpig-jax: note: eval: {note}\n"
     unrecorded = lc.save(tmp_path / "hand.json", extra={"calibration": {"paragraph_sha1": []}})
     assert cal.other_model_note(unrecorded, qwen2) is None  # written by hand: nothing to compare
-    bad = lc.save(tmp_path / "bad.json", extra={"calibration": {"model_sha1": 5}})
-    with pytest.raises(ValueError, match=r"'calibration.model_sha1' must be a string"):
+    bad = lc.save(tmp_path / "bad.json", extra={"calibration": {"weights_id": 5}})
+    with pytest.raises(ValueError, match=r"'calibration.weights_id' must be a string"):
         cal.other_model_note(bad, qwen2)
 
 
@@ -350,5 +358,5 @@ def test_a_gguf_keeps_its_weights_identity_under_another_name(tmp_path):
     link.symlink_to(gguf)
     assert weights_identity(link) == weights_identity(gguf)
     lc = LayerConfigs.load("examples/results/calibrated_smollm2.json")
-    path = lc.save(tmp_path / "cfg.json", extra={"calibration": {"model_sha1": weights_identity(gguf)}})
+    path = lc.save(tmp_path / "cfg.json", extra={"calibration": {"weights_id": weights_identity(gguf)}})
     assert cal.other_model_note(path, link) is None

@@ -97,24 +97,24 @@ def _identities(source) -> tuple[str | None, str | None]:
 def other_model_note(path: str | Path, model_source) -> str | None:
     """A note when the calibrated file at ``path`` was measured on another model than ``model_source``.
 
-    ``magicpig-jax calibrate`` records the model's weights identity (``calibration.model_sha1``:
-    :func:`magicpig_jax.io.digest.weights_identity`, which a renamed copy or a symlink keeps) and,
-    for a converted checkpoint, the identity of the model it was converted from
-    (``calibration.source_sha1``); the sizes check (``model_shape``) accepts any model of the same
+    ``magicpig-jax calibrate`` records the model's weights identity (``calibration.weights_id``:
+    :func:`magicpig_jax.io.digest.weights_identity`, which only the weights change) and, for a
+    converted checkpoint, the identity of the model it was converted from
+    (``calibration.source_weights_id``); the sizes check (``model_shape``) accepts any model of the same
     sizes. A file applied to another model still decodes as it says, but the KL budget it met was
     measured on the first one. The model and its converted checkpoints count as one. None when they
     match, or the file (written by hand or before the identity was recorded) or the model (held in
     memory) has none.
 
     Raises:
-      ValueError: ``calibration.model_sha1`` or ``calibration.source_sha1`` is not a string (naming
-        the file).
+      ValueError: ``calibration.weights_id`` or ``calibration.source_weights_id`` is not a string
+        (naming the file).
     """
     record = json.loads(Path(path).read_text()).get("calibration", {})
     if not isinstance(record, dict):
         return None
     recorded = []
-    for key in ("model_sha1", "source_sha1"):
+    for key in ("weights_id", "source_weights_id"):
         value = record.get(key)
         if value is not None and not isinstance(value, str):
             raise ValueError(f"{path}: 'calibration.{key}' must be a string (the calibrated model's identity), "
@@ -540,7 +540,7 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         "kl_budget": kl_budget, "measured_kl": tried.get(best), "cost": cost,
         "attention_ms_per_step": ms[best], "dense_attention_ms_per_step": ms[order[-1]],
         "attention_bytes_per_step": nbytes[best], "dense_attention_bytes_per_step": nbytes[order[-1]],
-        "calibration": {"model_sha1": identities[0], "source_sha1": identities[1],
+        "calibration": {"weights_id": identities[0], "source_weights_id": identities[1],
                         "length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
                         "candidates": [f"{k}x{l_}" for k, l_ in candidates], "num_sink": num_sink,
                         "num_local": num_local, "seed": seed, "layers_per_projection": layers_per_projection,

@@ -23,13 +23,14 @@ import numpy as np
 from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig
 
-__all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "checkpoint_files", "MARKER"]
+__all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "checkpoint_files", "recorded_source", "MARKER"]
 
 MARKER = "magicpig_model.json"
 # 1: also a float32 copy of the Q4_1/Q8_0 matrices; 2: the config without ``sliding_layers``
-# (both still readable, except a model with a sliding window: which layers it covers is not recorded)
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# (both still readable, except a model with a sliding window: which layers it covers is not recorded);
+# 3: without ``source_sha1`` (4 adds it: a version before 4 refuses the key, so it says so by the version)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 # The keys of MARKER that _write_checkpoint writes (earlier versions wrote a subset).
 _META_KEYS = ("format_version", "config", "chat_template", "eos_token_ids", "bos_token_id", "eos_token_id",
               "add_bos_token", "add_eos_token", "template_tokens", "weights_sha1", "source_sha1")

@@ -62,34 +62,54 @@ def array_digest(arrays: Mapping[str, np.ndarray], chunks: int = 64, chunk_bytes
 
 
 def weights_identity(source) -> str:
-    """SHA-1 (12 hex digits) naming a model's weights wherever its files lie and whatever they are named.
+    """SHA-1 (12 hex digits) naming a model's weights, whatever the files around them say.
 
     A checkpoint (``magicpig-jax convert``) is named by the ``weights_sha1`` its
     ``magicpig_model.json`` records (orbax's files differ between two saves of the same arrays); a
-    GGUF file by its size and sampled pieces, without its name (a renamed copy or a symlink is the
-    same model); a Hugging Face directory by the files its loader reads, each by its path inside
-    the directory. Unlike eval's ``model_sha1`` (:func:`magicpig_jax.eval.settings.model_digest`),
-    a single file's name does not count.
+    GGUF file by the size and sampled pieces of its tensor data (its header, which holds the chat
+    template and other metadata, and its name left out: a renamed copy or a symlink is the same
+    model); a Hugging Face directory by the tensor data of its safetensors files (after each
+    file's JSON header), each by its name inside the directory (config, tokenizer and template
+    files left out). Unlike eval's ``model_sha1`` (:func:`magicpig_jax.eval.settings.model_digest`),
+    which names everything the loader reads, it changes only with the weights.
 
     Args:
-      source: a model path as :func:`magicpig_jax.io.loader.load_model` takes (not None).
+      source: a model path (a GGUF file, a Hugging Face directory, a checkpoint directory).
 
     Raises:
-      OSError: a file cannot be read; FileNotFoundError, ValueError: as the loader, for a path
-        that is no model.
+      OSError: a file cannot be read; FileNotFoundError, ValueError: a path that is no model.
     """
     import json
-    import os
 
     from magicpig_jax.io.checkpoint import MARKER, is_checkpoint
-    from magicpig_jax.io.loader import model_files
 
     root = Path(source)
-    if is_checkpoint(root):
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist")
+    if root.is_dir() and is_checkpoint(root):
         recorded = json.loads((root / MARKER).read_text()).get("weights_sha1")
         if isinstance(recorded, str):
             return recorded
     h = hashlib.sha1()
-    for path in model_files(root):
-        file_digest(h, path, os.path.relpath(path, root) if root.is_dir() else "", 64, 1 << 16)
+    if root.is_dir():
+        from magicpig_jax.io.hf_model import hf_weight_files
+
+        for path in hf_weight_files(root):
+            with open(path, "rb") as f:
+                header = int.from_bytes(f.read(8), "little")  # safetensors: header length, then the JSON
+            _region_digest(h, path, path.relative_to(root).as_posix(), 8 + header)
+    else:
+        import gguf
+
+        _region_digest(h, root, "", int(gguf.GGUFReader(str(root)).data_offset))
     return h.hexdigest()[:12]
+
+
+def _region_digest(h, path: Path, name: str, start: int, chunks: int = 64, chunk_bytes: int = 1 << 16) -> None:
+    """Feed ``name``, the length of ``path``'s bytes from ``start`` on and sampled pieces of them to ``h``."""
+    size = max(path.stat().st_size - start, 0)
+    h.update(f"{name}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        for offset, length in sampled_pieces(size, chunks, chunk_bytes):
+            f.seek(start + offset)
+            h.update(f.read(length))

@@ -11,7 +11,7 @@ import numpy as np
 from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 
-__all__ = ["read_hf_config", "read_hf_dir", "read_generation_eos_ids", "hf_files"]
+__all__ = ["read_hf_config", "read_hf_dir", "read_generation_eos_ids", "hf_files", "hf_weight_files"]
 
 
 def read_generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
@@ -247,6 +247,16 @@ def hf_files(folder: str | Path) -> list[Path]:
     if weights != [folder / "model.safetensors"] and index.is_file():
         files.append(index)
     return files + weights
+
+
+def hf_weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of the Hugging Face directory ``folder`` that hold the model (those
+    :func:`read_hf_dir` reads; an index may place them in a subfolder).
+
+    Raises:
+      FileNotFoundError, ValueError: as :func:`read_hf_dir`.
+    """
+    return _weight_files(Path(folder))
 
 
 def _weight_files(folder: Path) -> list[Path]:
