@@ -61,8 +61,7 @@ from magicpig_jax.eval.corpus import CALIBRATION_TEXT
 
 __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
            "paragraph_hashes", "check_config_for_eval", "other_model_note", "pool_ms", "DEFAULT_TEXT",
-           "DEFAULT_CANDIDATES",
-           "COST_KINDS"]
+           "DEFAULT_CANDIDATES", "COST_KINDS"]
 
 DEFAULT_TEXT = CALIBRATION_TEXT  # held out of the default evaluation haystack
 DEFAULT_CANDIDATES = "8x75,9x120,10x150,11x300,12x600"
