@@ -290,7 +290,7 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
         )
     B = len(prompts)
     capacity = cache_capacity(model, int(lengths.max()), max_new_tokens, allow_beyond_context)
-    # every cache shape compiles its own programs: keep those of the last few shapes only
+    # every cache shape compiles its own programs: hold those of at most a few shapes (memory.note_program_shape)
     note_program_shape((model.config, B, capacity, jnp.dtype(cache_dtype).name))
     padded = np.zeros((B, _round_up(int(lengths.max()), CHUNK)), np.int32)
     for b, p in enumerate(prompts):

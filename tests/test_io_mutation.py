@@ -239,6 +239,8 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
     assert checkpoint.is_checkpoint(str(out)) and (out / checkpoint.MARKER).is_file()
     meta = json.loads((out / checkpoint.MARKER).read_text())
     assert meta["format_version"] == 4 and "source_sha1" not in meta  # recorded only when given (convert)
+    with pytest.raises(TypeError, match="source_sha1 must be a str"):
+        checkpoint.save_checkpoint(tmp_path / "typed", config, weights, tok, source_sha1=5)
     assert checkpoint.read_checkpoint_config(out) == config
     cfg, got, tok2, freq2 = checkpoint.read_checkpoint(str(out))
     assert cfg == config and sorted(got) == sorted(weights)

@@ -92,16 +92,21 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
       freq_factors: optional RoPE frequency factors ``[D/2]``.
       verify: optional callable given the written directory before it is moved to ``out``; what it
         raises propagates and nothing is left at ``out`` (``convert_model`` loads the model with it).
+      source_sha1: the weights identity of the model converted from
+        (:func:`magicpig_jax.io.digest.weights_identity`), recorded when given.
 
     Returns:
       the directory.
 
     Raises:
       FileExistsError: ``out`` already holds a checkpoint, or is not an empty directory.
+      TypeError: ``source_sha1`` is neither a str nor None.
       what ``verify`` raises.
     """
     import shutil
 
+    if source_sha1 is not None and not isinstance(source_sha1, str):
+        raise TypeError(f"source_sha1 must be a str (io.digest.weights_identity) or None, got {source_sha1!r}")
     out = Path(out).absolute()
     if is_checkpoint(out):
         raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")

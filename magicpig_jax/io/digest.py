@@ -33,12 +33,7 @@ def sampled_pieces(size: int, chunks: int, chunk_bytes: int) -> list[tuple[int, 
 
 def file_digest(h, path: Path, name: str, chunks: int = 64, chunk_bytes: int = 1 << 16) -> None:
     """Feed ``name``, the size of the file ``path`` and its sampled pieces to the hash object ``h``."""
-    size = path.stat().st_size
-    h.update(f"{name}\0{size}\0".encode())
-    with open(path, "rb") as f:
-        for offset, length in sampled_pieces(size, chunks, chunk_bytes):
-            f.seek(offset)
-            h.update(f.read(length))
+    _region_digest(h, path, name, 0, chunks, chunk_bytes)
 
 
 def array_digest(arrays: Mapping[str, np.ndarray], chunks: int = 64, chunk_bytes: int = 1 << 12) -> str:
