@@ -238,7 +238,7 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
     assert checkpoint.save_checkpoint(out, config, weights, tok, freq) == out.absolute()
     assert checkpoint.is_checkpoint(str(out)) and (out / checkpoint.MARKER).is_file()
     meta = json.loads((out / checkpoint.MARKER).read_text())
-    assert meta["format_version"] == 4 and "source_sha1" not in meta  # recorded only when given (convert)
+    assert meta["format_version"] == 5 and "source_sha1" not in meta  # recorded only when given (convert)
     with pytest.raises(TypeError, match="source_sha1 must be a str"):
         checkpoint.save_checkpoint(tmp_path / "typed", config, weights, tok, source_sha1=5)
     assert checkpoint.read_checkpoint_config(out) == config
@@ -299,11 +299,11 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
     assert freq3 is None and sorted(got) == ["w"]
     assert (tok3.chat_template, tok3.eos_token_ids, tok3.bos_token_id, tok3.eos_token_id, tok3.add_bos_token,
             tok3.add_eos_token) == (None, (), None, None, False, False)
-    meta["format_version"] = 5
+    meta["format_version"] = 6
     (bare / checkpoint.MARKER).write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 5 in {bare.absolute()}")):
+    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 6 in {bare.absolute()}")):
         checkpoint.read_checkpoint(bare)
-    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 5 in {bare.absolute()}")):
+    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 6 in {bare.absolute()}")):
         checkpoint.read_checkpoint_config(bare)
     with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path.absolute()} is not a magicpig_jax checkpoint (no "
                                                        "magicpig_model.json)")):

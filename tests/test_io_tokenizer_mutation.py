@@ -194,18 +194,30 @@ def test_stop_ids_from_the_three_keys_and_the_end_of_generation_texts():
     assert parts["eos_token_ids"] == [header, 0, end_of_text, eom, eot]
     assert (parts["eos_token_id"], parts["bos_token_id"], parts["chat_template"]) == (None, None, "{{ x }}")
     assert parts["add_bos_token"] is False
-    # an end-of-generation text counts as a control or user-defined token, not as a normal or unused one
+    # an end-of-generation text counts whatever its type but unused (llama.cpp makes it a control token,
+    # so it is parsed as one), not as an unused one
     types = list(_llama3_meta()["tokenizer.ggml.token_type"])
     types[end_of_text], types[eom], types[eot] = USER_DEFINED, NORMAL, UNUSED
     parts = gguf_tokenizer_parts(_llama3_meta(**{"tokenizer.ggml.token_type": types,
                                                  "tokenizer.ggml.add_bos_token": False,
                                                  "tokenizer.ggml.add_eos_token": True,
                                                  "tokenizer.ggml.eos_token_id": end_of_text}))
-    assert parts["eos_token_ids"] == [end_of_text, end_of_text]
+    assert parts["eos_token_ids"] == [end_of_text, end_of_text, eom]
     assert (parts["add_eos_token"], parts["eos_token_id"]) == (True, end_of_text)
+    tok = Tokenizer(**parts)
+    assert tok.encode("a<|eom_id|>")[-1] == eom and "<|eom_id|>" in tok.special_tokens
+    assert "<|end_of_text|>" in tok.special_tokens and eom not in tok.encode("a<|eom_id|>", parse_special=False)
+    # llama.cpp also stops at the fill-in-the-middle padding and the repository and file separators
+    parts = gguf_tokenizer_parts(_llama3_meta(**{"tokenizer.ggml.add_bos_token": False,
+                                                 "tokenizer.ggml.fim_pad_token_id": 5,
+                                                 "tokenizer.ggml.fim_rep_token_id": 6,
+                                                 "tokenizer.ggml.fim_sep_token_id": 7,
+                                                 "tokenizer.ggml.fim_pre_token_id": 8}))
+    assert parts["eos_token_ids"] == [5, 6, 7, end_of_text, eom, eot]
     # the range of the declared ids: 0 and n - 1 are in, -1 and n are out (named)
     n = len(_llama3_meta()["tokenizer.ggml.tokens"])
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+                "tokenizer.ggml.fim_pad_token_id"):
         for good in (0, n - 1):
             assert gguf_tokenizer_parts(_llama3_meta(**{"tokenizer.ggml.add_bos_token": False, key: good}))[
                 "eos_token_ids"][0] == good
@@ -219,33 +231,36 @@ def test_control_unknown_and_user_defined_tokens():
     """llama.cpp: control and unknown tokens are special (parsed in text only on request, skipped when
     decoding); user-defined tokens are matched in the raw text always and decoded as text."""
     ref = HFTokenizer.from_file(str(TOKENIZERS / "llama-bpe.json"))
-    eom = ref.token_to_id("<|eom_id|>")
+    user = ref.token_to_id("<|start_header_id|>")  # not an end-of-generation text
     header = ref.token_to_id("<|end_header_id|>")
     types = list(_llama3_meta()["tokenizer.ggml.token_type"])
-    types[eom], types[header] = USER_DEFINED, UNKNOWN
+    types[user], types[header] = USER_DEFINED, UNKNOWN
     tok = Tokenizer.from_gguf_metadata(_llama3_meta(**{"tokenizer.ggml.token_type": types,
                                                        "tokenizer.ggml.bos_token_id": 0}))
     added = {t.content: (t.special, t.normalized) for t in tok.backend.get_added_tokens_decoder().values()}
     reference = {t["content"]: (t["special"], t["normalized"])
                  for t in json.loads((TOKENIZERS / "llama-bpe.json").read_text())["added_tokens"]}
-    assert added == dict(reference, **{"<|eom_id|>": (False, False)})
-    assert set(tok.special_tokens) == set(reference) - {"<|eom_id|>"}
-    text = "a<|eom_id|>b<|end_header_id|>c"
+    assert added == dict(reference, **{"<|start_header_id|>": (False, False)})
+    assert set(tok.special_tokens) == set(reference) - {"<|start_header_id|>"}
+    text = "a<|start_header_id|>b<|end_header_id|>c"
     a, b, c = (ref.token_to_id(t) for t in "abc")
-    assert tok.encode(text) == [a, eom, b, header, c]
+    assert tok.encode(text) == [a, user, b, header, c]
     literal = tok.encode(text, parse_special=False)
-    assert literal[:3] == [a, eom, b] and header not in literal
-    assert tok.decode([a, eom, b, header, c]) == "a<|eom_id|>bc"
-    # no tokenizer.ggml.token_type: every token is normal, nothing is added or special
+    assert literal[:3] == [a, user, b] and header not in literal
+    assert tok.decode([a, user, b, header, c]) == "a<|start_header_id|>bc"
+    # no tokenizer.ggml.token_type: every token is normal; only the end-of-generation texts are special
+    # (llama.cpp makes them control tokens) and stop generation
     meta = tokenizer_metadata(TOKENIZERS / "qwen2.json", "qwen2")
     del meta["tokenizer.ggml.token_type"]
     plain = Tokenizer.from_gguf_metadata(meta)
-    assert plain.special_tokens == () and plain.backend.get_added_tokens_decoder() == {}
-    assert plain.eos_token_ids == ()
+    qwen = HFTokenizer.from_file(str(TOKENIZERS / "qwen2.json"))
+    assert set(plain.special_tokens) == {"<|endoftext|>", "<|im_end|>"}
+    assert plain.eos_token_ids == tuple(sorted(qwen.token_to_id(t) for t in ("<|endoftext|>", "<|im_end|>")))
     ref = HFTokenizer.from_file(str(TOKENIZERS / "qwen2.json"))
     ref.encode_special_tokens = True  # its special tokens as plain text
     for text in ("<|im_start|>user\nhi<|im_end|>", "x <|endoftext|>"):
-        assert plain.encode(text) == _ids(ref, text)
+        assert plain.encode(text, parse_special=False) == _ids(ref, text)
+    assert plain.encode("<|im_start|>hi<|im_end|>") == _ids(ref, "<|im_start|>hi") + [qwen.token_to_id("<|im_end|>")]
 
 
 def test_gguf_tokenizer_messages():

@@ -123,9 +123,17 @@ def chat_inputs(messages, kwargs: Mapping) -> tuple[list[dict], dict]:
 
     Raises:
       ChatTemplateError (a ValueError): an empty conversation.
-      TypeError: a message that is not a mapping (or a dataclass / pydantic object).
+      TypeError: a message that is not a mapping (or a dataclass / pydantic object), or a Python
+        callable among ``tools`` (transformers builds its JSON schema; that is not implemented).
     """
     messages = _as_dicts(list(getattr(messages, "messages", messages)))
+    tools = kwargs.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, (list, tuple)) else ()):
+        if callable(tool) and not isinstance(tool, Mapping):
+            # transformers builds a JSON schema from the function's signature and docstring
+            # (get_json_schema); the plain conversion would hand the template the text "<function>"
+            raise TypeError(f"tools[{i}] is a Python callable ({getattr(tool, '__name__', tool)!r}): give its JSON "
+                            "schema as a dict; building one from a function is not implemented")
     if not messages:
         raise ChatTemplateError("cannot apply a chat template to an empty conversation: give at least one message")
     out = []
@@ -169,7 +177,8 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def render_chat_template(source: str, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
-                         bos_token: str | None = None, eos_token: str | None = None, **kwargs) -> str:
+                         continue_final_message: bool = False, bos_token: str | None = None,
+                         eos_token: str | None = None, **kwargs) -> str:
     """Render a chat template as transformers' ``apply_chat_template`` does.
 
     A sandboxed Jinja2 environment (``trim_blocks``, ``lstrip_blocks``, loop controls,
@@ -178,14 +187,22 @@ def render_chat_template(source: str, messages: Sequence[Mapping], *, add_genera
     them, ``tools`` (None), ``documents`` (None), ``add_generation_prompt``,
     ``bos_token``/``eos_token`` (when the model has them), ``raise_exception`` and
     ``strftime_now``; ``kwargs`` are passed on (e.g. ``enable_thinking``).
+    ``continue_final_message``: the text ends where the last message's content ends (whatever
+    the template renders after it, such as an end-of-turn token, is cut), so that the model
+    continues that message (a prefilled assistant reply); it excludes ``add_generation_prompt``.
 
     Source: transformers 5.24 ``apply_chat_template`` / ``render_jinja_template``.
 
     Raises:
       ChatTemplateError (a ValueError): an empty conversation; the template does not compile,
         raises (``raise_exception``), or fails while rendering; the message names the error.
-      TypeError: a message that is not a mapping.
+        With ``continue_final_message``: ``add_generation_prompt`` set too, a last message without
+        text content, or a template that does not render that text.
+      TypeError: a message that is not a mapping, or a callable among ``tools``.
     """
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other: continue the "
+                                "last message, or open a new assistant turn")
     template = _compile_template(source)
     messages, kwargs = chat_inputs(messages, kwargs)
     variables = {"tools": None, "documents": None, **kwargs}
@@ -194,8 +211,28 @@ def render_chat_template(source: str, messages: Sequence[Mapping], *, add_genera
     if eos_token is not None:
         variables.setdefault("eos_token", eos_token)
     try:
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as err:
         raise ChatTemplateError(f"the chat template failed: {type(err).__name__}: {err}") from err
     except Exception as err:  # a Python error inside the template (e.g. a method of a missing value)
         raise ChatTemplateError(f"the chat template failed: {type(err).__name__}: {err}") from err
+    return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
+
+
+def _cut_after_final_message(text: str, message: Mapping) -> str:
+    """``text`` up to the end of the last occurrence of ``message``'s text (transformers'
+    ``continue_final_message``: the content's stripped text is searched, and the cut keeps the
+    content's trailing whitespace when the template rendered it)."""
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):  # content blocks: the last one with text
+        content = next((b["text"] for b in reversed(content) if isinstance(b, Mapping) and "text" in b), None)
+    if not isinstance(content, str):
+        raise ChatTemplateError("continue_final_message: the last message has no text content to continue")
+    stripped = content.strip()
+    if stripped not in text:
+        raise ChatTemplateError("continue_final_message: the chat template does not render the last message's "
+                                "text, so there is nothing to continue")
+    at = text.rindex(stripped)
+    # transformers compares with the content as given (so a content with leading whitespace keeps the stripped cut)
+    keep = len(content.lstrip()) if text[at:at + len(content.lstrip())] == content else len(stripped)
+    return text[:at + keep]

@@ -28,12 +28,13 @@ __all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "checkpoint_fi
 MARKER = "magicpig_model.json"
 # 1: also a float32 copy of the Q4_1/Q8_0 matrices; 2: the config without ``sliding_layers``
 # (both still readable, except a model with a sliding window: which layers it covers is not recorded);
-# 3: without ``source_sha1`` (4 adds it: a version before 4 refuses the key, so it says so by the version)
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 3: without ``source_sha1`` (4 adds it: a version before 4 refuses the key, so it says so by the version);
+# 4: without ``chat_templates`` (a model's named chat templates; 5 adds them)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 # The keys of MARKER that _write_checkpoint writes (earlier versions wrote a subset).
 _META_KEYS = ("format_version", "config", "chat_template", "eos_token_ids", "bos_token_id", "eos_token_id",
-              "add_bos_token", "add_eos_token", "template_tokens", "weights_sha1", "source_sha1")
+              "add_bos_token", "add_eos_token", "template_tokens", "weights_sha1", "source_sha1", "chat_templates")
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -150,6 +151,7 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
         "format_version": FORMAT_VERSION,
         "config": dataclasses.asdict(config),
         "chat_template": tokenizer.chat_template,
+        "chat_templates": tokenizer.chat_templates,
         "eos_token_ids": list(tokenizer.eos_token_ids),
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -197,6 +199,8 @@ def _check_meta_types(path: Path, meta: dict) -> None:
               "eos_token_id": (lambda v: v is None or token_id(v), "a token id (int >= 0) or null"),
               "eos_token_ids": (lambda v: isinstance(v, list) and all(map(token_id, v)), "a list of token ids"),
               "chat_template": (lambda v: v is None or isinstance(v, str), "a string or null"),
+              "chat_templates": (lambda v: isinstance(v, dict) and all(isinstance(t, str) for t in v.values()),
+                                 "an object mapping template names to Jinja sources"),
               "template_tokens": (lambda v: isinstance(v, dict) and all(
                   k in TEMPLATE_TOKEN_NAMES and isinstance(t, str) for k, t in v.items()),
                   f"an object mapping some of {', '.join(TEMPLATE_TOKEN_NAMES)} to token texts"),
@@ -278,5 +282,5 @@ def read_checkpoint(path: str | Path):
                           bos_token_id=meta.get("bos_token_id"), eos_token_id=meta.get("eos_token_id"),
                           add_bos_token=meta.get("add_bos_token", False),
                           add_eos_token=meta.get("add_eos_token", False),
-                          template_tokens=meta.get("template_tokens"))
+                          template_tokens=meta.get("template_tokens"), chat_templates=meta.get("chat_templates"))
     return config, weights, tokenizer, None if freq_factors is None else np.asarray(freq_factors)

@@ -49,8 +49,14 @@ PRE_TOKENIZERS: dict[str, str] = {
 _ADD_BOS_BY_DEFAULT = ("llama3", "tekken")  # llama.cpp's default when tokenizer.ggml.add_bos_token is absent
 # Control tokens that end generation whatever the metadata declares (llama.cpp's end-of-generation texts:
 # GGUF files often declare only one of Llama 3's <|eot_id|>, <|eom_id|> and <|end_of_text|>).
-EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
-             "<end_of_turn>", "<EOT>", "</s>")
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>")
+# the ids that llama.cpp also ends generation at (besides EOS, EOT and EOM): fill-in-the-middle padding,
+# repository and file separators
+_EOG_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+                "tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.fim_rep_token_id",
+                "tokenizer.ggml.fim_sep_token_id")
 
 
 def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
@@ -75,6 +81,10 @@ def _byte_level_parts(family: str):
         # SmolLM / StarCoder: every digit is its own piece, then GPT-2 byte-level.
         return None, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]), False
     return None, byte_level, False
+
+
+# a GGUF's named chat templates: tokenizer.chat_template.NAME (e.g. tool_use), as llama.cpp reads them
+_NAMED_TEMPLATE = "tokenizer.chat_template."
 
 
 def _meta(meta: Mapping, key: str, required: bool = True):
@@ -228,22 +238,24 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
             f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' (byte-level BPE), "
             "'llama' (SentencePiece)")
     rstrip = _rstrip_tokens(meta, tokens, types)
+    # llama.cpp makes a token whose text ends generation a control token, whatever its type
+    eog = {i for i, tok in enumerate(tokens) if tok in EOG_TEXTS and types[i] != _UNUSED}
     special = [AddedToken(tokens[i], special=True, normalized=False, rstrip=i in rstrip)
-               for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN)]
+               for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN) or i in eog]
     user = [AddedToken(tokens[i], special=False, normalized=False, rstrip=i in rstrip)
-            for i, t in enumerate(types) if t == _USER_DEFINED]
+            for i, t in enumerate(types) if t == _USER_DEFINED and i not in eog]
     if special:
         backend.add_special_tokens(special)
     if user:
         backend.add_tokens(user)
     eos_ids = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+    for key in _EOG_ID_KEYS:
         value = meta.get(key)
         if value is not None:
             if not 0 <= int(value) < len(tokens):
                 raise TokenizerMetadataError(f"{key} = {value} is outside the vocabulary of {len(tokens)} tokens")
             eos_ids.append(int(value))
-    eos_ids += [i for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED) and tokens[i] in EOG_TEXTS]
+    eos_ids += sorted(eog)
     bos = meta.get("tokenizer.ggml.bos_token_id")
     if bos is not None and not 0 <= int(bos) < len(tokens):
         raise TokenizerMetadataError(
@@ -256,6 +268,8 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
     return dict(
         backend=backend,
         chat_template=meta.get("tokenizer.chat_template"),
+        chat_templates={k[len(_NAMED_TEMPLATE):]: str(v) for k, v in meta.items()
+                        if k.startswith(_NAMED_TEMPLATE) and v is not None},
         eos_token_ids=eos_ids,
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=None if meta.get("tokenizer.ggml.eos_token_id") is None

@@ -229,7 +229,7 @@ def _held(name: str, value: np.ndarray) -> tuple[str, np.ndarray]:
 
 # The metadata files the loader and the tokenizer read, where present (tokenizer.Tokenizer.from_hf_dir).
 HF_METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "chat_template.jinja", "chat_template.json")
+                     "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
 
 
 def hf_files(folder: str | Path) -> list[Path]:
@@ -242,6 +242,7 @@ def hf_files(folder: str | Path) -> list[Path]:
     """
     folder = Path(folder)
     files = [folder / name for name in HF_METADATA_FILES if (folder / name).is_file()]
+    files += sorted((folder / "additional_chat_templates").glob("*.jinja"))  # the named chat templates
     weights = _weight_files(folder)
     index = folder / "model.safetensors.index.json"
     if weights != [folder / "model.safetensors"] and index.is_file():

@@ -23,8 +23,10 @@ user's messages, encodes message contents literally by default: control tokens c
 only from the template, so a message cannot close its turn or open a system turn.
 ``parse_special=True`` there is the opt-in for raw prompts.
 
-Stop ids of a GGUF: ``tokenizer.ggml.eos_token_id``, ``eot_token_id``, ``eom_token_id``, and the
-control tokens whose text llama.cpp treats as end of generation (:data:`EOG_TEXTS`).
+Stop ids of a GGUF, as llama.cpp's: ``tokenizer.ggml.eos_token_id``, ``eot_token_id``, ``eom_token_id``,
+``fim_pad_token_id``, ``fim_rep_token_id``, ``fim_sep_token_id``, and the tokens whose text
+llama.cpp treats as end of generation (:data:`EOG_TEXTS`; such a token is made a control token
+whatever its type, as llama.cpp does).
 
 BOS/EOS. ``add_bos_token``/``add_eos_token`` come from the GGUF flags (defaults as
 llama.cpp: true for SentencePiece, ``llama-bpe`` and ``tekken``, else false) or from
@@ -36,6 +38,7 @@ gives exactly one).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,6 +51,10 @@ from magicpig_jax.io.json_files import read_json_object
 
 __all__ = ["Tokenizer", "ChatTemplateError", "TokenizerMetadataError", "PRE_TOKENIZERS", "EOG_TEXTS",
            "TEMPLATE_TOKEN_NAMES", "render_chat_template"]
+
+# arguments of transformers' apply_chat_template that are its own options, not template variables
+_NOT_TEMPLATE_VARIABLES = frozenset({"tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+                                     "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
 
 # transformers' named special tokens other than BOS and EOS (its ``special_tokens_map``), which it
 # passes to a chat template as variables
@@ -63,7 +70,10 @@ class Tokenizer:
 
     Attributes:
       backend: the ``tokenizers.Tokenizer`` (never adds special tokens by itself here).
-      chat_template: Jinja2 source of the chat template, or None.
+      chat_template: Jinja2 source of the default chat template, or None.
+      chat_templates: the named chat templates (name -> source) of a model that has several
+        (``tokenizer_config.json``'s list, a GGUF's ``tokenizer.chat_template.NAME``), e.g.
+        ``tool_use``, which transformers picks when ``tools`` are given; empty otherwise.
       eos_token_ids: every id that ends generation (EOS, end of turn, end of message).
       bos_token_id: the BOS id (or None). eos_token_id: the primary EOS id (or None).
       add_bos_token, add_eos_token: whether prompts get BOS / EOS.
@@ -84,8 +94,16 @@ class Tokenizer:
         add_bos_token: bool = False,
         add_eos_token: bool = False,
         template_tokens: Mapping[str, str] | None = None,
+        chat_templates: Mapping[str, str] | None = None,
     ) -> None:
         self.backend = backend
+        chat_templates = dict(chat_templates or {})
+        if any(not isinstance(k, str) or not isinstance(v, str) for k, v in chat_templates.items()):
+            raise TokenizerMetadataError(f"chat_templates must map template names to Jinja sources, got "
+                                         f"{sorted(map(repr, chat_templates))}")
+        if chat_template is None:
+            chat_template = chat_templates.get("default")
+        self.chat_templates = chat_templates
         template_tokens = dict(template_tokens or {})
         bad = {k: v for k, v in template_tokens.items() if k not in TEMPLATE_TOKEN_NAMES or not isinstance(v, str)}
         if bad:
@@ -124,8 +142,14 @@ class Tokenizer:
         """Build from a Hugging Face directory: ``tokenizer.json`` plus ``tokenizer_config.json``.
 
         The chat template comes from ``chat_template.jinja`` (which transformers prefers), else
-        ``tokenizer_config.json`` (a string, or the ``default`` of a list of named templates),
-        else ``chat_template.json``. ``add_bos_token``/``add_eos_token`` come from
+        ``tokenizer_config.json`` (a string, or the ``default`` of a list of named templates, all
+        of which are kept in :attr:`chat_templates`), else ``chat_template.json``; the named
+        templates of ``additional_chat_templates/NAME.jinja`` join :attr:`chat_templates`.
+        The named special tokens (``bos_token``, ``eos_token``, ``unk_token``, ...,
+        ``additional_special_tokens``) come from ``tokenizer_config.json``, else from
+        ``special_tokens_map.json``; those and ``added_tokens_decoder``'s entries that the
+        ``tokenizer.json`` does not list as added tokens are registered as transformers registers
+        them (special ones are then parsed as their token, not as text). ``add_bos_token``/``add_eos_token`` come from
         ``tokenizer_config.json``, else from what the ``tokenizer.json``
         post-processor adds. Stop ids: ``eos_token_ids`` (from ``config.json`` and
         ``generation_config.json``) plus the ``eos_token`` of ``tokenizer_config.json``. Its
@@ -135,26 +159,43 @@ class Tokenizer:
         Raises:
           FileNotFoundError: no ``tokenizer.json`` in ``folder``.
           TokenizerMetadataError (a ValueError): ``add_bos_token``/``add_eos_token`` that are not
-            booleans, or a ``chat_template.jinja`` that is not UTF-8 (named).
+            booleans, a ``chat_template.jinja`` that is not UTF-8, a malformed list of named chat
+            templates, ``tokenizer_config.json`` and ``special_tokens_map.json`` naming different
+            texts for one special token, or an ``added_tokens_decoder`` entry that the
+            ``tokenizer.json`` vocabulary does not have at its id (named).
         """
         folder = Path(folder)
         backend = read_tokenizer_json(folder / "tokenizer.json", "a Hugging Face model directory")
         cfg_path = folder / "tokenizer_config.json"
         cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
-        template = cfg.get("chat_template")
-        if isinstance(template, list):
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-            template = named.get("default")
-        if (folder / "chat_template.jinja").is_file():  # transformers: the file takes priority over the config
+        template, named = cfg.get("chat_template"), {}
+
+        def read_template(path: Path) -> str:
             try:
-                template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+                return path.read_text(encoding="utf-8")
             except UnicodeDecodeError as err:
-                raise TokenizerMetadataError(f"{folder / 'chat_template.jinja'} is not UTF-8 text: {err}") from None
+                raise TokenizerMetadataError(f"{path} is not UTF-8 text: {err}") from None
+
+        if (folder / "chat_template.jinja").is_file():  # transformers: the file takes priority over the config
+            template = read_template(folder / "chat_template.jinja")
+        elif isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            if any(not isinstance(k, str) or not isinstance(v, str) for k, v in named.items()) or len(named) != len(
+                    template):
+                raise TokenizerMetadataError(f"{cfg_path}: 'chat_template' must be a string or a list of "
+                                             "{\"name\": ..., \"template\": ...} objects with distinct names")
+            template = named.get("default")
         if template is None and (folder / "chat_template.json").is_file():
             template = read_json_object(folder / "chat_template.json").get("chat_template")
+        # transformers' layout for named templates beside chat_template.jinja
+        if (folder / "additional_chat_templates").is_dir():
+            named.update({f.stem: read_template(f) for f in sorted((folder / "additional_chat_templates").glob("*.jinja"))})
+
+        specials = _special_token_entries(folder, cfg)
+        _register_special_tokens(backend, specials, cfg, cfg_path)
 
         def token_text(key):
-            tok = cfg.get(key)
+            tok = specials.get(key)
             if isinstance(tok, Mapping):
                 tok = tok.get("content")
             return tok if isinstance(tok, str) else None
@@ -186,7 +227,7 @@ class Tokenizer:
         eos_ids = list(eos_token_ids) + ([eos_id] if eos_id is not None else [])
         return cls(backend, chat_template=template, eos_token_ids=eos_ids, bos_token_id=bos_id,
                    eos_token_id=eos_id, add_bos_token=add_bos, add_eos_token=add_eos,
-                   template_tokens=template_tokens)
+                   template_tokens=template_tokens, chat_templates=named)
 
     # -- tokens ---------------------------------------------------------------------------------
 
@@ -205,12 +246,22 @@ class Tokenizer:
         """Texts of the special (control) tokens, which ``parse_special`` decides about."""
         return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
 
-    def _literal(self) -> HFTokenizer:
+    def _literal(self, inner: bool = False) -> HFTokenizer:
+        """The backend that encodes special-token strings as text; ``inner``: for a piece of a
+        text that does not start it (a Metaspace pre-tokenizer with ``prepend_scheme`` "first"
+        prefixes "▁" only at the text's start, which a piece encoded alone would get)."""
         if self._literal_backend is None:
             literal = HFTokenizer.from_str(self.backend.to_str())
             literal.encode_special_tokens = True
             self._literal_backend = literal
-        return self._literal_backend
+            spec = json.loads(self.backend.to_str())
+            if _never_prepend(spec.get("pre_tokenizer")):
+                inner_backend = HFTokenizer.from_str(json.dumps(spec))
+                inner_backend.encode_special_tokens = True
+                self._literal_inner_backend = inner_backend
+            else:
+                self._literal_inner_backend = literal
+        return self._literal_inner_backend if inner else self._literal_backend
 
     def encode(self, text: str, *, parse_special: bool = True, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``.
@@ -272,28 +323,75 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+    def chat_template_source(self, chat_template: str | None = None, tools=None) -> str:
+        """The Jinja source that renders a conversation, chosen as transformers chooses it.
+
+        Args:
+          chat_template: None (the model's), the name of one of :attr:`chat_templates`, or a
+            Jinja source of the caller's.
+          tools: the conversation's tools: with tools, a model's ``tool_use`` template is
+            preferred to its default.
+
+        Raises:
+          ValueError: the model has no chat template, or has only named ones and none is
+            ``default`` (the names are given).
+        """
+        if chat_template is not None:
+            if not isinstance(chat_template, str):
+                raise TypeError(f"chat_template must be a template name or a Jinja source, got "
+                                f"{type(chat_template).__name__}")
+            return self.chat_templates.get(chat_template, chat_template)
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if self.chat_template:
+            return self.chat_template
+        if self.chat_templates:
+            raise ValueError(f"this model has several chat templates and none is 'default': name one with "
+                             f"chat_template= (one of {', '.join(sorted(self.chat_templates))})")
+        raise ValueError("this model has no chat template; use the raw prompt: chat=False (the CLI: --no-chat)")
+
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool | None = None, *,
+                            chat_template: str | None = None, continue_final_message: bool = False,
                             **kwargs) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's chat template, as text.
 
         Same variables and environment as transformers (:func:`render_chat_template`).
         To tokenize a conversation use :meth:`encode_chat`, which keeps message contents literal.
 
+        Args:
+          messages: the conversation.
+          add_generation_prompt: end with the header of a new assistant turn; None: True,
+            unless ``continue_final_message``.
+          chat_template: which template (:meth:`chat_template_source`): None, a name, or a source.
+          continue_final_message: end where the last message's text ends, for the model to continue
+            it (transformers' option of that name).
+          kwargs: template variables (``tools``, ``documents``, ``enable_thinking``, ...).
+
         Raises:
-          ValueError: the model has no chat template.
-          TypeError: ``messages`` is not a list of dicts (named).
+          ValueError: the model has no chat template (or no default one among several).
+          TypeError: ``messages`` is not a list of dicts (named), a callable among ``tools``, or an
+            option of transformers' ``apply_chat_template`` that is not a template variable
+            (``tokenize``, ``return_dict``, ...; named).
           ChatTemplateError (a ValueError): the template failed (named).
         """
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; use the raw prompt: chat=False (the CLI: --no-chat)")
+        misplaced = sorted(set(kwargs) & _NOT_TEMPLATE_VARIABLES)
+        if misplaced:
+            raise TypeError(f"apply_chat_template: {', '.join(map(repr, misplaced))} are options of transformers' "
+                            "apply_chat_template that this one does not take (it returns the text; encode_chat "
+                            "gives the ids); they are not template variables")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        source = self.chat_template_source(chat_template, kwargs.get("tools"))
         # a caller's bos_token / eos_token (and other special tokens) override the model's, as in transformers
         kwargs = {**self.template_tokens, **kwargs}
         bos, eos = kwargs.pop("bos_token", self.bos_token), kwargs.pop("eos_token", self.eos_token)
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=bos, eos_token=eos, **kwargs)
+        return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, bos_token=bos, eos_token=eos,
+                                    **kwargs)
 
-    def encode_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
-                    parse_special: bool = False, **kwargs) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool | None = None,
+                    parse_special: bool = False, chat_template: str | None = None,
+                    continue_final_message: bool = False, **kwargs) -> list[int]:
         """Token ids of a conversation rendered with the chat template, ready to generate from.
 
         Special tokens come only from the template: a special-token string inside any
@@ -303,17 +401,22 @@ class Tokenizer:
         ``parse_special=True`` is the opt-in for raw prompts (the rendered text tokenized
         as a whole, as transformers does).
         BOS is prepended when :attr:`add_bos_token` says so and the template did not
-        render one; no EOS is appended (a prompt ends with the assistant's header).
+        render one; no EOS is appended (a prompt ends with the assistant's header, or with
+        the last message's text under ``continue_final_message``). ``add_generation_prompt``,
+        ``chat_template``, ``continue_final_message`` and ``kwargs`` are as in
+        :meth:`apply_chat_template`.
 
         Raises:
-          ValueError: the model has no chat template.
-          TypeError: ``messages`` is not a list of dicts (named).
+          ValueError: the model has no chat template (or no default one among several).
+          TypeError: ``messages`` is not a list of dicts (named), or as :meth:`apply_chat_template`.
           ChatTemplateError (a ValueError): the template failed (named).
         """
+        options = dict(add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                       continue_final_message=continue_final_message)
         # as the template will see them: strings inside message objects are then escaped too
         messages, kwargs = chat_inputs(messages, kwargs)
         if parse_special or not self.special_tokens:
-            ids = self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs))
+            ids = self.encode(self.apply_chat_template(messages, **options, **kwargs))
             return self._add_special(ids, eos=False)
         specials = sorted(set(self.special_tokens), key=len, reverse=True)
         pattern = re.compile("|".join(re.escape(s) for s in specials))
@@ -322,7 +425,8 @@ class Tokenizer:
         # with the caller's next string (a suffix of a special at its start, a prefix at its end):
         # "hi<|im_" + "end|>" from two content blocks must stay text. (Templates compare strings
         # such as a block's type "text": those are left as they are.)
-        used = set("".join(_strings([messages, kwargs]))) | set(self.chat_template or "")
+        used = set("".join(_strings([messages, kwargs]))) | set(self.chat_template_source(chat_template,
+                                                                                          kwargs.get("tools")))
         code = 0xF0000
 
         def fresh() -> str:
@@ -360,7 +464,7 @@ class Tokenizer:
             middle = pattern.sub(lambda x: marks[x.group(0)], text[head:len(text) - tail])
             return mark_chars(text[:head]) + middle + mark_chars(text[len(text) - tail:])
 
-        rendered = self.apply_chat_template(_map_strings(list(messages), escape), add_generation_prompt,
+        rendered = self.apply_chat_template(_map_strings(list(messages), escape), **options,
                                             **_map_strings(kwargs, escape))
         pieces = {m: ch for ch, m in piece_marks.items()}
         # the real text, and where the callers' special strings and marked characters are in it
@@ -387,12 +491,26 @@ class Tokenizer:
         for tok, (a, b) in zip(enc.ids, enc.offsets, strict=True):
             if tok in special_ids and not any(a < ue and us < b for us, ue in user_spans):
                 if a > start:
-                    ids += self._literal().encode(text[start:a], add_special_tokens=False).ids
+                    ids += self._literal(inner=start > 0).encode(text[start:a], add_special_tokens=False).ids
                 ids.append(tok)
                 start = b
         if start < len(text):
-            ids += self._literal().encode(text[start:], add_special_tokens=False).ids
+            ids += self._literal(inner=start > 0).encode(text[start:], add_special_tokens=False).ids
         return self._add_special(ids, eos=False)
+
+
+def _never_prepend(pre_tokenizer) -> bool:
+    """Set every Metaspace ``prepend_scheme`` "first" in a ``tokenizer.json`` pre-tokenizer (nested
+    in Sequences too) to "never", in place; whether there was one."""
+    if not isinstance(pre_tokenizer, Mapping):
+        return False
+    changed = False
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        pre_tokenizer["prepend_scheme"] = "never"
+        changed = True
+    for child in pre_tokenizer.get("pretokenizers") or ():
+        changed = _never_prepend(child) or changed
+    return changed
 
 
 def _strings(value) -> list[str]:
@@ -415,6 +533,85 @@ def _map_strings(value, fn):
     if isinstance(value, (list, tuple)):
         return type(value)(_map_strings(v, fn) for v in value)
     return value
+
+
+# transformers' named special tokens (its SPECIAL_TOKENS_ATTRIBUTES), BOS and EOS among them
+_NAMED_SPECIALS = ("bos_token", "eos_token", *TEMPLATE_TOKEN_NAMES)
+
+
+def _special_token_entries(folder: Path, cfg: Mapping) -> dict:
+    """The named special tokens (and ``additional_special_tokens``) of a Hugging Face directory:
+    ``tokenizer_config.json``'s, else ``special_tokens_map.json``'s (older exports keep them
+    only there).
+
+    Raises:
+      TokenizerMetadataError: the two files name different texts for one token.
+    """
+    path = folder / "special_tokens_map.json"
+    smap = read_json_object(path) if path.is_file() else {}
+
+    def text(tok):
+        return tok.get("content") if isinstance(tok, Mapping) else tok
+
+    out = {}
+    for key in (*_NAMED_SPECIALS, "additional_special_tokens"):
+        mine, theirs = cfg.get(key), smap.get(key)
+        if mine is not None and theirs is not None and key != "additional_special_tokens" and text(mine) != text(
+                theirs):
+            raise TokenizerMetadataError(f"{folder}: tokenizer_config.json and special_tokens_map.json give "
+                                         f"different {key}s: {text(mine)!r}, {text(theirs)!r}; keep one")
+        value = mine if mine is not None else theirs
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _register_special_tokens(backend: HFTokenizer, specials: Mapping, cfg: Mapping, cfg_path: Path) -> None:
+    """Add to ``backend`` the configured tokens that its ``tokenizer.json`` does not list as added
+    tokens, as transformers does when it loads the directory: the named special tokens and
+    ``additional_special_tokens`` (special), and ``added_tokens_decoder``'s entries (special or
+    not, as they say). Only texts the vocabulary already has are registered: a token new to
+    the vocabulary would have an id the model has no embedding for.
+
+    Raises:
+      TokenizerMetadataError: an ``added_tokens_decoder`` entry whose text is not the
+        vocabulary's token at its id.
+    """
+    from tokenizers import AddedToken
+
+    have = {t.content for t in backend.get_added_tokens_decoder().values()}
+    new: dict[str, AddedToken] = {}
+
+    def flags(entry: Mapping) -> dict:
+        return {k: bool(entry[k]) for k in ("lstrip", "rstrip", "single_word", "normalized") if k in entry}
+
+    decoder = cfg.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, Mapping):
+        raise TokenizerMetadataError(f"{cfg_path}: 'added_tokens_decoder' must be an object")
+    for key, entry in decoder.items():
+        content = entry.get("content") if isinstance(entry, Mapping) else None
+        if not isinstance(content, str) or content in have:
+            continue
+        found = backend.token_to_id(content)
+        if str(found) != str(key):
+            raise TokenizerMetadataError(
+                f"{cfg_path}: added_tokens_decoder[{key!r}] is {content!r}, which tokenizer.json has "
+                f"{'not at all' if found is None else f'at id {found}'}")
+        special = bool(entry.get("special", False))
+        new[content] = AddedToken(content, special=special, **{"normalized": not special, **flags(entry)})
+    named = [specials.get(k) for k in _NAMED_SPECIALS] + list(specials.get("additional_special_tokens") or [])
+    for entry in named:
+        content = entry.get("content") if isinstance(entry, Mapping) else entry
+        if not isinstance(content, str) or content in have or content in new or backend.token_to_id(content) is None:
+            continue
+        new[content] = AddedToken(content, special=True, **{"normalized": False,
+                                                            **(flags(entry) if isinstance(entry, Mapping) else {})})
+    specials_new = [t for t in new.values() if t.special]
+    plain_new = [t for t in new.values() if not t.special]
+    if specials_new:
+        backend.add_special_tokens(specials_new)
+    if plain_new:
+        backend.add_tokens(plain_new)
 
 
 def read_tokenizer_json(path: Path, needed_by: str) -> HFTokenizer:
