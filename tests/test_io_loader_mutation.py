@@ -809,3 +809,16 @@ def test_an_integer_weight_in_safetensors_is_refused(tmp_path):
     folder = _hf_dir(tmp_path / "int8", hf)
     with pytest.raises(ValueError, match=re.escape(f"tensor {name!r} has dtype int8: only floating-point weights")):
         load_model(folder)
+
+
+def test_rope_freqs_with_a_yarn_scaling_is_refused_from_the_header(tmp_path):
+    """The metadata check (what the CLI runs first) refuses what the load would: rope_freqs.weight
+    with a scaling other than linear."""
+    path = tmp_path / "ry.gguf"
+    _write(path, "llama", kv={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
+           tensors={"token_embd.weight": np.zeros((V, H), np.float32),
+                    "blk.0.attn_q.weight": np.zeros((HQ * D, H), np.float32),
+                    "rope_freqs.weight": np.ones(D // 2, np.float32)})
+    with _raises(UnsupportedConfigError, f"{path}: the rope_freqs.weight tensor with a 'yarn' RoPE scaling "
+                                         "(llama.rope.scaling.type) is not implemented (only with none or linear)"):
+        read_gguf_config(path)

@@ -317,6 +317,13 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
         for read in (checkpoint.read_checkpoint, checkpoint.read_checkpoint_config):
             with pytest.raises(ValueError, match=re.escape(f"checkpoint {bare.absolute()}: {message}")):
                 read(bare)
+    # a current-version file missing a config field (edited by hand): refused, not the field's default
+    meta["format_version"] = checkpoint.FORMAT_VERSION
+    (bare / checkpoint.MARKER).write_text(json.dumps(meta))
+    for read in (checkpoint.read_checkpoint, checkpoint.read_checkpoint_config):
+        with pytest.raises(ValueError, match=re.escape(f"checkpoint {bare.absolute()}: its config lacks the fields "
+                                                       "['eos_token_ids'] (a default would stand in")):
+            read(bare)
 
 
 # -- tokenizer -------------------------------------------------------------------------------------

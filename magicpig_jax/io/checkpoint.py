@@ -182,6 +182,10 @@ def _read_meta(path: Path) -> dict:
     if unknown:
         raise ValueError(f"checkpoint {path}: its config has fields {unknown} that LlamaConfig does not have "
                          "(written by another version? convert the model again)")
+    missing = sorted(fields - set(meta["config"]))
+    if missing and meta["format_version"] == FORMAT_VERSION:  # this version writes every field
+        raise ValueError(f"checkpoint {path}: its config lacks the fields {missing} (a default would stand in for "
+                         "what the model had); convert the model again")
     _check_meta_types(path, meta)
     return meta
 

@@ -498,6 +498,12 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
     scaling = _longrope(reader, tensors, arch, path, rope_dim or head_dim)
     if scaling is None:
         scaling = _rope_scaling(reader, arch, path)
+    if "rope_freqs.weight" in tensors and arch == "llama" and scaling is not None and \
+            dict(scaling)["rope_type"] != "linear":
+        # llama.cpp divides by the factors inside its YaRN; models.rope takes them with a linear scaling only
+        raise UnsupportedConfigError(f"{path}: the rope_freqs.weight tensor with a {dict(scaling)['rope_type']!r} "
+                                     f"RoPE scaling ({arch}.rope.scaling.type) is not implemented (only with none "
+                                     "or linear)")
     context = int(_required(reader, f"{arch}.context_length", path))
     if not 1 <= context <= MAX_POSITIONS:
         raise GGUFMetadataError(f"{path}: {arch}.context_length = {context} must be in [1, {MAX_POSITIONS}]")

@@ -307,6 +307,9 @@ class LlamaConfig:
             require("hidden_act", ("silu", "swish"), "only SwiGLU with silu (transformers' 'swish') is implemented")
         require("mlp_bias", (False, None), "MLP biases are not implemented")
         require("use_mrope", (False, None), "multimodal RoPE is not implemented")
+        # nanotron's flag: transformers ignores it and rotates halves, which is what a true value says is wrong
+        require("rope_interleaved", (False, None), "interleaved rotary pairs are not implemented; transformers "
+                "ignores the field and rotates the halves of each head")
         rope_fraction = None
         if model_type == "phi3":  # Phi-4-mini: RoPE on the leading fraction of each head (transformers' Phi3)
             cfg, rope_fraction = _phi3_partial_rotary(cfg)
@@ -395,7 +398,7 @@ _HF_HANDLED_KEYS = frozenset({
     "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "rms_norm_eps",
     "max_position_embeddings", "tie_word_embeddings", "eos_token_id", "hidden_act", "attention_bias", "mlp_bias",
     "sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "partial_rotary_factor",
-    "quantization_config", "use_mrope", "no_rope_layers", "no_rope_layer_interval",
+    "quantization_config", "use_mrope", "no_rope_layers", "no_rope_layer_interval", "rope_interleaved",
 })
 # Fields read for one model type only (refused as unknown elsewhere).
 _HF_TYPE_KEYS = {"phi3": frozenset({"original_max_position_embeddings", "full_attn_mod", "interpolate_factor",
@@ -425,6 +428,8 @@ _HF_IGNORED_KEYS = frozenset({
     # the repository's own modeling code, which transformers runs only with trust_remote_code; its
     # built-in class (what this package matches) ignores the field
     "auto_map",
+    # nanotron's export flag (SmolLM2), and transformers.js's settings for its own runtime
+    "is_llama_config", "transformers.js_config",
 })
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Fields whose null transformers does not replace by a value (num_key_value_heads, head_dim, sliding_window and
@@ -510,11 +515,23 @@ def _check_gemma3(cfg: Mapping) -> tuple[dict, dict]:
     if legacy is not None:
         if not isinstance(legacy, Mapping):
             raise UnsupportedConfigError(f"config.json 'rope_scaling' must be an object, got {legacy!r}")
+
+        def scaling(d):
+            return {("rope_type" if k == "type" else k): v for k, v in d.items() if k != "rope_theta"}
+
+        if params.get("full_attention") is not None and scaling(legacy) != scaling(full):
+            raise UnsupportedConfigError(
+                f"config.json 'rope_scaling' ({dict(legacy)!r}) and 'rope_parameters.full_attention' ({full!r}) "
+                "describe different RoPE scalings; keep one")
         full.update(legacy)
-    full.setdefault("rope_theta", cfg.pop("rope_theta", 1_000_000.0))
-    local.setdefault("rope_theta", cfg.pop("rope_local_base_freq", 10_000.0))
-    cfg.pop("rope_theta", None)
-    cfg.pop("rope_local_base_freq", None)
+    # a base given twice must agree (as the other types' rope_theta and rope_parameters.rope_theta)
+    for nested, key, default in ((full, "rope_theta", 1_000_000.0), (local, "rope_local_base_freq", 10_000.0)):
+        flat = cfg.pop(key, None)
+        if flat is not None and nested.get("rope_theta") is not None and flat != nested["rope_theta"]:
+            raise ValueError(f"config.json gives different RoPE bases: {key} = {flat!r}, rope_parameters."
+                             f"{'full' if nested is full else 'sliding'}_attention.rope_theta = "
+                             f"{nested['rope_theta']!r}; keep one")
+        nested.setdefault("rope_theta", default if flat is None else flat)
     kind = full.get("rope_type") or full.get("type") or "default"
     if kind not in ("default", "linear"):
         raise UnsupportedConfigError(f"config.json RoPE type {kind!r} of the full-attention layers of a gemma3_text "
@@ -777,6 +794,9 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
                 f"config.json 'layer_types' with 'full_attention' layers on a {model_type} model is not supported "
                 "(transformers ignores it there and windows every layer)")
         return (None, None) if window is None else (window, None)
+    use = cfg.get("use_sliding_window", False)
+    if use is not None and not isinstance(use, bool):  # "false" would read as true
+        raise ValueError(f"config.json 'use_sliding_window' must be true or false, got {use!r}")
     if (not cfg.get("use_sliding_window", False) or window is None) and layer_types \
             and "sliding_attention" in layer_types:
         # Qwen: transformers 5.24 raises (no window for a sliding layer's mask); SmolLM3 masks such
@@ -790,7 +810,9 @@ def _hf_sliding_window(cfg: Mapping, model_type: str, num_layers: int,
     if layer_types is None and model_type == "smollm3":
         layer_types = ["sliding_attention" if i in nope else "full_attention" for i in range(num_layers)]
     elif layer_types is None:
-        start = int(cfg.get("max_window_layers", defaults["max_window_layers"]))
+        start = cfg.get("max_window_layers", defaults["max_window_layers"])
+        if isinstance(start, bool) or not isinstance(start, int):  # transformers compares i >= max_window_layers
+            raise ValueError(f"config.json 'max_window_layers' must be an integer, got {start!r}")
         layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
     layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     return (window, layers) if layers else (None, None)
