@@ -188,8 +188,8 @@ class Tokenizer:
         if template is None and (folder / "chat_template.json").is_file():
             template = read_json_object(folder / "chat_template.json").get("chat_template")
         # transformers' layout for named templates beside chat_template.jinja
-        if (folder / "additional_chat_templates").is_dir():
-            named.update({f.stem: read_template(f) for f in sorted((folder / "additional_chat_templates").glob("*.jinja"))})
+        for extra in sorted((folder / "additional_chat_templates").glob("*.jinja")):
+            named[extra.stem] = read_template(extra)
 
         specials = _special_token_entries(folder, cfg)
         _register_special_tokens(backend, specials, cfg, cfg_path)
