@@ -235,9 +235,10 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
       a :class:`PrefillState`.
 
     Raises:
-      ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, or a prompt longer
-        than the model's context (``max_position_embeddings``) unless ``allow_beyond_context``.
-      TypeError: token ids that are not integers.
+      ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, a prompt longer
+        than the model's context (``max_position_embeddings``) unless ``allow_beyond_context``,
+        or ``max_new_tokens < 0``.
+      TypeError: token ids that are not integers, a ``max_new_tokens`` that is not an int.
     """
     return _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, None)[0]
 
@@ -279,6 +280,8 @@ def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, 
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     for b, prompt in enumerate(prompts):
         _check_token_ids(f"prompts[{b}]", prompt, model.config.vocab_size)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -429,11 +432,14 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
     Raises:
       ValueError: unknown attention, ``max_new_tokens < 1``, bad sampling parameters, not enough cache capacity,
         ``page_size`` outside quest, or a ``state`` whose cache an earlier decode consumed.
-      TypeError: ``dense_layers`` that are not integers, a ``max_new_tokens`` that is not an int.
+      TypeError: ``dense_layers`` that are not integers, a ``max_new_tokens`` that is not an int, a
+        ``sampling`` that is not a :class:`Sampling`.
       FloatingPointError: a live row's logits held NaN or ±inf (a weight, activation or cache
         value that is not finite); raised at the step that produced them.
     """
     _check_max_new_tokens(max_new_tokens)
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a Sampling (or None: greedy), got {type(sampling).__name__}")
     page_size = _page_size(attention, page_size)
     check_not_consumed(state)
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh,
@@ -445,7 +451,8 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
 def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new_tokens: int = 128,
              config: MagicPIGConfig | LayerConfigs | None = None, dense_layers: Sequence[int] | None = None,
              budget: Budget | None = None, page_size: int | None = None, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, stop: str | Sequence[str] | None = None, stream: bool = False,
+             top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+             stream: bool = False,
              chat: bool = True, parse_special: bool = False,
              kv_dtype: str = "bfloat16") -> Generation | list[Generation] | Iterator[str]:
     """Generate a reply to ``prompt`` with the chosen attention.
@@ -466,15 +473,18 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         :class:`~magicpig_jax.attention.LayerConfigs` (per-layer (K, L) or dense, e.g. from
         ``magicpig-jax calibrate``; :meth:`LayerConfigs.load` reads its JSON file; ``magicpig``,
         ``magicpig-ref`` and ``hybrid`` only, and its recorded model sizes must be this model's).
-        Dense attention reads no :class:`MagicPIGConfig` (accepted, so that one loop can compare
-        backends).
+        Dense attention reads no :class:`MagicPIGConfig`, and ``"topk"``, ``"quest"`` and
+        ``"oracle"`` read only its ``num_sink`` and ``num_local`` (their static set; the stats
+        record those): accepted, so that one loop can compare backends.
       dense_layers: layers kept dense (default :func:`default_dense_layers`: layers 0 and
         ``num_layers // 2``, which on a 2-layer model are every layer, so that every backend then
         decodes densely and ``stats["sampled_fraction"]`` is None; a ``UserWarning`` says so).
       budget: keys per query head for ``"topk"``/``"quest"``/``"oracle"`` (required there, refused
         for the other backends): an int token count or a float fraction in (0, 1] of the hashed range.
       page_size: Quest's page size in tokens (default 16; refused for the other backends).
-      temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy). In a batch
+      temperature, top_p, seed: sampling (:class:`Sampling`; temperature 0 = greedy; ``seed``
+        None is 0, and a seed is refused where nothing draws from it: greedy decoding with a
+        backend other than ``"oracle"``). In a batch
         a sampled row depends on its position (one key per step for all rows), and a greedy
         MagicPIG row may differ from its prompt decoded alone (the batch's float32 rounding can
         change the sampled keys; see :attr:`Sampling.seed`).
@@ -506,7 +516,10 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
         that is not finite); with ``stream=True``, raised by the iterator.
     """
     _check_max_new_tokens(max_new_tokens)
-    sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+    sampling = Sampling(temperature=temperature, top_p=top_p, seed=0 if seed is None else seed)
+    if seed is not None and sampling.temperature == 0 and attention != "oracle":
+        raise ValueError(f"seed has no effect here: decoding is greedy (temperature 0) and attention {attention!r} "
+                         "draws nothing (the SimHash projections' seed is MagicPIGConfig.seed)")
     # an option that would be ignored is refused, as the CLI refuses its flag (dense_layers and config are
     # accepted with attention 'dense', where they do nothing, so that one loop can compare backends)
     if sampling.temperature == 0 and sampling.top_p != 1.0:
@@ -523,7 +536,8 @@ def generate(model: LoadedModel, prompt, *, attention: str = "magicpig", max_new
     ids = [_encode_row(model, p, i if batched else None, chat, parse_special) for i, p in enumerate(prompts)]
     empty = [i for i, row in enumerate(ids) if not row]
     if empty:  # only a raw prompt can: the chat template always adds its turn markers
-        raise ValueError(f"prompt {empty[0]} encodes to no token (an empty text with chat=False)")
+        which = f"prompt {empty[0]}" if batched else "the prompt"
+        raise ValueError(f"{which} encodes to no token (an empty text with chat=False)")
     spec = decode_spec(model, attention, config, dense_layers, budget, page_size,
                        positions=cache_capacity(model, max(map(len, ids)), max_new_tokens))
     n_layers = model.config.num_layers

@@ -68,15 +68,25 @@ class StopStrings:
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]):
         self.decode, self.stop = decode, tuple(stop)
-        # A character takes at most 4 byte tokens, and a token at least one byte.
-        self.tail = 4 * max((len(s) for s in self.stop), default=0) + 4
+        longest = max((len(s) for s in self.stop), default=0)
+        # A character takes at most 4 byte tokens, and most tokens at least one byte: this many ids
+        # usually decode to enough text. Tokens without text (skipped special tokens, ids past the
+        # tokenizer's vocabulary) need more: the tail is doubled until its text has the longest
+        # stop string's length plus 4 characters (a cut character's U+FFFD, a stripped space).
+        self.tail = 4 * longest + 4
+        self.need = longest + 4
 
     def __call__(self, row: int, ids: Sequence[int]) -> bool:
         """Whether the text of ``ids`` (a row's tokens so far) holds a stop string (``row`` is
-        unused: every row has the same stop strings). Only the last few ids are decoded each
-        step; a hit there is confirmed on the whole text, since a tail that starts inside a run
-        of byte-fallback tokens can decode otherwise than the run does."""
-        text = self.decode(ids[-self.tail:])
+        unused: every row has the same stop strings). Only the last ids are decoded each step
+        (enough of them to hold the longest stop string); a hit there is confirmed on the whole
+        text, since a tail that starts inside a run of byte-fallback tokens can decode otherwise
+        than the run does."""
+        tail = self.tail
+        text = self.decode(ids[-tail:])
+        while len(text) < self.need and tail < len(ids):
+            tail *= 2
+            text = self.decode(ids[-tail:])
         if not any(s in text for s in self.stop):
             return False
         if len(ids) > self.tail:

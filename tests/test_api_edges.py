@@ -122,7 +122,7 @@ def test_prompts_that_are_no_text_are_named(model):
     for content, kind in ((3, "int"), (None, "NoneType"), (["a"], "list")):
         with pytest.raises(TypeError, match=_exact(f"prompt message 0 content must be a str, got {kind}")):
             generate(model, [{"role": "user", "content": content}])
-    with pytest.raises(ValueError, match=_exact("prompt 0 encodes to no token (an empty text with chat=False)")):
+    with pytest.raises(ValueError, match=_exact("the prompt encodes to no token (an empty text with chat=False)")):
         generate(model, "", chat=False)
 
 

@@ -156,3 +156,28 @@ def test_a_sparse_attention_with_every_layer_dense_warns(model):
     all_dense = LayerConfigs(layers=((0, "dense"), (1, "dense")))
     with pytest.warns(UserWarning, match="the LayerConfigs keep every layer dense"):
         generate(model, "hi there", attention="magicpig", config=all_dense, max_new_tokens=2)
+
+
+def test_options_that_would_do_nothing_or_are_mistyped_are_refused(model):
+    """A seed where nothing draws (greedy, not oracle), a ``sampling`` that is not a Sampling, a
+    prefill budget that is not an int: named errors, before any work."""
+    from magicpig_jax.decode_loop import Sampling
+    from magicpig_jax.generation import decode, prefill
+
+    with pytest.raises(ValueError, match="seed has no effect here: decoding is greedy"):
+        generate(model, "hi", attention="dense", max_new_tokens=1, seed=7)
+    assert generate(model, "hi", attention="dense", max_new_tokens=1, temperature=0.5, seed=7).stats["sampling"][
+        "seed"] == 7
+    assert generate(model, "hi", attention="dense", max_new_tokens=1).stats["sampling"]["seed"] == 0
+    ids = encode_prompt(model, "hi", True, False)
+    for bad in (1.5, None, True):
+        with pytest.raises(TypeError, match=f"max_new_tokens must be an int, got {bad!r}"):
+            prefill(model, [ids], bad)
+    state = prefill(model, [ids], 2)
+    with pytest.raises(TypeError, match="sampling must be a Sampling .* got dict"):
+        decode(model, state, attention="dense", max_new_tokens=1, sampling={"temperature": 1.0})
+    assert decode(model, state, attention="dense", max_new_tokens=1, sampling=Sampling())
+    with pytest.raises(ValueError, match="^the prompt encodes to no token"):
+        generate(model, "", chat=False, attention="dense", max_new_tokens=1)
+    with pytest.raises(ValueError, match="^prompt 1 encodes to no token"):
+        generate(model, ["a", ""], chat=False, attention="dense", max_new_tokens=1)

@@ -124,3 +124,15 @@ def test_the_criterion_confirms_a_tail_hit_on_the_whole_text(byte_fallback):
     assert not StopStrings(tok.decode, ["A"])(0, ids)
     with pytest.raises(ValueError, match="must not hold U\\+FFFD"):
         check_stop_strings(["a\ufffd"])
+
+
+@pytest.mark.parametrize("gap", [0, 5, 11, 12, 40])
+def test_a_stop_string_across_tokens_without_text(tok, gap):
+    """Skipped special tokens (and ids past the tokenizer's vocabulary) have no text: a stop string
+    split by a run of them is still found, as in the whole text."""
+    ell, end = tok.encode("l")[0], tok.backend.token_to_id("<|im_end|>")
+    assert tok.decode([end]) == ""
+    ids = [ell] + [end] * gap + [ell]
+    stop = StopStrings(tok.decode, ["ll"])
+    assert "ll" in tok.decode(ids) and stop(0, ids)
+    assert not stop(0, ids[:-1])
