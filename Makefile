@@ -64,7 +64,7 @@ asan: install-test
 	  LD_PRELOAD="$(ASAN_LIBS)" MAGICPIG_HOST_OPS_LIB=$$(ls $(abspath build/asan/host_ops)/_host_ops*.so) \
 	  $(BIN)/python -m pytest tests/test_host_ops.py tests/test_host_matvec.py tests/test_host_exact.py \
 	    tests/test_host_topk.py tests/test_host_quest.py tests/test_host_build.py tests/test_host_attention.py \
-	    tests/test_host_simhash.py \
+	    tests/test_host_simhash.py tests/test_host_index_integrity.py \
 	    -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -k "not embedded_model and not packed_decode and not backend and not decoder"
 
 # Mutation testing (mutmut, the `mutate` extra; not part of `make test`): the modules and tests of

@@ -489,14 +489,26 @@ ffi::Future BuildImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> codes, ffi::Bu
 // 2. Append (the index buffers are aliased input -> output).
 // ---------------------------------------------------------------------------------------------
 
-// Insert the open chunk's tokens (positions [sealed, sealed + n)) into the sorted chunks.
-void MergeOpen(const Geometry& g, int64_t sealed, int64_t n, const uint16_t* open, uint16_t* ids_bh,
-               uint16_t* off_bh, std::vector<uint32_t>& scratch) {
+// Insert the open chunk's tokens (positions [sealed, sealed + n)) into the sorted chunks. A chunk
+// must hold exactly the positions [max(start, chunk start), sealed) before: an index whose bounds
+// were edited apart from its tables would otherwise be written past its chunk (or take a
+// position twice), so the count is checked and a mismatch is an error, not a write.
+ffi::Error MergeOpen(const Geometry& g, int64_t start, int64_t sealed, int64_t n, const uint16_t* open,
+                     uint16_t* ids_bh, uint16_t* off_bh, std::vector<uint32_t>& scratch) {
   int64_t p = sealed;
   while (p < sealed + n) {
     const int64_t c = p / g.CH;
     const int64_t q_end = std::min<int64_t>(sealed + n, (c + 1) * g.CH);
     const int64_t m = q_end - p;
+    const int64_t held = p - std::max<int64_t>(start, c * g.CH);
+    for (int64_t l = 0; l < g.L; ++l) {
+      if (off_bh[(c * g.L + l) * g.NB + g.NB - 1] != held) {
+        return InvalidArg("the index's chunk " + std::to_string(c) + " holds " +
+                          std::to_string(off_bh[(c * g.L + l) * g.NB + g.NB - 1]) + " positions in table " +
+                          std::to_string(l) + " where its bounds say " + std::to_string(held) +
+                          ": bounds edited apart from the tables (rebuild the index)");
+      }
+    }
     for (int64_t l = 0; l < g.L; ++l) {
       // (code << 16 | id) of the new tokens, sorted by code.
       scratch.resize(m);
@@ -528,6 +540,7 @@ void MergeOpen(const Geometry& g, int64_t sealed, int64_t n, const uint16_t* ope
     }
     p = q_end;
   }
+  return ffi::Error::Success();
 }
 
 ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::Buffer<ffi::U16> off_in,
@@ -609,7 +622,9 @@ ffi::Future AppendImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U16> ids_in, ffi::
                        std::vector<uint32_t> scratch;
                        for (int64_t i = 0; i < cnt[b]; ++i) {
                          if (o == g.OPEN) {
-                           MergeOpen(g, se, o, ob, idb, offb, scratch);
+                           if (auto e = MergeOpen(g, old_b[3 * b], se, o, ob, idb, offb, scratch); !e.success()) {
+                             return e;
+                           }
                            se += o;
                            o = 0;
                          }

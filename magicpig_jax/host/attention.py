@@ -7,9 +7,9 @@ hit), so no per-step work is proportional to N besides the walk itself; the open
 compared code by code. The candidates are attended in one pass, in blocks of 32 (an online
 softmax), and their K/V rows are prefetched (:func:`~magicpig_jax.host.advise_huge_pages` backs the buffers
 with huge pages). ``log u`` comes from the table of :mod:`magicpig_jax.host.log_u`. Work is
-split over (row, query head) with XLA's intra-op thread pool; when those are too few for the
-pool (``B * Hq`` not a multiple of the threads and below 8 per thread, e.g. one row on two
-cores), each head's positions are split into pieces of at least 1,024 (a piece walks only its
+split over (row, query head) with XLA's intra-op thread pool; when those are fewer than the
+pool's threads (``B * Hq`` below them, e.g. one row of one head on two cores), each head's
+positions are split into ``threads / gcd(B * Hq, threads)`` pieces of at least 1,024 (a piece walks only its
 ids of each bucket, which are stored in ascending order, so the sampled set is the same) and
 the pieces' ``(out, lse)`` are merged exactly. The inner loops have an AVX2/FMA variant
 chosen at run time.
@@ -30,7 +30,14 @@ from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.index import HostIndex
 from magicpig_jax.host.log_u import table_operand
 from magicpig_jax.host.simhash import host_simhash_codes
-from magicpig_jax.host.validate import check_config, check_index, check_int, check_kv_dtypes, check_lengths_strict
+from magicpig_jax.host.validate import (
+    check_config,
+    check_index,
+    check_index_buffers,
+    check_int,
+    check_kv_dtypes,
+    check_lengths_strict,
+)
 
 __all__ = ["host_sampled_attention", "host_magicpig_attention"]
 
@@ -76,7 +83,8 @@ def host_sampled_attention(
       gives out 0, lse -inf.
 
     Raises:
-      TypeError / ValueError: bad ``impl``, ``window``, ``max_threads``, ``softcap``, shapes or dtypes.
+      TypeError / ValueError: bad ``impl``, ``window``, ``max_threads``, ``softcap``, shapes or dtypes,
+        an ``index`` that is not a :class:`HostIndex` or whose buffers do not fit the cache (named).
       ImportError: the native extension is not built.
     """
     code = impl_code(impl)
@@ -86,6 +94,7 @@ def host_sampled_attention(
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_kv_dtypes(k, v)
     lengths = check_lengths_strict(lengths, B, N)  # int [B] in [0, N]; None: N
+    check_index_buffers(index, B, Hkv, D)
     if q_codes.shape != (B, Hq, index.L) or q_codes.dtype != jnp.uint32:
         raise ValueError(f"q_codes must be uint32 [B, Hq, L] = {[B, Hq, index.L]}, "
                          f"got {q_codes.dtype} {list(q_codes.shape)}")

@@ -15,7 +15,7 @@ Layout per (row b, KV head h), capacity ``C = NC * CH`` positions cut into ``NC`
   ``[sealed_end, end)`` in the open chunk.
 
 Bytes per token per KV head: ``2 L`` (ids) + ``2 L (2^K + 1) / CH`` (offsets)
-+ ``2 L OPEN / C``; at K=10, L=150, C=128K (three chunks of 43,691): 300 + 7.0 + 0.6 = 308 B, i.e. 0.60x the
++ ``2 L OPEN / C``; at K=10, L=150, C=128K (three chunks of 43,691), OPEN=512: 300 + 7.0 + 1.2 = 308 B, i.e. 0.60x the
 512 B of bf16 K+V at D=128 (the reference's int32 layout: 600 B, 1.17x).
 
 Everything here is plain JAX: no compiled extension is needed.

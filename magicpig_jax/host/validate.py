@@ -104,14 +104,28 @@ def check_index(index: HostIndex, config: MagicPIGConfig, B: int, Hkv: int, D: i
         if built is not None and built != asked:
             raise ValueError(f"the index was built with {name}={built} but config has {name}={asked}: "
                              f"build the index with this config")
+    check_index_buffers(index, B, Hkv, D)
+
+
+def check_index_buffers(index: HostIndex, B: int, Hkv: int, D: int) -> None:
+    """Check that ``index`` is a :class:`HostIndex` whose buffers fit a ``[B, Hkv, N, D]`` cache
+    (its own K and L).
+
+    Raises:
+      TypeError: ``index`` is not a :class:`HostIndex` (a pure-JAX ``LSHIndex``, say).
+      ValueError: a buffer has the wrong shape or dtype (named, with the expected one).
+    """
+    if not isinstance(index, HostIndex):
+        raise TypeError(f"index must be a HostIndex (host_build_index), got {type(index).__name__}")
+    K, L = index.K, index.L
     nc, ch = index.ids.shape[2], index.ids.shape[4]
     expect = {
-        "ids": ((B, Hkv, nc, config.L, ch), jnp.uint16),
-        "offsets": ((B, Hkv, nc, config.L, (1 << config.K) + 1), jnp.uint16),
-        "open_codes": ((B, Hkv, config.L, index.open_codes.shape[-1]), jnp.uint16),
+        "ids": ((B, Hkv, nc, L, ch), jnp.uint16),
+        "offsets": ((B, Hkv, nc, L, (1 << K) + 1), jnp.uint16),
+        "open_codes": ((B, Hkv, L, index.open_codes.shape[-1]), jnp.uint16),
         "bounds": ((B, 3), jnp.int32),
         "mean": ((B, Hkv, D), jnp.float32),
-        "projections": ((D, config.K * config.L), jnp.float32),
+        "projections": ((D, K * L), jnp.float32),
     }
     for name, (shape, dtype) in expect.items():
         x = getattr(index, name)
