@@ -77,7 +77,7 @@ def test_summarize_and_format():
     assert "| dense | 75 [30, 95] |" in text  # Wilson (3/4): [0.301, 0.954]
     assert "#### Likelihood (3 documents, 8 teacher-forced tokens each)" in text
     assert "| topk:16 | 5.00 | 16 | 21.0 [18.5, 23.5] | - | 2.00 (1.00 / 1.00 / 0.00 / 0.00) | 0.5000 [" in text
-    assert "KL: mean KL(dense || method) of the next-token distribution over 8 teacher-forced" in text
+    assert "KL: mean KL(dense || method) of the next-token distribution over the teacher-forced prose tokens" in text
     # without likelihood records the legend does not describe the likelihood columns
     tasks_only = format_summary(summarize([r for r in records if r["kind"] != "likelihood"], settings), settings)
     assert "#### Likelihood" not in tasks_only and "KL:" not in tasks_only and "Δ vs dense" in tasks_only
@@ -347,3 +347,20 @@ def test_a_fractional_difference_is_clipped_to_its_range_and_needles_exclude_oth
     ta = summarize(records, settings)[1024]["dense"]["tasks"]["A"]
     assert ta["needle_accuracy"] == 1.0 and ta["needle_accuracy_ci"] == pytest.approx(list(wilson_interval(4, 4)))
     assert ta["mean_accuracy"] == 0.5 and ta["mean_accuracy_ci"] == pytest.approx(list(wilson_interval(4, 8)))
+
+
+def test_the_likelihood_heading_counts_the_records_forced_tokens_and_setup_a_leads():
+    """A later run into the folder with --likelihood-tokens 0 labelled the stored records with 0; with
+    --setups B,A the top-level figures were setup B's while the docstring said A's."""
+    settings = EvalSettings(tasks=["niah_single"], lengths=[1024], samples=2, methods=parse_methods("dense"),
+                            likelihood_samples=2, likelihood_tokens=0, setups=["B", "A"])
+    lik = {"ppl": 3.0, "nll": 1.0, "top1": 1.0, "kl": 0.0, "forced_tokens": 8}
+    records = [_rec("task", "dense", i, score=1.0) for i in range(2)] + [
+        _rec("task", "dense", i, setup="B", score=0.0) for i in range(2)] + [
+        _rec("likelihood", "dense", i, **lik) for i in range(2)]
+    summary = summarize(records, settings)
+    dense = summary[1024]["dense"]
+    assert dense["likelihood_forced_tokens"] == [8]
+    assert dense["accuracy"] == {"niah_single": 1.0} == dense["tasks"]["A"]["accuracy"]
+    text = format_summary(summary, settings)
+    assert "#### Likelihood (2 documents, 8 teacher-forced tokens each)" in text

@@ -100,9 +100,12 @@ def test_the_model_digest_ignores_bookkeeping_beside_the_model(tmp_path):
     (hf / "runs").mkdir()
     (hf / "runs" / "results.jsonl").write_text("{}\n")
     (hf / "README.md").write_text("a model card")
-    for unread in ("special_tokens_map.json", "params.json", "consolidated.safetensors"):  # no loader reads them
+    for unread in ("params.json", "consolidated.safetensors"):  # no loader reads them
         (hf / unread).write_text("{}")
     assert model_digest(hf) == before
+    (hf / "special_tokens_map.json").write_text("{}")  # the tokenizer reads it (its named special tokens)
+    assert model_digest(hf) != before
+    (hf / "special_tokens_map.json").unlink()
     config = json.loads((hf / "config.json").read_text())
     config["rms_norm_eps"] = 1e-6
     (hf / "config.json").write_text(json.dumps(config))
@@ -195,3 +198,18 @@ def test_invocations_are_logged(tmp_path):
     log_invocation(tmp_path, time.time() - 5, 3)
     (run,) = read_runs(tmp_path)
     assert run["records_added"] == 3 and run["wall_seconds"] >= 5 and "jax" in run["machine"]
+
+
+def test_an_option_no_run_has_read_is_pinned_by_the_first_run_that_reads_it(tmp_path):
+    """A folder of dense,magicpig (budget_from unread) refused a later topk --budget-from magicpig:4x8,
+    though no record depended on the value first written."""
+    check_fingerprint(tmp_path, {"seed": 0, "budget_from": "magicpig:10x150"}, unread=frozenset({"budget_from"}))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["unread"] == ["budget_from"]
+    check_fingerprint(tmp_path, {"seed": 0, "budget_from": "magicpig:4x8"})  # read now: pinned
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg == {"fingerprint": {"seed": 0, "budget_from": "magicpig:4x8"}}
+    with pytest.raises(ValueError, match="budget_from"):
+        check_fingerprint(tmp_path, {"seed": 0, "budget_from": "magicpig:10x150"})
+    with pytest.raises(ValueError, match="seed"):  # what was read stays compared
+        check_fingerprint(tmp_path, {"seed": 1, "budget_from": "magicpig:4x8"}, unread=frozenset({"budget_from"}))

@@ -475,7 +475,9 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
                          f"the forced tokens must fit in it): use --length <= {context}")
     base = MagicPIGConfig(num_sink=num_sink, num_local=num_local, seed=seed,
                           layers_per_projection=layers_per_projection)
-    ids = model.tokenizer.encode(text)
+    from magicpig_jax.eval.likelihood import document_encoder
+
+    ids = document_encoder(model.tokenizer)(text)  # the model's BOS first, as the eval's likelihood documents
     if len(ids) < length:
         raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than --length {length}")
     ids = ids[:length]

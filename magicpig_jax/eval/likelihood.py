@@ -27,8 +27,8 @@ import numpy as np
 from magicpig_jax.eval.corpus import DEFAULT_HAYSTACK, load_prose
 from magicpig_jax.eval.tasks import sample_seed
 
-__all__ = ["LikelihoodSample", "likelihood_start", "make_likelihood_sample", "log_softmax", "LogitsRecorder",
-           "compare_to_dense"]
+__all__ = ["LikelihoodSample", "likelihood_start", "make_likelihood_sample", "document_encoder", "log_softmax",
+           "LogitsRecorder", "compare_to_dense"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +79,21 @@ def likelihood_start(num_paragraphs: int, length: int, index: int, seed: int = 0
     return order[index % num_paragraphs]
 
 
+def document_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """text -> token ids of a document as the model reads one: BOS first where the tokenizer adds
+    one (``add_bos_token``: Llama, Mistral, Gemma, Phi-3), never EOS (the text continues past the
+    cut). Without BOS such a model reads out-of-distribution input and its first prose token
+    becomes the attention sink. A :class:`~magicpig_jax.io.tokenizer.Tokenizer`'s ``encode``."""
+
+    def encode(text: str) -> list[int]:
+        ids = tokenizer.encode(text)
+        if tokenizer.add_bos_token and (not ids or ids[0] != tokenizer.bos_token_id):
+            ids = [tokenizer.bos_token_id, *ids]
+        return ids
+
+    return encode
+
+
 def make_likelihood_sample(encode: Callable[[str], list[int]], length: int, index: int, *, seed: int = 0,
                            haystack: str = DEFAULT_HAYSTACK, forced: int = 256) -> LikelihoodSample:
     """Real prose of exactly ``length`` tokens, starting at a seeded paragraph.
@@ -89,7 +104,7 @@ def make_likelihood_sample(encode: Callable[[str], list[int]], length: int, inde
     text has at least ``length`` tokens; the ids are cut to ``length``.
 
     Args:
-      encode: text -> token ids (no chat template).
+      encode: text -> token ids (no chat template; :func:`document_encoder` gives the model's BOS).
       length: tokens in the sample.
       index, seed: sample identification.
       haystack: prose source.

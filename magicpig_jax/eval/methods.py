@@ -178,7 +178,7 @@ def parse_lengths(text: str) -> list[int]:
             continue
         try:
             n = int(float(x[:-1]) * 1024) if x[-1] in "kK" else int(x)
-        except ValueError as err:
+        except (ValueError, OverflowError) as err:  # "nanK"; "infK" overflows int()
             raise ValueError(f"bad length {x!r} (use e.g. 2K,4K,8K or 2048)") from err
         if n < 64:
             raise ValueError(f"length must be >= 64 tokens, got {x!r}")

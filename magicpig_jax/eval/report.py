@@ -248,9 +248,10 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
     ``exp`` of the mean NLL, the perplexity of all their tokens), ``kl_minus_topk`` and
     ``ms_minus_topk`` ``[mean, low, high]`` (paired over the documents, against
     :func:`topk_reference`), ``attention_runs_on``, ``likelihood_cost``,
-    ``likelihood_ms_per_step`` (+ ``_ci``), ``likelihood_bytes_per_step`` (+ ``_parts``);
-    over everything ``cost``, ``budget``, ``decode_tokens_per_s``; and the setup-A task figures
-    at the top level (``accuracy``, ``mean_accuracy``, ...) as before setups existed.
+    ``likelihood_forced_tokens`` (the records' teacher-forced counts), ``likelihood_ms_per_step``
+    (+ ``_ci``), ``likelihood_bytes_per_step`` (+ ``_parts``); over everything ``cost``,
+    ``budget``, ``decode_tokens_per_s``; and the setup-A task figures (the first setup's without
+    A) at the top level (``accuracy``, ``mean_accuracy``, ...) as before setups existed.
     Costs are fractions (not percentages); a mean over no records is None.
 
     Args:
@@ -285,16 +286,19 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
             ms_topk = _paired([] if lab == topk else [(a, b) for a, b in ms_pairs if a is not None and b is not None])
             everything = [r for s in setups for r in task_recs(lab, s)] + lik
             b_total, b_parts = _bytes(lik)
-            first = tasks[setups[0]]
+            top = "A" if "A" in setups else setups[0]
+            first = tasks[top]
             per[lab] = {
                 "tasks": tasks,
-                # setup-A (or first setup) figures at the top level
+                # setup A's figures (the first setup's without A) at the top level
                 "accuracy": first["accuracy"], "accuracy_ci": first["accuracy_ci"], "samples": first["samples"],
                 "mean_accuracy": first["mean_accuracy"], "mean_accuracy_ci": first["mean_accuracy_ci"],
-                "task_cost": {t: _mean([r["sampled_fraction"] for r in task_recs(lab, setups[0]) if r["task"] == t])
+                "task_cost": {t: _mean([r["sampled_fraction"] for r in task_recs(lab, top) if r["task"] == t])
                               for t in settings.tasks},
                 "cost": _mean([r["sampled_fraction"] for r in everything]),
                 "likelihood_cost": _mean([r["sampled_fraction"] for r in lik]),
+                # what the records were forced over (a later run may have asked for none)
+                "likelihood_forced_tokens": sorted({r["forced_tokens"] for r in lik if "forced_tokens" in r}),
                 "likelihood_ms_per_step": _mean([r.get("ms_per_step") for r in lik]),
                 "likelihood_ms_per_step_ci": _ci([r.get("ms_per_step") for r in lik]),
                 "likelihood_bytes_per_step": b_total, "likelihood_bytes_per_step_parts": b_parts,
@@ -388,8 +392,10 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         n_lik = max((v["likelihood_samples"] for v in per.values()), default=0)
         if n_lik:
             any_lik = True
-            lines.append(f"\n#### Likelihood ({n_lik} documents, {settings.likelihood_tokens} teacher-forced tokens "
-                         "each)\n")
+            forced = sorted({n for v in per.values() for n in v.get("likelihood_forced_tokens", ())}) or [
+                settings.likelihood_tokens]
+            lines.append(f"\n#### Likelihood ({n_lik} documents, {' or '.join(map(str, forced))} teacher-forced "
+                         "tokens each)\n")
             head = ["method", "keys %", "budget", "ms/step", "ms − TopK", "MB/step (K / V / index / pages)", "KL",
                     "KL − TopK", "PPL", "top-1 %"]
             lines.append("| " + " | ".join(head) + " |")
@@ -426,7 +432,8 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
     # the likelihood columns' legend, only when a likelihood table was written
     kl_legend = (
         " KL: mean KL(dense || method) of the next-token distribution "
-        f"over {settings.likelihood_tokens} teacher-forced prose tokens, t interval over documents; ms − TopK and "
+        "over the teacher-forced prose tokens (as many as its table's heading says), t interval over documents; "
+        "ms − TopK and "
         "KL − TopK: paired differences over the documents to TopK at the measured budget (else the first TopK "
         "method); PPL: exp of the mean NLL of those tokens over the documents (its interval: exp of the NLL's); "
         "top-1: argmax agreement with dense. The t intervals of quantities that "

@@ -284,9 +284,11 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
     if settings.tasks and settings.samples > 0:  # a length too small for a task's haystack fails its samples
         from magicpig_jax.eval.tasks import check_length_fits
 
-        for task in settings.tasks:
-            check_length_fits(task, min(settings.lengths), lambda p, a: len(prompt_ids(model, p, a)),
-                              seed=settings.seed, haystack=settings.haystack, max_new_tokens=settings.max_new_tokens)
+        for task in settings.tasks:  # every sample of every length: each draws its own keys and words
+            for length in settings.lengths:
+                check_length_fits(task, length, lambda p, a: len(prompt_ids(model, p, a)), seed=settings.seed,
+                                  haystack=settings.haystack, max_new_tokens=settings.max_new_tokens,
+                                  samples=settings.samples)
     # a sample's prompt and its decoded tokens fill its length (RULER's sizing; the likelihood task's too)
     positions = cache_capacity(model, max(settings.lengths), 1)
     for m in settings.methods:
@@ -317,10 +319,10 @@ def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
                 raise ValueError(
                     f"--likelihood-tokens ({forced}) leaves a prefix of {length - forced} tokens at length {length}, "
                     f"not longer than the static set (--num-sink + --num-local = {static}): no key would be sampled")
-        from magicpig_jax.eval.likelihood import make_likelihood_sample
+        from magicpig_jax.eval.likelihood import document_encoder, make_likelihood_sample
 
         # the corpus must hold the longest sample (the same text the run builds; a short FILE fails here)
-        make_likelihood_sample(model.tokenizer.encode, max(settings.lengths), 0, seed=settings.seed,
+        make_likelihood_sample(document_encoder(model.tokenizer), max(settings.lengths), 0, seed=settings.seed,
                                haystack=settings.haystack, forced=forced)
     if sparse and settings.tasks and "A" in settings.setups and settings.max_new_tokens == 1:
         raise ValueError("--max-new-tokens 1 with setup A: the answer's only token comes from the dense prefill, so "
@@ -450,7 +452,12 @@ class _Loop:
 
     def likelihood(self, length: int, index: int) -> None:
         """A prose sample: dense prefill, then each method teacher-forced over the last tokens against dense."""
-        from magicpig_jax.eval.likelihood import LogitsRecorder, compare_to_dense, make_likelihood_sample
+        from magicpig_jax.eval.likelihood import (
+            LogitsRecorder,
+            compare_to_dense,
+            document_encoder,
+            make_likelihood_sample,
+        )
         from magicpig_jax.generation import prefill
 
         model, s = self.model, self.settings
@@ -458,7 +465,7 @@ class _Loop:
         if not self.todo(key):
             return
         n = s.likelihood_tokens
-        lik = make_likelihood_sample(model.tokenizer.encode, length, index, seed=s.seed, haystack=s.haystack,
+        lik = make_likelihood_sample(document_encoder(model.tokenizer), length, index, seed=s.seed, haystack=s.haystack,
                                      forced=n)
         state = prefill(model, [lik.prefix], n - 1)
         rec_d = LogitsRecorder(n)
@@ -505,7 +512,7 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     unread = {k for k, readers in option_readers(settings.methods).items() if not readers}
     n_lik = settings.likelihood_documents
     if settings.likelihood_tokens == 0 or n_lik == 0:  # no likelihood document this run: its settings read nothing
-        unread |= {"likelihood_tokens", "likelihood_starts"}
+        unread |= {"likelihood_tokens", "likelihood_starts", "likelihood_bos"}
     check_fingerprint(out, fp, FINGERPRINT_DEFAULTS, frozenset(unread))
     store = ResultStore(out / RESULTS)
     _check_config_files_unchanged(store, settings, out)

@@ -55,6 +55,8 @@ class EvalSettings:
             out["model_sha1"] = model_digest(model.source)
         if self.layers_per_projection != 1:  # results files written before the option keep their fingerprint
             out["layers_per_projection"] = self.layers_per_projection
+        if getattr(model.tokenizer, "add_bos_token", False):  # likelihood documents start with BOS (recorded
+            out["likelihood_bos"] = True  # where it makes a difference, so that older folders keep theirs)
         return out
 
 
@@ -98,8 +100,10 @@ def model_digest(source, chunks: int = 64, chunk_bytes: int = 1 << 16) -> str:
 # "likelihood_starts": absent from results written when each likelihood sample drew its start on its own
 # (repeats possible); they are not resumed with the distinct starts of likelihood.likelihood_start.
 # "model_sha1" (model_digest): compared only where both hold it, as the haystack's.
+# "likelihood_bos": absent where the model adds no BOS, and from results written when the likelihood
+# documents of a model that adds one were encoded without it (not resumed with BOS).
 FINGERPRINT_DEFAULTS = {"layers_per_projection": 1, "haystack_sha1": UNRECORDED, "likelihood_starts": "independent",
-                        "model_sha1": UNRECORDED}
+                        "model_sha1": UNRECORDED, "likelihood_bos": False}
 
 
 SETUPS = {"A": "the question is inside the dense prefill (the whole prompt is prefilled; the methods decode the "
@@ -206,8 +210,9 @@ def settings_from_args(args) -> EvalSettings:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
     if args.likelihood_tokens < 0 or (args.likelihood_samples is not None and args.likelihood_samples < 0):
         raise ValueError("--likelihood-tokens and --likelihood-samples must be >= 0")
-    if not tasks and args.likelihood_tokens == 0:
-        raise ValueError("nothing to do: --tasks none and --likelihood-tokens 0")
+    if not tasks and (args.likelihood_tokens == 0 or args.likelihood_samples == 0):
+        zero = "--likelihood-tokens 0" if args.likelihood_tokens == 0 else "--likelihood-samples 0"
+        raise ValueError(f"nothing to do: --tasks none and {zero}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from magicpig_jax.attention.baselines import MAX_PAGE_SIZE

@@ -137,7 +137,9 @@ def check_fingerprint(out: Path, fingerprint: dict, defaults: dict | None = None
     key whose default is :data:`UNRECORDED` (one that older results files do not hold) is compared
     only where both hold it. Keys in ``unread`` (options no method of this run reads, e.g.
     ``budget_from`` without a budgeted baseline) are not compared: this run's records do not
-    depend on them, and the folder keeps the values it recorded.
+    depend on them, and the folder keeps the values it recorded. The folder lists the keys that
+    none of its runs has read yet (``config.json``'s ``unread``): they are not compared either,
+    and the first run that reads one pins its value there.
 
     Raises:
       ValueError: ``out`` holds results of different settings (the message lists old and new values),
@@ -151,15 +153,31 @@ def check_fingerprint(out: Path, fingerprint: dict, defaults: dict | None = None
         raise ValueError(f"{out} holds {results.name} but no config.json, so the settings of its records are "
                          "unknown; use another --out (or restore config.json)")
     if cfg_path.exists():
-        old = json.loads(cfg_path.read_text()).get("fingerprint", {})
+        cfg = json.loads(cfg_path.read_text())
+        old, never_read = cfg.get("fingerprint", {}), set(cfg.get("unread", ()))
         keys = [k for k in sorted(set(old) | set(fingerprint))
-                if k not in unread and (defaults.get(k) is not UNRECORDED or (k in old and k in fingerprint))]
+                if k not in unread and k not in never_read
+                and (defaults.get(k) is not UNRECORDED or (k in old and k in fingerprint))]
         diff = {k: (old.get(k, defaults.get(k)), fingerprint.get(k, defaults.get(k))) for k in keys
                 if old.get(k, defaults.get(k)) != fingerprint.get(k, defaults.get(k))}
         if diff:
             raise ValueError(f"{out} holds results of other settings {diff} (old, new); use another --out")
+        now_read = sorted(never_read - set(unread))
+        if now_read:  # this run's records depend on them: pin this run's values
+            for k in now_read:
+                if k in fingerprint:
+                    old[k] = fingerprint[k]
+                else:
+                    old.pop(k, None)
+            _write_config(cfg_path, old, never_read & set(unread))
     else:
-        cfg_path.write_text(json.dumps({"fingerprint": fingerprint}, indent=2) + "\n")
+        _write_config(cfg_path, fingerprint, set(unread))
+
+
+def _write_config(path: Path, fingerprint: dict, unread: set[str]) -> None:
+    """``config.json``: the fingerprint, and the keys of it that no run has read yet."""
+    cfg = {"fingerprint": fingerprint, **({"unread": sorted(unread)} if unread else {})}
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def log_invocation(out: Path, t_start: float, added: int) -> None:

@@ -383,24 +383,28 @@ def _check(task: str, prompt: str, outputs: tuple[str, ...]) -> None:
 
 
 def check_length_fits(task: str, length: int, count_tokens: Callable[[str, str], int], *, seed: int = 0,
-                      haystack: str = DEFAULT_HAYSTACK, max_new_tokens: int | None = None) -> None:
-    """Refuse a ``length`` too small for ``task``'s smallest haystack (sample 0's), as
-    :func:`make_sample` would, with two tokenizations instead of its whole search.
+                      haystack: str = DEFAULT_HAYSTACK, max_new_tokens: int | None = None,
+                      samples: int = 1) -> None:
+    """Refuse a ``length`` too small for ``task``'s smallest haystack in any of samples
+    ``0 .. samples - 1`` (their keys and words differ in length), as :func:`make_sample` would,
+    with one tokenization per sample instead of its whole search.
 
     Raises:
-      ValueError: unknown task, or ``length`` too small (the message of :func:`make_sample`).
+      ValueError: unknown task, or ``length`` too small (the message of :func:`make_sample`,
+        naming the first sample that does not fit).
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     new = MAX_NEW_TOKENS[task] if max_new_tokens is None else int(max_new_tokens)
-    _smallest_fits(task, length, new, _builder(task, length, sample_seed(task, length, 0, seed), haystack),
-                   count_tokens)
+    for index in range(samples):
+        _smallest_fits(task, length, new, _builder(task, length, sample_seed(task, length, index, seed), haystack),
+                       count_tokens, index)
 
 
-def _smallest_fits(task: str, length: int, new: int, build, count_tokens) -> None:
+def _smallest_fits(task: str, length: int, new: int, build, count_tokens, index: int = 0) -> None:
     if count_tokens(*build(_min_units(task))[:2]) > length - new:
         raise ValueError(f"{task}: a context of {length} tokens (with {new} new tokens) is too small "
-                         f"for the smallest haystack")
+                         f"for the smallest haystack (sample {index})")
 
 
 def make_sample(task: str, length: int, index: int, count_tokens: Callable[[str, str], int], *,
@@ -434,7 +438,7 @@ def make_sample(task: str, length: int, index: int, count_tokens: Callable[[str,
     budget = length - new
     s = sample_seed(task, length, index, seed)
     build = _builder(task, length, s, haystack)
-    _smallest_fits(task, length, new, build, count_tokens)
+    _smallest_fits(task, length, new, build, count_tokens, index)
     lo = _min_units(task)
     hi = lo * 2
     while count_tokens(*build(hi)[:2]) <= budget:
