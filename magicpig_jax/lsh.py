@@ -117,12 +117,19 @@ def simhash_codes(
 
     Raises:
       ValueError: if ``projections`` is not ``[D, K*L]`` with D = ``x.shape[-1]``.
-      TypeError: ``projections`` is not a float array (integer hyperplanes are not SimHash's
-        Gaussian ones, so the sampling probabilities would not hold).
+      TypeError: ``x`` is not a float array of at least one dimension, or ``projections`` is not a
+        float array (integer hyperplanes are not SimHash's Gaussian ones, so the sampling
+        probabilities would not hold); either is not an array.
 
     Source: arXiv 2410.16179, Section 4.2.
     """
     validate_k_l(K, L)
+    for name, a in (("x", x), ("projections", projections)):
+        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+            raise TypeError(f"{name} must be an array (jax or NumPy), got {type(a).__name__}")
+    if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a float array [..., D] (vectors to hash), got {x.dtype} of shape "
+                        f"{tuple(x.shape)}")
     if not jnp.issubdtype(projections.dtype, jnp.floating):
         raise TypeError(f"projections must be a float array (Gaussian SimHash hyperplanes), got {projections.dtype}")
     if projections.ndim != 2 or projections.shape != (x.shape[-1], K * L):

@@ -1,8 +1,9 @@
 """Attention estimators for one decode step: dense, MagicPIG, baselines, and the exact LSE merge.
 
 Shape glossary: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, N cached
-keys, D head dim. Query head h reads KV head ``h // G``. All functions are pure
-and jit-able (configs are static Python objects).
+keys, D head dim. Query head h reads KV head ``h // G``. The attention functions are pure
+and jit-able (configs are static Python objects); the cost model's (:func:`expected_sampled_fraction`,
+:func:`tables_for_fraction`) are host NumPy functions of Python numbers.
 
 Padding is inert: a key past its row's length, or one an estimator does not use (not
 sampled, not kept, never drawn), is selected out of the logits and of the values, so

@@ -488,7 +488,10 @@ def oracle_sampling_attention(
     w = jnp.where(valid, jnp.exp(logits - lse_g), 0.0)  # [B, Hkv, G, N]
     idx = _inverse_cdf_draws(rng, w, S)
     used = (jnp.arange(S, dtype=jnp.int32)[None, :] < draws[:, None]).astype(jnp.float32)
-    used = jnp.broadcast_to(used[:, None, None, :], idx.shape)
+    # a head whose every valid logit is -inf has no weight to draw from (w is all 0 and the inverse
+    # CDF would land on position N - 1, padding included): no draws, the empty result (0, -inf, 0)
+    drawable = (lse > -jnp.inf).reshape(B, Hkv, G, 1).astype(jnp.float32)
+    used = used[:, None, None, :] * drawable
     counts = jax.vmap(lambda i, c: jnp.zeros((N,), jnp.float32).at[i].add(c))(
         idx.reshape(-1, S), used.reshape(-1, S)
     ).reshape(B, Hkv, G, N)

@@ -96,8 +96,12 @@ def build_lsh_index(
     Raises:
       ValueError: k is not 4-D, projections is not ``[D, K*L]`` or holds a NaN, infinity or zero column (concrete;
         traced, the index's mean becomes NaN: :func:`mean_or_nan_for_projections`), or lengths is not ``[B]``.
-      TypeError: k is not a floating dtype, lengths not integers, config not a MagicPIGConfig.
+      TypeError: k or projections not an array, k not a floating dtype, lengths not integers, config
+        not a MagicPIGConfig.
     """
+    for name, a in (("k", k), ("projections", projections)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{name} must be an array (jax or NumPy), got {type(a).__name__}")
     if k.ndim != 4:
         raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(k.shape)}")
     if not jnp.issubdtype(k.dtype, jnp.floating):
@@ -118,6 +122,11 @@ def build_lsh_index(
     if not center:
         mean = jnp.zeros_like(mean)
     mean = mean_or_nan_for_projections(mean, projections)
+    # One materialized mean for the codes and for the index: inside a larger jitted program XLA
+    # could otherwise recompute it within the hashing fusion (contracting the subtraction with the
+    # division), and a centered key at rounding level would be hashed from another vector than the
+    # one u is later computed from (a biased estimate).
+    mean = jax.lax.optimization_barrier(mean)
     codes = lsh.simhash_codes(kf - mean[:, :, None, :], projections, config.K, config.L)
     return LSHIndex(codes=codes, mean=mean, start=start, end=end, projections=projections,
                     num_sink=config.num_sink, num_local=config.num_local)

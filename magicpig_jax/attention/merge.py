@@ -32,13 +32,17 @@ def merge_attention(
       ``(out, lse)`` float32 of the same shapes.
 
     Raises:
-      ValueError: if the shapes disagree.
+      ValueError: if the shapes disagree (``out`` must have the trailing D axis).
+      TypeError: an argument that is not an array (a list, say).
 
     Source: the split-softmax identity used by FlashAttention/FlashDecoding;
     MagicPIG merges its host (sampled) part with its accelerator (static) part
     this way (arXiv 2410.16179, Section 4.3).
     """
-    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
+    for name, a in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"merge_attention: {name} must be an array (jax or NumPy), got {type(a).__name__}")
+    if out_a.ndim < 1 or out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
         raise ValueError(
             "merge_attention needs out_a/out_b of shape [..., D] and lse_a/lse_b of shape [...]; got "
             f"{tuple(out_a.shape)}, {tuple(lse_a.shape)}, {tuple(out_b.shape)}, {tuple(lse_b.shape)}"
