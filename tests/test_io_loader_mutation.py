@@ -663,7 +663,7 @@ def test_load_model_consumes_the_weights_it_read(tmp_path, monkeypatch):
 
 def test_loader_paths_messages_and_the_embedded_model(tmp_path, monkeypatch):
     missing = tmp_path / "nope"
-    message = (f"--model path {missing} does not exist (expected a .gguf file, a Hugging Face directory or a "
+    message = (f"model path {missing} does not exist (expected a .gguf file, a Hugging Face directory or a "
                "checkpoint directory written by magicpig-jax convert)")
     with _raises(FileNotFoundError, message):
         load_model(missing)

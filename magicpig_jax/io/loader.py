@@ -292,7 +292,7 @@ def read_model_config(path: str | Path | None = None) -> LlamaConfig:
     source = _source(path)
     if not source.exists():
         raise FileNotFoundError(
-            f"--model path {source} does not exist (expected {MODEL_KINDS})")
+            f"model path {source} does not exist (expected {MODEL_KINDS})")
     if source.is_dir() and is_checkpoint(source):
         return read_checkpoint_config(source)
     if source.is_dir():
@@ -314,7 +314,7 @@ def model_files(path: str | Path | None = None) -> list[Path]:
 
     source = _source(path)
     if not source.exists():
-        raise FileNotFoundError(f"--model path {source} does not exist (expected {MODEL_KINDS})")
+        raise FileNotFoundError(f"model path {source} does not exist (expected {MODEL_KINDS})")
     if source.is_dir() and is_checkpoint(source):
         return checkpoint_files(source)
     if source.is_dir():
@@ -331,7 +331,7 @@ def _read_source(path: str | Path | None):
     source = _source(path)
     if not source.exists():
         raise FileNotFoundError(
-            f"--model path {source} does not exist (expected {MODEL_KINDS})")
+            f"model path {source} does not exist (expected {MODEL_KINDS})")
     if source.is_dir() and is_checkpoint(source):
         return source, read_checkpoint(source)
     if source.is_dir():
