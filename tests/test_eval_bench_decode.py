@@ -37,6 +37,9 @@ def test_bench_decode_tiny(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_decode, "prompt_ids", lambda model, text, n: [(7 * i) % 90 + 1 for i in range(n)])
     import magicpig_jax.memory as memory
 
+    # the shapes earlier tests of this worker recorded would make the prefill's own retention drop
+    # (memory.note_program_shape) count here: start from none, whatever ran before
+    memory.drop_compiled_programs()
     events = []
     drop, reset = memory.drop_compiled_programs, bench_decode.PeakRSS.reset
     monkeypatch.setattr(memory, "drop_compiled_programs", lambda: (events.append("drop"), drop())[1])

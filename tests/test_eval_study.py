@@ -140,3 +140,20 @@ def test_main_bad_arguments(tmp_path):
         study.main(["--profiles", "nope", "--no-plot"])
     with pytest.raises(SystemExit):
         study.main(["--lsh", "10-150"])
+
+
+def test_baseline_budgets_are_the_baselines_own_and_the_json_records_the_run(tmp_path):
+    """0.07 x 100 is 7.000000000000001 in float64: ceil gave TopK and oracle 8 keys in the record
+    while topk_attention(0.07) keeps 7. The JSON lacked the synthetic sizes and the source revision."""
+    import json
+
+    out = tmp_path / "st"
+    study.main(["--n", "100", "--heads", "1", "--head-dim", "8", "--lsh", "4x4", "--heavy", "", "--repeats", "1",
+                "--fractions", "0.07", "--profiles", "gauss1", "--num-local", "8", "--no-plot", "--out", str(out)])
+    data = json.loads((out / "study.json").read_text())
+    topk = [r for r in data["records"] if r["method"] == "topk"]
+    oracle = [r for r in data["records"] if r["method"] == "oracle"]
+    assert topk and all(r["fraction"] == 0.07 for r in topk), topk[0]  # 7 of 100 keys
+    assert all(r["params"]["draws"] == 7 for r in oracle)
+    assert data["settings"]["synthetic"] == {"n": 100, "head_dim": 8, "heads": 1, "profiles": ["gauss1"]}
+    assert set(data["meta"]) >= {"source", "cpu", "jax", "jaxlib"}

@@ -49,7 +49,7 @@ TINY_DOCUMENT = "The test suite runs with the command `make test`. The demo runs
 BASH_SUBSTITUTIONS = {
     "--max-new-tokens 48": "--max-new-tokens 4",
     "--document README.md": "--document tiny.txt",
-    "--n 8192 32768 131072": "--n 2048 --shapes smollm2-135m --reps 2",
+    "--n 8192 32768 131072": "--n 2048 --shapes smollm2-135m --reps 3",
     "--lengths 1024 4096 8192 --steps 64": "--lengths 512 --steps 4 --warmup 0",
     "study attention --out runs/study":
         "study attention --n 512 --heads 1 --profiles zipf --repeats 1 --fractions 0.05 --lsh 8x60 --no-plot"

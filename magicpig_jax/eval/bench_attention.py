@@ -281,15 +281,20 @@ def _plot(results, path):
     for shape in sorted({r["shape"] for r in results}):
         rs = sorted((r for r in results if r["shape"] == shape), key=lambda r: r["N"])
         ns = [r["N"] for r in rs]
-        ax.plot(ns, [r["host_attention_ms"] for r in rs], "o-", label=f"{shape} host MagicPIG")
-        ax.plot(ns, [r["dense_ms"] for r in rs], "s--", label=f"{shape} XLA dense")
+        for key, spread, style, what in (("host_attention_ms", "host_attention_spread_ms", "o-", "host MagicPIG"),
+                                         ("dense_ms", "dense_spread_ms", "s--", "XLA dense")):
+            med = np.array([r[key] for r in rs])
+            lo = np.array([r[spread]["min"] if r.get(spread) else r[key] for r in rs])
+            hi = np.array([r[spread]["max"] if r.get(spread) else r[key] for r in rs])
+            ax.errorbar(ns, med, yerr=[np.maximum(med - lo, 0), np.maximum(hi - med, 0)], fmt=style, capsize=3,
+                        label=f"{shape} {what}")
         refs = [(r["N"], r["reference_ms"]) for r in rs if r["reference_ms"] is not None]
         if refs:
             ax.plot(*zip(*refs, strict=True), "^:", label=f"{shape} JAX reference")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("context N")
-    ax.set_ylabel("ms per layer decode step (B=1)")
+    ax.set_xlabel("context N (tokens)")
+    ax.set_ylabel("ms per layer decode step (B=1): median, bars min-max")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -330,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     if args.seed < 0:
         p.error(f"--seed must be >= 0, got {args.seed}")
-    if args.reps < 1:
-        p.error("--reps must be >= 1 (figures are medians: use 5 or more for a result)")
+    if args.reps < 3:
+        p.error("--reps must be >= 3 (every figure is a median with its spread; 5 or more for a result)")
     from magicpig_jax.host.index import HOST_MAX_K
 
     if not 1 <= args.K <= HOST_MAX_K:

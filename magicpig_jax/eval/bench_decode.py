@@ -251,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(err))
     from magicpig_jax.host.index import HOST_MAX_K
 
-    twice = sorted({m for m in args.methods if args.methods.count(m) > 1})
-    if twice:
-        p.error(f"--methods lists {', '.join(twice)} more than once")
+    for flag, values in (("--methods", args.methods), ("--lengths", args.lengths), ("--batch", args.batch)):
+        twice = sorted({str(m) for m in values if values.count(m) > 1})
+        if twice:  # a configuration twice would be two rows of one figure, and its ratio one of them
+            p.error(f"{flag} lists {', '.join(twice)} more than once")
     given = [flag for flag, value in (("--K", args.K), ("--L", args.L),
                                       ("--layers-per-projection", args.layers_per_projection)) if value is not None]
     if given and not {"magicpig", "magicpig-ref"} & set(args.methods):
@@ -276,6 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     if too_long and not args.allow_beyond_context:
         p.error(f"--lengths {too_long[0]} exceeds the model's context of {ctx} tokens; pass --allow-beyond-context "
                 "to run it anyway")
+    if not args.allow_beyond_context:  # the prompts the lengths give (below), checked before loading
+        if ctx - args.steps - 1 < 1:
+            p.error(f"--steps {args.steps} leaves no room for a prompt in the model's context of {ctx}")
+        prompts = {}
+        for length in args.lengths:
+            n = min(length, ctx - args.steps - 1)
+            if n in prompts:
+                p.error(f"--lengths {prompts[n]} and {length} both give a prompt of {n} tokens (the model's context "
+                        f"{ctx} less --steps {args.steps} and 1): keep one")
+            prompts[n] = length
     model = load_model(args.model)
     if args.peer and Path(model.source).suffix != ".gguf":
         p.error(f"--peer needs a .gguf --model (llama.cpp reads GGUF only), got {model.source}")

@@ -288,8 +288,14 @@ def main(argv: list[str] | None = None) -> int:
                                 **r})
     summary = summarize(records)
     args.out.mkdir(parents=True, exist_ok=True)
+    from magicpig_jax.eval.rss import software_versions
+
+    synthetic = None if args.no_synthetic else {"n": args.n, "head_dim": args.head_dim, "heads": args.heads,
+                                                "profiles": [p.strip() for p in args.profiles.split(",") if p.strip()]}
     result = {
-        "settings": dataclasses.asdict(settings) | {"capture": str(args.capture) if args.capture else None},
+        "settings": dataclasses.asdict(settings) | {"capture": str(args.capture) if args.capture else None,
+                                                    "synthetic": synthetic},
+        "meta": software_versions(),  # jax, jaxlib, the source revision and the CPU
         "seconds": time.perf_counter() - t0,
         "summary": summary,
         "records": records,

@@ -33,7 +33,7 @@ from magicpig_jax.attention import (
     topk_attention,
 )
 from magicpig_jax.attention._common import check_softcap
-from magicpig_jax.attention.baselines import Budget, quest_mask
+from magicpig_jax.attention.baselines import Budget, budget_tokens, quest_mask
 from magicpig_jax.attention.cost_model import expected_sampled_fraction
 
 __all__ = [
@@ -162,7 +162,8 @@ def _baseline_records(q, k, v, o, settings: StudySettings, add, softcap: float |
     lengths = jnp.full((1,), N, jnp.int32)
     for f in settings.fractions:
         out, _ = _topk(q, k, v, f, softcap=softcap)
-        kept = min(math.ceil(f * N), N)
+        # the keys the baselines' own budget rule gives (ceil(f N) in float32 could round 7.000000000000001 up)
+        kept = draws = int(budget_tokens(f, lengths)[0])
         add("topk", {"budget": f}, np.full(Hq, kept / N), _rel_err(out, o))
         out, _ = _quest(q, k, v, settings.page_size, f, softcap=softcap)
         mask = _quest_mask(q, k, settings.page_size, f, lengths)
@@ -171,7 +172,7 @@ def _baseline_records(q, k, v, o, settings: StudySettings, add, softcap: float |
         keys = jax.random.split(jax.random.key(settings.seed), settings.repeats)
         outs, _, distinct = _oracle_many(f, softcap)(keys, q, k, v)
         errs = np.stack([_rel_err(outs[r], o) for r in range(settings.repeats)])
-        add("oracle", {"budget": f, "draws": math.ceil(f * N)},
+        add("oracle", {"budget": f, "draws": draws},
             np.asarray(distinct, np.float64)[:, 0] / N, errs.mean(0))
 
 
