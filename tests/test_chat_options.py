@@ -107,8 +107,35 @@ def test_continue_final_message_cuts_after_the_last_message():
     assert tok.apply_chat_template(blocks, chat_template=template, continue_final_message=True) == "[hi][Sure"
     with pytest.raises(ChatTemplateError, match="continue_final_message and add_generation_prompt exclude"):
         tok.apply_chat_template(chat, add_generation_prompt=True, continue_final_message=True)
-    with pytest.raises(ChatTemplateError, match="does not render the last message's text"):
+    with pytest.raises(ChatTemplateError, match="the chat template does not read the field 'content'"):
         tok.apply_chat_template(chat, chat_template="nothing", continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="does not render the last message's text"):
+        tok.apply_chat_template(chat, chat_template="{{ messages[-1].content[:2] }}", continue_final_message=True)
+
+
+def test_continue_final_message_cuts_at_the_message_not_at_a_later_copy_of_its_text():
+    """The cut looked for the message's text and took its last occurrence: "end" was found in the
+    template's <|im_end|> after it, and an empty message kept the end-of-turn token."""
+    qwen = Tokenizer.from_hf_dir(FAMILIES / "qwen2")
+    head = qwen.apply_chat_template([{"role": "user", "content": "Say something"}])  # ends with the assistant header
+    for content in ("end", "<", "im_end"):
+        chat = [{"role": "user", "content": "Say something"}, {"role": "assistant", "content": content}]
+        assert qwen.apply_chat_template(chat, continue_final_message=True) == head + content
+    empty = [{"role": "user", "content": "Say something"}, {"role": "assistant", "content": ""}]
+    assert qwen.apply_chat_template(empty, continue_final_message=True) == head
+    llama = Tokenizer.from_hf_dir(FAMILIES / "llama3")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "eot"}]
+    assert llama.apply_chat_template(chat, continue_final_message=True) == llama.apply_chat_template(
+        chat[:1]) + "eot"
+    # a named field: a reply's reasoning (given as "reasoning", read as "reasoning_content"), where the template
+    # reads it; the qwen3 fixture's template does not, as transformers refuses too
+    think = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure", "reasoning": "Let"}]
+    template = "<think>{{ messages[-1].reasoning_content }}</think>{{ messages[-1].content }}"
+    assert qwen.apply_chat_template(think, chat_template=template, continue_final_message="reasoning_content") == \
+        "<think>Let"
+    qwen3 = Tokenizer.from_hf_dir(FAMILIES / "qwen3")
+    with pytest.raises(ChatTemplateError, match="does not read the field 'reasoning_content'"):
+        qwen3.apply_chat_template(think, continue_final_message="reasoning_content")
 
 
 def test_transformers_options_and_python_tools_are_refused():
@@ -154,7 +181,7 @@ def test_a_metaspace_that_prefixes_the_start_only_after_a_template_special(tmp_p
 
 def test_special_tokens_named_outside_tokenizer_json(tmp_path):
     """transformers registers the configured special tokens that tokenizer.json does not list as
-    added tokens (BOS/EOS of tokenizer_config.json, else special_tokens_map.json)."""
+    added tokens (BOS/EOS of special_tokens_map.json, else tokenizer_config.json)."""
     folder = _copy("mistral", tmp_path / "noadd")
     _edit_json(folder / "tokenizer.json",
                lambda t: t.update(added_tokens=[a for a in t["added_tokens"] if a["content"] == "<unk>"]))
@@ -173,11 +200,11 @@ def test_special_tokens_named_outside_tokenizer_json(tmp_path):
     (stm / "special_tokens_map.json").write_text(json.dumps(named), encoding="utf-8")
     tok = Tokenizer.from_hf_dir(stm)
     assert tok.apply_chat_template(USER) == "<s>[hi]</s>" and 2 in tok.eos_token_ids
-    # the two files disagreeing: refused, named
-    (stm / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<unk>"}), encoding="utf-8")
-    _edit_json(stm / "tokenizer_config.json", lambda c: c.update(eos_token="</s>"))
-    with pytest.raises(TokenizerMetadataError, match="give different eos_tokens: '</s>', '<unk>'; keep one"):
-        Tokenizer.from_hf_dir(stm)
+    # the two files disagreeing (fine-tuned exports often do): special_tokens_map.json's, as transformers 5.25
+    (stm / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<unk>"}), encoding="utf-8")
+    _edit_json(stm / "tokenizer_config.json", lambda c: c.update(bos_token="<s>", eos_token="</s>"))
+    tok = Tokenizer.from_hf_dir(stm)
+    assert tok.bos_token == "<unk>" and tok.apply_chat_template(USER) == "<unk>[hi]</s>"
     # an added_tokens_decoder entry the vocabulary has elsewhere
     _edit_json(stm / "tokenizer_config.json",
                lambda c: c.update(added_tokens_decoder={"5": {"content": "</s>", "special": True}}))
@@ -197,6 +224,7 @@ def test_additional_chat_templates_folder(tmp_path):
     (folder / "additional_chat_templates" / "tool_use.jinja").write_text("TOOL", encoding="utf-8")
     tok = Tokenizer.from_hf_dir(folder)
     assert (tok.apply_chat_template(USER), tok.apply_chat_template(USER, tools=TOOLS)) == ("DEFAULT", "TOOL")
+    assert tok.apply_chat_template(USER, chat_template="default") == "DEFAULT"  # the .jinja, named as transformers
     from magicpig_jax.io.hf_model import hf_files
 
     shutil.copy(FAMILIES / "qwen2" / "config.json", folder / "config.json")

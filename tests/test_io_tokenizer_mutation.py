@@ -194,15 +194,15 @@ def test_stop_ids_from_the_three_keys_and_the_end_of_generation_texts():
     assert parts["eos_token_ids"] == [header, 0, end_of_text, eom, eot]
     assert (parts["eos_token_id"], parts["bos_token_id"], parts["chat_template"]) == (None, None, "{{ x }}")
     assert parts["add_bos_token"] is False
-    # an end-of-generation text counts whatever its type but unused (llama.cpp makes it a control token,
-    # so it is parsed as one), not as an unused one
+    # an end-of-generation text counts whatever its type (llama.cpp makes it a control token, so it is
+    # parsed as one, unless unused: then it only stops)
     types = list(_llama3_meta()["tokenizer.ggml.token_type"])
     types[end_of_text], types[eom], types[eot] = USER_DEFINED, NORMAL, UNUSED
     parts = gguf_tokenizer_parts(_llama3_meta(**{"tokenizer.ggml.token_type": types,
                                                  "tokenizer.ggml.add_bos_token": False,
                                                  "tokenizer.ggml.add_eos_token": True,
                                                  "tokenizer.ggml.eos_token_id": end_of_text}))
-    assert parts["eos_token_ids"] == [end_of_text, end_of_text, eom]
+    assert parts["eos_token_ids"] == [end_of_text, eom, eot]
     assert (parts["add_eos_token"], parts["eos_token_id"]) == (True, end_of_text)
     tok = Tokenizer(**parts)
     assert tok.encode("a<|eom_id|>")[-1] == eom and "<|eom_id|>" in tok.special_tokens
@@ -213,7 +213,7 @@ def test_stop_ids_from_the_three_keys_and_the_end_of_generation_texts():
                                                  "tokenizer.ggml.fim_rep_token_id": 6,
                                                  "tokenizer.ggml.fim_sep_token_id": 7,
                                                  "tokenizer.ggml.fim_pre_token_id": 8}))
-    assert parts["eos_token_ids"] == [5, 6, 7, end_of_text, eom, eot]
+    assert parts["eos_token_ids"] == [5, 6, 7] + sorted({end_of_text, eom, eot} - {5, 6, 7})
     # the range of the declared ids: 0 and n - 1 are in, -1 and n are out (named)
     n = len(_llama3_meta()["tokenizer.ggml.tokens"])
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
@@ -496,3 +496,32 @@ def test_a_byte_level_merge_the_vocabulary_cannot_hold_is_named(merge):
     meta["tokenizer.ggml.merges"] = [merge, *meta["tokenizer.ggml.merges"]]
     with pytest.raises(TokenizerMetadataError, match=re.escape(f"tokenizer.ggml.merges[0] = {merge!r} is not")):
         gguf_tokenizer_parts(meta)
+
+
+def test_end_of_generation_as_llama_cpp_derives_it():
+    """FIM tokens found by their text when their keys are missing; <|end|> is no stop beside <|return|>
+    and <|call|> (gpt-oss); </s> is a normal token beside <|tool_response> (gemma4). From
+    llama.cpp's llama-vocab.cpp (load)."""
+    meta = _llama3_meta()
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta["tokenizer.ggml.token_type"])
+    n = len(tokens)
+    extra = ["<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|return|>", "<|call|>", "<|end|>",
+             "<|tool_response>", "</s>"]
+    ids = {t: n + i for i, t in enumerate(extra)}
+    parts = gguf_tokenizer_parts({**meta, "tokenizer.ggml.tokens": tokens + extra,
+                                  "tokenizer.ggml.token_type": types + [NORMAL] * len(extra),
+                                  "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.eos_token_id": ids["</s>"]})
+    stops = set(parts["eos_token_ids"])
+    for t in ("<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|return|>", "<|call|>"):
+        assert ids[t] in stops, t
+    assert ids["<|end|>"] not in stops and ids["</s>"] not in stops  # even </s> as the declared EOS
+    tok = Tokenizer(**parts)
+    added = {t.content: t.special for t in tok.backend.get_added_tokens_decoder().values()}
+    assert added["<|fim_pad|>"] is True and added["<|end|>"] is False  # <|end|>: user-defined, matched as text
+    assert "</s>" not in added  # a normal token
+    # declared FIM keys take precedence over the texts
+    parts = gguf_tokenizer_parts({**meta, "tokenizer.ggml.tokens": tokens + extra[:1],
+                                  "tokenizer.ggml.token_type": types + [NORMAL],
+                                  "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.fim_pad_token_id": 3})
+    assert 3 in parts["eos_token_ids"] and n not in parts["eos_token_ids"]

@@ -177,7 +177,7 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def render_chat_template(source: str, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
-                         continue_final_message: bool = False, bos_token: str | None = None,
+                         continue_final_message: bool | str = False, bos_token: str | None = None,
                          eos_token: str | None = None, **kwargs) -> str:
     """Render a chat template as transformers' ``apply_chat_template`` does.
 
@@ -187,17 +187,21 @@ def render_chat_template(source: str, messages: Sequence[Mapping], *, add_genera
     them, ``tools`` (None), ``documents`` (None), ``add_generation_prompt``,
     ``bos_token``/``eos_token`` (when the model has them), ``raise_exception`` and
     ``strftime_now``; ``kwargs`` are passed on (e.g. ``enable_thinking``).
-    ``continue_final_message``: the text ends where the last message's content ends (whatever
-    the template renders after it, such as an end-of-turn token, is cut), so that the model
-    continues that message (a prefilled assistant reply); it excludes ``add_generation_prompt``.
+    ``continue_final_message`` (True: the last message's ``content``; a str: that field, e.g.
+    ``"reasoning_content"``): the text ends where that field's text ends (whatever the
+    template renders after it, such as an end-of-turn token, is cut), so that the model
+    continues it (a prefilled reply); it excludes ``add_generation_prompt``. As transformers,
+    a tag is appended to the field before rendering and the text is cut where the tag lands
+    (just before it; before the whitespace the template put there, if it trimmed the tag's).
 
-    Source: transformers 5.24 ``apply_chat_template`` / ``render_jinja_template``.
+    Source: transformers 5.25 ``apply_chat_template`` / ``render_jinja_template``.
 
     Raises:
       ChatTemplateError (a ValueError): an empty conversation; the template does not compile,
         raises (``raise_exception``), or fails while rendering; the message names the error.
         With ``continue_final_message``: ``add_generation_prompt`` set too, a last message without
-        text content, or a template that does not render that text.
+        that field (or without a text block), a field the template does not read, or a template
+        that does not render it.
       TypeError: a message that is not a mapping, or a callable among ``tools``.
     """
     if continue_final_message and add_generation_prompt:
@@ -205,6 +209,7 @@ def render_chat_template(source: str, messages: Sequence[Mapping], *, add_genera
                                 "last message, or open a new assistant turn")
     template = _compile_template(source)
     messages, kwargs = chat_inputs(messages, kwargs)
+    final = _tag_final_message(source, messages, continue_final_message) if continue_final_message else None
     variables = {"tools": None, "documents": None, **kwargs}
     if bos_token is not None:
         variables.setdefault("bos_token", bos_token)
@@ -216,23 +221,41 @@ def render_chat_template(source: str, messages: Sequence[Mapping], *, add_genera
         raise ChatTemplateError(f"the chat template failed: {type(err).__name__}: {err}") from err
     except Exception as err:  # a Python error inside the template (e.g. a method of a missing value)
         raise ChatTemplateError(f"the chat template failed: {type(err).__name__}: {err}") from err
-    return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
-
-
-def _cut_after_final_message(text: str, message: Mapping) -> str:
-    """``text`` up to the end of the last occurrence of ``message``'s text (transformers'
-    ``continue_final_message``: the content's stripped text is searched, and the cut keeps the
-    content's trailing whitespace when the template rendered it)."""
-    content = message.get("content")
-    if isinstance(content, (list, tuple)):  # content blocks: the last one with text
-        content = next((b["text"] for b in reversed(content) if isinstance(b, Mapping) and "text" in b), None)
-    if not isinstance(content, str):
-        raise ChatTemplateError("continue_final_message: the last message has no text content to continue")
-    stripped = content.strip()
-    if stripped not in text:
+    if final is None:
+        return text
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in text or tag not in text:
         raise ChatTemplateError("continue_final_message: the chat template does not render the last message's "
                                 "text, so there is nothing to continue")
-    at = text.rindex(stripped)
-    # transformers compares with the content as given (so a content with leading whitespace keeps the stripped cut)
-    keep = len(content.lstrip()) if text[at:at + len(content.lstrip())] == content else len(stripped)
-    return text[:at + keep]
+    at = text.rindex(tag)
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+
+
+# appended to the continued field before rendering; the text is cut where it lands (transformers' tag)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(source: str, messages: list[dict], field: bool | str) -> str:
+    """Append :data:`_CONTINUE_TAG` to the continued field of the last message (in place; the
+    messages are :func:`chat_inputs`' copies) and return the field's text before it."""
+    field = field if isinstance(field, str) else "content"
+    final = messages[-1].get(field)
+    if final is None:
+        raise ChatTemplateError(f"continue_final_message: the last message has no {field!r} to continue")
+    fields = [field]
+    if field in _REASONING_FIELDS:  # reasoning is given under several names: tag each copy
+        fields = [f for f in _REASONING_FIELDS if messages[-1].get(f) == final]
+    if not any(f in source for f in fields):
+        raise ChatTemplateError(f"continue_final_message: the chat template does not read the field {field!r}")
+    if isinstance(final, (list, tuple)):  # content blocks: the last one with text
+        block = next((b for b in reversed(final) if isinstance(b, dict) and "text" in b), None)
+        if block is None:
+            raise ChatTemplateError("continue_final_message: the last message has no text block to continue")
+        text = block["text"]
+        block["text"] = f"{text}{_CONTINUE_TAG}"
+        return text
+    if not isinstance(final, str):
+        raise ChatTemplateError(f"continue_final_message: the last message's {field!r} is not text")
+    for f in fields:
+        messages[-1][f] = f"{final}{_CONTINUE_TAG}"
+    return final

@@ -87,6 +87,50 @@ def _byte_level_parts(family: str):
 _NAMED_TEMPLATE = "tokenizer.chat_template."
 
 
+# llama.cpp's texts of the fill-in-the-middle padding, repository and file-separator tokens, looked up
+# when the metadata key is missing (they end generation too)
+_FIM_TEXTS = {"tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+              "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+                                                  "<reponame>"),
+              "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",)}
+
+
+def _end_of_generation(meta: Mapping, tokens: list[str], types: list[int]):
+    """``(eog, control, user_defined, normal)`` id sets, as llama.cpp's ``load`` derives them
+    (``llama-vocab.cpp``): the end-of-generation ids (the declared EOS, EOT, EOM and FIM
+    pad/rep/sep ids, the FIM tokens found by their text when undeclared, and every token whose
+    text is in :data:`EOG_TEXTS`, whatever its type); the tokens it makes control tokens (those
+    found by their text, unused ones excepted); and its two exceptions: with ``<|return|>`` and
+    ``<|call|>`` (or ``<|calls|>`` and ``<|flush|>``) ``<|end|>`` is no end of generation but a
+    user-defined token (gpt-oss, solar-open), and with ``<|tool_response>`` ``</s>`` is a normal one
+    (gemma4)."""
+    eog, control = set(), set()
+    for key in _EOG_ID_KEYS:
+        if meta.get(key) is not None:
+            eog.add(int(meta[key]))
+    for key, texts in _FIM_TEXTS.items():
+        if meta.get(key) is None:
+            found = next((i for i, tok in enumerate(tokens) if tok in texts), None)
+            if found is not None:
+                eog.add(found)
+                control.add(found)
+    for i, tok in enumerate(tokens):
+        if tok in EOG_TEXTS:
+            eog.add(i)
+            control.add(i)
+    control = {i for i in control if types[i] != _UNUSED}
+    by_text = {tokens[i]: i for i in eog}
+    user_defined, normal = set(), set()
+    calls = "<|call|>" in by_text or "<|calls|>" in by_text
+    if "<|end|>" in by_text and calls and ("<|return|>" in by_text or "<|flush|>" in by_text):
+        eog.discard(by_text["<|end|>"])
+        user_defined.add(by_text["<|end|>"])
+    if "<|tool_response>" in by_text and "</s>" in by_text:
+        eog.discard(by_text["</s>"])
+        normal.add(by_text["</s>"])
+    return eog, control - user_defined - normal, user_defined, normal
+
+
 def _meta(meta: Mapping, key: str, required: bool = True):
     value = meta.get(key)
     if value is None and required:
@@ -238,24 +282,24 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
             f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' (byte-level BPE), "
             "'llama' (SentencePiece)")
     rstrip = _rstrip_tokens(meta, tokens, types)
-    # llama.cpp makes a token whose text ends generation a control token, whatever its type
-    eog = {i for i, tok in enumerate(tokens) if tok in EOG_TEXTS and types[i] != _UNUSED}
-    special = [AddedToken(tokens[i], special=True, normalized=False, rstrip=i in rstrip)
-               for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN) or i in eog]
-    user = [AddedToken(tokens[i], special=False, normalized=False, rstrip=i in rstrip)
-            for i, t in enumerate(types) if t == _USER_DEFINED and i not in eog]
-    if special:
-        backend.add_special_tokens(special)
-    if user:
-        backend.add_tokens(user)
-    eos_ids = []
+    declared = []
     for key in _EOG_ID_KEYS:
         value = meta.get(key)
         if value is not None:
             if not 0 <= int(value) < len(tokens):
                 raise TokenizerMetadataError(f"{key} = {value} is outside the vocabulary of {len(tokens)} tokens")
-            eos_ids.append(int(value))
-    eos_ids += sorted(eog)
+            declared.append(int(value))
+    eog, control, user_defined, normal = _end_of_generation(meta, tokens, types)
+    special = [AddedToken(tokens[i], special=True, normalized=False, rstrip=i in rstrip)
+               for i, t in enumerate(types)
+               if (t in (_CONTROL, _UNKNOWN) or i in control) and i not in user_defined | normal]
+    user = [AddedToken(tokens[i], special=False, normalized=False, rstrip=i in rstrip)
+            for i, t in enumerate(types) if (t == _USER_DEFINED and i not in control) or i in user_defined]
+    if special:
+        backend.add_special_tokens(special)
+    if user:
+        backend.add_tokens(user)
+    eos_ids = [i for i in declared if i in eog] + sorted(eog - set(declared))
     bos = meta.get("tokenizer.ggml.bos_token_id")
     if bos is not None and not 0 <= int(bos) < len(tokens):
         raise TokenizerMetadataError(

@@ -146,8 +146,8 @@ class Tokenizer:
         of which are kept in :attr:`chat_templates`), else ``chat_template.json``; the named
         templates of ``additional_chat_templates/NAME.jinja`` join :attr:`chat_templates`.
         The named special tokens (``bos_token``, ``eos_token``, ``unk_token``, ...,
-        ``additional_special_tokens``) come from ``tokenizer_config.json``, else from
-        ``special_tokens_map.json``; those and ``added_tokens_decoder``'s entries that the
+        ``additional_special_tokens``) come from ``special_tokens_map.json``, else from
+        ``tokenizer_config.json`` (transformers' precedence); those and ``added_tokens_decoder``'s entries that the
         ``tokenizer.json`` does not list as added tokens are registered as transformers registers
         them (special ones are then parsed as their token, not as text). ``add_bos_token``/``add_eos_token`` come from
         ``tokenizer_config.json``, else from what the ``tokenizer.json``
@@ -160,8 +160,7 @@ class Tokenizer:
           FileNotFoundError: no ``tokenizer.json`` in ``folder``.
           TokenizerMetadataError (a ValueError): ``add_bos_token``/``add_eos_token`` that are not
             booleans, a ``chat_template.jinja`` that is not UTF-8, a malformed list of named chat
-            templates, ``tokenizer_config.json`` and ``special_tokens_map.json`` naming different
-            texts for one special token, or an ``added_tokens_decoder`` entry that the
+            templates, or an ``added_tokens_decoder`` entry that the
             ``tokenizer.json`` vocabulary does not have at its id (named).
         """
         folder = Path(folder)
@@ -190,6 +189,8 @@ class Tokenizer:
         # transformers' layout for named templates beside chat_template.jinja
         for extra in sorted((folder / "additional_chat_templates").glob("*.jinja")):
             named[extra.stem] = read_template(extra)
+        if named and template is not None:  # transformers then names the default one "default"
+            named.setdefault("default", template)
 
         specials = _special_token_entries(folder, cfg)
         _register_special_tokens(backend, specials, cfg, cfg_path)
@@ -351,7 +352,7 @@ class Tokenizer:
         raise ValueError("this model has no chat template; use the raw prompt: chat=False (the CLI: --no-chat)")
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool | None = None, *,
-                            chat_template: str | None = None, continue_final_message: bool = False,
+                            chat_template: str | None = None, continue_final_message: bool | str = False,
                             **kwargs) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}]``) with the model's chat template, as text.
 
@@ -364,7 +365,7 @@ class Tokenizer:
             unless ``continue_final_message``.
           chat_template: which template (:meth:`chat_template_source`): None, a name, or a source.
           continue_final_message: end where the last message's text ends, for the model to continue
-            it (transformers' option of that name).
+            it (transformers' option of that name; a str names the field, e.g. ``"reasoning_content"``).
           kwargs: template variables (``tools``, ``documents``, ``enable_thinking``, ...).
 
         Raises:
@@ -391,7 +392,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: Sequence[Mapping], *, add_generation_prompt: bool | None = None,
                     parse_special: bool = False, chat_template: str | None = None,
-                    continue_final_message: bool = False, **kwargs) -> list[int]:
+                    continue_final_message: bool | str = False, **kwargs) -> list[int]:
         """Token ids of a conversation rendered with the chat template, ready to generate from.
 
         Special tokens come only from the template: a special-token string inside any
@@ -540,27 +541,15 @@ _NAMED_SPECIALS = ("bos_token", "eos_token", *TEMPLATE_TOKEN_NAMES)
 
 
 def _special_token_entries(folder: Path, cfg: Mapping) -> dict:
-    """The named special tokens (and ``additional_special_tokens``) of a Hugging Face directory:
-    ``tokenizer_config.json``'s, else ``special_tokens_map.json``'s (older exports keep them
-    only there).
-
-    Raises:
-      TokenizerMetadataError: the two files name different texts for one token.
-    """
+    """The named special tokens (and ``additional_special_tokens``) of a Hugging Face directory, as
+    transformers reads them: ``special_tokens_map.json``'s where it gives one (it overrides
+    ``tokenizer_config.json``'s, as in transformers 5.25; fine-tuned exports often disagree),
+    else ``tokenizer_config.json``'s."""
     path = folder / "special_tokens_map.json"
     smap = read_json_object(path) if path.is_file() else {}
-
-    def text(tok):
-        return tok.get("content") if isinstance(tok, Mapping) else tok
-
     out = {}
     for key in (*_NAMED_SPECIALS, "additional_special_tokens"):
-        mine, theirs = cfg.get(key), smap.get(key)
-        if mine is not None and theirs is not None and key != "additional_special_tokens" and text(mine) != text(
-                theirs):
-            raise TokenizerMetadataError(f"{folder}: tokenizer_config.json and special_tokens_map.json give "
-                                         f"different {key}s: {text(mine)!r}, {text(theirs)!r}; keep one")
-        value = mine if mine is not None else theirs
+        value = smap.get(key) if smap.get(key) is not None else cfg.get(key)
         if value is not None:
             out[key] = value
     return out
