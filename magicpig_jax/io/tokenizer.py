@@ -377,9 +377,10 @@ class Tokenizer:
         """
         misplaced = sorted(set(kwargs) & _NOT_TEMPLATE_VARIABLES)
         if misplaced:
-            raise TypeError(f"apply_chat_template: {', '.join(map(repr, misplaced))} are options of transformers' "
+            are = "is an option" if len(misplaced) == 1 else "are options"
+            raise TypeError(f"apply_chat_template: {', '.join(map(repr, misplaced))} {are} of transformers' "
                             "apply_chat_template that this one does not take (it returns the text; encode_chat "
-                            "gives the ids); they are not template variables")
+                            "gives the ids), not a template variable")
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
         source = self.chat_template_source(chat_template, kwargs.get("tools"))
