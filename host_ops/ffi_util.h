@@ -256,6 +256,20 @@ __attribute__((target("avx2,fma"))) inline void Dot8Avx2(const float* q, const T
   _mm256_storeu_ps(out, r);
   _mm256_zeroupper();
 }
+
+// The logit of one key row k [D] (D % 8 == 0) computed as Dot8Avx2 computes each of its rows: the same
+// per-lane fused multiply-adds, then the lanes reduced in the order of its transpose-reduce, so that a
+// row scores bit for bit the same in a block of 8 or alone (equal keys then tie exactly, and a
+// selection's tie rule holds whatever the blocking or the thread split).
+template <typename T>
+__attribute__((target("avx2,fma"))) inline float Dot1Avx2As8(const float* q, const T* k, int64_t D) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Load8(k + d), a);
+  alignas(32) float l[8];
+  _mm256_store_ps(l, a);
+  _mm256_zeroupper();
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
 #endif
 
 }  // namespace magicpig

@@ -54,7 +54,7 @@ constexpr int64_t kMaxG = 64;  // query heads per KV head
 // logit[g * stride + j] for j in [j0, j1). K is read once for the G heads: with AVX2 in blocks of
 // 8 rows (Dot8Avx2 per head: one transpose-reduce per 8 rows instead of a horizontal sum per row,
 // the block's rows in L1 for the G heads), the rows kAheadRows ahead requested into L1, as the
-// exact op reads them; the rows left over one at a time.
+// exact op reads them; the rows left over one at a time, with the block's arithmetic (Dot1Avx2As8).
 constexpr int64_t kAheadRows = 32;
 
 template <typename T>
@@ -73,6 +73,12 @@ void ScoreKeys(const float* q, const T* k, int64_t s, int64_t j0, int64_t j1, in
         magicpig::Dot8Avx2(q + g * D, kr, D, lg);
         for (int i = 0; i < 8; ++i) lg[i] /= sqrt_d;
       }
+    }
+  }
+  if (avx2 && D % 8 == 0) {  // the rows left over, as a block scores them (equal keys tie exactly)
+    for (; j < j1; ++j) {
+      const T* kr = k + (s + j) * D;
+      for (int64_t g = 0; g < G; ++g) logit[g * stride + j] = magicpig::Dot1Avx2As8(q + g * D, kr, D) / sqrt_d;
     }
   }
 #endif

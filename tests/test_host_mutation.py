@@ -353,14 +353,22 @@ def _np_page_bounds(k: np.ndarray, start, end, page: int, P: int):
     return kmin, kmax
 
 
-def test_quest_append_clips_counts_to_zero_and_max_count():
+def test_quest_append_clips_traced_counts_to_zero_and_max_count_and_refuses_concrete_ones():
     rng = np.random.default_rng(3)
     k = rng.normal(size=(3, 2, 40, 5)).astype(np.float32)
     start, end = np.array([2, 0, 5]), np.array([9, 16, 5])
     pages = quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 4, capacity=40)
     assert quest_page_bytes(pages) == 2 * (3 * 2 * 10 * 5 * 4)
-    # counts -3 (appends nothing), 9 (clipped to max_count 6), 4
-    grown = quest_append_pages(pages, jnp.asarray(k), jnp.asarray([-3, 9, 4]), 6)
+    # concrete counts outside [0, max_count] would be changed silently: refused, named
+    with pytest.raises(ValueError, match=r"counts must be int \[B\] = \[3\] in \[0, max_count = 6\], got "
+                                         r"\[-3, 9, 4\]"):
+        quest_append_pages(pages, jnp.asarray(k), jnp.asarray([-3, 9, 4]), 6)
+    with pytest.raises(ValueError, match="does not fit the pages, built for B, Hkv, D"):
+        quest_append_pages(pages, jnp.asarray(k)[:, :1], jnp.asarray([1, 1, 1]), 6)
+    with pytest.raises(ValueError, match="row 1: appending 6 keys at position 16 goes past the cache's 20 positions"):
+        quest_append_pages(pages, jnp.asarray(k)[:, :, :20], jnp.asarray([0, 6, 0]), 6)
+    # traced (the decoder's): counts -3 (appends nothing), 9 (clipped to max_count 6), 4
+    grown = jax.jit(quest_append_pages, static_argnums=3)(pages, jnp.asarray(k), jnp.asarray([-3, 9, 4]), 6)
     new_end = np.array([9, 22, 9])
     np.testing.assert_array_equal(np.asarray(grown.end), new_end)
     np.testing.assert_array_equal(np.asarray(grown.start), start)

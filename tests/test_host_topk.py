@@ -221,3 +221,24 @@ def test_topk_backend_moves_generated_tokens_into_the_range():
     spec = dataclasses.replace(decode_spec(model, "topk", cfg, (), 1.0), generation_buffer=4)
     dense = decode_spec(model, "dense", cfg)
     assert _decode(model, state, spec, 40)[0] == _decode(model, state, dense, 40)[0]
+
+
+@pytest.mark.parametrize("N", [9, 23, 5001])
+def test_equal_keys_tie_to_the_smallest_position_on_every_path(N):
+    """The AVX2 path scored the rows of a block of 8 and the rows left over in different summation
+    orders, so equal keys scored a rounding apart and which copy TopK kept followed the blocking
+    and the thread split (position 8 of 9; 312 or 5000 of 5001 by max_threads)."""
+    from magicpig_jax.host import host_topk_attention
+
+    D = 16
+    for trial in range(8):
+        rng = np.random.default_rng(trial)
+        q = jnp.asarray(rng.standard_normal((1, 1, D)), jnp.float32)
+        key = rng.standard_normal(D).astype(np.float32)
+        k = jnp.asarray(np.broadcast_to(key, (1, 1, N, D)).copy())
+        v = np.zeros((1, 1, N, D), np.float32)
+        v[0, 0, :, 0] = np.arange(N)  # out[0] is the kept position
+        for impl in IMPLS:
+            for threads in (0, 1, 2):
+                out = host_topk_attention(q, k, jnp.asarray(v), 1, impl=impl, max_threads=threads)[0]
+                assert float(out[0, 0, 0]) == 0.0, (trial, impl, threads)

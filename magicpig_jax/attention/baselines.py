@@ -203,8 +203,10 @@ def topk_attention(
 ) -> tuple[Float[Array, "B Hq D"], Float[Array, "B Hq"]]:
     """Exact TopK attention: softmax over the ``budget`` highest-scoring keys of each query head.
 
-    For each query head, the valid keys are ranked by ``q·k/sqrt(D)`` (ties
-    broken by position) and the first ``min(budget_tokens, lengths[b])`` are kept;
+    For each query head, the valid keys are ranked by ``q·k/sqrt(D)`` (equal scores
+    broken by position; equal keys can score a float32 rounding apart in XLA's product, and the
+    host op's may round otherwise, so which of several equal keys is kept can differ between
+    the two) and the first ``min(budget_tokens, lengths[b])`` are kept;
     the output is the exact softmax attention over the kept keys. This is the
     biased baseline of arXiv 2410.16179, Section 3.1 / Fig. 2 (TopK ignores the
     tail of a long-tailed attention distribution).
@@ -366,8 +368,9 @@ def quest_attention(
     (:func:`quest_page_scores`). Each query head keeps its
     ``max(1, floor(t_b / page_size))`` best pages, ``t_b = min(budget_tokens, lengths[b])``
     (so at least one page of a non-empty row), or every page when
-    ``t_b = lengths[b]`` (then the result is dense attention); ties are broken
-    by page index, and it attends exactly over the valid keys of those pages.
+    ``t_b = lengths[b]`` (then the result is dense attention); equal bounds are broken
+    by page index (equal pages can bound a rounding apart, as TopK's equal keys), and it
+    attends exactly over the valid keys of those pages.
 
     Args:
       q: float ``[B, Hq, D]``.

@@ -112,8 +112,8 @@ def quest_build_pages(k: Float[Array, "B Hkv N D"], start: Int[Array, " B"], end
     capacity = N if capacity is None else int(capacity)
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
-    start = check_lengths(start, B, N)
-    end = jnp.maximum(check_lengths(end, B, N), start)
+    start = check_lengths(start, B, N, "start")
+    end = jnp.maximum(check_lengths(end, B, N, "end"), start)
     P = -(-capacity // page_size)
     kmin, kmax = _bounds_of(k, start, end, page_size, P)
     return QuestPages(kmin=kmin, kmax=kmax, start=start, end=end, page_size=page_size)
@@ -129,23 +129,41 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
     Args:
       pages: the current :class:`QuestPages`.
       k: the cache ``[B, Hkv, N, D]`` holding the new keys.
-      counts: int ``[B]``, ``0 <= counts[b] <= max_count``.
-      max_count: static bound on ``counts`` (e.g. the generation buffer).
+      counts: int ``[B]``, ``0 <= counts[b] <= max_count`` (concrete values outside are refused;
+        traced ones are clipped into it).
+      max_count: static bound on ``counts`` (e.g. the generation buffer), an int >= 1.
 
     Returns:
       the updated :class:`QuestPages` (``end`` advanced by ``counts``).
 
     Raises:
-      ValueError: concrete ``end + counts`` past the ``P * page_size`` positions the pages
-        were built for (``start + P * page_size``), naming the row; under ``jit`` the caller
-        keeps within the capacity (the decoder checks its cache's before each step).
+      ValueError: a ``k`` whose B, Hkv or D differ from the pages'; a ``max_count`` below 1;
+        concrete ``counts`` outside ``[0, max_count]``, or ``end + counts`` past the cache's N
+        positions or the ``P * page_size`` positions the pages were built for
+        (``start + P * page_size``), naming the row; under ``jit`` the caller keeps within the
+        capacity (the decoder checks its cache's before each step).
     """
+    if k.ndim != 4:
+        raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(k.shape)}")
     B, Hkv, N, D = k.shape
     ps = pages.page_size
     P = pages.kmin.shape[2]
+    built = (pages.kmin.shape[0], pages.kmin.shape[1], pages.kmin.shape[3])
+    if (B, Hkv, D) != built:  # another cache's keys would widen these heads' bounds with theirs
+        raise ValueError(f"k [B, Hkv, N, D] = {[B, Hkv, N, D]} does not fit the pages, built for B, Hkv, D = "
+                         f"{list(built)}")
+    if isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 1:
+        raise ValueError(f"max_count must be an int >= 1, got {max_count!r}")
     if not any(isinstance(x, jax.core.Tracer) for x in (pages.start, pages.end, counts)):
+        want = np.asarray(counts)
+        if want.shape != (B,) or ((want < 0) | (want > max_count)).any():
+            raise ValueError(f"counts must be int [B] = [{B}] in [0, max_count = {max_count}], got {want.tolist()}")
+        past = np.nonzero(np.asarray(pages.end) + want > N)[0]
+        if past.size:
+            b = int(past[0])
+            raise ValueError(f"row {b}: appending {int(want[b])} keys at position {int(np.asarray(pages.end)[b])} "
+                             f"goes past the cache's {N} positions")
         room = np.asarray(pages.start) + P * ps - np.asarray(pages.end)
-        want = np.clip(np.asarray(counts), 0, max_count)
         for b in np.nonzero(want > room)[0]:
             raise ValueError(f"row {int(b)}: appending {int(want[b])} keys at position {int(np.asarray(pages.end)[b])} "
                              f"exceeds the {P} pages of {ps} positions built from position "
@@ -249,7 +267,7 @@ def host_quest_attention(
         raise ValueError(f"G = Hq / Hkv must be <= {MAX_GROUP}, got {Hq // Hkv}")
     n = pages.end - pages.start
     kept = quest_pages_kept(budget, n, pages.page_size)
-    ctx = jnp.zeros_like(pages.end) if context is None else check_lengths(context, B, N)
+    ctx = jnp.zeros_like(pages.end) if context is None else check_lengths(context, B, N, "context")
     ops()
     return jax.ffi.ffi_call(
         "magicpig_quest_attention",

@@ -40,7 +40,7 @@ def range_bounds(B: int, N: int, lengths, start) -> tuple[jax.Array, jax.Array]:
     end = check_lengths(lengths, B, N)
     if start is None:
         return jnp.zeros((B,), jnp.int32), end
-    s = check_lengths(start, B, N)
+    s = check_lengths(start, B, N, "start")
     return s, jnp.maximum(end, s)
 
 
@@ -106,7 +106,7 @@ def host_topk_attention(
     s, e = range_bounds(B, N, lengths, start)
     n = e - s
     keep = jnp.minimum(budget_tokens(budget, n), n).astype(jnp.int32)
-    ctx = jnp.zeros_like(e) if context is None else check_lengths(context, B, N)
+    ctx = jnp.zeros_like(e) if context is None else check_lengths(context, B, N, "context")
     ops()
     return jax.ffi.ffi_call(
         "magicpig_topk_attention",
