@@ -77,6 +77,14 @@ class Parser(argparse.ArgumentParser):
             kwargs["description"] = textwrap.fill(text, 79) if "\n" not in text else text
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, with the unrecognized arguments' error naming the flag a misspelled one
+        may have meant (:func:`unrecognized_arguments`)."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.error(unrecognized_arguments(self, extra))
+        return parsed
+
     def error(self, message: str):
         # A subcommand's prog is "magicpig-jax <command>": the line starts as every other error
         # of the CLI ("magicpig-jax: error:") and names the command.
@@ -84,6 +92,17 @@ class Parser(argparse.ArgumentParser):
         where = f"{' '.join(command)}: " if command else ""
         print(f"{root}: error: {where}{message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def unrecognized_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """The error for arguments ``parser`` does not take, with the option a misspelled flag may
+    have meant (``--promt``: ``--prompt``; difflib's closest match)."""
+    import difflib
+
+    options = [o for a in parser._actions for o in a.option_strings]
+    flag = next((x.split("=", 1)[0] for x in extra if x.startswith("--")), None)
+    near = difflib.get_close_matches(flag, options, n=1) if flag else []
+    return f"unrecognized arguments: {' '.join(extra)}" + (f"; did you mean {near[0]}?" if near else "")
 
 
 @contextlib.contextmanager

@@ -576,11 +576,26 @@ def _error_line(command: str, message: str) -> str:
     return f"magicpig-jax: error: {where}{message}{hint}"
 
 
+def _unrecognized(parser: argparse.ArgumentParser, argv: list[str], extra: list[str]) -> None:
+    """Exit 2 with one line naming the command whose arguments ``extra`` are not, and the option a
+    misspelled flag may have meant (``--promt``: ``--prompt``)."""
+    from magicpig_jax.argparsing import unrecognized_arguments
+
+    command = parser
+    for token in argv:  # the subcommand (and its own subcommand) the arguments went to
+        sub = next((a for a in command._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is not None and token in sub.choices:
+            command = sub.choices[token]
+    command.error(unrecognized_arguments(command, extra))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``magicpig-jax``; returns the exit status (2 on bad input, with the reason;
     130 after Ctrl-C)."""
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command that was given, with the flag it may have meant
+        _unrecognized(parser, sys.argv[1:] if argv is None else list(argv), extra)
     # Only where Python's own handler is installed (not when SIGINT is ignored, as for a
     # background job), and only from the main thread (signal.signal's rule).
     ours = threading.current_thread() is threading.main_thread() and \

@@ -153,6 +153,10 @@ def test_an_output_never_replaces_the_embedded_model(capsys):
     (["generate", "--max-new-tokens", "x"], "invalid int value: 'x'"),
     (["bench", "decode", "--steps", "x"], "bench decode: argument --steps: invalid int value"),
     (["study", "attention", "--no-such-option"], "unrecognized arguments: --no-such-option"),
+    (["generate", "--promt", "hi"], "magicpig-jax: error: generate: unrecognized arguments: --promt hi; did you mean "
+                                    "--prompt?"),
+    (["bench", "decode", "--lenghts", "512"], "bench decode: unrecognized arguments: --lenghts 512; did you mean "
+                                               "--lengths?"),
     (["eval", "--out", "runs/never", "--no-such-option"], "eval: unrecognized arguments: --no-such-option"),
     (["eval"], "eval: the following arguments are required: --out"),
     (["nope"], "invalid choice: 'nope'"),
