@@ -38,6 +38,30 @@ def test_a_host_device_needs_the_offload_decoder():
     assert DecodeSpec(backend="magicpig", offload=True, host_device=cpu).host_device == cpu
 
 
+def test_host_offload_and_host_device_are_type_checked(monkeypatch):
+    """A string host_device raised AttributeError ('str' object has no attribute 'platform'), and
+    any truthy offload ('no') or host switched the offload decoder or host op on."""
+    for bad in ("cpu", 1):
+        with pytest.raises(TypeError, match="host_device must be a jax.Device"):
+            DecodeSpec(backend="magicpig", offload=True, host_device=bad)
+    for name in ("offload", "host"):
+        for bad in ("no", 0, 1.0):
+            with pytest.raises(TypeError, match=f"{name} must be a bool or None"):
+                DecodeSpec(backend="magicpig", **{name: bad})
+
+
+def test_host_false_is_pure_jax_even_where_offload_is_the_default(monkeypatch):
+    """host=False was ignored by the offload decoder, which runs the host op."""
+    with pytest.raises(ValueError, match="drop one of host=False and offload=True"):
+        DecodeSpec(backend="magicpig", host=False, offload=True)
+    import magicpig_jax.models.backends.spec as spec_module
+
+    monkeypatch.setattr(spec_module, "host_ops_by_default", lambda: False)  # a GPU or TPU backend
+    assert DecodeSpec(backend="magicpig").offload is True
+    spec = DecodeSpec(backend="magicpig", host=False)
+    assert (spec.offload, spec.host, spec.uses_host) == (False, False, False)
+
+
 def test_a_heavy_threshold_needs_the_hybrid_backend(model):
     hy = HybridConfig(K=4, L=12, heavy=3, num_local=16)
     for backend in ("magicpig", "magicpig-ref", "dense", "topk"):

@@ -57,11 +57,13 @@ class DecodeSpec:
         reaches :attr:`static_window` positions; then the oldest ``generation_buffer`` of
         them are appended to the index in one call; in ``[1, 2**29]``.
       host: whether "magicpig" runs through the host op on the CPU backend (default: iff
-        JAX's default backend is the CPU).
+        JAX's default backend is the CPU); ``False`` runs it in pure JAX on any backend (and so
+        turns the offload default off; with ``offload=True`` it is an error).
       mesh: optional ``("batch", "kv_heads")`` mesh for the host op (None: one device).
       offload: whether "magicpig" runs as the host-offload system (:mod:`magicpig_jax.offload`):
         the sparse layers' KV cache and index on ``host_device``, the rest on the accelerator
-        (JAX's default device). Default: iff JAX's default backend is not the CPU.
+        (JAX's default device). Default: iff JAX's default backend is not the CPU, and neither a
+        mesh, per-layer configs nor ``host=False`` is given.
       host_device: the CPU device that holds the offloaded cache and runs the host op
         (default ``jax.devices("cpu")[0]``; the tests pass a second virtual CPU device so that
         two CPU devices stand in for the accelerator and the host).
@@ -75,9 +77,11 @@ class DecodeSpec:
         or compare the uncapped scores, which the monotone cap orders the same way).
 
     Raises:
+      TypeError: ``host`` or ``offload`` not a bool or None, ``host_device`` not a ``jax.Device``,
+        ``generation_buffer`` not an int.
       ValueError: unknown backend, a budgeted backend without a budget, a configuration
-        the chosen backend cannot run (e.g. K > 16 on the host op), or ``host_device``
-        without the offload decoder (it would be ignored).
+        the chosen backend cannot run (e.g. K > 16 on the host op), ``host_device``
+        without the offload decoder (it would be ignored), or ``host=False`` with ``offload=True``.
     """
 
     backend: str = "dense"
@@ -124,9 +128,17 @@ class DecodeSpec:
             from magicpig_jax.models.backends.table import check_layers
 
             check_layers(self)
+        for name in ("host", "offload"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool or None (the default), got {getattr(self, name)!r}")
+        if self.host_device is not None and not isinstance(self.host_device, jax.Device):
+            raise TypeError(f"host_device must be a jax.Device (e.g. jax.devices('cpu')[0]), got {self.host_device!r}")
+        if self.host is False and self.offload:
+            raise ValueError("host=False runs MagicPIG in pure JAX, and the offload decoder (offload=True) runs "
+                             "the host op: drop one of host=False and offload=True")
         if self.offload is None:
             object.__setattr__(self, "offload", self.backend == "magicpig" and self.mesh is None
-                               and self.layers is None and not host_ops_by_default())
+                               and self.layers is None and self.host is not False and not host_ops_by_default())
         if self.offload and (self.backend != "magicpig" or self.mesh is not None):
             raise ValueError("offload runs the 'magicpig' backend on one accelerator (no mesh), "
                              f"got backend={self.backend!r}, mesh={self.mesh}")
