@@ -253,9 +253,10 @@ int64_t SpanKeys(int64_t heads, int64_t threads, int64_t max_len) {
 
 // out[g] = (sum_s w_s acc_s[g]) / (sum_s w_s sum_s[g]), w_s = exp(m_s[g] - max_s m_s[g]), and
 // lse[g] = max m + log(total), over the S partials of one KV head; NaN and NaN when a partial is
-// poisoned (a NaN or +inf logit), else 0 and -inf when the total is not positive (no keys).
+// poisoned (a NaN or +inf logit) or when the head has keys whose logits are all -inf (a -inf in q
+// or in every key, as a softmax gives), else 0 and -inf when it has none.
 void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const float* m, const double* sum,
-                   float* out, float* lse) {
+                   bool has_keys, float* out, float* lse) {
   for (int64_t g = 0; g < G; ++g) {
     float mx = -INFINITY;
     for (int64_t s = 0; s < S; ++s) mx = std::max(mx, m[s * G + g]);
@@ -275,7 +276,7 @@ void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const floa
       const float inv = static_cast<float>(1.0 / tot);
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       lse[g] = mx + static_cast<float>(std::log(tot));
-    } else if (std::isnan(tot)) {
+    } else if (std::isnan(tot) || has_keys) {
       magicpig::Poison(o, D, lse + g);
     } else {
       std::fill(o, o + D, 0.0f);
@@ -376,7 +377,8 @@ ffi::Future ExactAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     if (part->done.fetch_add(1, std::memory_order_acq_rel) == items - 1) {
       for (int64_t h = 0; h < heads; ++h) {
         MergePartials(S, G, D, part->acc.data() + h * S * G * D, part->m.data() + h * S * G,
-                      part->sum.data() + h * S * G, op + h * G * D, lp_out + h * G);
+                      part->sum.data() + h * S * G, end_of(h / Hkv) > first_of(h / Hkv), op + h * G * D,
+                      lp_out + h * G);
       }
     }
     return ffi::Error::Success();

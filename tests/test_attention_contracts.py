@@ -309,3 +309,16 @@ def test_collision_probability_holds_at_extreme_norms():
         assert float(lsh.collision_probability(scale * x, 2 * scale * x)) == pytest.approx(1.0, abs=1e-3)
         assert float(lsh.collision_probability(scale * x, -scale * x)) == pytest.approx(0.0, abs=1e-3)
     assert float(lsh.collision_probability(x, jnp.zeros(4))) == 0.5
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_static_attention_takes_a_num_sink_past_int32(window):
+    """num_sink = 2**31 raised OverflowError naming an internal argument 'y'; sinks are capped at N."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((1, 2, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 1, 6, 8)), jnp.float32)
+    args = (q, k, k, i32([2]), i32([3]), i32([5]))
+    want = static_attention(*args, num_sink=6, window=window)
+    for ns in (2**31, 2**40):
+        got = static_attention(*args, num_sink=ns, window=window)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))

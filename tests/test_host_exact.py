@@ -216,3 +216,40 @@ def test_one_row_split_over_threads(impl, Hq, Hkv, N, length):
         np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-6, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(got[1][0]), np.asarray(got[0][0]), atol=1e-6)
     np.testing.assert_allclose(np.asarray(got[1][1]), np.asarray(got[0][1]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_head_whose_logits_are_all_minus_inf_is_nan_not_empty(impl):
+    """A -inf in q against keys positive in that coordinate makes every logit -inf: the exact op,
+    dense attention and TopK (host and pure JAX) reported out 0 and lse -inf, an empty-looking head,
+    where a softmax gives NaN. One -inf logit among finite ones still weighs 0."""
+    from magicpig_jax.attention import dense_attention, topk_attention
+    from magicpig_jax.host import host_topk_attention
+
+    rng = np.random.default_rng(0)
+    k = np.abs(rng.standard_normal((1, 2, 300, 8))).astype(np.float32) + 0.1
+    v = rng.standard_normal((1, 2, 300, 8)).astype(np.float32)
+    q = np.ones((1, 2, 8), np.float32)
+    q[0, 0, 0] = -np.inf  # head 0 (KV head 0): every logit -inf
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    results = {"exact": host_exact_attention(*args, impl=impl), "dense": dense_attention(*args),
+               "host topk": host_topk_attention(*args, 16, impl=impl), "topk": topk_attention(*args, 16)[:2]}
+    for name, (out, lse) in results.items():
+        out, lse = np.asarray(out), np.asarray(lse)
+        assert np.isnan(out[0, 0]).all() and np.isnan(lse[0, 0]), name
+        assert np.isfinite(out[0, 1]).all() and np.isfinite(lse[0, 1]), name
+    # an empty range is still empty, not NaN
+    out, lse = host_exact_attention(*args, jnp.asarray([0], jnp.int32), impl=impl)
+    assert np.asarray(out).tolist() == np.zeros((1, 2, 8)).tolist() and (np.asarray(lse) == -np.inf).all()
+
+
+def test_max_threads_takes_numpy_integers():
+    """np.int64(2) was refused as 'not an int', unlike every other integer option."""
+    q = jnp.ones((1, 2, 8), jnp.float32)
+    k = jnp.asarray(np.random.default_rng(1).standard_normal((1, 1, 5, 8)), jnp.float32)
+    ref = host_exact_attention(q, k, k, max_threads=2)
+    for mt in (np.int64(2), np.int32(2)):
+        out = host_exact_attention(q, k, k, max_threads=mt)
+        np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))
+    with pytest.raises(ValueError, match="max_threads"):
+        host_exact_attention(q, k, k, max_threads=np.bool_(True))

@@ -492,7 +492,8 @@ def oracle_sampling_attention(
     idx = _inverse_cdf_draws(rng, w, S)
     used = (jnp.arange(S, dtype=jnp.int32)[None, :] < draws[:, None]).astype(jnp.float32)
     # a head whose every valid logit is -inf has no weight to draw from (w is all 0 and the inverse
-    # CDF would land on position N - 1, padding included): no draws, the empty result (0, -inf, 0)
+    # CDF would land on position N - 1, padding included): no draws; its lse is NaN (a softmax over
+    # only -inf logits), and so is its out below
     drawable = (lse > -jnp.inf).reshape(B, Hkv, G, 1).astype(jnp.float32)
     used = used[:, None, None, :] * drawable
     counts = jax.vmap(lambda i, c: jnp.zeros((N,), jnp.float32).at[i].add(c))(

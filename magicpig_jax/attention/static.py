@@ -90,7 +90,7 @@ def static_attention(
     pos = jnp.arange(N, dtype=jnp.int32)[None, :]
     # Both paths read the sinks from the first num_sink positions, and the tail from max(end, start):
     # out-of-range values (traced ones cannot raise) give the same answer on either path.
-    start = jnp.minimum(jnp.minimum(start, num_sink), lengths)
+    start = jnp.minimum(jnp.minimum(start, min(int(num_sink), N)), lengths)  # min: an int32 (2**31 overflowed)
     end = jnp.maximum(end, start)
     if window is None:
         mask = (pos < start[:, None]) | ((pos >= end[:, None]) & (pos < lengths[:, None]))

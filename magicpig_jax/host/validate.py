@@ -38,16 +38,17 @@ def check_config(config: MagicPIGConfig) -> None:
 
 
 def check_pool_threads(max_threads: object) -> int:
-    """A thread cap on XLA's intra-op pool (0: all of it), as the ops' int64 attribute takes it.
+    """A thread cap on XLA's intra-op pool (0: all of it; a Python or NumPy int), as the ops' int64
+    attribute takes it.
 
     Raises:
       ValueError: not an int >= 0 (a bool included), or not below 2**31.
     """
-    if isinstance(max_threads, bool) or not isinstance(max_threads, int) or max_threads < 0:
+    if isinstance(max_threads, bool | np.bool_) or not isinstance(max_threads, int | np.integer) or max_threads < 0:
         raise ValueError(f"max_threads must be an int >= 0, got {max_threads!r}")
     if max_threads >= 2**31:
         raise ValueError(f"max_threads must be below 2**31, got {max_threads}")
-    return max_threads
+    return int(max_threads)
 
 
 def check_int(name: str, value: object, lo: int, hi: int) -> int:
