@@ -287,7 +287,7 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
             checkpoint.save_checkpoint(tmp_path / "cut", config, weights, tok)
     finally:
         checkpoint._write_checkpoint = real
-    assert not (tmp_path / "cut").exists() and not (tmp_path / ".cut.partial").exists()
+    assert not (tmp_path / "cut").exists() and not list(tmp_path.glob(".cut*"))
     # a version-1 file without the tokenizer's fields and without rope_freqs: the defaults
     bare = tmp_path / "bare"
     checkpoint.save_checkpoint(bare, config, {"w": np.ones((2, 2), np.float32)}, tok)
@@ -324,6 +324,90 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
         with pytest.raises(ValueError, match=re.escape(f"checkpoint {bare.absolute()}: its config lacks the fields "
                                                        "['eos_token_ids'] (a default would stand in")):
             read(bare)
+
+
+def test_checkpoint_damage_is_refused_and_conversions_touch_only_their_own_files(tmp_path):
+    """A current-format file missing a tokenizer key (add_bos_token: the prompt lost its BOS), a boolean
+    format_version (true == 1), ids outside the vocabulary, a tokenizer larger than the vocabulary,
+    a weight of another dtype (cast silently) and a damaged weights store (raw tensorstore errors)
+    are refused, named; save_checkpoint had deleted any '.OUT.partial' (a user's, or another run's)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from magicpig_jax.io import checkpoint
+    from magicpig_jax.io.digest import array_digest
+    from magicpig_jax.io.loader import convert_model, load_model
+
+    user = tmp_path / ".ck.partial"
+    user.mkdir()
+    (user / "important.txt").write_text("data")
+    (tmp_path / "mnt").mkdir()  # an existing empty OUT receives the files; nothing is left beside or in it
+    family = Path(__file__).parent / "fixtures" / "families" / "llama3"
+    for out in (tmp_path / "ck", tmp_path / "mnt"):
+        convert_model(family, out)
+        assert checkpoint.is_checkpoint(out) and not list(out.glob(".*"))
+    assert (user / "important.txt").read_text() == "data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ck.partial", "ck", "mnt"]
+    src = tmp_path / "ck"
+    vocab = checkpoint.read_checkpoint_config(src).vocab_size
+
+    def damaged(name, edit_meta=None, edit_dir=None):
+        bad = tmp_path / name
+        shutil.copytree(src, bad)
+        if edit_meta is not None:
+            meta = json.loads((bad / checkpoint.MARKER).read_text())
+            edit_meta(meta)
+            (bad / checkpoint.MARKER).write_text(json.dumps(meta))
+        if edit_dir is not None:
+            edit_dir(bad)
+        return bad
+
+    cases = [
+        (damaged("nobos", lambda m: m.pop("add_bos_token")),
+         "lacks the keys ['add_bos_token'], which format_version 5"),
+        (damaged("true", lambda m: m.update(format_version=True)), "unsupported checkpoint format_version True"),
+        (damaged("eos", lambda m: m.update(eos_token_ids=[2, 10**9])), "'eos_token_ids' [2, 1000000000] has ids "
+                                                                      f"outside the model's vocabulary [0, {vocab})"),
+        (damaged("bos", lambda m: m.update(bos_token_id=vocab)), f"'bos_token_id' {vocab} is outside"),
+        (damaged("store", edit_dir=lambda d: shutil.rmtree(next((d / "weights").glob("ocdbt.process_*")))),
+         "its weights/ store is damaged or incomplete ("),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_model(bad)
+    # a tokenizer larger than the model's vocabulary: refused at load, as for GGUF and HF sources
+    small = tmp_path / "small"
+    shutil.copytree(src, small)
+    meta = json.loads((small / checkpoint.MARKER).read_text())
+    n_tokens = load_model(src).tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    meta["config"]["vocab_size"] = n_tokens - 1
+    meta["bos_token_id"] = meta["eos_token_id"] = None
+    meta["add_bos_token"] = meta["add_eos_token"] = False
+    meta["eos_token_ids"] = meta["config"]["eos_token_ids"] = []
+    (small / checkpoint.MARKER).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=re.escape(f"{small}: the tokenizer has {n_tokens} tokens but the model's "
+                                                   f"vocabulary only {n_tokens - 1}")):
+        load_model(small)
+    # a weight stored as int32 (the writer writes float32 or uint8 rows), its digest updated to match
+    retyped = tmp_path / "retyped"
+    shutil.copytree(src, retyped)
+    with ocp.StandardCheckpointer() as ckpt:
+        tree = {k: np.asarray(v) for k, v in ckpt.restore(retyped / "weights").items()}
+    key = next(k for k in tree if k.endswith("input_layernorm/weight"))
+    tree[key] = tree[key].astype(np.int32)
+    shutil.rmtree(retyped / "weights")
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(retyped.absolute() / "weights", tree)
+    meta = json.loads((retyped / checkpoint.MARKER).read_text())
+    meta["weights_sha1"] = array_digest(tree)
+    (retyped / checkpoint.MARKER).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=re.escape(f"weight {key.replace('/', '.')} is int32, but checkpoints hold "
+                                                   "float32 or uint8")):
+        load_model(retyped)
 
 
 # -- tokenizer -------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -112,19 +114,27 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     if is_checkpoint(out):
         raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory; choose another OUT")
-    # Written beside ``out`` and renamed when complete, so that an interrupted conversion leaves
-    # no directory that looks like a checkpoint (or like a broken model) at ``out``.
-    partial = out.parent / f".{out.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)  # an earlier interrupted conversion's
-    partial.mkdir(parents=True)
+        left = sorted(p.name for p in out.glob(f".{out.name}.*.partial")) if out.is_dir() else []
+        hint = f" (it holds {left[0]}, from an interrupted conversion: remove it)" if left else ""
+        raise FileExistsError(f"{out} exists and is not an empty directory{hint}; choose another OUT")
+    # Written into a directory of this run's own (another run's, or a user's file, is never touched)
+    # and moved when complete, so that an interrupted conversion leaves nothing that looks like a
+    # checkpoint at ``out``. An existing empty ``out`` (a mount point, or in a read-only parent)
+    # holds it, and receives its files, MARKER last; otherwise it is created beside ``out``.
+    existing = out.exists()
+    if not existing:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out if existing else out.parent))
     try:
         _write_checkpoint(partial, config, weights, tokenizer, freq_factors, source_sha1)
         if verify is not None:
             verify(partial)
-        if out.exists():
-            out.rmdir()
-        partial.rename(out)
+        if existing:
+            for item in sorted(partial.iterdir(), key=lambda p: p.name == MARKER):
+                item.rename(out / item.name)
+            partial.rmdir()
+        else:
+            partial.rename(out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -170,8 +180,9 @@ def _read_meta(path: Path) -> dict:
     if not is_checkpoint(path):
         raise FileNotFoundError(f"{path} is not a magicpig_jax checkpoint (no {MARKER})")
     meta = read_json_object(path / MARKER)
-    if meta.get("format_version") not in READABLE_VERSIONS:
-        raise ValueError(f"unsupported checkpoint format_version {meta.get('format_version')!r} in {path}")
+    version = meta.get("format_version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:  # true == 1 in Python
+        raise ValueError(f"unsupported checkpoint format_version {version!r} in {path}")
     unknown = sorted(set(meta) - set(_META_KEYS))
     if unknown:  # a setting added by hand would be ignored
         raise ValueError(f"checkpoint {path}: {MARKER} has unknown keys {unknown} (known: {', '.join(_META_KEYS)})")
@@ -186,6 +197,10 @@ def _read_meta(path: Path) -> dict:
     if missing and meta["format_version"] == FORMAT_VERSION:  # this version writes every field
         raise ValueError(f"checkpoint {path}: its config lacks the fields {missing} (a default would stand in for "
                          "what the model had); convert the model again")
+    missing = sorted(set(_META_KEYS) - set(meta) - {"source_sha1"})
+    if missing and version == FORMAT_VERSION:  # this version writes them all: a default would stand in
+        raise ValueError(f"checkpoint {path}: {MARKER} lacks the keys {missing}, which format_version "
+                         f"{FORMAT_VERSION} always writes (edited or damaged); convert the model again")
     _check_meta_types(path, meta)
     return meta
 
@@ -225,6 +240,34 @@ def _check_meta_types(path: Path, meta: dict) -> None:
                          f"got {cfg['eos_token_ids']!r}")
 
 
+def _quiet_closed_loop_reports():
+    """Drop, and only those, the reports of ``RuntimeError('Event loop is closed')``: when a restore
+    fails, the store's reads still pending finish into orbax's closed event loop, each reported as
+    an unraisable exception (a traceback per read, around the error). Returns the hook it replaced."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop", False):
+        return previous
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._drops_closed_loop = True
+    sys.unraisablehook = hook
+    return previous
+
+
+def _check_weight_dtypes(path: Path, tree: dict) -> None:
+    """Refuse a weight of a dtype :func:`save_checkpoint` does not write (float32, or uint8 GGUF rows;
+    the loader refuses uint8 under a key that is not a :func:`~magicpig_jax.io.gguf_model.packed_key`
+    and a packed key that is not uint8): a cast would drop an imaginary part or a sign."""
+    for key, value in tree.items():
+        dtype = np.asarray(value).dtype
+        if dtype not in (np.float32, np.uint8):
+            raise ValueError(f"checkpoint {path}: weight {key.replace('/', '.')} is {dtype}, but checkpoints hold "
+                             "float32 or uint8 (GGUF rows) (edited or damaged); convert the model again")
+
+
 def read_checkpoint_config(path: str | Path) -> LlamaConfig:
     """The :class:`LlamaConfig` of a checkpoint, from its ``magicpig_model.json`` alone.
 
@@ -261,7 +304,9 @@ def read_checkpoint(path: str | Path):
 
     Raises:
       FileNotFoundError: not a checkpoint directory.
-      ValueError: an unknown format version; weights that do not match the recorded ``weights_sha1``.
+      ValueError: an unknown format version; a current-version file lacking a key it always writes;
+        token ids outside the vocabulary; a damaged weights store; a weight of a dtype the writer
+        does not write; weights that do not match the recorded ``weights_sha1``.
     """
     import orbax.checkpoint as ocp
 
@@ -270,8 +315,25 @@ def read_checkpoint(path: str | Path):
     path = Path(path).absolute()
     meta = _read_meta(path)
     config = read_checkpoint_config(path)
-    with ocp.StandardCheckpointer() as ckpt:
-        tree = ckpt.restore(path / "weights")
+    for key in ("bos_token_id", "eos_token_id"):
+        if meta.get(key) is not None and meta[key] >= config.vocab_size:
+            raise ValueError(f"checkpoint {path}: {MARKER} '{key}' {meta[key]} is outside the model's vocabulary "
+                             f"[0, {config.vocab_size})")
+    for where, ids in (("'eos_token_ids'", meta.get("eos_token_ids", ())), ("config 'eos_token_ids'",
+                                                                             config.eos_token_ids)):
+        if any(i >= config.vocab_size for i in ids):
+            raise ValueError(f"checkpoint {path}: {MARKER} {where} {list(ids)} has ids outside the model's "
+                             f"vocabulary [0, {config.vocab_size})")
+    previous = _quiet_closed_loop_reports()
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            tree = ckpt.restore(path / "weights")
+    except (OSError, ValueError, RuntimeError, KeyError) as err:  # tensorstore's and orbax's, some very long
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"checkpoint {path}: its weights/ store is damaged or incomplete ({first[:200]}); "
+                         "convert the model again") from None
+    sys.unraisablehook = previous  # kept after a failure: the reads still pending report later
+    _check_weight_dtypes(path, tree)
     if "weights_sha1" in meta:
         from magicpig_jax.io.digest import array_digest
 

@@ -175,6 +175,8 @@ class _WeightPlacer:
             raise ValueError(f"weight {name!r} missing from the checkpoint")
         if name in self.weights:
             w = np.asarray(self.fetch(name))
+            if w.dtype.kind in "biuc":  # an integer, bool or complex weight would be cast silently
+                raise ValueError(f"weight {name!r} is {w.dtype}, not a float")
             if name in self.rows_of:
                 self.skip(self.rows_of[name][0])
         else:
@@ -333,8 +335,8 @@ def _read_source(path: str | Path | None):
         raise FileNotFoundError(
             f"model path {source} does not exist (expected {MODEL_KINDS})")
     if source.is_dir() and is_checkpoint(source):
-        return source, read_checkpoint(source)
-    if source.is_dir():
+        config, weights, tokenizer, freq_factors = read_checkpoint(source)
+    elif source.is_dir():
         config, weights = read_hf_dir(source)
         tokenizer = Tokenizer.from_hf_dir(source, eos_token_ids=config.eos_token_ids)
         freq_factors = None
