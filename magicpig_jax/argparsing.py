@@ -64,9 +64,27 @@ class DefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentD
         return lines
 
 
+_SEEN = "_magicpig_options_seen"  # the namespace attribute _StoreOnce records in (removed after parsing)
+
+
+class _StoreOnce(argparse._StoreAction):
+    """argparse's ``store``, refusing an option given twice: argparse keeps the last value silently
+    (``--magicpig-config A --magicpig-config B`` ran B)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None:
+            seen = namespace.__dict__.setdefault(_SEEN, {})
+            if self.dest in seen:
+                parser.error(f"{'/'.join(self.option_strings)} given twice ({seen[self.dest]!r} and {values!r}): "
+                             "give it once")
+            seen[self.dest] = values
+        super().__call__(parser, namespace, values, option_string)
+
+
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are one line on stderr (``prog: error: ...``)
-    and exit status 2; ``--help`` shows the usage."""
+    and exit status 2; ``--help`` shows the usage; an option that takes a value, given twice, is an
+    error (argparse keeps the last one)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
@@ -76,6 +94,13 @@ class Parser(argparse.ArgumentParser):
             # as written (its lists and tables are laid out by hand).
             kwargs["description"] = textwrap.fill(text, 79) if "\n" not in text else text
         super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extra = super().parse_known_args(args, namespace)
+        parsed.__dict__.pop(_SEEN, None)
+        return parsed, extra
 
     def parse_args(self, args=None, namespace=None):
         """As argparse's, with the unrecognized arguments' error naming the flag a misspelled one

@@ -101,7 +101,8 @@ def one_line_error(proc: subprocess.CompletedProcess, expected: str) -> None:
 def test_bad_arguments_fail_before_the_model_loads(capsys, args, expected):
     start = time.perf_counter()
     # a model path that does not exist: loading it would be a different error
-    one_line_error(run_here(capsys, "generate", "--model", "/nonexistent.gguf", *args), expected)
+    model = [] if "--model" in args else ["--model", "/nonexistent.gguf"]  # given twice is an error of its own
+    one_line_error(run_here(capsys, "generate", *model, *args), expected)
     assert time.perf_counter() - start < 30  # no load or prefill
 
 
@@ -641,3 +642,14 @@ def test_generate_notes_a_file_calibrated_on_another_model(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (f"magicpig-jax: note: generate: {path} was calibrated on another model (weights "
             f"{weights_identity(llama3)}; this model's are {weights_identity(FAMILY)})") in proc.stderr
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["generate", "--prompt", "hi", "--magicpig-config", "a.json", "--magicpig-config", "b.json"], "--magicpig-config"),
+    (["calibrate", "--kl-budget", "0.5", "--kl-budget", "0.01", "--out", "x.json"], "--kl-budget"),
+    (["bench", "decode", "--steps", "3", "--steps=4"], "--steps"),
+    (["eval", "--out", "a", "--out", "b"], "--out"),
+])
+def test_an_option_given_twice_is_refused(capsys, argv, flag):
+    """argparse keeps the last value silently: two --magicpig-config files ran the second."""
+    one_line_error(run_here(capsys, *argv), f"{flag} given twice")

@@ -91,6 +91,10 @@ def test_budget_checks():
     with pytest.raises(ValueError, match=r"the prefix \(--length - --forced-tokens = 32\) must be longer than "
                                          r"--num-sink \+ --num-local = 68"):
         cal.calibrate(model, TEXT, kl_budget=0.1, length=40, forced_tokens=8, progress=False)
+    # one forced token is predicted by the dense prefill: every assignment measured KL 0 (a file
+    # claiming its budget met, 147x over it when re-measured over 32)
+    with pytest.raises(ValueError, match=r"need 2 <= --forced-tokens < --length \(the first forced token"):
+        cal.calibrate(model, TEXT, kl_budget=0.1, length=600, forced_tokens=1, progress=False)
 
 
 def test_windowed_layers_stay_dense():
@@ -199,7 +203,7 @@ def test_a_search_cut_short_by_max_evals_says_so(capsys):
     assert "ran out" not in err and "no measured assignment with a sparse layer met the KL budget 1e-09" in err
 
 
-def test_command_line_is_wired(tmp_path, capsys):
+def test_command_line_is_wired(tmp_path, capsys, monkeypatch):
     assert cli.main(["calibrate", "--kl-budget", "0.1", "--out", str(tmp_path / "x.json"),
                      "--candidates", "10xz"]) == 2
     assert "candidates" in capsys.readouterr().err
@@ -209,6 +213,12 @@ def test_command_line_is_wired(tmp_path, capsys):
                      "--candidates", "10x150,6x5000"]) == 2  # it was refused only after the load and prefill
     assert capsys.readouterr().err == ("magicpig-jax: error: calibrate: --candidates 6x5000: L must be in [2, 4096] "
                                        "(the host index)\n")
+    for extra, message in ((["--forced-tokens", "1"], "--forced-tokens must be >= 2: the first forced token"),
+                           (["--length", "9000"], "--length 9000 is past the model's context of 8192 tokens")):
+        # refused before the model loads (the heavy part)
+        monkeypatch.setattr("magicpig_jax.io.loader.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+        assert cli.main(["calibrate", "--kl-budget", "0.1", "--out", str(tmp_path / "x.json"), *extra]) == 2
+        assert capsys.readouterr().err.startswith(f"magicpig-jax: error: calibrate: {message}")
     lc = LayerConfigs.uniform(MagicPIGConfig(), 30, [0, 15])
     path = lc.save(tmp_path / "u.json")
     assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(path), "--dense-layers", "0"]) == 2

@@ -439,6 +439,12 @@ def _check_prefix(length: int, forced_tokens: int, num_sink: int, num_local: int
                          f"--num-sink + --num-local = {num_sink + num_local}: no key of a shorter one is sampled")
 
 
+def _check_context(length: int, context: int) -> None:
+    if length > context:
+        raise ValueError(f"--length {length} is past the model's context of {context} tokens (the prefix and "
+                         f"the forced tokens must fit in it): use --length <= {context}")
+
+
 def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_tokens: int = 128,
               candidates: Sequence[tuple[int, int]] = ((8, 75), (9, 120), (10, 150), (11, 300), (12, 600)),
               num_sink: int = 4, num_local: int = 64, seed: int = 0, probes: int = 8, repeats: int = 5,
@@ -451,7 +457,8 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     is False when ``max_evals`` ran out before the search converged (a note is printed).
 
     Raises:
-      ValueError: a budget <= 0, a prefix (``length - forced_tokens``) no longer than the static
+      ValueError: a budget <= 0, ``forced_tokens`` < 2 (the first is predicted by the dense prefill:
+        one would measure KL 0), a prefix (``length - forced_tokens``) no longer than the static
         set (``num_sink + num_local``), a ``length`` past the model's context (``max_position_embeddings``:
         the teacher-forced tokens are decoded after the prefix, so all ``length`` positions must
         be in it), a text shorter than ``length`` tokens, bad sizes, or a model whose every layer
@@ -466,13 +473,11 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
         raise ValueError(f"--kl-budget must be > 0, got {kl_budget}")
     if cost not in COST_KINDS:
         raise ValueError(f"--cost must be one of {COST_KINDS}, got {cost!r}")
-    if not 1 <= forced_tokens < length:
-        raise ValueError(f"need 1 <= --forced-tokens < --length, got {forced_tokens} and {length}")
+    if not 2 <= forced_tokens < length:  # the first is predicted by the dense prefill: KL 0 whatever the layers
+        raise ValueError(f"need 2 <= --forced-tokens < --length (the first forced token is predicted by the dense "
+                         f"prefill, so one would measure KL 0), got {forced_tokens} and {length}")
     _check_prefix(length, forced_tokens, num_sink, num_local)
-    context = model.config.max_position_embeddings
-    if length > context:
-        raise ValueError(f"--length {length} is past the model's context of {context} tokens (the prefix and "
-                         f"the forced tokens must fit in it): use --length <= {context}")
+    _check_context(length, model.config.max_position_embeddings)
     base = MagicPIGConfig(num_sink=num_sink, num_local=num_local, seed=seed,
                           layers_per_projection=layers_per_projection)
     from magicpig_jax.eval.likelihood import document_encoder
@@ -602,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("length", "forced_tokens", "probes", "repeats", "max_evals", "layers_per_projection"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.forced_tokens < 2:
+        raise ValueError("--forced-tokens must be >= 2: the first forced token is predicted by the dense prefill, "
+                         "so one would measure KL 0 whatever the layers")
     if not args.kl_budget > 0 or not math.isfinite(args.kl_budget):
         raise ValueError(f"--kl-budget must be a positive finite number, got {args.kl_budget}")
     if args.forced_tokens < args.length:
@@ -618,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
         text = args.text.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"--text {args.text} is not UTF-8 text (byte {err.start})") from None
+    from magicpig_jax.io.loader import read_model_config
+
+    _check_context(args.length, read_model_config(args.model).max_position_embeddings)  # before the load
     model = load_model(args.model)
     lc, report = calibrate(model, text, args.kl_budget, length=args.length, forced_tokens=args.forced_tokens,
                            candidates=candidates, num_sink=args.num_sink, num_local=args.num_local, seed=args.seed,
