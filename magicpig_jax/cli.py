@@ -362,7 +362,11 @@ def _layer_configs(args):
 
     if args.dense_layers is not None:
         raise ValueError("--dense-layers cannot be combined with --magicpig-config (the file names the dense layers)")
-    return LayerConfigs.load(args.magicpig_config)
+    from magicpig_jax.eval.calibrate import recorded_identities
+
+    configs = LayerConfigs.load(args.magicpig_config)
+    recorded_identities(args.magicpig_config)  # its model identities' types: before the model loads
+    return configs
 
 
 def _runs_on(spec) -> str:

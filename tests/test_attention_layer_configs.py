@@ -267,3 +267,20 @@ def test_the_command_line_checks_a_file_before_loading_the_model(tmp_path, capsy
         f"magicpig-jax: error: eval: method 'magicpig@{wide_k}': layer 1: the host index takes K in [1, 16] and L in "
         "[2, 4096], got K=17, L=150")
     assert not (tmp_path / "never").exists()
+
+
+def test_an_all_dense_file_keeps_its_static_set(tmp_path):
+    """calibrate's all-dense result recorded the default static set (4, 64, seed 0), not the one it
+    calibrated with (its own 'calibration' record said 8, 32, seed 7): the file contradicted itself."""
+    from magicpig_jax.eval.calibrate import to_layer_configs
+
+    base = MagicPIGConfig(num_sink=8, num_local=32, seed=7, layers_per_projection=2)
+    lc = to_layer_configs(["dense", "dense"], base)
+    want = {"num_sink": 8, "num_local": 32, "seed": 7, "layers_per_projection": 2}
+    assert {k: lc.to_json()[k] for k in want} == want
+    back = LayerConfigs.load(lc.save(tmp_path / "d.json"))
+    assert {k: getattr(back.base(), k) for k in want} == want
+    assert LayerConfigs.uniform(base, 2, [0, 1]).base().num_local == 32
+    with pytest.raises(ValueError, match=r"static gives num_sink, num_local, seed, layers_per_projection \(8, 32, 7, "
+                                         r"2\), the sparse layers \(4, 64, 0, 1\)"):
+        LayerConfigs(((0, MagicPIGConfig()), (1, "dense")), static=base)

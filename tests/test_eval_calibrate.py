@@ -302,7 +302,7 @@ def test_default_sweep_reaches_every_assignment_of_a_fine_grid(seed):
     assert costs == sorted(costs) and default[-1] == ("dense",) * 12
 
 
-def test_a_file_calibrated_on_another_model_of_the_same_sizes_is_noted(calibrated, tmp_path, capsys):
+def test_a_file_calibrated_on_another_model_of_the_same_sizes_is_noted(calibrated, tmp_path, capsys, monkeypatch):
     """The llama3 and qwen2 fixtures have the same sizes, so the sizes check accepts either's file for the
     other: calibrate records the model's weights identity, and eval and generate note a file measured on
     another model; the same model converted to a checkpoint, or a GGUF under another name, is not another."""
@@ -355,6 +355,12 @@ def test_a_file_calibrated_on_another_model_of_the_same_sizes_is_noted(calibrate
     bad = lc.save(tmp_path / "bad.json", extra={"calibration": {"weights_id": 5}})
     with pytest.raises(ValueError, match=r"'calibration.weights_id' must be a string"):
         cal.other_model_note(bad, qwen2)
+    # refused before the model loads (generate had printed 'model: ... loaded' first), and by eval's parser
+    monkeypatch.setattr("magicpig_jax.io.loader.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert cli.main(["generate", "--prompt", "hi", "--magicpig-config", str(bad)]) == 2
+    assert "'calibration.weights_id' must be a string" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"'calibration.weights_id' must be a string"):
+        parse_methods(f"magicpig@{bad}")
 
 
 def test_a_gguf_keeps_its_weights_identity_under_another_name(tmp_path):

@@ -81,18 +81,24 @@ class LayerConfigs:
         ``MODEL_SHAPE_KEYS``: layers, hidden size, Hq, Hkv, D, vocabulary), as ``(key, size)`` pairs
         or a mapping; :meth:`check_model` refuses a model of other sizes. Not compared or hashed:
         it does not change the computation.
+      static: optional config whose ``num_sink``, ``num_local``, ``seed`` and
+        ``layers_per_projection`` are the file's static set and seed (:meth:`base`), which a
+        configuration with every layer dense has no sparse layer to carry; it must agree with the
+        sparse layers'. Not compared or hashed (dense layers do not read it).
 
     Raises:
       TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``; a layer index that is
         not an integer; ``info`` not string pairs.
       ValueError: layers not exactly ``0 .. n-1``, no layer at all, sparse layers that
-        disagree on ``num_sink``, ``num_local``, ``seed`` or ``layers_per_projection``, or a
-        ``model_shape`` with an unknown key, a size below 1, or another number of layers.
+        disagree on ``num_sink``, ``num_local``, ``seed`` or ``layers_per_projection`` (with each
+        other or with ``static``), or a ``model_shape`` with an unknown key, a size below 1, or
+        another number of layers.
     """
 
     layers: tuple[tuple[int, MagicPIGConfig | str], ...]
     info: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
     model_shape: Sequence | Mapping[str, int] = dataclasses.field(default=(), compare=False)
+    static: MagicPIGConfig | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         bad = [i for i, _ in self.layers if not _is_index(i)]
@@ -118,6 +124,13 @@ class LayerConfigs:
         if len(shared) > 1:
             raise ValueError("every sparse layer must share num_sink, num_local, seed and layers_per_projection, "
                              f"got {sorted(shared)}")
+        if self.static is not None:
+            if not isinstance(self.static, MagicPIGConfig):
+                raise TypeError(f"static must be a MagicPIGConfig or None, got {self.static!r}")
+            own = (self.static.num_sink, self.static.num_local, self.static.seed, self.static.layers_per_projection)
+            if shared and shared != {own}:
+                raise ValueError(f"static gives num_sink, num_local, seed, layers_per_projection {own}, the sparse "
+                                 f"layers {next(iter(shared))}")
         raw = self.model_shape
         if not isinstance(raw, Mapping) and not (isinstance(raw, tuple | list) and all(
                 isinstance(p, tuple | list) and len(p) == 2 for p in raw)):
@@ -145,7 +158,7 @@ class LayerConfigs:
           TypeError, ValueError: as :func:`check_layer_indices` for ``dense_layers``.
         """
         dense = set(check_layer_indices("dense_layers", dense_layers, num_layers))
-        return cls(tuple((i, DENSE if i in dense else config) for i in range(num_layers)))
+        return cls(tuple((i, DENSE if i in dense else config) for i in range(num_layers)), static=config)
 
     @property
     def num_layers(self) -> int:
@@ -173,10 +186,10 @@ class LayerConfigs:
         return tuple(i for i, c in self.layers if c != DENSE)
 
     def base(self) -> MagicPIGConfig:
-        """A config carrying the shared static set and seed: the first sparse layer's (default
-        :class:`MagicPIGConfig` when every layer is dense)."""
+        """A config carrying the shared static set and seed: the first sparse layer's; when every
+        layer is dense, :attr:`static` (default :class:`MagicPIGConfig` without it)."""
         sparse = [c for _, c in self.layers if c != DENSE]
-        return sparse[0] if sparse else MagicPIGConfig()
+        return sparse[0] if sparse else (self.static or MagicPIGConfig())
 
     def check_num_layers(self, num_layers: int) -> None:
         """Raises ValueError unless this gives exactly ``num_layers`` layers."""
@@ -276,7 +289,8 @@ class LayerConfigs:
         if not isinstance(shape, Mapping):  # null, [] or 0 would switch the model check off
             raise ValueError(f"layer-configs 'model_shape' must be an object, got {shape!r}")
         shape = {str(k): _json_int(f"model_shape {k!r}", v) for k, v in shape.items()}
-        return cls(tuple(layers), tuple((str(k), str(v)) for k, v in info.items()), shape)
+        return cls(tuple(layers), tuple((str(k), str(v)) for k, v in info.items()), shape,
+                   static=MagicPIGConfig(**common))
 
     def save(self, path: str | Path, extra: Mapping | None = None) -> Path:
         """Write the JSON file (``extra`` keys, e.g. the calibration's measurements, are added).

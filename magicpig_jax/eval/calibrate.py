@@ -60,8 +60,8 @@ from magicpig_jax.argparsing import Parser, path_arg
 from magicpig_jax.eval.corpus import CALIBRATION_TEXT
 
 __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
-           "paragraph_hashes", "check_config_for_eval", "other_model_note", "pool_ms", "DEFAULT_TEXT",
-           "DEFAULT_CANDIDATES", "COST_KINDS"]
+           "paragraph_hashes", "check_config_for_eval", "other_model_note", "recorded_identities", "pool_ms",
+           "DEFAULT_TEXT", "DEFAULT_CANDIDATES", "COST_KINDS"]
 
 DEFAULT_TEXT = CALIBRATION_TEXT  # held out of the default evaluation haystack
 DEFAULT_CANDIDATES = "8x75,9x120,10x150,11x300,12x600"
@@ -93,6 +93,27 @@ def _identities(source) -> tuple[str | None, str | None]:
         return None, None
 
 
+def recorded_identities(path: str | Path) -> list[str]:
+    """The model identities a calibrated file records (``calibration.weights_id`` and
+    ``source_weights_id``; none for a file written by hand). Cheap: called before a model loads.
+
+    Raises:
+      ValueError: one that is not a string (naming the file and the key).
+    """
+    record = json.loads(Path(path).read_text()).get("calibration", {})
+    if not isinstance(record, dict):
+        return []
+    recorded = []
+    for key in ("weights_id", "source_weights_id"):
+        value = record.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{path}: 'calibration.{key}' must be a string (the calibrated model's identity), "
+                             f"got {value!r}")
+        if value is not None:
+            recorded.append(value)
+    return recorded
+
+
 def other_model_note(path: str | Path, model_source) -> str | None:
     """A note when the calibrated file at ``path`` was measured on another model than ``model_source``.
 
@@ -109,17 +130,7 @@ def other_model_note(path: str | Path, model_source) -> str | None:
       ValueError: ``calibration.weights_id`` or ``calibration.source_weights_id`` is not a string
         (naming the file).
     """
-    record = json.loads(Path(path).read_text()).get("calibration", {})
-    if not isinstance(record, dict):
-        return None
-    recorded = []
-    for key in ("weights_id", "source_weights_id"):
-        value = record.get(key)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{path}: 'calibration.{key}' must be a string (the calibrated model's identity), "
-                             f"got {value!r}")
-        if value is not None:
-            recorded.append(value)
+    recorded = recorded_identities(path)
     mine = [x for x in _identities(model_source) if x is not None]
     if not recorded or not mine or set(recorded) & set(mine):
         return None
@@ -418,7 +429,7 @@ def to_layer_configs(assignment: Sequence[str], base, info: dict | None = None):
         else:
             K, L = (int(x) for x in label.split("x"))
             layers.append((i, dataclasses.replace(base, K=K, L=L)))
-    return LayerConfigs(tuple(layers), tuple((str(k), str(v)) for k, v in (info or {}).items()))
+    return LayerConfigs(tuple(layers), tuple((str(k), str(v)) for k, v in (info or {}).items()), static=base)
 
 
 def _kl_of(model, state, layer_configs, targets, logp_dense) -> float:

@@ -83,10 +83,13 @@ def parse_method(text: str) -> Method:
         if not path.is_file():
             raise FileNotFoundError(f"method {text!r}: no layer-configs file {path}")
         from magicpig_jax.attention import LayerConfigs
+        from magicpig_jax.eval.calibrate import recorded_identities
         from magicpig_jax.models.backends.spec import host_ops_by_default
 
+        configs = LayerConfigs.load(path)  # the file's own errors name it
+        recorded_identities(path)  # its model identities' types, before any model loads
         if host_ops_by_default():  # per-layer configs run on the host index
-            for i, c in LayerConfigs.load(path).layers:  # the file's own errors name it
+            for i, c in configs.layers:
                 if c != "dense":
                     _check_host_index(f"method {text!r}: layer {i}", c.K, c.L, hint="")
         return Method(f"magicpig@{path.stem}", "magicpig", config_file=str(path))
