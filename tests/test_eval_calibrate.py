@@ -174,6 +174,14 @@ def test_the_python_api_records_the_models_sizes_and_the_texts_paragraphs(calibr
                             haystack=str(same))
     with pytest.raises(ValueError, match="shares 1 paragraph"):
         cal.check_config_for_eval(path, model, settings)
+    # the same words reflowed (one per line, so one paragraph of another hash): they passed the check
+    reflowed = tmp_path / "reflowed.txt"
+    reflowed.write_text("Preamble words that the calibration text does not hold at all.\n\n"
+                        + "\n".join(TEXT.split()[5:40]) + "\n")
+    assert not set(report["calibration"]["paragraph_sha1"]) & set(cal.paragraph_hashes(str(reflowed)))
+    with pytest.raises(ValueError, match=f"shares [0-9]+ run\\(s\\) of {cal.SHINGLE_WORDS} words with the evaluation "
+                                         "haystack .* \\(reflowed or not\\)"):
+        cal.check_config_for_eval(path, model, dataclasses.replace(settings, haystack=str(reflowed)))
 
 
 def test_a_calibration_text_named_like_a_haystack_is_read_as_the_file(tmp_path, monkeypatch):

@@ -80,6 +80,28 @@ def paragraph_hashes(source: str) -> list[str]:
     return [hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(Path(source))]
 
 
+# Runs of this many words are compared, whatever the line breaks: a text shares a run of
+# 2 * SHINGLE_WORDS words with the haystack iff one of its consecutive, non-overlapping runs of
+# SHINGLE_WORDS (recorded by calibrate) is among all the haystack's runs (hashed by eval).
+SHINGLE_WORDS = 12
+
+
+def shingle_hashes(words: list[str], disjoint: bool = False) -> list[str]:
+    """12-hex-digit SHA-1 of runs of :data:`SHINGLE_WORDS` words joined by one space: every run (one
+    per start word), or with ``disjoint`` the non-overlapping ones (from word 0, in steps of
+    SHINGLE_WORDS). Words are whitespace-separated, so reflowing a text changes none."""
+    step = SHINGLE_WORDS if disjoint else 1
+    return [hashlib.sha1(" ".join(words[i:i + SHINGLE_WORDS]).encode()).hexdigest()[:12]
+            for i in range(0, len(words) - SHINGLE_WORDS + 1, step)]
+
+
+@functools.cache
+def _haystack_shingles(haystack: str) -> frozenset[str]:
+    from magicpig_jax.eval.corpus import load_prose
+
+    return frozenset(shingle_hashes(" ".join(load_prose(haystack)).split()))
+
+
 def _identities(source) -> tuple[str | None, str | None]:
     """``(weights identity, recorded source identity)`` of a model path
     (:func:`magicpig_jax.io.digest.weights_identity`; a checkpoint's ``source_sha1``); None for a
@@ -143,9 +165,10 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
     or a calibration text that shares a paragraph with the evaluation haystack; note on stderr a
     file calibrated on another model of the same sizes (:func:`other_model_note`).
 
-    The overlap is checked against the file's ``calibration.paragraph_sha1`` (written by
-    ``magicpig-jax calibrate``); a file without a calibration record (written by hand) has no
-    text to compare.
+    The overlap is checked against the file's ``calibration.paragraph_sha1`` and
+    ``shingle_sha1`` (written by ``magicpig-jax calibrate``: its paragraphs, and its runs of
+    :data:`SHINGLE_WORDS` words, which a reflowed copy shares); a file without a calibration
+    record (written by hand) has no text to compare.
 
     Raises:
       ValueError: naming the mismatch, or a malformed calibration record (naming the field).
@@ -180,6 +203,17 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
     if shared:
         raise ValueError(f"{path} was calibrated on a text that shares {len(shared)} paragraph(s) with the "
                          f"evaluation haystack {settings.haystack!r}: calibrate on another text")
+    # the same words reflowed (line breaks removed, paragraphs merged) share no paragraph: runs of words
+    shingles = record.get("shingle_sha1", [])
+    if record.get("shingle_words", SHINGLE_WORDS) != SHINGLE_WORDS or not isinstance(shingles, list) or not all(
+            isinstance(h, str) for h in shingles):
+        raise ValueError(f"{path}: 'calibration.shingle_sha1' must be a list of strings, of runs of "
+                         f"'shingle_words' = {SHINGLE_WORDS} words (the calibration text's)")
+    shared = set(shingles) & _haystack_shingles(str(settings.haystack))
+    if shared:
+        raise ValueError(f"{path} was calibrated on a text that shares {len(shared)} run(s) of {SHINGLE_WORDS} "
+                         f"words with the evaluation haystack {settings.haystack!r} (reflowed or not): calibrate "
+                         "on another text")
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
@@ -562,7 +596,8 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
                         "candidates": [f"{k}x{l_}" for k, l_ in candidates], "num_sink": num_sink,
                         "num_local": num_local, "seed": seed, "layers_per_projection": layers_per_projection,
                         # what eval's overlap check compares with its haystack (check_config_for_eval)
-                        "paragraph_sha1": [hashlib.sha1(p.encode()).hexdigest()[:12] for p in text_paragraphs(text)]},
+                        "paragraph_sha1": [hashlib.sha1(p.encode()).hexdigest()[:12] for p in text_paragraphs(text)],
+                        "shingle_words": SHINGLE_WORDS, "shingle_sha1": shingle_hashes(text.split(), disjoint=True)},
         "search_complete": complete,
         "per_layer": [{"layer": i, "choice": best[i], "ms": c.ms, "ms_fit": c.ms_fit, "bytes": c.bytes,
                        "error": c.error, "fraction": c.fraction} for i, c in enumerate(per_layer)],
