@@ -1,9 +1,9 @@
-"""Teacher-forced decoding for evaluation: feed given tokens and observe every step's logits.
+"""Teacher-forced decoding: feed given tokens and observe every step's logits.
 
 The likelihood task scores a method by the logits it gives to a fixed continuation, so the
 decode loop must take the next token from the text rather than from sampling, and hand each
-step's logits to the evaluator. These hooks are for evaluation only; users call
-:func:`magicpig_jax.generation.decode`.
+step's logits to the evaluator. :func:`forced_decode` is public (calibrate and the notebooks use
+it too); to generate, call :func:`magicpig_jax.generation.decode`.
 """
 
 from __future__ import annotations
