@@ -220,17 +220,25 @@ def collision_probability(q: Float[Array, "... D"], k: Float[Array, "... D"]) ->
 
 
 def collision_probability_from_cosine(cos: Float[Array, "..."]) -> Float[Array, "..."]:
-    """``p = 1 - arccos(clip(cos, -1, 1)) / pi`` in float32 (see :func:`collision_probability`).
+    """``p = 1 - arccos(clip(cos, -1, 1)) / pi`` in float32 (see :func:`collision_probability`),
+    computed as ``arccos(-cos) / pi`` (the angle to ``-k``): near ``cos = -1``, where ``p`` is
+    small, ``1 - arccos(cos) / pi`` cancelled (6e-4 relative error at ``cos = -0.99999994``); the
+    host op's ``LogU`` takes the same form.
 
     Differentiable: at ``cos = ±1`` (and beyond, clipped) the gradient is 0 instead of arccos's
     infinite slope (the angle has a kink there, like ``|x|`` at 0), so a gradient through it is
     finite; NaN stays NaN.
+
+    Limit: a float32 cosine cannot tell apart angles within about 3.5e-4 rad of 0 or of pi (its
+    spacing below 1 is 6e-8, and ``1 - cos ~ angle^2 / 2``): a centered key that close to
+    antiparallel to the query gets ``p = 0`` (``log u`` at its floor, ``log 1e-30``) where the true
+    ``u`` may be larger, so if it is sampled its weight is too large; such a key collides in two
+    tables with probability ``u``, far below 1e-8 there. Keys of real models are not that close.
     """
     cos = jnp.asarray(cos, jnp.float32)
     inside = jnp.abs(cos) < 1.0
-    edge = jnp.where(cos >= 1.0, 0.0, jnp.where(cos <= -1.0, jnp.float32(math.pi), cos))  # NaN stays NaN
-    angle = jnp.where(inside, jnp.arccos(jnp.where(inside, cos, 0.0)), edge)
-    return 1.0 - angle / jnp.float32(math.pi)
+    edge = jnp.where(cos >= 1.0, 1.0, jnp.where(cos <= -1.0, 0.0, cos))  # NaN stays NaN
+    return jnp.where(inside, jnp.arccos(jnp.where(inside, -cos, 0.0)) / jnp.float32(math.pi), edge)
 
 
 def log_sampling_probability(p: Float[Array, "..."], K: int, L: int) -> Float[Array, "..."]:

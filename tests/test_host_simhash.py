@@ -147,5 +147,7 @@ def test_bad_arguments_name_the_parameter():
         host_simhash_codes(jnp.zeros((3, 8), jnp.int32), proj, 3, 4)
     with pytest.raises(TypeError, match="x must be a floating dtype"):
         host_simhash_codes(jnp.zeros((3, 8), jnp.complex64), proj, 3, 4)
+    with pytest.raises(TypeError, match="projections must be a float array, got int32"):  # as lsh.simhash_codes
+        host_simhash_codes(x, proj.astype(jnp.int32), 3, 4)
     # no rows: no call, an empty result
     assert host_simhash_codes(jnp.zeros((0, 8)), proj, 3, 4).shape == (0, 4)

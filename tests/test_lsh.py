@@ -141,6 +141,17 @@ def test_collision_probability_matches_float64():
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)
 
 
+def test_collision_probability_near_antiparallel_does_not_cancel():
+    """p = 1 - arccos(c)/pi cancelled near c = -1, where p is small (6e-4 relative error at
+    c = -0.99999994, 3.7e-3 in log u at K = 3, L = 10); arccos(-c)/pi does not, as the host's LogU."""
+    c = np.array([-0.99999994, -0.9999997, -0.999999, -0.9999, -0.99], np.float32)
+    got = np.asarray(lsh.collision_probability_from_cosine(jnp.asarray(c)), np.float64)
+    ref = np.arccos(-c.astype(np.float64)) / np.pi
+    np.testing.assert_allclose(got, ref, rtol=2e-6)
+    assert float(lsh.collision_probability_from_cosine(jnp.float32(-1.0))) == 0.0
+    assert float(lsh.collision_probability_from_cosine(jnp.float32(1.0))) == 1.0
+
+
 def test_collision_probability_clamps_parallel_and_antiparallel():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(500, 64)).astype(np.float32) * rng.uniform(0.01, 300, (500, 1)))

@@ -55,8 +55,8 @@ def host_simhash_codes(
       uint32 ``[..., L]``.
 
     Raises:
-      TypeError / ValueError: a non-float ``x``; bad ``K``, ``L``, ``impl``, ``max_threads``, or shapes of
-        ``projections`` or ``center``.
+      TypeError / ValueError: a non-float ``x`` or ``projections``; bad ``K``, ``L``, ``impl``,
+        ``max_threads``, or shapes of ``projections`` or ``center``.
       ImportError: the native extension is not built.
 
     Source: arXiv 2410.16179, Section 4.2 (SimHash, Charikar 2002; keys centered by their mean).
@@ -83,6 +83,8 @@ def host_simhash_codes(
     xa = jnp.asarray(x)
     if not jnp.issubdtype(xa.dtype, jnp.floating):
         raise TypeError(f"x must be a floating dtype (float32, bfloat16, ...), got {xa.dtype}")
+    if not jnp.issubdtype(jnp.asarray(projections).dtype, jnp.floating):  # as lsh.simhash_codes
+        raise TypeError(f"projections must be a float array, got {jnp.asarray(projections).dtype}")
     if xa.dtype != jnp.bfloat16:
         xa = xa.astype(jnp.float32)
     rows = xa.reshape(-1, D)
