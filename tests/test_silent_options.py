@@ -57,7 +57,10 @@ def test_host_false_is_pure_jax_even_where_offload_is_the_default(monkeypatch):
     import magicpig_jax.models.backends.spec as spec_module
 
     monkeypatch.setattr(spec_module, "host_ops_by_default", lambda: False)  # a GPU or TPU backend
-    assert DecodeSpec(backend="magicpig").offload is True
+    default = DecodeSpec(backend="magicpig")
+    assert (default.offload, default.host, default.uses_host) == (True, True, False)
+    assert default.with_softcap(50.0).offload  # a resolved spec replaces cleanly (the offload decoder does)
+    assert DecodeSpec(backend="magicpig", offload=True).with_softcap(30.0).logit_softcap == 30.0
     spec = DecodeSpec(backend="magicpig", host=False)
     assert (spec.offload, spec.host, spec.uses_host) == (False, False, False)
 

@@ -148,9 +148,9 @@ class DecodeSpec:
             raise ValueError(f"host_device applies to the offload decoder only (offload=True), which this spec does "
                              f"not run (backend={self.backend!r}, offload={self.offload}); drop host_device or "
                              "pass offload=True")
-        if self.host is None:
-            object.__setattr__(self, "host", self.backend in HOST_BACKENDS and not self.offload
-                               and host_ops_by_default())
+        if self.host is None:  # the offload decoder runs the host op (so a replace() of this spec keeps it)
+            object.__setattr__(self, "host", self.backend in HOST_BACKENDS
+                               and (bool(self.offload) or host_ops_by_default()))
         from magicpig_jax.attention._common import check_softcap
         from magicpig_jax.models.backends.table import backend_for
 
