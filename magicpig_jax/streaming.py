@@ -46,7 +46,9 @@ def check_stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 def check_stops_for(tokenizer, stops: Sequence[str]) -> None:
     """Refuse a stop string that holds a special token's text (``"<|im_start|>"``): the decoded
-    text leaves special tokens out, so it could never match.
+    text leaves a generated special token out, so it would not stop where the token is generated;
+    it would match only the same characters spelled by ordinary tokens, which is seldom what was
+    meant. Rows stop at the model's end-of-generation tokens without a stop string.
 
     Raises:
       ValueError: naming the stop string and the special token.
@@ -55,7 +57,9 @@ def check_stops_for(tokenizer, stops: Sequence[str]) -> None:
         for token in getattr(tokenizer, "special_tokens", ()):
             if token and token in s:
                 raise ValueError(f"stop string {s!r} holds the special token {token!r}, which decoded text leaves "
-                                 "out: it would never match (a row ends at the model's end-of-turn token anyway)")
+                                 "out: it would not stop where the model generates that token (only where the same "
+                                 "characters are spelled by ordinary tokens); rows stop at the model's "
+                                 "end-of-generation tokens without a stop string")
 
 
 class StopStrings:
@@ -63,34 +67,19 @@ class StopStrings:
 
     A row stops once its decoded text contains any stop string; :meth:`cut` then gives the
     text before the first occurrence (the stop string itself is not part of the answer).
-    Only the tail of the ids that can hold a new occurrence is decoded each step.
+    The whole text is decoded each step (as :class:`TextStream` does): the text of a tail of the
+    ids is not a suffix of it when the tail starts inside a run of byte-fallback tokens (one
+    U+FFFD per byte) or at a token whose leading space a decoder strips, so a stop string
+    completed there was missed and the row ran to its token limit.
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str]):
         self.decode, self.stop = decode, tuple(stop)
-        longest = max((len(s) for s in self.stop), default=0)
-        # A character takes at most 4 byte tokens, and most tokens at least one byte: this many ids
-        # usually decode to enough text. Tokens without text (skipped special tokens, ids past the
-        # tokenizer's vocabulary) need more: the tail is doubled until its text has the longest
-        # stop string's length plus 4 characters (a cut character's U+FFFD, a stripped space).
-        self.tail = 4 * longest + 4
-        self.need = longest + 4
 
     def __call__(self, row: int, ids: Sequence[int]) -> bool:
         """Whether the text of ``ids`` (a row's tokens so far) holds a stop string (``row`` is
-        unused: every row has the same stop strings). Only the last ids are decoded each step
-        (enough of them to hold the longest stop string); a hit there is confirmed on the whole
-        text, since a tail that starts inside a run of byte-fallback tokens can decode otherwise
-        than the run does."""
-        tail = self.tail
-        text = self.decode(ids[-tail:])
-        while len(text) < self.need and tail < len(ids):
-            tail *= 2
-            text = self.decode(ids[-tail:])
-        if not any(s in text for s in self.stop):
-            return False
-        if len(ids) > self.tail:
-            text = self.decode(ids)
+        unused: every row has the same stop strings)."""
+        text = self.decode(ids)
         return any(s in text for s in self.stop)
 
     def cut(self, text: str) -> str:

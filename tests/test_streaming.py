@@ -136,3 +136,24 @@ def test_a_stop_string_across_tokens_without_text(tok, gap):
     stop = StopStrings(tok.decode, ["ll"])
     assert "ll" in tok.decode(ids) and stop(0, ids)
     assert not stop(0, ids[:-1])
+
+
+def test_a_stop_string_completed_inside_a_byte_fallback_run_stops_the_row(byte_fallback):
+    """The criterion decoded only a tail of the ids: a tail starting inside a run of byte tokens
+    decodes to U+FFFD per byte, so an emoji stop string completed there was never seen and the row
+    ran to its token limit; a tail starting at '▁License' lost its space to the decoder's Strip."""
+    tok = byte_fallback["mistral"]
+    byte = {tok.backend.id_to_token(i): i for i in range(tok.backend.get_vocab_size())}
+
+    def spelled(text):
+        return [byte[f"<0x{b:02X}>"] for b in text.encode()]
+
+    ids = tok.encode("Party") + spelled("中é🎉") + spelled("中é") + [tok.backend.token_to_id("▁the")]
+    stop = StopStrings(tok.decode, ["🎉"])
+    first = next(n for n in range(1, len(ids) + 1) if "🎉" in tok.decode(ids[:n]))
+    # (a byte run decodes as one piece: while a later character of it is incomplete the whole run,
+    # the emoji included, is U+FFFD, so the row must stop at the step that completes it)
+    assert first > 8 and not stop(0, ids[:first - 1]) and stop(0, ids[:first]) and stop(0, ids)
+    unk, lic = tok.backend.token_to_id("<unk>"), tok.backend.token_to_id("▁License")
+    ids = tok.encode("a") + [unk] * 11 + [lic]
+    assert " L" in tok.decode(ids) and StopStrings(tok.decode, [" L"])(0, ids)
