@@ -164,7 +164,7 @@ def test_equal_ms_comparison_pairs_documents_and_ignores_pure_jax_times():
     assert s["topk:64"]["kl_minus_topk"] == pytest.approx(paired(kl("topk:64"), kl("topk")))
     text = format_summary({1024: s}, settings, equal_ms={1024: list(rows.values())})
     assert "| ms − TopK |" in text and "#### At equal measured time" in text
-    assert "| topk:64 | 20.0 | 0.0233 | magicpig:10x150 (none no slower; fastest) | +7.0 [" in text
+    assert "| topk:64 | 20.0 | 0.0233 | magicpig:10x150 (none as fast; the fastest shown) | +7.0 [" in text
     task_table = text.split("#### Tasks, setup A")[1].split("####")[0]
     assert "| dense |" in task_table and "| topk" not in task_table  # no task records: no row
 

@@ -421,7 +421,7 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
             for r in rows:
                 name = "-" if r["method"] is None else r["method"]
                 if r["method"] is not None and not r["no_slower"]:
-                    name += " (none no slower; fastest)"
+                    name += " (none as fast; the fastest shown)"
                 sign = r.get("kl_sign") or {}
                 verdict = r["verdict"] or "-"
                 if sign.get("p") is not None:

@@ -386,7 +386,8 @@ class _Loop:
         if m.budgeted and budget is None:
             budget, measured = _budget_tokens(self.store.get(_key(key, self.ref_label)), s.page_size)
         spec = self.spec(m, budget, state.cache.capacity)
-        bar = tqdm(total=max(n_new - 1, 0), desc=desc, unit="tok", leave=False, disable=not self.progress)
+        # the per-document bars only on a terminal (in a log file each update is a line)
+        bar = tqdm(total=max(n_new - 1, 0), desc=desc, unit="tok", leave=False, disable=None if self.progress else True)
         try:
             targets, recorder = forced if forced is not None else (None, None)
             outs, stats = forced_decode(self.model, state, spec=spec, max_new_tokens=n_new,
@@ -522,7 +523,7 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     labels = [m.label for m in settings.methods]
     pending = [u for u in units if any((*u[:4], lab, u[4]) not in store for lab in labels)]
     outer = tqdm(total=len(units), initial=len(units) - len(pending), desc="eval samples", unit="sample",
-                 disable=not progress)
+                 disable=None if progress else True)  # None: only on a terminal
     try:
         for kind, task, length, index, setup in pending:
             if kind == "task":
