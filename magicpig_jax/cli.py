@@ -469,16 +469,24 @@ def _cmd_convert(args) -> int:
     if args.model != "embedded" and not Path(args.model).exists():
         raise FileNotFoundError(f"convert: model {args.model} does not exist (the first argument: a .gguf file, "
                                 "a Hugging Face directory, or 'embedded')")
-    from magicpig_jax.io.checkpoint import is_checkpoint
+    from magicpig_jax.io.checkpoint import is_checkpoint, leftover_partials
 
     if args.out.is_dir() and is_checkpoint(args.out):
         raise FileExistsError(f"{args.out} already holds a checkpoint; choose another OUT or remove it")
+    left = leftover_partials(args.out)
+    inside = [p.name for p in left if p.parent == args.out.absolute()]
+    if inside:
+        raise FileExistsError(f"OUT {args.out} holds {inside[0]}, from an interrupted conversion (or one running "
+                              "now): remove it, or give a new or empty OUT")
     check_output("OUT", args.out, "new-dir")
     start = time.perf_counter()
     out = convert_model(None if args.model == "embedded" else args.model, args.out)
     # convert_model loaded what it wrote before keeping it: no second load here
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s (loaded back before it was kept; use it with "
           f"--model {out})")
+    for p in left:  # beside OUT: not in the way, but maybe the size of a model
+        print(f"magicpig-jax: note: convert: {p} is from an interrupted conversion to {args.out} (or one running "
+              "now): remove it when no conversion runs", file=sys.stderr)
     return 0
 
 

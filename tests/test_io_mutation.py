@@ -551,3 +551,28 @@ def test_tokenizer_from_hf_dir_templates_special_ids_and_flags(tmp_path):
     with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path / 'tokenizer.json'} not found: a Hugging Face model "
                                                        "directory needs tokenizer.json")):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+def test_convert_gives_a_new_checkpoint_the_usual_mode_and_names_leftover_partials(tmp_path, capsys):
+    """mkdtemp's directory is 0700, and renamed into place it made a new checkpoint unreadable to
+    others; a conversion killed inside an empty OUT was refused as 'not empty' without saying why,
+    and one killed beside a new OUT left its directory without a word."""
+    import os
+    from pathlib import Path
+
+    from magicpig_jax.cli import main
+
+    family = str(Path(__file__).parent / "fixtures" / "families" / "llama3")
+    umask = os.umask(0o022)
+    try:
+        assert main(["convert", family, str(tmp_path / "new")]) == 0
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755
+    (tmp_path / "empty" / ".empty.abc123.partial").mkdir(parents=True)  # killed inside an existing OUT
+    capsys.readouterr()
+    assert main(["convert", family, str(tmp_path / "empty")]) == 2
+    assert "holds .empty.abc123.partial, from an interrupted conversion" in capsys.readouterr().err
+    (tmp_path / ".beside.xyz.partial").mkdir()  # killed beside a new OUT
+    assert main(["convert", family, str(tmp_path / "beside")]) == 0
+    assert f"{tmp_path / '.beside.xyz.partial'} is from an interrupted conversion" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
 
 from magicpig_jax.attention import HybridConfig, LayerConfigs, MagicPIGConfig
@@ -58,9 +59,12 @@ def test_host_false_is_pure_jax_even_where_offload_is_the_default(monkeypatch):
 
     monkeypatch.setattr(spec_module, "host_ops_by_default", lambda: False)  # a GPU or TPU backend
     default = DecodeSpec(backend="magicpig")
-    assert (default.offload, default.host, default.uses_host) == (True, True, False)
+    assert (default.offload, default.host, default.uses_host) == (True, None, False)
     assert default.with_softcap(50.0).offload  # a resolved spec replaces cleanly (the offload decoder does)
     assert DecodeSpec(backend="magicpig", offload=True).with_softcap(30.0).logit_softcap == 30.0
+    off = dataclasses.replace(default, offload=False)  # as a fresh spec with offload=False: pure JAX here
+    assert (off.host, off.uses_host) == (False, False) == (DecodeSpec(backend="magicpig", offload=False).host, False)
+    assert DecodeSpec(backend="magicpig", host=np.True_, generation_buffer=np.int64(64)).generation_buffer == 64
     spec = DecodeSpec(backend="magicpig", host=False)
     assert (spec.offload, spec.host, spec.uses_host) == (False, False, False)
 

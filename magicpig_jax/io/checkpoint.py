@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +26,8 @@ import numpy as np
 from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig
 
-__all__ = ["save_checkpoint", "read_checkpoint", "is_checkpoint", "checkpoint_files", "recorded_source", "MARKER"]
+__all__ = ["save_checkpoint", "leftover_partials", "read_checkpoint", "is_checkpoint", "checkpoint_files",
+           "recorded_source", "MARKER"]
 
 MARKER = "magicpig_model.json"
 # 1: also a float32 copy of the Q4_1/Q8_0 matrices; 2: the config without ``sliding_layers``
@@ -82,6 +84,16 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
+def leftover_partials(out: str | Path) -> list[Path]:
+    """Directories an interrupted :func:`save_checkpoint` to ``out`` left (beside ``out``, or inside
+    an existing ``out``), or one running now; the caller may name them so that a user removes them."""
+    out = Path(out).absolute()
+    found = list(out.parent.glob(f".{out.name}.*.partial"))
+    if out.is_dir():
+        found += out.glob(f".{out.name}.*.partial")
+    return sorted(p for p in found if p.is_dir())
+
+
 def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.ndarray], tokenizer,
                     freq_factors: np.ndarray | None = None, verify=None, source_sha1: str | None = None) -> Path:
     """Write a converted model to the directory ``out`` (created; must not already hold a checkpoint).
@@ -125,6 +137,9 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     if not existing:
         out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out if existing else out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    partial.chmod(0o777 & ~umask)  # mkdtemp's is 0700: a new OUT gets a directory's usual mode, as mkdir gives
     try:
         _write_checkpoint(partial, config, weights, tokenizer, freq_factors, source_sha1)
         if verify is not None:

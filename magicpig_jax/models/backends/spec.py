@@ -57,8 +57,9 @@ class DecodeSpec:
         reaches :attr:`static_window` positions; then the oldest ``generation_buffer`` of
         them are appended to the index in one call; in ``[1, 2**29]``.
       host: whether "magicpig" runs through the host op on the CPU backend (default: iff
-        JAX's default backend is the CPU); ``False`` runs it in pure JAX on any backend (and so
-        turns the offload default off; with ``offload=True`` it is an error).
+        JAX's default backend is the CPU; left None on an offload spec, whose decoder always runs
+        the host op); ``False`` runs it in pure JAX on any backend (and so turns the offload
+        default off; with ``offload=True`` it is an error).
       mesh: optional ``("batch", "kv_heads")`` mesh for the host op (None: one device).
       offload: whether "magicpig" runs as the host-offload system (:mod:`magicpig_jax.offload`):
         the sparse layers' KV cache and index on ``host_device``, the rest on the accelerator
@@ -114,8 +115,10 @@ class DecodeSpec:
             check_page_size(self.page_size)
         elif self.budget is not None:
             raise ValueError(f"budget applies to the {', '.join(BUDGETED)} backends only, got backend={self.backend!r}")
-        if isinstance(self.generation_buffer, bool) or not isinstance(self.generation_buffer, int):
+        if isinstance(self.generation_buffer, bool | np.bool_) or not isinstance(self.generation_buffer,
+                                                                                 int | np.integer):
             raise TypeError(f"generation_buffer must be an int, got {self.generation_buffer!r}")
+        object.__setattr__(self, "generation_buffer", int(self.generation_buffer))  # hashed as a Python int
         if not 1 <= self.generation_buffer <= 2**29:
             raise ValueError(f"generation_buffer must be in [1, 2**29] (the static window, num_local plus two "
                              f"buffers, is an int32 position), got {self.generation_buffer}")
@@ -129,8 +132,11 @@ class DecodeSpec:
 
             check_layers(self)
         for name in ("host", "offload"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool or None (the default), got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool | np.bool_):
+                raise TypeError(f"{name} must be a bool or None (the default), got {value!r}")
+            if value is not None:
+                object.__setattr__(self, name, bool(value))
         if self.host_device is not None and not isinstance(self.host_device, jax.Device):
             raise TypeError(f"host_device must be a jax.Device (e.g. jax.devices('cpu')[0]), got {self.host_device!r}")
         if self.host is False and self.offload:
@@ -148,9 +154,10 @@ class DecodeSpec:
             raise ValueError(f"host_device applies to the offload decoder only (offload=True), which this spec does "
                              f"not run (backend={self.backend!r}, offload={self.offload}); drop host_device or "
                              "pass offload=True")
-        if self.host is None:  # the offload decoder runs the host op (so a replace() of this spec keeps it)
-            object.__setattr__(self, "host", self.backend in HOST_BACKENDS
-                               and (bool(self.offload) or host_ops_by_default()))
+        # Resolved only where it decides something: the offload decoder always runs the host op, so an
+        # offload spec keeps host None, and a replace() of it (offload=False, a softcap) resolves afresh.
+        if self.host is None and not self.offload:
+            object.__setattr__(self, "host", self.backend in HOST_BACKENDS and host_ops_by_default())
         from magicpig_jax.attention._common import check_softcap
         from magicpig_jax.models.backends.table import backend_for
 
