@@ -1,7 +1,10 @@
 """The process's resident memory: its peak, and returning freed buffers to the OS.
 
-``peak_rss_bytes()`` is what ``generate --json`` and ``bench decode`` report
-(``getrusage(RUSAGE_SELF).ru_maxrss``, the peak since the process started).
+``peak_rss_bytes()`` is what ``generate --json`` reports (``getrusage(RUSAGE_SELF).ru_maxrss``,
+the peak since the process started, or since the peak mark was last reset: writing 5 to
+``/proc/self/clear_refs``, as ``bench decode`` does before each configuration
+(:class:`magicpig_jax.eval.rss.PeakRSS`), resets ``ru_maxrss`` too, and so what
+``/usr/bin/time -v`` reports for the process).
 
 ``release_compiled_programs()`` drops JAX's compiled programs when the process nears the
 kernel's limit on memory mappings (``vm.max_map_count``): every XLA CPU executable maps its
@@ -57,7 +60,8 @@ _done = False
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, in bytes (``ru_maxrss``)."""
+    """Peak resident set size of this process since it started or since the peak mark was last
+    reset (``/proc/self/clear_refs``; see the module docstring), in bytes (``ru_maxrss``)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) * (1 if sys.platform == "darwin" else 1024)
 
@@ -277,8 +281,10 @@ def trim_heap() -> bool:
     """Return the free memory of glibc's heaps to the OS (``malloc_trim(0)``).
 
     Freed blocks below the mmap threshold stay in the heap, resident, until the heap's top is
-    free; ``malloc_trim`` also releases whole free pages inside it. Returns whether any
-    memory was released (False where the C library is not glibc).
+    free; ``malloc_trim`` also releases whole free pages inside it. Returns ``malloc_trim``'s
+    result: True when glibc returned or advised away any pages, which it also does for pages
+    already released, so True does not mean that the RSS fell (False where the C library is
+    not glibc).
     """
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None)

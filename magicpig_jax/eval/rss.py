@@ -24,7 +24,9 @@ class PeakRSS:
         self.resettable = sys.platform.startswith("linux") and Path("/proc/self/clear_refs").exists()
 
     def reset(self) -> None:
-        """Start a new phase (a no-op where the mark cannot be reset)."""
+        """Start a new phase (a no-op where the mark cannot be reset). The kernel's mark is the
+        process's: ``ru_maxrss`` (:func:`magicpig_jax.memory.peak_rss_bytes`) and what
+        ``/usr/bin/time -v`` reports restart from here too."""
         if not self.resettable:
             return
         try:
