@@ -586,6 +586,9 @@ def test_hybrid_messages_and_bounds():
     with without_jaxtyping():
         assert message(TypeError, HybridConfig, K=4, L=10, heavy=3.0) == "heavy must be an int, got float 3.0"
         assert message(TypeError, HybridConfig, K=4, L=10, heavy=True) == "heavy must be an int, got bool True"
+        for bad in (3.5, "5", None):  # a float failed in range(), a str or None at '<=', naming nothing
+            assert message(TypeError, log_light_probability, jnp.float32(0.5), 4, 10, bad).startswith(
+                "heavy must be an int, got")
     assert message(ValueError, HybridConfig, K=4, L=10, heavy=-1) == "heavy must be >= 0, got heavy=-1"
     assert message(ValueError, log_light_probability, jnp.float32(0.5), 0, 10, 3) == (
         "K must be in [1, 32] (bits per uint32 code), got K=0"

@@ -100,6 +100,7 @@ def log_light_probability(p: Float[Array, "..."], K: int, L: int, heavy: int) ->
     Source: ``proofs/hybrid.md`` (the light keys' probability), from arXiv 2410.16179, Section 4.2.
     """
     lsh.validate_k_l(K, L)
+    _check_count("heavy", heavy)  # a float failed in range() with a message naming nothing
     if not 3 <= heavy <= L + 1:
         raise ValueError(f"heavy must be in [3, L + 1] = [3, {L + 1}], got heavy={heavy}")
     p = jnp.clip(jnp.asarray(p, jnp.float32), 0.0, 1.0)
