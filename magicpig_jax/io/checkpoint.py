@@ -126,7 +126,7 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     if is_checkpoint(out):
         raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        left = sorted(p.name for p in out.glob(f".{out.name}.*.partial")) if out.is_dir() else []
+        left = [p.name for p in leftover_partials(out) if p.parent == out]
         hint = f" (it holds {left[0]}, from an interrupted conversion: remove it)" if left else ""
         raise FileExistsError(f"{out} exists and is not an empty directory{hint}; choose another OUT")
     # Written into a directory of this run's own (another run's, or a user's file, is never touched)
