@@ -364,3 +364,48 @@ def test_the_likelihood_heading_counts_the_records_forced_tokens_and_setup_a_lea
     assert dense["accuracy"] == {"niah_single": 1.0} == dense["tasks"]["A"]["accuracy"]
     text = format_summary(summary, settings)
     assert "#### Likelihood (2 documents, 8 teacher-forced tokens each)" in text
+
+
+def test_equal_ms_picks_by_the_paired_difference_when_variants_cover_different_documents():
+    """The least-KL pick compared variants' means over different documents (one recorded on the two
+    easiest only), and printed TopK's mean over all its documents beside the variant's over two."""
+    from magicpig_jax.eval.report import equal_ms_comparison
+
+    settings = EvalSettings(tasks=[], lengths=[1024], samples=1,
+                            methods=parse_methods("dense,magicpig:10x150,magicpig:9x150,topk"),
+                            likelihood_samples=4, likelihood_tokens=8)
+    lik = {"ppl": 3.0, "nll": 1.0, "top1": 1.0}
+    kls = {"dense": [0.0] * 4, "topk": [0.01, 0.01, 0.1, 0.1], "magicpig:10x150": [0.005, 0.005, 0.05, 0.05],
+           "magicpig:9x150": [0.009, 0.009]}  # half TopK's KL everywhere; just under TopK's, on two documents
+    ms = {"dense": 40.0, "topk": 30.0, "magicpig:10x150": 20.0, "magicpig:9x150": 20.0}
+    records = [_rec("likelihood", m, i, **{**lik, "ms_per_step": ms[m] + i, "kl": kl,
+                                          "attention_runs_on": f"{m} (host op)"})
+               for m, v in kls.items() for i, kl in enumerate(v)]
+    (row,) = equal_ms_comparison(records, settings)[1024]
+    assert row["method"] == "magicpig:10x150" and row["documents"] == 4 and row["kl_diff"][0] == pytest.approx(-0.0275)
+    assert row["topk_kl"] == pytest.approx(0.055) and row["kl"] == pytest.approx(0.0275)
+    records = [r for r in records if not (r["method"] == "magicpig:10x150")]
+    (row,) = equal_ms_comparison(records, settings)[1024]  # the one left: TopK over the same two documents
+    assert row["method"] == "magicpig:9x150" and row["documents"] == 2
+    assert row["topk_kl"] == pytest.approx(0.01) and row["topk_ms"] == pytest.approx(30.5)
+    assert row["kl"] - row["topk_kl"] == pytest.approx(row["kl_diff"][0])
+
+
+def test_an_infinite_kl_gives_no_interval_and_no_verdict():
+    """+inf passed the NaN guard: the mean was inf while the interval and the verdict ('lower KL')
+    silently left that document out."""
+    from magicpig_jax.eval.report import equal_ms_comparison
+
+    settings = EvalSettings(tasks=[], lengths=[1024], samples=1, methods=parse_methods("dense,magicpig,topk"),
+                            likelihood_samples=4, likelihood_tokens=8)
+    lik = {"ppl": 3.0, "nll": 1.0, "top1": 1.0}
+    kls = {"dense": [0.0] * 4, "magicpig:10x150": [0.005, 0.006, 0.007, math.inf], "topk": [0.010, 0.011, 0.012, 0.013]}
+    ms = {"dense": 40.0, "magicpig:10x150": 20.0, "topk": 30.0}
+    records = [_rec("likelihood", m, i, **{**lik, "ms_per_step": ms[m], "kl": kl,
+                                          "attention_runs_on": f"{m} (host op)"})
+               for m, v in kls.items() for i, kl in enumerate(v)]
+    (row,) = equal_ms_comparison(records, settings)[1024]
+    assert row["verdict"] == "NaN KL" and all(math.isnan(x) for x in row["kl_diff"])
+    s = summarize(records, settings)[1024]["magicpig:10x150"]
+    assert s["kl"] == math.inf and all(math.isnan(x) for x in s["kl_ci"])
+    assert all(math.isnan(x) for x in s["kl_minus_topk"])

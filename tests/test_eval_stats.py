@@ -30,6 +30,44 @@ def test_t_quantile_matches_scipy(p, df):
     assert t_quantile(1 - p, df) == pytest.approx(sst.t.ppf(1 - p, df), rel=1e-9, abs=1e-9)
 
 
+@given(st.floats(-300, -1e-3), st.booleans(), st.floats(-1, 12))
+def test_t_quantile_matches_scipy_in_the_tails_near_the_median_and_at_any_df(log10_tail, upper, log10_df):
+    """Below p = 1e-16 it refused (1 - p rounded to 1) or erred; near the median and at large df it lost
+    digits (x = df / (df + t²) rounded to 1), e.g. 3.8-fold at p = 0.5000001, df = 1e4."""
+    tail, df = 10.0**log10_tail, 10.0**log10_df
+    p = 1 - tail if upper else tail
+    if upper and tail < 1e-15:  # 1 - tail would not be the p asked for
+        return
+    ref = sst.t.ppf(p, df)
+    if abs(ref) < 1e150:  # beyond, SciPy's own saturates
+        assert t_quantile(p, df) == pytest.approx(ref, rel=1e-9, abs=1e-300)
+    for p in (0.5 + tail / 2, 0.5 - tail / 2):
+        assert t_quantile(p, df) == pytest.approx(sst.t.ppf(p, df), rel=1e-9, abs=1e-300)
+
+
+@pytest.mark.parametrize("p", [1e-300, 1e-200, 1e-50, 1e-17, 1e-3, 0.3, 0.5 - 1e-9])
+def test_t_quantile_matches_the_closed_forms_at_one_and_two_degrees_of_freedom(p):
+    assert t_quantile(p, 1) == pytest.approx(-1 / math.tan(math.pi * p), rel=1e-12)
+    assert t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), rel=1e-12)
+    assert t_quantile(0.5, 3) == 0.0 and t_quantile(1e-310, 0.5) == -math.inf
+
+
+@pytest.mark.parametrize("p,df,name", [(0.0, 3, "p"), (1.0, 3, "p"), (math.nan, 3, "p"), ("0.9", 3, "p"),
+                                       (0.9, 0, "df"), (0.9, math.inf, "df"), (0.9, math.nan, "df")])
+def test_t_quantile_names_a_bad_argument(p, df, name):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        t_quantile(p, df)
+
+
+@pytest.mark.parametrize("confidence", [-0.1, 0.0, 1.0, 1.5, math.nan, "0.95"])
+def test_t_interval_refuses_a_confidence_outside_zero_one(confidence):
+    """A negative confidence gave an interval with low above high; 1.0 raised about p = 1.0."""
+    with pytest.raises(ValueError, match="confidence must be in"):
+        t_interval([1.0, 2.0, 3.0], confidence=confidence)
+    lo, hi = t_interval([1.0, 2.0, 3.0], confidence=0.5)
+    assert (lo, hi) == pytest.approx(sst.t.interval(0.5, 2, loc=2.0, scale=1 / math.sqrt(3)))
+
+
 @given(st.floats(0.05, 50), st.floats(0.05, 50), st.floats(0, 1))
 def test_incomplete_beta_matches_scipy(a, b, x):
     assert regularized_incomplete_beta(a, b, x) == pytest.approx(special.betainc(a, b, x), rel=1e-9, abs=1e-12)

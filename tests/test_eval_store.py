@@ -214,3 +214,23 @@ def test_an_option_no_run_has_read_is_pinned_by_the_first_run_that_reads_it(tmp_
         check_fingerprint(tmp_path, {"seed": 0, "budget_from": "magicpig:10x150"})
     with pytest.raises(ValueError, match="seed"):  # what was read stays compared
         check_fingerprint(tmp_path, {"seed": 1, "budget_from": "magicpig:4x8"}, unread=frozenset({"budget_from"}))
+
+
+def test_a_cut_last_invocation_line_is_skipped_and_removed_by_the_next_log(tmp_path):
+    """An interrupt during the write left a cut last line in runs.jsonl: every later summary of the
+    folder failed on it (JSONDecodeError), and the next entry was appended to the fragment."""
+    log_invocation(tmp_path, time.time() - 5, 3)
+    path = tmp_path / "runs.jsonl"
+    whole = path.read_bytes()
+    for cut in (b'{"start": "2026-', b'{"start": "2026-\n', b'{"start": "2026-\n\n'):
+        path.write_bytes(whole + cut)
+        assert len(read_runs(tmp_path)) == 1 and path.read_bytes() == whole + cut  # reading changes nothing
+        log_invocation(tmp_path, time.time() - 5, 2)
+        assert [r["records_added"] for r in read_runs(tmp_path)] == [3, 2]
+        assert path.read_bytes().startswith(whole) and path.read_bytes().count(b"\n") == 2
+    path.write_bytes(whole + b"not json\n" + whole)
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        read_runs(tmp_path)
+    path.write_bytes(whole + b"[1, 2]\n")
+    with pytest.raises(ValueError, match="line 2 is not an invocation entry"):
+        read_runs(tmp_path)

@@ -60,9 +60,9 @@ def _exp(x: float | None) -> float | None:
 def _ci(xs: Sequence, bounds: tuple[float, float] = (0.0, math.inf)) -> list[float | None]:
     """t interval of the mean, clipped to ``bounds``: every quantity it serves (ms, KL,
     perplexity, NLL, agreement) cannot leave them, and a t interval over few samples would.
-    NaN when a value is NaN (as the mean is)."""
+    NaN when a value is NaN or infinite (the mean is then NaN or infinite)."""
     v = _vals(xs)
-    if any(math.isnan(x) for x in v):
+    if not all(math.isfinite(x) for x in v):  # t_interval drops NaN and inf: the interval would look whole
         return [math.nan, math.nan]
     lo, hi = t_interval(v)
     if lo is None or hi is None:
@@ -137,7 +137,7 @@ def _paired(pairs: list[tuple[float, float]]) -> list[float | None]:
     if not pairs:
         return [None, None, None]
     mean = sum(a - b for a, b in pairs) / len(pairs)
-    if math.isnan(mean):  # t_interval drops NaN: the interval of a broken mean would look whole
+    if not math.isfinite(mean):  # t_interval drops NaN and inf: the interval of a broken mean would look whole
         return [math.nan, math.nan, math.nan]
     return [mean, *paired_t_interval([a for a, _ in pairs], [b for _, b in pairs])]
 
@@ -158,7 +158,7 @@ def _broken(diff: list[float | None]) -> bool:
 def _verdict(diff: list[float | None], sign: dict) -> str:
     """Lower or higher KL when the paired t interval excludes 0; else by the sign test at 5%, which a
     single outlying document cannot swing (the mean's t interval can); else a tie. ``"NaN KL"``
-    when a document's KL is NaN (no comparison)."""
+    when a document's KL is NaN or infinite (no comparison)."""
     if _broken(diff):
         return "NaN KL"
     lo, hi = diff[1:]
@@ -185,8 +185,10 @@ def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict
       settings: the run's settings (methods, lengths, likelihood documents).
 
     Returns:
-      ``{length: [row, ...]}``, a row per TopK method with ``topk``, ``topk_ms``, ``topk_kl``,
-      ``method`` (the chosen variant, or None when there is no candidate), ``no_slower``
+      ``{length: [row, ...]}``, a row per TopK method with ``topk``, ``topk_ms``, ``topk_kl`` (TopK's
+      means over the chosen variant's paired documents; over all of TopK's when none is chosen),
+      ``method`` (the chosen variant, or None when there is no candidate; among the no-slower ones,
+      the least mean paired KL difference from TopK), ``no_slower``
       (False: no candidate is no slower, and ``method`` is the fastest one), ``ms_diff`` and
       ``kl_diff`` (``[mean, low, high]`` of variant − TopK, paired t intervals), ``kl_sign``
       (``{"higher", "of", "p"}``: documents where the variant's KL is the higher, documents that
@@ -217,7 +219,7 @@ def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict
                                                   for i in docs) if a is not None and b is not None])
                 kl_pairs = [(lik[lab][i]["kl"], t[i]["kl"]) for i in docs]
                 options.append({"method": lab, "ms_diff": ms, "kl_diff": _paired(kl_pairs), "kl_sign": _sign(kl_pairs),
-                                "documents": len(docs), "kl": _mean([lik[lab][i]["kl"] for i in docs])})
+                                "documents": len(docs), "kl": _mean([lik[lab][i]["kl"] for i in docs]), "docs": docs})
             row = {"topk": top, "topk_ms": _mean([r["ms_per_step"] for r in t.values()]),
                    "topk_kl": _mean([r["kl"] for r in t.values()]), "method": None, "no_slower": False,
                    "ms_diff": [None] * 3, "kl_diff": [None] * 3, "kl_sign": None, "kl": None, "documents": 0,
@@ -226,10 +228,14 @@ def equal_ms_comparison(records: Sequence[dict], settings: EvalSettings) -> dict
             # a variant with a NaN KL is chosen only when no other is there (its verdict says NaN)
             options = [o for o in options if not _broken(o["kl_diff"])] or options
             fast = [o for o in options if o["ms_diff"][0] <= 0]
-            pick = (min(fast, key=lambda o: o["kl"]) if fast
+            # by the mean paired difference from TopK: the variants' own means may cover different documents
+            pick = (min(fast, key=lambda o: o["kl_diff"][0]) if fast
                     else min(options, key=lambda o: o["ms_diff"][0]) if options else None)
             if pick is not None:
-                row.update(pick, no_slower=bool(fast), verdict=_verdict(pick["kl_diff"], pick["kl_sign"]))
+                docs = pick.pop("docs")
+                row.update(pick, no_slower=bool(fast), verdict=_verdict(pick["kl_diff"], pick["kl_sign"]),
+                           topk_ms=_mean([t[i]["ms_per_step"] for i in docs]),
+                           topk_kl=_mean([t[i]["kl"] for i in docs]))
             rows.append(row)
         out[length] = rows
     return out
@@ -438,8 +444,9 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         "method); PPL: exp of the mean NLL of those tokens over the documents (its interval: exp of the NLL's); "
         "top-1: argmax agreement with dense. The t intervals of quantities that "
         "cannot be negative (ms, KL) are clipped at 0, and top-1's at 100%. At equal measured time: for each TopK "
-        "method, the MagicPIG or hybrid variant run on the host op with the least KL among those whose mean paired "
-        "ms difference is <= 0 (no slower on the same documents); verdict: lower or higher KL when the paired "
+        "method, the MagicPIG or hybrid variant run on the host op with the least mean paired KL difference from it "
+        "among those whose mean paired ms difference is <= 0 (no slower on the same documents), TopK's ms and KL "
+        "taken over the variant's documents; verdict: lower or higher KL when the paired "
         "interval excludes 0, else by the exact sign test over the documents when p < 0.05 (a single outlying "
         "document widens the t interval of skewed KL differences, not the sign test), else a tie. Budget in the "
         "likelihood table: the mean over its documents.")

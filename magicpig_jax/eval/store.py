@@ -193,13 +193,51 @@ def log_invocation(out: Path, t_start: float, added: int) -> None:
     entry = {"start": datetime.datetime.fromtimestamp(t_start, datetime.UTC).isoformat(timespec="seconds"),
              "wall_seconds": round(wall, 1), "records_added": added, "machine": machine_info(),
              "argv": sys.argv}
-    with open(Path(out) / "runs.jsonl", "a", encoding="utf-8") as f:
+    path = Path(out) / "runs.jsonl"
+    _parse_runs(path, truncate=True)  # a line cut by a crash would swallow this one's start
+    with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(entry) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _parse_runs(path: Path, truncate: bool) -> list[dict]:
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    if not data.endswith(b"\n"):  # the last line was cut (or the file is empty): dropped
+        cut, lines = lines[-1], lines[:-1]
+    else:
+        cut, lines = b"", lines[:-1]
+    last = max((i for i, raw in enumerate(lines, start=1) if raw.strip()), default=0)
+    runs = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            entry = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            if number == last and not cut:  # the last line, whole but not JSON: cut short too
+                cut = b"\n".join(lines[number - 1:]) + b"\n"
+                break
+            raise ValueError(f"{path}: line {number} is not valid JSON ({err}); repair or remove that line") from None
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: line {number} is not an invocation entry (a JSON object)")
+        runs.append(entry)
+    if truncate and cut:
+        with open(path, "r+b") as f:
+            f.truncate(len(data) - len(cut))
+    return runs
 
 
 def read_runs(out: Path) -> list[dict]:
-    """Every line of ``out/runs.jsonl`` (empty when there is none)."""
-    path = Path(out) / "runs.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    """Every invocation logged in ``out/runs.jsonl`` (empty when there is none).
+
+    A last line cut short (by a crash or an interrupt during the write) is skipped, as
+    :class:`ResultStore` skips one; the next :func:`log_invocation` removes it.
+
+    Raises:
+      ValueError: a line other than the last is not a JSON object (its number is named).
+    """
+    return _parse_runs(Path(out) / "runs.jsonl", truncate=False)
