@@ -25,7 +25,13 @@ from flax import nnx
 from magicpig_jax.memory import LRUCache, compile_then_trim, trim_heap
 from magicpig_jax.models.backends import DecodeSpec, backend_for
 from magicpig_jax.models.cache import KVCache
-from magicpig_jax.models.decoding import build_indices, check_capacity, compiled_decode_step, sample_token
+from magicpig_jax.models.decoding import (
+    build_indices,
+    check_capacity,
+    check_token_ids,
+    compiled_decode_step,
+    sample_token,
+)
 
 __all__ = ["Sampling", "DecodeHooks", "DecodeRun", "start_decode", "run_decode", "position_limit"]
 
@@ -35,7 +41,8 @@ class Sampling:
     """How the next token is chosen.
 
     Attributes:
-      temperature: ``>= 0``; 0 is greedy (argmax).
+      temperature: ``>= 0``; 0 is greedy (argmax, the lowest id among ties), and so is one below
+        float32's smallest normal number (about 1.2e-38: the step runs in float32, flushing subnormals).
       top_p: nucleus mass in ``(0, 1]`` (Holtzman et al. 2020); 1 keeps the whole vocabulary.
       seed: seed of the sampling key, an int in ``[0, 2**32)`` (``jax.random.key`` keeps 32 bits:
         a larger seed would repeat a smaller one); not the SimHash projections: those use
@@ -77,7 +84,8 @@ class DecodeHooks:
     """Evaluation hooks of the decode loop (see :func:`magicpig_jax.eval.forcing.forced_decode`).
 
     Attributes:
-      forced_tokens: B lists of at least ``max_new_tokens`` ids fed instead of the sampled ones.
+      forced_tokens: B lists of at least ``max_new_tokens`` ids fed instead of the sampled ones
+        (integers in ``[0, vocab_size)``: :func:`start_decode` refuses others).
       on_logits: ``callback(step, logits)`` with the float32 ``[B, V]`` NumPy logits that
         predict token ``step`` (step 0 = the prefill's).
       then_sample: the forced ids are a prefix: a row's list may be shorter than
@@ -128,6 +136,7 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         ``state`` whose cache an earlier decode consumed, ``consume_prefill`` with a state that
         shares its cache (:func:`~magicpig_jax.generation.prefill_with_prefixes`), or rows / KV
         heads that the spec's mesh does not divide.
+      TypeError: a forced token id that is not an integer.
     """
     hooks = hooks or DecodeHooks()
     B = len(state.prompt_lengths)
@@ -140,6 +149,8 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
     if hooks.forced_tokens is not None and (len(hooks.forced_tokens) != B or (not hooks.then_sample and any(
             len(f) < max_new_tokens for f in hooks.forced_tokens))):
         raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
+    for b, forced in enumerate(hooks.forced_tokens or ()):
+        check_token_ids(f"forced_tokens[{b}]", forced, model.config.vocab_size)
     check_not_consumed(state)
     # A row stops at max_new_tokens or where its next token would need a position past the
     # context: token i is predicted at position prompt_length + i - 1.

@@ -27,6 +27,7 @@ from magicpig_jax.models.backends import BACKENDS, BUDGETED, DecodeSpec
 from magicpig_jax.models.cache import KVCache
 from magicpig_jax.models.config import default_dense_layers
 from magicpig_jax.models.decoding import (
+    check_token_ids,
     hidden_to_logits,
     prefill_chunk,
 )
@@ -249,7 +250,7 @@ def cache_capacity(model: LoadedModel, longest_prompt: int, max_new_tokens: int,
     max_new_tokens + 1, CHUNK)``, at most the model's context + 1 rounded up (decoding stops
     there anyway, so a huge ``max_new_tokens`` allocates nothing it cannot use) unless
     ``allow_beyond_context``."""
-    want = longest_prompt + max_new_tokens + 1
+    want = int(longest_prompt) + int(max_new_tokens) + 1  # a NumPy int would overflow in its own width
     if not allow_beyond_context:
         want = min(want, model.config.max_position_embeddings + 1)
     return _round_up(want, CHUNK)
@@ -262,24 +263,13 @@ def _check_max_new_tokens(max_new_tokens) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-def _check_token_ids(name: str, ids, vocab_size: int) -> None:
-    """Refuse token ids that are not integers in ``[0, vocab_size)``: the embedding gather would
-    read out of range (NaN logits) or wrap a negative id to the end of the vocabulary."""
-    arr = np.asarray(ids)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
-        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary [0, {vocab_size})")
-
-
 def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, also_at):
     """:func:`prefill`; with ``also_at`` (a length per row) also the hidden states after those
     lengths (float32 ``[B, H]``), else None."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     for b, prompt in enumerate(prompts):
-        _check_token_ids(f"prompts[{b}]", prompt, model.config.vocab_size)
+        check_token_ids(f"prompts[{b}]", prompt, model.config.vocab_size)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     if max_new_tokens < 0:
@@ -594,7 +584,7 @@ def forward_logits(model: LoadedModel, ids: Sequence[int]) -> np.ndarray:
     state_ids = [list(ids)]
     if not state_ids[0]:
         raise ValueError("ids must be non-empty")
-    _check_token_ids("ids", state_ids[0], model.config.vocab_size)
+    check_token_ids("ids", state_ids[0], model.config.vocab_size)
     T = len(ids)
     if T > model.config.max_position_embeddings:
         raise ValueError(f"{T} tokens exceed the model's context of {model.config.max_position_embeddings}")

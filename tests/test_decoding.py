@@ -274,6 +274,77 @@ def test_sample_token_marks_every_non_finite_row():
         assert tok[0] >= 0 and list(tok[1:]) == [-1, -1, -1], (temperature, tok)
 
 
+def test_sampling_at_a_tiny_temperature_keeps_ties_tied_and_has_no_floor():
+    """logits / max(T, 1e-6) put the scaled logits near 2e7, where float32 rounds the Gumbel noise away:
+    three tied tokens were drawn 58/25/17% (lowest id first) at T = 1e-6, and every T below 1e-6 was
+    sampled as 1e-6. The reference: softmax(logits / T) in float64 (Hugging Face's warper)."""
+    from magicpig_jax.models.decoding import sample_token
+
+    sample_token = jax.jit(sample_token)
+    rows = 30_000  # one categorical draw per row, all rows the same logits
+    logits = np.tile(np.float32([20.0, 20.0, 20.0, 19.0]), (rows, 1))
+    for temperature in (1e-6, 1e-30):
+        tok = np.asarray(sample_token(jnp.asarray(logits), jax.random.key(3), jnp.float32(temperature),
+                                      jnp.float32(1.0)))
+        freq = np.bincount(tok, minlength=4) / rows
+        np.testing.assert_allclose(freq[:3], 1 / 3, atol=0.015)  # sd 0.0027
+        assert freq[3] == 0
+    # below float32's smallest normal number the temperature is 0 (XLA flushes subnormals): greedy, as documented
+    tok = np.asarray(sample_token(jnp.asarray(logits[:2]), jax.random.key(3), jnp.float32(1e-45), jnp.float32(1.0)))
+    assert list(tok) == [0, 0]
+    # a gap of one float32 step at 1.0 (1.19e-7), at T = 1e-7: softmax gives 0.767 / 0.233; at 1e-8, 6.6e-6
+    logits = np.tile(np.float32([1.0, np.nextafter(np.float32(1.0), np.float32(0))]), (rows, 1))
+    for temperature in (1e-7, 1e-8):
+        gap = np.float64(logits[0, 0]) - np.float64(logits[0, 1])
+        p1 = 1 / (1 + np.exp(gap / temperature))
+        tok = np.asarray(sample_token(jnp.asarray(logits), jax.random.key(4), jnp.float32(temperature),
+                                      jnp.float32(1.0)))
+        assert abs(tok.mean() - p1) < 5 * np.sqrt(p1 * (1 - p1) / rows) + 1e-4, (temperature, tok.mean(), p1)
+
+
+def test_top_p_one_keeps_the_whole_vocabulary(monkeypatch):
+    """Once the float32 cumulative sum rounded to 1, (cum − p) < 1 failed: top_p = 1 never drew the tail.
+    The draw is replaced by 'the last token still allowed', which must be the least likely one."""
+    from magicpig_jax.models import decoding
+
+    def last_allowed(key, logits, axis=-1):
+        iota = jnp.arange(logits.shape[axis])
+        return jnp.max(jnp.where(jnp.isfinite(logits), iota, -1), axis=axis)
+
+    monkeypatch.setattr(decoding.jax.random, "categorical", last_allowed)
+    logits = jnp.asarray([[0.0, -20.0, -30.0, -40.0, -5.0]], jnp.float32)  # the tail: 2e-9 .. 4e-18
+    tok = decoding.sample_token(logits, jax.random.key(0), jnp.float32(1.0), jnp.float32(1.0))
+    assert int(tok[0]) == 3
+    tok = decoding.sample_token(logits, jax.random.key(0), jnp.float32(1.0), jnp.float32(0.999))
+    assert int(tok[0]) == 4  # a nucleus below 1 still cuts where the mass says
+
+
+def test_forced_tokens_outside_the_vocabulary_are_refused(model):
+    """-1 wrapped to the last vocabulary row and was returned as id -1; 7.9 was cut to 7; an id past the
+    vocabulary gave NaN logits blamed on the weights (FloatingPointError)."""
+    state = prefill(model, [[1, 2, 3]], 4)
+    V = model.config.vocab_size
+    for forced, err, match in (([-1, 5], ValueError, r"forced_tokens\[0\] holds token id -1"),
+                               ([V, 5], ValueError, rf"forced_tokens\[0\] holds token id {V}"),
+                               ([7.9, 5], TypeError, r"forced_tokens\[0\] must hold integer")):
+        with pytest.raises(err, match=match):
+            forced_decode(model, state, forced_tokens=[forced], attention="dense", max_new_tokens=2)
+    tokens, _ = forced_decode(model, state, forced_tokens=[np.asarray([5, 6], np.int64)], attention="dense",
+                              max_new_tokens=2)
+    assert list(tokens[0]) == [5, 6]
+
+
+def test_a_numpy_integer_max_new_tokens_sizes_the_cache_as_a_python_int(model):
+    """np.int32(2**31 - 1) overflowed in cache_capacity (capacity -2147483392); np.uint8(3) overflowed in
+    the rounding."""
+    from magicpig_jax.generation import cache_capacity
+
+    for n in (np.int32(2**31 - 1), np.int16(32767), np.int8(100), np.uint8(3)):
+        assert cache_capacity(model, 5, n) == cache_capacity(model, 5, int(n))
+    state = prefill(model, [[1, 2, 3]], np.uint8(3))
+    assert state.cache.capacity == cache_capacity(model, 3, 3)
+
+
 _greedy_jit = None
 
 

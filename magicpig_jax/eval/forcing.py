@@ -43,8 +43,9 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
       ``(token_ids per row, stats dict)``, as :func:`~magicpig_jax.generation.decode`.
 
     Raises:
-      ValueError: ``forced_tokens`` without one list of ``max_new_tokens`` ids per row, and
-        every error of :func:`~magicpig_jax.generation.decode`.
+      ValueError: ``forced_tokens`` without one list of ``max_new_tokens`` ids per row, or with an
+        id outside ``[0, vocab_size)``, and every error of :func:`~magicpig_jax.generation.decode`.
+      TypeError: a forced id that is not an integer.
     """
     if spec is None:
         spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh,

@@ -215,6 +215,24 @@ def greedy_token(logits: Float[Array, "B V"]) -> Int[Array, " B"]:
     return jnp.where(first_nan < V, first_nan, first_max).astype(jnp.int32)
 
 
+def check_token_ids(name: str, ids, vocab_size: int) -> None:
+    """Refuse token ids that are not integers in ``[0, vocab_size)``: the embedding gather would
+    read out of range (NaN logits) or wrap a negative id to the end of the vocabulary.
+
+    Raises:
+      TypeError: ``ids`` holds something other than integers (``name`` is named).
+      ValueError: an id outside ``[0, vocab_size)`` (named, with ``name``).
+    """
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) >= vocab_size:
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary [0, {vocab_size})")
+
+
 def sample_token(logits, key, temperature, top_p):
     """Greedy (temperature == 0) or temperature + nucleus (top-p) sampling.
 
@@ -233,12 +251,17 @@ def sample_token(logits, key, temperature, top_p):
 
     def nucleus(_):
         # Sorting the vocabulary costs about 7 ms per step on CPU: only when sampling.
-        scaled = logits / jnp.maximum(temperature, 1e-6)
+        # (logits − max) / T: near the max the difference is exact, so at a tiny T tied tokens stay
+        # tied (logits / T rounded the Gumbel noise away, favouring the lowest id) and no floor on T
+        # is needed; where T underflows, the limit: uniform over the maxima, −inf elsewhere.
+        shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+        scaled = jnp.where(shifted == 0, 0.0, shifted / temperature)
         order = jnp.argsort(-scaled, axis=-1)
         sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         cum = jnp.cumsum(probs, axis=-1)
-        keep = (cum - probs) < top_p  # always keeps the first
+        # always keeps the first; top_p = 1 keeps every token (the float32 sum reaches 1 before the tail)
+        keep = ((cum - probs) < top_p) | (top_p >= 1)
         sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
         choice = jax.random.categorical(key, sorted_logits, axis=-1)
         return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
