@@ -253,8 +253,8 @@ int64_t SpanKeys(int64_t heads, int64_t threads, int64_t max_len) {
 
 // out[g] = (sum_s w_s acc_s[g]) / (sum_s w_s sum_s[g]), w_s = exp(m_s[g] - max_s m_s[g]), and
 // lse[g] = max m + log(total), over the S partials of one KV head; NaN and NaN when a partial is
-// poisoned (a NaN or +inf logit) or when the head has keys whose logits are all -inf (a -inf in q
-// or in every key, as a softmax gives), else 0 and -inf when it has none.
+// poisoned (a NaN or +inf logit); NaN and -inf when the head has keys whose logits are all -inf (a
+// -inf in q or in every key: AllMinusInf); else 0 and -inf when it has none.
 void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const float* m, const double* sum,
                    bool has_keys, float* out, float* lse) {
   for (int64_t g = 0; g < G; ++g) {
@@ -276,8 +276,10 @@ void MergePartials(int64_t S, int64_t G, int64_t D, const float* acc, const floa
       const float inv = static_cast<float>(1.0 / tot);
       for (int64_t d = 0; d < D; ++d) o[d] *= inv;
       lse[g] = mx + static_cast<float>(std::log(tot));
-    } else if (std::isnan(tot) || has_keys) {
+    } else if (std::isnan(tot)) {
       magicpig::Poison(o, D, lse + g);
+    } else if (has_keys) {
+      magicpig::AllMinusInf(o, D, lse + g);
     } else {
       std::fill(o, o + D, 0.0f);
       lse[g] = -INFINITY;

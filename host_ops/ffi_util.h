@@ -66,6 +66,15 @@ inline void Poison(float* out, int64_t D, float* lse) {
   *lse = NAN;
 }
 
+// The result of a head with keys whose logits are all -inf (a -inf in q, or in every key): its
+// partition function is 0, so its LSE is -inf, and its out is 0/0, NaN. Merged with another part it
+// weighs 0 (as those keys do in one softmax over the union); alone, or with only such parts, it is
+// NaN, never an empty-looking head (an empty one has out 0 and lse -inf).
+inline void AllMinusInf(float* out, int64_t D, float* lse) {
+  std::fill(out, out + D, NAN);
+  *lse = -INFINITY;
+}
+
 // Software prefetches of the cache line holding p: into L1 (prefetcht0) and into L2
 // (prefetcht1). Inline asm: GCC 12 dropped __builtin_prefetch calls that sit in lambdas and
 // inlined helpers of the sampled attention (none of them was in the built module's

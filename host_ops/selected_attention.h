@@ -170,8 +170,9 @@ using magicpig::Poison;
 // (pointers into V): out[0:D] = sum_j e_j v_j / sum_j e_j, *lse = max + log(sum). With softcap
 // c > 0 each finite logit is first replaced, in place, by c tanh(logit / c) (Gemma 2's attention
 // logit soft-capping; the selection that chose the keys ranked the uncapped logits, which the
-// monotone cap orders the same way). No key gives out = 0 and lse = -inf; a NaN or +inf logit, or
-// only -inf logits, gives out and lse NaN (Corrupt; a -inf logit among finite ones weighs 0).
+// monotone cap orders the same way). No key gives out = 0 and lse = -inf; a NaN or +inf logit gives
+// out and lse NaN (Corrupt); only -inf logits give out NaN and lse -inf (AllMinusInf; a -inf logit
+// among finite ones weighs 0).
 template <typename T>
 void SoftmaxOverRows(float* logit, const T* const* rows, int64_t n, int64_t D, bool avx2, float softcap, float* out,
                      float* lse) {
@@ -191,8 +192,8 @@ void SoftmaxOverRows(float* logit, const T* const* rows, int64_t n, int64_t D, b
     *lse = -INFINITY;
     return;
   }
-  if (!std::isfinite(m)) {  // only -inf logits (a -inf in q or in every kept key): NaN, as a softmax gives
-    Poison(out, D, lse);
+  if (!std::isfinite(m)) {  // only -inf logits (a -inf in q or in every kept key)
+    magicpig::AllMinusInf(out, D, lse);
     return;
   }
   double sum = 0.0;

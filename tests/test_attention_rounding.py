@@ -46,7 +46,7 @@ def test_a_jitted_build_hashes_the_keys_centered_by_its_own_mean():
 def test_oracle_sampling_of_a_head_without_a_finite_logit_draws_nothing():
     """Every valid logit of KV head 0 is -inf: its weights are all 0 and the inverse CDF landed on
     position N - 1, past the row's length (padding's V came out). Now it draws nothing, and the head
-    is NaN, as a softmax over only -inf logits is (a -inf in every key is corrupt input)."""
+    is NaN, as a softmax over only -inf logits is (a -inf in every key is corrupt input); its lse is -inf."""
     q = np.array([[[1.0, 0.5], [1.0, 0.5]]], np.float32)
     k = np.ones((1, 2, 6, 2), np.float32)
     k[0, 0, :, 0] = -np.inf
@@ -54,7 +54,7 @@ def test_oracle_sampling_of_a_head_without_a_finite_logit_draws_nothing():
     v[0, :, 4:] = np.nan  # padding past length 4
     out, lse, distinct = oracle_sampling_attention(jax.random.key(0), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                                                    3, jnp.asarray([4]))
-    assert np.isnan(np.asarray(out)[0, 0]).all() and np.isnan(float(lse[0, 0])) and int(distinct[0, 0]) == 0
+    assert np.isnan(np.asarray(out)[0, 0]).all() and float(lse[0, 0]) == -np.inf and int(distinct[0, 0]) == 0
     assert np.isfinite(np.asarray(out)[0, 1]).all() and int(distinct[0, 1]) >= 1  # the other head draws
 
 

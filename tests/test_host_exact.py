@@ -236,7 +236,7 @@ def test_a_head_whose_logits_are_all_minus_inf_is_nan_not_empty(impl):
                "host topk": host_topk_attention(*args, 16, impl=impl), "topk": topk_attention(*args, 16)[:2]}
     for name, (out, lse) in results.items():
         out, lse = np.asarray(out), np.asarray(lse)
-        assert np.isnan(out[0, 0]).all() and np.isnan(lse[0, 0]), name
+        assert np.isnan(out[0, 0]).all() and lse[0, 0] == -np.inf, name  # partition function 0: merged, weighs 0
         assert np.isfinite(out[0, 1]).all() and np.isfinite(lse[0, 1]), name
     # an empty range is still empty, not NaN
     out, lse = host_exact_attention(*args, jnp.asarray([0], jnp.int32), impl=impl)
@@ -253,3 +253,64 @@ def test_max_threads_takes_numpy_integers():
         np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]))
     with pytest.raises(ValueError, match="max_threads"):
         host_exact_attention(q, k, k, max_threads=np.bool_(True))
+
+
+def test_a_part_whose_logits_are_all_minus_inf_weighs_zero_in_a_merge_and_stays_nan_alone():
+    """Such a part was NaN in lse too, so every split-and-merge path turned the head NaN where one
+    softmax over the union weighs those keys 0: static attention's window path, the host MagicPIG
+    op (sinks all -inf), the pure-JAX TopK decoder (hashed range all -inf). The prefill's block
+    attention still gave a head of all -inf logits out 0 (empty-looking)."""
+    from magicpig_jax import host, lsh
+    from magicpig_jax.attention import MagicPIGConfig, build_lsh_index, dense_attention, magicpig_attention
+    from magicpig_jax.attention.baselines import topk_attention
+    from magicpig_jax.attention.merge import merge_attention
+    from magicpig_jax.attention.static import static_attention
+    from magicpig_jax.models.decoding import _causal_block_attention
+
+    def i32(x):
+        return jnp.asarray(x, jnp.int32)
+
+    rng = np.random.default_rng(0)
+    N, D = 64, 8
+    k = rng.standard_normal((1, 1, N, D)).astype(np.float32)
+    v = rng.standard_normal((1, 1, N, D)).astype(np.float32)
+    q = np.abs(rng.standard_normal((1, 2, D))).astype(np.float32) + 0.1
+    k[0, 0, 0:2, 0] = -np.inf  # the two sinks: logit -inf; the rest finite
+    k2 = k.copy()
+    k2[0, 0, :2, 0] = 1.0
+    k2[0, 0, 4:56, 0] = -np.inf
+    kp = np.abs(rng.standard_normal((1, 1, N, D))).astype(np.float32) + 0.1  # every key positive
+    q, k, k2, v = map(jnp.asarray, (q, k, k2, v))
+    L = jnp.asarray([N], jnp.int32)
+    ref_out, ref_lse = dense_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), L)
+    assert np.isfinite(np.asarray(ref_lse)).all()
+    for window in (None, 4):
+        out, lse = static_attention(q, k, v, i32([2]), i32([40]), L, num_sink=2, window=window)
+        assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all(), window
+    cfg = MagicPIGConfig(K=2, L=4, num_sink=2, num_local=8)
+    proj = lsh.simhash_projections(jax.random.key(1), D, cfg.K, cfg.L)
+    _, lse_ref, _ = magicpig_attention(q, k, v, build_lsh_index(k, proj, cfg, L), cfg, L)
+    _, lse_host, _ = host.host_magicpig_attention(q, k, v, host.host_build_index(k, proj, cfg, L), cfg, L)
+    np.testing.assert_allclose(np.asarray(lse_host), np.asarray(lse_ref), rtol=1e-5)
+    # the pure-JAX TopK decoder: range [4, 56) all -inf, merged with the static part = dense
+    o_r, l_r = topk_attention(q, k2[:, :, 4:], v[:, :, 4:], 4, i32([52]))
+    assert np.isnan(np.asarray(o_r)).all() and (np.asarray(l_r) == -np.inf).all()
+    o_s, l_s = static_attention(q, k2, v, i32([4]), i32([56]), L, num_sink=4)
+    out, lse = merge_attention(o_r, l_r, o_s, l_s)
+    want_out, want_lse = dense_attention(jnp.asarray(q), jnp.asarray(k2), jnp.asarray(v), L)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5)
+    # beside an empty part, or alone, such a part stays NaN; two empty parts stay empty
+    empty = (jnp.zeros_like(o_r), jnp.full_like(l_r, -jnp.inf))
+    assert np.isnan(np.asarray(merge_attention(o_r, l_r, *empty)[0])).all()
+    assert np.isnan(np.asarray(merge_attention(*empty, o_r, l_r)[0])).all()
+    out, lse = merge_attention(*empty, *empty)
+    assert (np.asarray(out) == 0).all() and (np.asarray(lse) == -np.inf).all()
+    # the prefill's block attention: every visible logit -inf is NaN, as dense attention gives
+    qp = np.ones((1, 1, 2, D), np.float32)
+    qp[..., 0] = -np.inf
+    out = _causal_block_attention(jnp.asarray(qp), jnp.asarray(kp), jnp.asarray(v), N - 1, 16)
+    assert np.isnan(np.asarray(out)).all()
+    qp[..., 0] = 1.0
+    assert np.isfinite(np.asarray(_causal_block_attention(jnp.asarray(qp), jnp.asarray(kp), jnp.asarray(v),
+                                                          N - 1, 16))).all()

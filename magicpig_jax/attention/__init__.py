@@ -13,8 +13,11 @@ is not inert where the estimator reads every key of its range: MagicPIG and the 
 center the keys by their mean (a NaN or infinite key gives the heads of its KV head NaN),
 TopK, Quest and oracle sampling score every key (a NaN or +inf logit gives NaN). A NaN query
 gives its head NaN in every estimator; an infinite one gives NaN wherever a logit is NaN or
-+inf, and in MagicPIG and the hybrid always (its SimHash codes are undefined), while dense
-attention over logits that are all -inf gives an empty row (out 0, lse -inf).
++inf, and in MagicPIG and the hybrid always (its SimHash codes are undefined). A head whose
+logits are all -inf (a -inf in q against keys of one sign there) gives ``out`` NaN and ``lse``
+-inf, never an empty-looking row (out 0): its partition function is 0, so
+:func:`merge_attention` gives it weight 0 beside a part with finite logits (as one softmax over
+the union gives those keys) and keeps it NaN beside empty parts.
 
 The inertness is the forward pass's. The functions are differentiable (``jax.grad`` of dense
 attention and of MagicPIG, for a fixed sampled set, matches finite differences; a zero query, a

@@ -141,10 +141,12 @@ def masked_softmax_attention(
 
     logits, mask: ``[B, Hkv, G, N]`` (mask broadcastable); v: ``[B, Hkv, N, D]``.
     Returns out float32 ``[B, Hkv*G, D]`` and natural-log LSE float32 ``[B, Hkv*G]``.
-    An empty mask gives ``out = 0`` and ``lse = -inf``; a NaN or +inf logit of a selected key, or
-    selected keys whose logits are all -inf (a -inf in q or in every key; ``jax.nn.softmax`` gives
-    NaN there too), gives ``lse`` NaN (and ``out`` NaN), never an empty-looking row; one -inf logit
-    among finite ones weighs 0, as in a softmax. Keys outside the mask are
+    An empty mask gives ``out = 0`` and ``lse = -inf``; a NaN or +inf logit of a selected key gives
+    ``out`` and ``lse`` NaN; selected keys whose logits are all -inf (a -inf in q or in every key)
+    give ``out`` NaN (0/0, as ``jax.nn.softmax`` gives) and ``lse = -inf`` (their partition function
+    is 0), never an empty-looking row: :func:`~magicpig_jax.attention.merge_attention` gives such a
+    part weight 0 beside a non-empty one, as one softmax over the union would, and NaN beside empty
+    ones. One -inf logit among finite ones weighs 0, as in a softmax. Keys outside the mask are
     selected out of the logits and of the values (:func:`selected_weighted_sum`): whatever their
     K or V rows hold (NaN, inf, garbage), they do not change the result beyond float32 rounding.
     """
@@ -157,9 +159,10 @@ def masked_softmax_attention(
     num = selected_weighted_sum(e, mask, v)
     out = num / jnp.where(s > 0, s, 1.0)[..., None]
     lse = jnp.where(s > 0, m_safe[..., 0] + jnp.log(jnp.where(s > 0, s, 1.0)), -jnp.inf)
-    # A NaN or +inf logit of a selected key, or selected keys whose logits are all -inf: NaN, not "empty"
+    # A NaN or +inf logit of a selected key: NaN; selected keys whose logits are all -inf: out NaN and
+    # lse -inf (merge_attention weighs it 0 beside a non-empty part), not "empty"
     only_minus_inf = (s == 0) & jnp.any(jnp.broadcast_to(mask, logits.shape), axis=-1)
-    lse = jnp.where(jnp.isfinite(s) & ~only_minus_inf, lse, jnp.nan)
+    lse = jnp.where(jnp.isfinite(s), lse, jnp.nan)
     out = jnp.where(only_minus_inf[..., None], jnp.nan, out)
     return out.reshape(B, Hkv * G, v.shape[-1]), lse.reshape(B, Hkv * G)
 

@@ -492,8 +492,8 @@ def oracle_sampling_attention(
     idx = _inverse_cdf_draws(rng, w, S)
     used = (jnp.arange(S, dtype=jnp.int32)[None, :] < draws[:, None]).astype(jnp.float32)
     # a head whose every valid logit is -inf has no weight to draw from (w is all 0 and the inverse
-    # CDF would land on position N - 1, padding included): no draws; its lse is NaN (a softmax over
-    # only -inf logits), and so is its out below
+    # CDF would land on position N - 1, padding included): no draws; its out is NaN below (a softmax
+    # over only -inf logits) and its lse -inf
     drawable = (lse > -jnp.inf).reshape(B, Hkv, G, 1).astype(jnp.float32)
     used = used[:, None, None, :] * drawable
     counts = jax.vmap(lambda i, c: jnp.zeros((N,), jnp.float32).at[i].add(c))(
@@ -502,8 +502,9 @@ def oracle_sampling_attention(
     num = selected_weighted_sum(counts, counts > 0, v)  # keys never drawn are selected out
     denom = jnp.maximum(draws, 1).astype(jnp.float32)[:, None, None, None]
     out = (num / denom).reshape(B, Hq, D)
-    # a NaN or +inf logit makes the weights undefined: the head is NaN (its LSE already is), not a
-    # finite mean of draws from the other keys
-    out = jnp.where(jnp.isnan(lse)[..., None], jnp.nan, out)
+    # a NaN or +inf logit makes the weights undefined, and so do valid logits that are all -inf: the
+    # head is NaN (as the exact softmax's out is), not a finite mean of draws from the other keys
+    undefined = jnp.isnan(lse) | ((lse == -jnp.inf) & (lengths > 0)[:, None])
+    out = jnp.where(undefined[..., None], jnp.nan, out)
     num_distinct = jnp.sum(counts > 0, axis=-1, dtype=jnp.int32).reshape(B, Hq)
     return out, lse, num_distinct

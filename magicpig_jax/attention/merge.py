@@ -20,8 +20,10 @@ def merge_attention(
     ``out = (s_a out_a + s_b out_b) / (s_a + s_b)`` and ``lse = log(s_a + s_b)``,
     evaluated with the max-shift so nothing overflows. Natural log throughout
     (the reference CPU kernel's base-2 LSE is a known bug this avoids).
-    An empty part (``lse = -inf``) contributes nothing, whatever its ``out`` holds; two empty parts give
-    ``out = 0``, ``lse = -inf``. A part with a NaN ``lse`` (a head that read a non-finite
+    A part with ``lse = -inf`` contributes nothing beside a part with a finite ``lse``, whatever its
+    ``out`` holds. Two such parts give ``lse = -inf`` and ``out = 0`` (empty key sets), or NaN when
+    either ``out`` is NaN (keys whose logits are all -inf, as the attention functions return them:
+    over the union too the softmax is 0/0). A part with a NaN ``lse`` (a head that read a non-finite
     key), or ``+inf`` (no finite softmax sum has it), gives ``out`` and ``lse`` NaN.
 
     Args:
@@ -60,6 +62,10 @@ def merge_attention(
            + jnp.where((lse_b == -jnp.inf)[..., None], 0.0, wb[..., None] * out_b.astype(jnp.float32)))
     out = out / denom[..., None]
     lse = jnp.where(total > 0, m_safe + jnp.log(denom), -jnp.inf)
+    # both parts at -inf: keys whose logits are all -inf in either (out NaN) leave the union's softmax 0/0
+    minus_inf_keys = (jnp.any(jnp.isnan(out_a), axis=-1) & (lse_a == -jnp.inf)) | (
+        jnp.any(jnp.isnan(out_b), axis=-1) & (lse_b == -jnp.inf))
+    out = jnp.where(((total == 0) & minus_inf_keys)[..., None], jnp.nan, out)
     # A NaN part (a non-finite key upstream) stays NaN: never read as an empty part.
     broken = jnp.isnan(lse_a) | jnp.isnan(lse_b) | (lse_a == jnp.inf) | (lse_b == jnp.inf)  # +inf: no finite sum
     return jnp.where(broken[..., None], jnp.nan, out), jnp.where(broken, jnp.nan, lse)

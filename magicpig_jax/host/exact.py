@@ -62,9 +62,10 @@ def host_exact_attention(
     Returns:
       ``(out, lse)``: out float32 ``[B, Hq, D]``; lse float32 ``[B, Hq]``, the natural-log
       log-sum-exp of the logits. A row with no valid key gives ``out = 0`` and
-      ``lse = -inf``; a head with a NaN or +inf logit (a non-finite q or k), or whose logits
-      are all -inf (a -inf in q or in every key), gives out and lse NaN, never a silently empty
-      row; one -inf logit among finite ones weighs 0, as in a softmax.
+      ``lse = -inf``; a head with a NaN or +inf logit (a non-finite q or k) gives out and lse
+      NaN; one whose logits are all -inf (a -inf in q or in every key) gives out NaN and lse
+      -inf (its partition function is 0: merged, it weighs 0), never a silently empty row; one
+      -inf logit among finite ones weighs 0, as in a softmax.
 
     Raises:
       ValueError: mismatched shapes, Hq not a multiple of Hkv, ``G > MAX_GROUP``, unknown

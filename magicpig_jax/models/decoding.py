@@ -87,8 +87,11 @@ def _causal_block_attention(q, k_cache, v_cache, chunk_start, chunk, window: int
         # A block with no visible key has tot = 0 and is empty (lse -inf). A NaN score (a NaN weight,
         # activation or cache value; XLA's CPU max skips it) makes tot NaN: `~(tot <= 0)` keeps the
         # block, so the NaN reaches the output and the LSE instead of the block being dropped.
+        # Visible keys whose scores are all -inf (a -inf in q or in every key): out NaN, lse -inf, as
+        # masked_softmax_attention gives (merged with blocks that have finite scores, it weighs 0).
         live = ~(tot <= 0)
         o = o / jnp.where(live, tot, 1.0)[..., None]
+        o = jnp.where(((tot == 0) & jnp.any(mask, axis=-1))[..., None], jnp.nan, o)
         lse_b = jnp.where(live, m_safe + jnp.log(jnp.where(live, tot, 1.0)), -jnp.inf)
         return merge_attention(out, lse, o, lse_b)
 
