@@ -175,13 +175,23 @@ def test_the_python_api_records_the_models_sizes_and_the_texts_paragraphs(calibr
     with pytest.raises(ValueError, match="shares 1 paragraph"):
         cal.check_config_for_eval(path, model, settings)
     # the same words reflowed (one per line, so one paragraph of another hash): they passed the check
+    words = TEXT.split()
+    n = (cal.SHARED_RUNS + 1) * cal.SHINGLE_WORDS  # holds SHARED_RUNS whole runs of the text wherever it starts
     reflowed = tmp_path / "reflowed.txt"
     reflowed.write_text("Preamble words that the calibration text does not hold at all.\n\n"
-                        + "\n".join(TEXT.split()[5:40]) + "\n")
+                        + "\n".join(words[5:5 + n]) + "\n")
     assert not set(report["calibration"]["paragraph_sha1"]) & set(cal.paragraph_hashes(str(reflowed)))
-    with pytest.raises(ValueError, match=f"shares [0-9]+ run\\(s\\) of {cal.SHINGLE_WORDS} words with the evaluation "
-                                         "haystack .* \\(reflowed or not\\)"):
+    with pytest.raises(ValueError, match=f"shares a passage of [0-9]+ words \\([0-9]+ consecutive runs of "
+                                         f"{cal.SHINGLE_WORDS}\\) with the evaluation haystack .* "
+                                         "\\(reflowed or not\\)"):
         cal.check_config_for_eval(path, model, dataclasses.replace(settings, haystack=str(reflowed)))
+    # shared stretches shorter than the passage (boilerplate of related texts, as the bundled LGPL-2.1
+    # shares with the default haystack's GPL) do not refuse the file: each of these holds 6 runs of it
+    pieces = [" ".join(words[i:i + 6 * cal.SHINGLE_WORDS]) for i in range(0, len(words) - 72, 120)]
+    boiler = tmp_path / "boilerplate.txt"
+    boiler.write_text("\n\n".join(f"Other words entirely, number {j}. {p} And more of them." for j, p in
+                                   enumerate(pieces)) + "\n")
+    cal.check_config_for_eval(path, model, dataclasses.replace(settings, haystack=str(boiler)))
 
 
 def test_a_calibration_text_named_like_a_haystack_is_read_as_the_file(tmp_path, monkeypatch):

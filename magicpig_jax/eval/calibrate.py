@@ -80,10 +80,14 @@ def paragraph_hashes(source: str) -> list[str]:
     return [hashlib.sha1(p.encode()).hexdigest()[:12] for p in load_prose(Path(source))]
 
 
-# Runs of this many words are compared, whatever the line breaks: a text shares a run of
-# 2 * SHINGLE_WORDS words with the haystack iff one of its consecutive, non-overlapping runs of
-# SHINGLE_WORDS (recorded by calibrate) is among all the haystack's runs (hashed by eval).
+# Runs of this many words are compared, whatever the line breaks: calibrate records the text's
+# consecutive, non-overlapping runs of SHINGLE_WORDS, and eval hashes every run of the haystack (one
+# per start word). A text is refused when SHARED_RUNS consecutive runs of it are all in the haystack:
+# a passage of SHARED_RUNS * SHINGLE_WORDS words (a haystack passage, reflowed or not). Shorter shared
+# stretches are boilerplate that related texts have in common: the bundled LGPL-2.1 (the default
+# calibration text) shares runs of up to 6 with the GPL and other licenses of licenses-heldout.
 SHINGLE_WORDS = 12
+SHARED_RUNS = 16
 
 
 def shingle_hashes(words: list[str], disjoint: bool = False) -> list[str]:
@@ -162,13 +166,15 @@ def other_model_note(path: str | Path, model_source) -> str | None:
 
 def check_config_for_eval(path: str | Path, model, settings) -> None:
     """Refuse a calibrated file that does not fit an evaluation: other static set, other layer count,
-    or a calibration text that shares a paragraph with the evaluation haystack; note on stderr a
-    file calibrated on another model of the same sizes (:func:`other_model_note`).
+    or a calibration text that shares a paragraph, or a passage of :data:`SHARED_RUNS` ×
+    :data:`SHINGLE_WORDS` words, with the evaluation haystack; note on stderr a file calibrated on
+    another model of the same sizes (:func:`other_model_note`).
 
     The overlap is checked against the file's ``calibration.paragraph_sha1`` and
     ``shingle_sha1`` (written by ``magicpig-jax calibrate``: its paragraphs, and its runs of
-    :data:`SHINGLE_WORDS` words, which a reflowed copy shares); a file without a calibration
-    record (written by hand) has no text to compare.
+    :data:`SHINGLE_WORDS` words, which a reflowed copy shares; shorter shared stretches are the
+    boilerplate of related texts, as the default calibration text shares with the default
+    haystack); a file without a calibration record (written by hand) has no text to compare.
 
     Raises:
       ValueError: naming the mismatch, or a malformed calibration record (naming the field).
@@ -209,11 +215,15 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
             isinstance(h, str) for h in shingles):
         raise ValueError(f"{path}: 'calibration.shingle_sha1' must be a list of strings, of runs of "
                          f"'shingle_words' = {SHINGLE_WORDS} words (the calibration text's)")
-    shared = set(shingles) & _haystack_shingles(str(settings.haystack))
-    if shared:
-        raise ValueError(f"{path} was calibrated on a text that shares {len(shared)} run(s) of {SHINGLE_WORDS} "
-                         f"words with the evaluation haystack {settings.haystack!r} (reflowed or not): calibrate "
-                         "on another text")
+    hay_runs = _haystack_shingles(str(settings.haystack))
+    longest = streak = 0
+    for h in shingles:
+        streak = streak + 1 if h in hay_runs else 0
+        longest = max(longest, streak)
+    if longest >= SHARED_RUNS:
+        raise ValueError(f"{path} was calibrated on a text that shares a passage of {longest * SHINGLE_WORDS} words "
+                         f"({longest} consecutive runs of {SHINGLE_WORDS}) with the evaluation haystack "
+                         f"{settings.haystack!r} (reflowed or not): calibrate on another text")
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
