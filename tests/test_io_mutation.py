@@ -569,10 +569,28 @@ def test_convert_gives_a_new_checkpoint_the_usual_mode_and_names_leftover_partia
     finally:
         os.umask(umask)
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755
-    (tmp_path / "empty" / ".empty.abc123.partial").mkdir(parents=True)  # killed inside an existing OUT
+    (tmp_path / "empty" / ".empty.abc12345.partial").mkdir(parents=True)  # killed inside an existing OUT
     capsys.readouterr()
     assert main(["convert", family, str(tmp_path / "empty")]) == 2
-    assert "holds .empty.abc123.partial, from an interrupted conversion" in capsys.readouterr().err
-    (tmp_path / ".beside.xyz.partial").mkdir()  # killed beside a new OUT
+    assert "holds .empty.abc12345.partial, from an interrupted conversion" in capsys.readouterr().err
+    (tmp_path / ".beside.xyz_0123.partial").mkdir()  # killed beside a new OUT
     assert main(["convert", family, str(tmp_path / "beside")]) == 0
-    assert f"{tmp_path / '.beside.xyz.partial'} is from an interrupted conversion" in capsys.readouterr().err
+    assert f"{tmp_path / '.beside.xyz_0123.partial'} is from an interrupted conversion" in capsys.readouterr().err
+
+
+def test_leftover_partials_match_mkdtemps_names_of_that_out_only(tmp_path):
+    """The glob of OUT's name failed on 'model**v2' (convert exited 2: 'Invalid pattern'), missed the
+    leftover of 'm[1]', and gave OUT 'm' the leftover of OUT 'm.v2' or 'mx' (as 'm?')."""
+    import os
+    import tempfile
+
+    from magicpig_jax.io.checkpoint import leftover_partials
+
+    for name in ("model**v2", "m[1]", "m?", "m"):
+        assert leftover_partials(tmp_path / name) == []
+        made = tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=tmp_path)  # as save_checkpoint names it
+        assert [str(p) for p in leftover_partials(tmp_path / name)] == [made], name
+        os.rmdir(made)
+    for other in (".m.v2.abcdefgh.partial", ".mx.abcdefgh.partial", ".m.abc.partial", ".m.abcdefgh.partial.x"):
+        (tmp_path / other).mkdir()
+    assert leftover_partials(tmp_path / "m") == [] and leftover_partials(tmp_path / "m?") == []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -88,10 +89,14 @@ def leftover_partials(out: str | Path) -> list[Path]:
     """Directories an interrupted :func:`save_checkpoint` to ``out`` left (beside ``out``, or inside
     an existing ``out``), or one running now; the caller may name them so that a user removes them."""
     out = Path(out).absolute()
-    found = list(out.parent.glob(f".{out.name}.*.partial"))
-    if out.is_dir():
-        found += out.glob(f".{out.name}.*.partial")
-    return sorted(p for p in found if p.is_dir())
+    # exactly mkdtemp's names: its 8 random characters are [a-z0-9_]; a glob of out.name failed on a
+    # name holding '**', missed one holding '[', and matched another OUT's ('m' took '.m.v2.*.partial')
+    name = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}\.partial")
+    found = []
+    for folder in (out.parent, out) if out.is_dir() else (out.parent,):
+        if folder.is_dir():
+            found += [p for p in folder.iterdir() if name.fullmatch(p.name) and p.is_dir()]
+    return sorted(found)
 
 
 def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.ndarray], tokenizer,
