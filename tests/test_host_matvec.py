@@ -271,3 +271,20 @@ def test_tiles_divide_the_matrix_and_bound_the_temporaries(monkeypatch):
 
     temp = jax.jit(net).lower(x, layers).compile().memory_analysis().temp_size_in_bytes
     assert temp < 2 << 20, temp  # tiles of 128 KB and activations of 256 KB; one layer's matrix is 4 MB
+
+
+def test_block_size_helpers_take_numpy_integers_and_refuse_bools_scalars_and_unhashable_types():
+    """np.int64(64) was refused as 'not a positive multiple of 32' (it is one), True was taken as 1, a
+    0-d array raised IndexError in the JAX dequantization, and a list qtype raised 'unhashable type'."""
+    from magicpig_jax.io.gguf_blocks import row_weights
+    from magicpig_jax.models.dequant import dequantize
+
+    assert packed_row_bytes("Q4_0", np.int64(64)) == packed_row_bytes("Q4_0", 64) == 36
+    assert row_weights("Q4_0", np.int32(36)) == 64 and type(row_weights("Q4_0", np.int32(36))) is int
+    for bad in (True, np.bool_(True), 64.0):
+        with pytest.raises(ValueError, match="in_features must be a positive multiple"):
+            packed_row_bytes("F16", bad)
+    with pytest.raises(ValueError, match="qtype must be one of"):
+        packed_row_bytes(["Q4_0"], 64)
+    with pytest.raises(ValueError, match="packed must have a last axis"):
+        dequantize(jnp.asarray(np.uint8(3)), "Q8_0")

@@ -8,7 +8,8 @@ those rows (:mod:`magicpig_jax.models.linear`). The C++ handler ``magicpig_quant
 float32, as ggml's ``dequantize_row_*`` (and ``gguf.quants.dequantize``) do; the
 activations stay float32 (llama.cpp rounds them to 8 bits). The product therefore equals
 ``x @ dequantize(w).T`` up to float32 summation order. ``magicpig_dequantize`` writes the
-float32 rows themselves, bit-equal to gguf-py's.
+float32 rows themselves, bit-equal to gguf-py's (but for the quiet bit of a signalling NaN
+among F16 weights, which the AVX2 path's F16C conversion sets).
 
 Types: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (their layouts are in
 :mod:`magicpig_jax.io.gguf_blocks`, re-exported here).
@@ -88,7 +89,9 @@ def quant_matvec(
       summation order, for activations of magnitude above ``2**-102`` (about 2e-31): the AVX2
       Q4_1, Q4_K and Q6_K kernels scale ``x`` by up to ``2**-24`` (so that the nibbles need no
       shifts) and XLA's CPU threads flush the resulting subnormals to zero, so smaller activations
-      (far below any model's, whose RMSNorm keeps them near 1) count as 0; and below about
+      (far below any model's, whose RMSNorm keeps them near 1) count as 0 (for BF16, whose weights
+      can themselves be tiny or subnormal, any product ``w * x`` below ``2**-126`` counts as 0,
+      and a subnormal weight as 0); and below about
       ``1e34``: the kernels apply a block's scale after summing ``q * x`` and its min as ``m * sum(x)``,
       so larger activations can overflow to ±inf, or NaN (``0 * inf``), where the exact product is
       finite. An infinite block scale gives ±inf where gguf-py's dequantization gives NaN (the
@@ -131,7 +134,8 @@ def dequantize_rows(packed: UInt8[Array, "R RB"], qtype: str, *, impl: str = "au
       packed: uint8 ``[R, In / block_weights * block_bytes]``.
       qtype: one of :data:`QUANT_TYPES`.
       impl: ``"auto"`` (AVX2 where the CPU has it and the type has a vector path), ``"scalar"``
-        or ``"avx2"``; every variant gives the same bits.
+        or ``"avx2"``; every variant gives the same bits, but for a signalling NaN among F16
+        weights, which AVX2's F16C conversion returns quiet (gguf-py and the scalar path keep it).
       max_threads: cap on pool threads (0: all of XLA's intra-op pool).
 
     Returns:

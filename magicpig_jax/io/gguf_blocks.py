@@ -29,6 +29,8 @@ The float32 arithmetic of each formula (its order of operations) is gguf-py's
 
 from __future__ import annotations
 
+import numpy as np
+
 __all__ = ["QUANT_TYPES", "BLOCK_SIZE", "block_bytes", "block_weights", "packed_row_bytes", "row_weights"]
 
 BLOCK_SIZE = 32  # weights per block of the legacy types (Q4_0 .. Q8_0); K-quants have 256
@@ -48,7 +50,7 @@ QUANT_TYPES = {
 
 
 def _check(qtype: str) -> tuple[int, int, int]:
-    if qtype not in QUANT_TYPES:
+    if not isinstance(qtype, str) or qtype not in QUANT_TYPES:  # an unhashable one raised TypeError
         raise ValueError(f"qtype must be one of {sorted(QUANT_TYPES)}, got {qtype!r}")
     return QUANT_TYPES[qtype]
 
@@ -78,9 +80,14 @@ def packed_row_bytes(qtype: str, in_features: int) -> int:
       ValueError: unknown ``qtype``, or ``in_features`` not a positive multiple of the block.
     """
     _, bb, bw = _check(qtype)
-    if not isinstance(in_features, int) or in_features <= 0 or in_features % bw:
+    if not _is_int(in_features) or in_features <= 0 or in_features % bw:
         raise ValueError(f"in_features must be a positive multiple of {bw} for {qtype}, got {in_features!r}")
-    return in_features // bw * bb
+    return int(in_features) // bw * bb
+
+
+def _is_int(x) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
 
 
 def row_weights(qtype: str, row_bytes: int) -> int:
@@ -90,6 +97,6 @@ def row_weights(qtype: str, row_bytes: int) -> int:
       ValueError: unknown ``qtype``, or ``row_bytes`` not a positive multiple of the block bytes.
     """
     _, bb, bw = _check(qtype)
-    if not isinstance(row_bytes, int) or row_bytes <= 0 or row_bytes % bb:
+    if not _is_int(row_bytes) or row_bytes <= 0 or row_bytes % bb:
         raise ValueError(f"a packed {qtype} row must be a positive multiple of {bb} bytes, got {row_bytes!r}")
-    return row_bytes // bb * bw
+    return int(row_bytes) // bb * bw

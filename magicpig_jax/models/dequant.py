@@ -105,13 +105,18 @@ def dequantize(packed: UInt8[Array, "*R RB"], qtype: str) -> Float[Array, "*R In
     Returns:
       float32 ``[..., In]``.
 
+    A signalling NaN among F16 weights comes back quiet (XLA's float16 conversion sets the quiet bit;
+    gguf-py keeps it signalling); every other value is bit-equal.
+
     Raises:
-      ValueError: unknown ``qtype``, or ``RB`` not a whole number of blocks.
+      ValueError: unknown ``qtype``, ``packed`` of rank 0, or ``RB`` not a whole number of blocks.
       TypeError: ``packed`` is not uint8.
     """
     packed = jnp.asarray(packed)
     if packed.dtype != jnp.uint8:
         raise TypeError(f"packed must be uint8 GGUF rows, got {packed.dtype}")
+    if packed.ndim == 0:
+        raise ValueError("packed must have a last axis of packed bytes, got a scalar")
     n_in = row_weights(qtype, int(packed.shape[-1]))
     _, bb, _ = QUANT_TYPES[qtype]
     lead = packed.shape[:-1]
