@@ -184,9 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--q-heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--context", type=int, default=None, help="keys per row (default 32768; --e2e: 8192)")
     ap.add_argument("--layers", type=int, default=4, help="independent layers (caches) to check")
-    ap.add_argument("--steps", type=int, default=20, help="timed repetitions per layer")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="timed repetitions per layer (default 20; --e2e: decode steps, default 32)")
     ap.add_argument("--K", type=int, default=10)
     ap.add_argument("--L", type=int, default=150)
     ap.add_argument("--num-sink", type=int, default=4)
@@ -201,11 +202,16 @@ def main(argv=None) -> int:
                     help="--e2e: force offload with jax.devices()[i] as the host (two-CPU-device tests)")
     ap.add_argument("--out", default=None, help="--e2e: write <out>.json")
     args = ap.parse_args(argv)
+    if args.context is None:  # None: not given (a check of argv missed --context=N and abbreviations)
+        args.context = 8192 if args.e2e else 32768
+    if args.steps is None:
+        args.steps = 32 if args.e2e else 20
+    for name in ("layers", "steps", "batch"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not args.e2e and args.context < 256:  # the synthetic keys plant needles in [8, context - 128)
+        ap.error(f"--context must be >= 256, got {args.context}")
     if args.e2e:
-        if "--context" not in (argv if argv is not None else sys.argv[1:]):
-            args.context = 8192
-        if "--steps" not in (argv if argv is not None else sys.argv[1:]):
-            args.steps = 32
         return e2e(args)
     if args.mechanisms:
         return mechanisms(args)

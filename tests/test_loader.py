@@ -192,3 +192,21 @@ def test_a_config_read_hands_its_parse_to_the_load_that_follows(q4km, tmp_path, 
     os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # rewritten since
     gm.read_gguf(copy)
     assert opened == [q4km.name] * 3 + [copy.name] * 3
+
+
+def test_random_q4_k_m_quantizes_a_tied_embedding_as_the_output_and_every_type_to_scale():
+    """llama.cpp's llama_tensor_get_type gives token_embd.weight the output's type when the output is
+    tied to it (Q6_K; Q8_0 when a row is no whole number of 256-weight blocks): the tool wrote Q4_K /
+    Q5_0. Its Q6_K weights had an RMS of 0.17 against the documented order of 0.02 (gguf-py's
+    dequantization as the reference)."""
+    import gguf
+
+    tool = _tool()
+    for shape, want in (("llama3-1b", "Q6_K"), ("gemma2-2b", "Q6_K"), ("smollm2-135m", "Q8_0"),
+                        ("gemma3-1b", "Q8_0"), ("llama3-8b", "Q4_K"), ("tiny", "Q4_K")):
+        s = tool.SHAPES[shape]
+        assert tool.tensor_type("token_embd.weight", None, s, "Q4_K_M", s.hidden) == want, shape
+    rng = np.random.default_rng(0)
+    for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"):
+        w = gguf.quants.dequantize(tool.random_tensor(rng, qtype, 64, 512), gguf.GGMLQuantizationType[qtype])
+        assert 0.008 < float(np.sqrt(np.mean(np.square(w)))) < 0.05, qtype

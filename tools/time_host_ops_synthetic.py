@@ -18,6 +18,9 @@ import numpy as np
 from magicpig_jax import host, lsh
 from magicpig_jax.attention import MagicPIGConfig
 
+if len(sys.argv) != 2 or not sys.argv[1].isdigit() or int(sys.argv[1]) < 256:
+    print(__doc__.splitlines()[0] + "\nN: the keys per row, an integer >= 256", file=sys.stderr)
+    raise SystemExit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
 N = int(sys.argv[1])
 reps = 15
 B, Hq, Hkv, D = 1, 9, 3, 64
