@@ -109,12 +109,20 @@ def make_mesh(batch: int | None = None, kv_heads: int = 1, devices: Sequence[jax
         hold a device twice.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+
+    def positive_int(x) -> bool:  # a Python or NumPy integer, not a bool
+        return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_) and x >= 1
+
+    if not positive_int(kv_heads):
         raise ValueError(f"kv_heads must be a positive int, got {kv_heads!r}")
+    kv_heads = int(kv_heads)
     if batch is None:
+        if kv_heads > len(devices):
+            raise ValueError(f"kv_heads={kv_heads} needs at least {kv_heads} devices, have {len(devices)}")
         batch = len(devices) // kv_heads
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+    if not positive_int(batch):
         raise ValueError(f"batch must be a positive int, got {batch!r} (with {len(devices)} devices)")
+    batch = int(batch)
     if batch * kv_heads > len(devices):
         hint = (" (on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
                 if all(getattr(d, "platform", None) == "cpu" for d in devices) else "")
@@ -173,12 +181,15 @@ def shard_host_index(mesh: Mesh, index: host.HostIndex) -> host.HostIndex:
 
 
 def canonical_placement(mesh: Mesh, tree):
-    """``tree`` with each array on ``mesh`` re-labelled with its spec's trailing ``None`` dropped.
+    """``tree`` with each array on ``mesh`` re-labelled with its spec's axes of size 1 and trailing
+    ``None`` dropped.
 
     ``P("batch", "kv_heads", None, None)`` and ``P("batch", "kv_heads")`` place an array
-    identically, but jit keys its compiled programs by the spec as written: a decode step
-    whose first inputs carry the long form (:data:`KV_SPEC`, an index built by a
-    ``shard_map``) and whose later inputs are its own outputs (short form) compiled twice.
+    identically, and so do ``P("batch", "kv_heads")`` and ``P("batch")`` on a mesh whose
+    ``kv_heads`` axis has size 1, but jit keys its compiled programs by the spec as written
+    (and writes its outputs' specs in the short form): a decode step whose first inputs carry
+    the long form (:data:`KV_SPEC`, an index built by a ``shard_map``) and whose later inputs
+    are its own outputs compiled twice.
     The arrays are not copied (the placement is the same). An uncommitted array (one JAX may
     place anywhere, e.g. the ``[D, 0]`` placeholder of a layer that shares its SimHash matrix)
     is replicated over ``mesh``, where the step's outputs put it; other arrays not on ``mesh``
@@ -191,7 +202,8 @@ def canonical_placement(mesh: Mesh, tree):
             return jax.device_put(x, NamedSharding(mesh, P()))
         if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
             return x
-        spec = tuple(sharding.spec)
+        spec = tuple(None if a is not None and all(mesh.shape[n] == 1 for n in (a if isinstance(a, tuple) else (a,)))
+                     else a for a in sharding.spec)
         while spec and spec[-1] is None:
             spec = spec[:-1]
         return x if spec == tuple(sharding.spec) else jax.device_put(x, NamedSharding(mesh, P(*spec)))
@@ -353,6 +365,9 @@ def sharded_append(
         raise ValueError(f"k_new {tuple(k_new.shape)} does not match the index (mean {tuple(index.mean.shape)})")
     _check_rows("counts", counts, B, T)
     counts = jnp.full((B,), T, jnp.int32) if counts is None else jnp.asarray(counts).astype(jnp.int32)
+    # onto their shards, as sharded_build_index and sharded_magicpig_attention place theirs (an array
+    # committed to one device was refused by jit as on incompatible devices)
+    k_new, counts = _placed(mesh, k_new, KV_SPEC), _placed(mesh, counts, ROW_SPEC)
     return _append(index, k_new, counts, mesh=mesh, max_threads=max_threads)
 
 

@@ -363,3 +363,63 @@ def test_two_processes_with_process_local_rows():
     results = [json.loads([ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1][7:]) for out, _ in outs]
     assert [r["rows"] for r in results] == [[0], [1]]  # each process computed its own row
     assert all(r["max_diff"] < 1e-5 for r in results), results
+
+
+_MESH_SHAPES_CHECK = r"""
+import glob, json, os, re, sys, tempfile
+dump = tempfile.mkdtemp()
+os.environ["XLA_FLAGS"] += f" --xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=NONE"
+import jax, numpy as np
+from magicpig_jax import distributed as dist
+from magicpig_jax.attention import MagicPIGConfig
+from magicpig_jax.generation import decode, prefill
+from magicpig_jax.models import decoding
+from tests._tiny import tiny_model
+
+model = tiny_model(0)  # Hkv 2
+rng = np.random.default_rng(0)
+prompts = [rng.integers(0, 97, n).tolist() for n in (50, 30, 20, 40)]
+state = prefill(model, prompts, 4)
+kw = dict(attention="magicpig", max_new_tokens=4, stop_on_eos=False, dense_layers=(0,),
+          config=MagicPIGConfig(K=6, L=20, num_sink=2, num_local=8))
+ref, _ = decode(model, state, **kw)
+res = {}
+for nb, nh in ((2, 2), (4, 1), (1, 2)):
+    before = set(glob.glob(f"{dump}/*"))
+    decoding._STEP_CACHE.clear()
+    out, _ = decode(model, state, mesh=dist.make_mesh(batch=nb, kv_heads=nh, devices=jax.devices()[:nb * nh]), **kw)
+    texts = [open(f).read() for f in set(glob.glob(f"{dump}/*jit_step*after_optimizations.txt")) - before]
+    res[f"{nb}x{nh}"] = {"same": out == ref, "programs": len(texts),
+                         "compiles": [fn.jitted._cache_size() for _, fn in decoding._STEP_CACHE.items()],
+                         "gathers": sum(len(re.findall(r" all-gather\(", t)) for t in texts)}
+print(json.dumps(res))
+"""
+
+
+def test_a_sharded_decode_step_gathers_no_cache_and_compiles_once_on_any_mesh_shape():
+    """The per-row cache write all-gathered every layer's K and V over the batch axis in each step
+    (each device held the whole batch's cache as a temporary), and a mesh with an axis of size 1
+    compiled the step twice (its outputs' specs dropped that axis, its first inputs kept it)."""
+    env = dict(os.environ, XLA_FLAGS=with_test_flag("--xla_force_host_platform_device_count=4"), JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _MESH_SHAPES_CHECK], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for mesh, r in res.items():
+        assert r["same"] and r["compiles"] == [1] and r["programs"] >= 1 and r["gathers"] == 0, (mesh, r)
+
+
+def test_make_mesh_takes_numpy_integers_and_names_the_devices_kv_heads_needs():
+    import jax
+    import numpy as np
+
+    from magicpig_jax import distributed as dist
+
+    mesh = dist.make_mesh(batch=np.int32(1), kv_heads=np.int64(1))
+    assert dict(mesh.shape) == {"batch": 1, "kv_heads": 1}
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=f"kv_heads={n + 1} needs at least {n + 1} devices, have {n}"):
+        dist.make_mesh(kv_heads=n + 1)
+    with pytest.raises(ValueError, match="kv_heads must be a positive int"):
+        dist.make_mesh(kv_heads=np.bool_(True))

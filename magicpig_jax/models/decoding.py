@@ -340,8 +340,9 @@ def _decode_step(graphdef, state, cache: KVCache, indices, tokens, key, temperat
     # The barrier orders every cache write after every attention read, so XLA updates the
     # donated cache in place instead of copying it.
     written, logits = jax.lax.optimization_barrier(([new_kv[i] for i in range(len(cache.k))], logits))
-    new_k = tuple(write_token(c, written[i][0], pos) for i, c in enumerate(cache.k))
-    new_v = tuple(write_token(c, written[i][1], pos) for i, c in enumerate(cache.v))
+    write = write_token if spec.mesh is None else _sharded_write_token(spec.mesh)
+    new_k = tuple(write(c, written[i][0], pos) for i, c in enumerate(cache.k))
+    new_v = tuple(write(c, written[i][1], pos) for i, c in enumerate(cache.v))
     # A full row (pos == capacity) writes nothing and keeps its length. The decode loop steps such a
     # row only past its own limit (stopped at the context while other rows decode on), where its
     # tokens are never read; a row that still needs positions is refused first (check_capacity).
@@ -376,6 +377,18 @@ def check_capacity(cache: KVCache, host_lengths: np.ndarray | None = None) -> No
     if full.size:
         raise ValueError(f"decode step past the cache: row(s) {full.tolist()} hold {lengths[full].tolist()} tokens, "
                          f"the capacity is {cache.capacity} (prefill with a larger max_new_tokens)")
+
+
+def _sharded_write_token(mesh):
+    """:func:`write_token` on each device's own rows and KV heads: on a batch-sharded cache XLA's
+    partitioner replicated the cache for the per-row update (an all-gather of every layer's K and V
+    over the batch axis, each step)."""
+    from jax.sharding import PartitionSpec as P
+
+    from magicpig_jax.distributed import BATCH, KV_HEADS, KV_SPEC, ROW_SPEC
+
+    return jax.shard_map(write_token, mesh=mesh, in_specs=(KV_SPEC, P(BATCH, KV_HEADS, None), ROW_SPEC),
+                         out_specs=KV_SPEC)
 
 
 _decode_step_jit = partial(jax.jit, static_argnames=("graphdef", "spec"), donate_argnames=("cache", "indices"))(
