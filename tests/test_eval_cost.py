@@ -39,7 +39,8 @@ def test_each_method_by_its_formula():
     used = 0.1 * n * Hq
     mp = _bytes("magicpig")
     assert mp["k"] == pytest.approx(dense_layer + 3 * (static + used * D * e))
-    assert mp["index"] == pytest.approx(3 * Hq * 20 * (4 + 2 * m / 16))
+    hyperplanes = 4 * D * 4 * 20  # float32 [D, K L], read to hash the query
+    assert mp["index"] == pytest.approx(3 * (Hq * 20 * (4 + 2 * m / 16) + hyperplanes))
     tk = _bytes("topk")
     assert tk["k"] == pytest.approx(dense_layer + 3 * (static + m * Hkv * D * e))
     assert tk["v"] == pytest.approx(dense_layer + 3 * (static + used * D * e))
@@ -47,8 +48,39 @@ def test_each_method_by_its_formula():
     assert qu["pages"] == pytest.approx(3 * 2 * math.ceil(m / 16) * Hkv * D * 4)
     assert _bytes("hybrid") == mp and _bytes("oracle")["k"] == tk["k"]
     per_layer = _bytes("magicpig", layer_kl={1: (4, 20), 2: (8, 100), 3: (4, 20)})
-    assert per_layer["index"] == pytest.approx(2 * Hq * 20 * (4 + 2 * m / 16) + Hq * 100 * (4 + 2 * m / 256))
+    assert per_layer["index"] == pytest.approx(2 * (Hq * 20 * (4 + 2 * m / 16) + 4 * D * 4 * 20)
+                                               + Hq * 100 * (4 + 2 * m / 256) + 4 * D * 8 * 100)
     with pytest.raises(ValueError):
         _bytes("flash")
     with pytest.raises(ValueError, match="K and L"):
         _bytes("magicpig", K=None, L=None)
+
+
+def test_a_window_that_does_not_bind_leaves_its_layer_sparse():
+    """Every windowed layer was counted as a dense read of min(n, W) keys, though decode_spec makes a
+    layer dense only where its window binds: a window longer than the run left the layer sampled, and
+    the method's bytes came out as dense attention's."""
+    windows = {1: 4096, 2: 4096, 3: 4096}
+    assert _bytes("magicpig", layer_windows=windows) == _bytes("magicpig")
+    short = _bytes("magicpig", dense_layers=[0, 1], layer_windows={1: 100})  # binding: dense, at most W keys
+    assert short["k"] == pytest.approx(_bytes("magicpig", dense_layers=[0, 1])["k"] - 900 * 2 * 8 * 4)
+
+
+def test_quest_counts_the_rows_of_its_kept_pages():
+    """Quest's keys were its budget, though it keeps whole pages (a budget of 4 reads a page of 16)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from magicpig_jax.attention.baselines import quest_mask, quest_rows_read
+
+    rng = np.random.default_rng(0)
+    N, page = 100, 16
+    q = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((3, 2, N, 8)), jnp.float32)
+    lengths = jnp.asarray([100, 96, 7], jnp.int32)
+    for budget in (4, 16, 40, 0.05, 0.5, 1.0, 1000):
+        rows = np.asarray(quest_rows_read(budget, lengths, page))
+        kept = np.asarray(quest_mask(q, k, page, budget, lengths)).sum(-1)  # [B, Hkv, G]: the keys attended
+        # exact where the kept pages are whole; a kept partial last page (row 0's keys 96..99) counts whole
+        assert (kept <= rows[:, None, None]).all() and (rows[:, None, None] - kept < page).all(), budget
+        assert (kept[1] == rows[1]).all(), budget  # 96 keys: whole pages

@@ -215,3 +215,17 @@ def test_one_new_token_with_setup_a_is_accepted_when_every_method_is_dense():
     _check_likelihood_and_answers(model, _settings(max_new_tokens=1, setups=["B"]))
     with pytest.raises(ValueError, match="every sparse method would answer as dense"):
         _check_likelihood_and_answers(model, _settings(max_new_tokens=1, setups=["B", "A"]))
+
+
+def test_decodes_long_enough_to_append_generated_keys_are_refused():
+    """The byte count holds every generated token in the static tail; past 2 x GENERATION_BUFFER tokens
+    the decoder appends them to the index (a shorter static set, a longer hashed range), so a longer
+    --likelihood-tokens or --max-new-tokens recorded bytes that the decode did not read."""
+    from magicpig_jax.eval.run import _check_likelihood_and_answers
+
+    model = char_model()
+    with pytest.raises(ValueError, match=r"--max-new-tokens \(512\) must be at most 511"):
+        _check_likelihood_and_answers(model, _settings(max_new_tokens=512))
+    with pytest.raises(ValueError, match=r"--likelihood-tokens \(600\) must be at most 511"):
+        _check_likelihood_and_answers(model, _settings(lengths=[2048], likelihood_tokens=600, tasks=[]))
+    _check_likelihood_and_answers(model, _settings(max_new_tokens=600, tasks=[]))  # no task decodes an answer

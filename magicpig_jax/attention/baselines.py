@@ -53,6 +53,7 @@ __all__ = [
     "budget_tokens",
     "topk_mask",
     "quest_mask",
+    "quest_rows_read",
     "quest_page_scores",
 ]
 
@@ -348,6 +349,26 @@ def quest_mask(
     keep_page = _rank_desc(scores) < pages[:, None, None, None]  # [B, Hkv, G, P]
     keep = jnp.repeat(keep_page, page_size, axis=-1, total_repeat_length=P * page_size)[..., :N]
     return keep & valid_mask(lengths, N).reshape(B, 1, 1, N)
+
+
+def quest_rows_read(budget: Budget, lengths: Int[Array, " B"], page_size: int) -> Int[Array, " B"]:
+    """Keys a Quest query head attends in each row's range: the rows of its kept pages,
+    ``min(pages * page_size, lengths[b])`` with ``pages = max(1, floor(t / page_size))``,
+    ``t = min(budget_tokens, lengths[b])``, or every page when ``t = lengths[b]`` (int32 ``[B]``).
+
+    A kept partial last page counts whole (it holds up to ``page_size - 1`` keys fewer), since which
+    pages a head keeps is not known here; the budget itself undercounts by up to a page (a budget of
+    4 keeps a whole page of 16).
+
+    Raises:
+      TypeError, ValueError: as :func:`budget_tokens`.
+
+    Source: Quest (arXiv 2406.10774), Section 3.2.
+    """
+    tokens = jnp.minimum(budget_tokens(budget, lengths), lengths)
+    all_pages = (lengths + page_size - 1) // page_size
+    pages = jnp.where(tokens >= lengths, all_pages, jnp.maximum(tokens // page_size, 1))
+    return jnp.minimum(pages * page_size, lengths).astype(jnp.int32)
 
 
 def quest_attention(

@@ -19,7 +19,8 @@ dense layer           K and V of every key: ``2 n Hkv D e``
 static set (sparse)   K and V of the static keys: ``2 s Hkv D e``
 MagicPIG, hybrid      K and V of each head's sampled rows ``2 D e sum_h c_h``; index: per query
                       head and table two uint16 bucket offsets and the bucket's uint16 ids,
-                      ``Hq L (4 + 2 m / 2^K)`` (buckets of the expected uniform size ``m/2^K``)
+                      ``Hq L (4 + 2 m / 2^K)`` (buckets of the expected uniform size ``m/2^K``),
+                      and the float32 SimHash hyperplanes that hash the query, ``4 D K L``
 TopK                  K of the whole middle range once per KV head ``m Hkv D e`` (every key is
                       scored), V of each head's kept rows ``D e sum_h c_h``
 Quest                 page bounds ``2 P Hkv D 4`` (float32 min and max, ``P = ceil(m / page)``),
@@ -29,6 +30,13 @@ oracle sampling       K of the middle range (the exact softmax) ``m Hkv D e``, V
 
 ``c_h`` comes from the run's measured ``sampled_fraction_per_layer`` (the mean over steps and
 heads of ``keys used / context``), so the byte count is an average over the run's steps.
+
+What the ``G`` query heads of a KV head share (the static keys, TopK's scored K, Quest's page
+bounds) is counted once per KV head: the ops read it per query head, back to back, so the
+siblings' reads hit the cache (``docs/host_op.md``); what each query head selects on its own
+(sampled or kept rows) is counted per query head. The model assumes the eval's decodes, which
+never append generated keys to an index (``magicpig-jax eval`` refuses longer ones): the tokens
+generated so far belong to the static tail.
 """
 
 from __future__ import annotations
@@ -85,8 +93,9 @@ def step_bytes(backend: str, *, num_layers: int, num_heads: int, num_kv_heads: i
       layer_kl: optional layer -> ``(K, L)``.
       page_size: Quest's page.
       unhashed_tail: keys after the middle range (default ``num_local``: the prompt's local window).
-      layer_windows: optional layer -> sliding window W: such a layer, always dense (decode_spec),
-        reads at most W keys.
+      layer_windows: optional layer -> sliding window W: a dense layer with one reads at most W keys
+        (a window that binds makes its layer dense in :func:`~magicpig_jax.generation.decode_spec`;
+        one that does not leaves it sparse, counted as the others).
 
     Returns:
       ``{"k", "v", "index", "pages", "total"}`` in bytes (floats).
@@ -107,7 +116,7 @@ def step_bytes(backend: str, *, num_layers: int, num_heads: int, num_kv_heads: i
     frac = {int(k): float(v) for k, v in fraction_per_layer.items()}
     windows = {int(k): int(v) for k, v in (layer_windows or {}).items()}
     for layer in range(num_layers):
-        if layer in dense or layer in windows:
+        if layer in dense:
             read = min(n, windows.get(layer, n))
             out["k"] += read * Hkv * D * e
             out["v"] += read * Hkv * D * e
@@ -121,7 +130,7 @@ def step_bytes(backend: str, *, num_layers: int, num_heads: int, num_kv_heads: i
                 raise ValueError(f"{backend}: K and L are needed for layer {layer}")
             out["k"] += used * D * e
             out["v"] += used * D * e
-            out["index"] += Hq * tables * (4 + 2 * m / 2**k_bits)
+            out["index"] += Hq * tables * (4 + 2 * m / 2**k_bits) + 4 * D * k_bits * tables
         elif backend == "topk":
             out["k"] += m * Hkv * D * e
             out["v"] += used * D * e

@@ -324,6 +324,16 @@ def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
         # the corpus must hold the longest sample (the same text the run builds; a short FILE fails here)
         make_likelihood_sample(document_encoder(model.tokenizer), max(settings.lengths), 0, seed=settings.seed,
                                haystack=settings.haystack, forced=forced)
+    # Longer decodes append generated keys to the host indices (every 2 x GENERATION_BUFFER tokens): the byte
+    # count (eval.cost), which holds the generated tokens in the static tail, does not model that.
+    from magicpig_jax.attention.config import GENERATION_BUFFER
+
+    longest = 2 * GENERATION_BUFFER - 1
+    for name, n in (("--likelihood-tokens", forced if n_lik > 0 else 0),
+                    ("--max-new-tokens", settings.max_new_tokens if settings.tasks else 0)):
+        if n > longest:
+            raise ValueError(f"{name} ({n}) must be at most {longest}: a longer decode appends generated keys to the "
+                             "index, which the bytes-per-step count does not model")
     if sparse and settings.tasks and "A" in settings.setups and settings.max_new_tokens == 1:
         raise ValueError("--max-new-tokens 1 with setup A: the answer's only token comes from the dense prefill, so "
                          "every sparse method would answer as dense; use >= 2 or --setups B")

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from magicpig_jax.attention import budget_tokens
+from magicpig_jax.attention.baselines import quest_rows_read
 from magicpig_jax.models.backends.pure import build_range as _build_range
 from magicpig_jax.models.backends.spec import (
     Backend,
@@ -195,7 +196,7 @@ def _attend_quest_host(spec, q, k, v, state, lengths, key):
                                 end=jnp.where(short, lengths, state.end))
     out, lse = host_quest_attention(q, k, v, state, spec.budget, context=lengths, softcap=spec.logit_softcap)
     n = state.end - state.start
-    used = jnp.minimum(budget_tokens(spec.budget, n), n)  # as the pure-JAX entry counts it
+    used = quest_rows_read(spec.budget, n, spec.page_size)  # as the pure-JAX entry counts it
     used = jnp.broadcast_to(used[:, None], q.shape[:2]).astype(jnp.int32)
     return out, lse, used
 

@@ -17,6 +17,7 @@ from magicpig_jax.attention import (
     static_attention,
     topk_attention,
 )
+from magicpig_jax.attention.baselines import quest_rows_read
 from magicpig_jax.attention.hybrid import HybridConfig, hybrid_attention
 from magicpig_jax.models.backends.spec import Backend, DecodeSpec, MiddleRange, layer_projections
 
@@ -54,7 +55,7 @@ def _attend_range(method: str, spec, q, k, v, state: MiddleRange, lengths, key):
         used = jnp.minimum(budget_tokens(spec.budget, mid_len), mid_len)
     elif method == "quest":
         out, lse = quest_attention(q, mk, mv, spec.page_size, spec.budget, mid_len, softcap=cap)
-        used = jnp.minimum(budget_tokens(spec.budget, mid_len), mid_len)
+        used = quest_rows_read(spec.budget, mid_len, spec.page_size)
     else:
         out, lse, used = oracle_sampling_attention(key, q, mk, mv, spec.budget, mid_len, softcap=cap)
     B, Hq = q.shape[:2]
