@@ -204,7 +204,7 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
     switch = model.config.longrope_switch
     if switch is not None and any(int(n) <= switch < len(p) for n, p in zip(prefix_lengths, prompts, strict=True)):
         full = prefill(model, prompts, max_new_tokens, cache_dtype=cache_dtype)
-        extra = max(len(p) - int(n) for n, p in zip(prefix_lengths, prompts, strict=True)) + max_new_tokens
+        extra = max(len(p) - int(n) for n, p in zip(prefix_lengths, prompts, strict=True)) + int(max_new_tokens)
         part = prefill(model, [list(p[:int(n)]) for n, p in zip(prefix_lengths, prompts, strict=True)], extra,
                        cache_dtype=cache_dtype)
         return full, part

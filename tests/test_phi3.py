@@ -280,6 +280,11 @@ def test_longrope_prefix_states_and_bad_values(tmp_path):
     assert float(np.abs(np.asarray(full.last_logits[0]) - ref["logits"][-1]).max()) <= TOLERANCE
     assert float(np.abs(np.asarray(part.last_logits[0]) - ref["short_logits"][-1]).max()) <= TOLERANCE
     assert part.cache.capacity >= 36 + 4 and list(part.prompt_lengths) == [12]
+    # a NumPy-integer max_new_tokens sizes the prefix's cache as the int does (np.uint8(250) wrapped)
+    for n in (np.uint8(250), np.int32(2**31 - 1)):
+        got = prefill_with_prefixes(model, [ids[:20]], [10], n)
+        want = prefill_with_prefixes(model, [ids[:20]], [10], int(n))
+        assert [s.cache.capacity for s in got] == [s.cache.capacity for s in want]
     path = write_gguf(folder, tmp_path / "lr.gguf", spm_vocab=_spm_vocab(),
                       metadata={"phi3.rope.scaling.attn_factor": None})
     assert rope_attention_factor(load_model(path).config) == 1.0

@@ -82,8 +82,9 @@ def paragraph_hashes(source: str) -> list[str]:
 
 # Runs of this many words are compared, whatever the line breaks: calibrate records the text's
 # consecutive, non-overlapping runs of SHINGLE_WORDS, and eval hashes every run of the haystack (one
-# per start word). A text is refused when SHARED_RUNS consecutive runs of it are all in the haystack:
-# a passage of SHARED_RUNS * SHINGLE_WORDS words (a haystack passage, reflowed or not). Shorter shared
+# per start word). A text is refused when SHARED_RUNS consecutive runs of it are all in the haystack,
+# which any shared passage of (SHARED_RUNS + 1) * SHINGLE_WORDS - 1 = 203 words or more holds, wherever it
+# starts (one of 192 words, if it starts on the text's grid of runs), reflowed or not. Shorter shared
 # stretches are boilerplate that related texts have in common: the bundled LGPL-2.1 (the default
 # calibration text) shares runs of up to 6 with the GPL and other licenses of licenses-heldout.
 SHINGLE_WORDS = 12
@@ -166,8 +167,9 @@ def other_model_note(path: str | Path, model_source) -> str | None:
 
 def check_config_for_eval(path: str | Path, model, settings) -> None:
     """Refuse a calibrated file that does not fit an evaluation: other static set, other layer count,
-    or a calibration text that shares a paragraph, or a passage of :data:`SHARED_RUNS` ×
-    :data:`SHINGLE_WORDS` words, with the evaluation haystack; note on stderr a file calibrated on
+    or a calibration text that shares a paragraph, or :data:`SHARED_RUNS` consecutive runs of
+    :data:`SHINGLE_WORDS` words (any shared passage of 203 words or more holds them), with the
+    evaluation haystack; note on stderr a file calibrated on
     another model of the same sizes (:func:`other_model_note`).
 
     The overlap is checked against the file's ``calibration.paragraph_sha1`` and

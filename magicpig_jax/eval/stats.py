@@ -29,6 +29,7 @@ defined for n >= 1.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -195,21 +196,21 @@ def t_quantile(p: float, df: float) -> float:
 
     lo, hi = 0.0, 1.0
     while below(hi):
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e308:
+        if hi == sys.float_info.max:  # the quantile is beyond the float range
             return sign * math.inf
+        lo, hi = hi, min(2.0 * hi, sys.float_info.max)
     while lo == 0.0 and not below(0.5 * hi) and hi > 1e-300:
         hi *= 0.5
     lo = 0.5 * hi if lo == 0.0 else lo
     for _ in range(200):
-        mid = 0.5 * (lo + hi)
+        mid = lo + 0.5 * (hi - lo)  # (lo + hi) overflows near the largest float
         if below(mid):
             lo = mid
         else:
             hi = mid
         if hi - lo <= 1e-15 * hi:
             break
-    return sign * 0.5 * (lo + hi)
+    return sign * (lo + 0.5 * (hi - lo))
 
 
 def _clean(xs: Sequence[float | None]) -> np.ndarray:

@@ -94,8 +94,10 @@ def leftover_partials(out: str | Path) -> list[Path]:
     name = re.compile(rf"\.{re.escape(out.name)}\.[a-z0-9_]{{8}}\.partial")
     found = []
     for folder in (out.parent, out) if out.is_dir() else (out.parent,):
-        if folder.is_dir():
+        try:
             found += [p for p in folder.iterdir() if name.fullmatch(p.name) and p.is_dir()]
+        except OSError:  # absent, or not listable: nothing to name there (as the glob it replaced found)
+            pass
     return sorted(found)
 
 
