@@ -292,13 +292,19 @@ print(json.dumps({"mesh_compiles": mesh_compiles, "split_error": split_error,
 """
 
 
-def test_full_model_decode_sharded_over_8_devices_equals_one_device():
-    env = dict(os.environ, XLA_FLAGS=with_test_flag("--xla_force_host_platform_device_count=8"), JAX_PLATFORMS="cpu")
+def _run_on_devices(script: str, devices: int) -> dict:
+    """``script``'s last line of JSON, run in a process with ``devices`` virtual CPU devices."""
+    env = dict(os.environ, XLA_FLAGS=with_test_flag(f"--xla_force_host_platform_device_count={devices}"),
+               JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _DECODE_CHECK], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=root)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=root)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_full_model_decode_sharded_over_8_devices_equals_one_device():
+    r = _run_on_devices(_DECODE_CHECK, 8)
     assert r["same_tokens"]
     assert r["max_dlogit"] < 1e-4
     assert r["frac1"] == r["frac8"] and 0 < r["frac1"] < 1
@@ -400,13 +406,7 @@ def test_a_sharded_decode_step_gathers_no_cache_and_compiles_once_on_any_mesh_sh
     """The per-row cache write all-gathered every layer's K and V over the batch axis in each step
     (each device held the whole batch's cache as a temporary), and a mesh with an axis of size 1
     compiled the step twice (its outputs' specs dropped that axis, its first inputs kept it)."""
-    env = dict(os.environ, XLA_FLAGS=with_test_flag("--xla_force_host_platform_device_count=4"), JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _MESH_SHAPES_CHECK], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    for mesh, r in res.items():
+    for mesh, r in _run_on_devices(_MESH_SHAPES_CHECK, 4).items():
         assert r["same"] and r["compiles"] == [1] and r["programs"] >= 1 and r["gathers"] == 0, (mesh, r)
 
 
