@@ -106,7 +106,10 @@ def check_not_consumed(state) -> None:
 
     Raises:
       ValueError: ``state.cache`` is ``None`` (an earlier decode ran with ``consume_prefill=True``).
+      TypeError: ``state`` is not a prefill state.
     """
+    if not all(hasattr(state, a) for a in ("cache", "prompt_lengths", "last_logits")):
+        raise TypeError(f"state must be a PrefillState (magicpig_jax.generation.prefill), got {type(state).__name__}")
     if state.cache is None:
         raise ValueError("this PrefillState's cache was consumed by an earlier decode (consume_prefill=True): "
                          "prefill again, or decode with consume_prefill=False while the state is still needed")
@@ -136,9 +139,13 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         ``state`` whose cache an earlier decode consumed, ``consume_prefill`` with a state that
         shares its cache (:func:`~magicpig_jax.generation.prefill_with_prefixes`), or rows / KV
         heads that the spec's mesh does not divide.
-      TypeError: a forced token id that is not an integer.
+      TypeError: a forced token id that is not an integer, a ``state`` that is not a prefill state,
+        or a ``progress`` that is not callable.
     """
     hooks = hooks or DecodeHooks()
+    check_not_consumed(state)
+    if progress is not None and not callable(progress):  # it failed after the first step
+        raise TypeError(f"progress must be callable (progress(n) after each step) or None, got {progress!r}")
     B = len(state.prompt_lengths)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -213,8 +213,8 @@ def canonical_placement(mesh: Mesh, tree):
 
 def _sizes(mesh: Mesh) -> tuple[int, int]:
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != (BATCH, KV_HEADS):
-        names = getattr(mesh, "axis_names", None)
-        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('batch', 'kv_heads'), got {names!r}")
+        what = f"axes {tuple(mesh.axis_names)!r}" if isinstance(mesh, Mesh) else repr(mesh)
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('batch', 'kv_heads'), got {what}")
     return mesh.shape[BATCH], mesh.shape[KV_HEADS]
 
 

@@ -196,6 +196,10 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
     Raises:
       TypeError, ValueError: as :func:`prefill`; ValueError: a prefix length outside ``[1, len(prompt)]``.
     """
+    check_prompt_lists(prompts)
+    if not isinstance(prefix_lengths, Sequence | np.ndarray) or not all(
+            isinstance(n, int | np.integer) and not isinstance(n, bool | np.bool_) for n in prefix_lengths):
+        raise TypeError(f"prefix_lengths must be a list of ints, one per prompt, got {prefix_lengths!r}")
     if len(prefix_lengths) != len(prompts):
         raise ValueError(f"prefix_lengths has {len(prefix_lengths)} entries for {len(prompts)} prompts")
     for b, (n, p) in enumerate(zip(prefix_lengths, prompts, strict=True)):
@@ -230,16 +234,19 @@ def prefill(model: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens
         up, unless ``allow_beyond_context``: decoding stops there anyway.
       allow_beyond_context: permit positions past the model's trained context
         (timing experiments only).
-      cache_dtype: dtype of the KV cache.
+      cache_dtype: dtype of the KV cache: float32 or bfloat16 (what the decoders read).
 
     Returns:
-      a :class:`PrefillState`.
+      a :class:`PrefillState`. Its ``last_logits`` are NaN or ±inf where a weight, activation or
+      cache value is not finite: not checked here, the decode loop raises ``FloatingPointError``
+      on them before choosing a token.
 
     Raises:
       ValueError: an empty prompt, a token id outside ``[0, vocab_size)``, a prompt longer
         than the model's context (``max_position_embeddings``) unless ``allow_beyond_context``,
-        or ``max_new_tokens < 0``.
-      TypeError: token ids that are not integers, a ``max_new_tokens`` that is not an int.
+        ``max_new_tokens < 0``, or a ``cache_dtype`` other than float32 and bfloat16.
+      TypeError: ``prompts`` not a list of token-id sequences, token ids that are not integers,
+        a ``max_new_tokens`` that is not an int.
     """
     return _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, None)[0]
 
@@ -263,9 +270,41 @@ def _check_max_new_tokens(max_new_tokens) -> None:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
+def check_prompt_lists(prompts) -> None:
+    """Refuse ``prompts`` that are not a list (or tuple) of token-id sequences (a flat list of ids,
+    a 2-D array) with a TypeError naming it (``len()`` of an int, or an array's truth value, failed).
+
+    Raises:
+      TypeError: as described.
+    """
+    if not isinstance(prompts, list | tuple) or not all(
+            isinstance(p, list | tuple | np.ndarray) and np.ndim(p) == 1 for p in prompts):
+        raise TypeError("prompts must be a list of token-id lists (one per row), got "
+                        f"{type(prompts).__name__}" + (" of ints" if isinstance(prompts, list | tuple) and prompts
+                                                       and isinstance(prompts[0], int | np.integer) else ""))
+
+
+def check_cache_dtype(cache_dtype) -> jnp.dtype:
+    """The KV cache dtype as a ``jnp.dtype``: float32 or bfloat16, the dtypes the decoders read
+    (an integer cache stored the K and V rounded, and gave wrong logits without a word).
+
+    Raises:
+      ValueError: any other dtype, or a name that is not one (naming ``cache_dtype``).
+    """
+    try:
+        dtype = jnp.dtype(cache_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"cache_dtype must be float32 or bfloat16, got {cache_dtype!r}")
+    return dtype
+
+
 def _prefill(model, prompts, max_new_tokens, allow_beyond_context, cache_dtype, also_at):
     """:func:`prefill`; with ``also_at`` (a length per row) also the hidden states after those
     lengths (float32 ``[B, H]``), else None."""
+    check_prompt_lists(prompts)
+    cache_dtype = check_cache_dtype(cache_dtype)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     for b, prompt in enumerate(prompts):
@@ -579,8 +618,12 @@ def forward_logits(model: LoadedModel, ids: Sequence[int]) -> np.ndarray:
 
     Raises:
       ValueError: empty ``ids``, longer than the model's context, or an id outside
-        ``[0, vocab_size)``; TypeError: ids that are not integers.
+        ``[0, vocab_size)``; TypeError: ``ids`` not a flat sequence of integers.
+      FloatingPointError: logits that are NaN or ±inf (a weight or activation is not finite),
+        naming the first such position.
     """
+    if np.ndim(ids) != 1:
+        raise TypeError(f"ids must be a flat sequence of token ids, got an array of {np.ndim(ids)} dimensions")
     state_ids = [list(ids)]
     if not state_ids[0]:
         raise ValueError("ids must be non-empty")
@@ -598,4 +641,9 @@ def forward_logits(model: LoadedModel, ids: Sequence[int]) -> np.ndarray:
         hidden, cache = prefill_chunk(graphdef, params, cache, jnp.asarray(padded[:, s:s + CHUNK]),
                                       jnp.int32(s), jnp.asarray([T], jnp.int32))
         out.append(np.asarray(hidden_to_logits(graphdef, params, hidden))[0])
-    return np.concatenate(out)[:T]
+    logits = np.concatenate(out)[:T]
+    bad = np.nonzero(~np.isfinite(logits).all(axis=-1))[0]
+    if bad.size:
+        raise FloatingPointError(f"the logits at position {int(bad[0])} (of {T}) contain NaN or ±inf: a weight or "
+                                 "activation is not finite")
+    return logits

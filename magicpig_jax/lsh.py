@@ -116,7 +116,7 @@ def simhash_codes(
       uint32 ``[..., L]``.
 
     Raises:
-      ValueError: if ``projections`` is not ``[D, K*L]`` with D = ``x.shape[-1]``.
+      ValueError: if ``projections`` is not ``[D, K*L]`` with D = ``x.shape[-1]``, or D = 0.
       TypeError: ``x`` is not a float array of at least one dimension, or ``projections`` is not a
         float array (integer hyperplanes are not SimHash's Gaussian ones, so the sampling
         probabilities would not hold); either is not an array.
@@ -130,6 +130,8 @@ def simhash_codes(
     if x.ndim < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be a float array [..., D] (vectors to hash), got {x.dtype} of shape "
                         f"{tuple(x.shape)}")
+    if x.shape[-1] == 0:
+        raise ValueError("x must have D >= 1 (a vector of no coordinates has no direction to hash)")
     if not jnp.issubdtype(projections.dtype, jnp.floating):
         raise TypeError(f"projections must be a float array (Gaussian SimHash hyperplanes), got {projections.dtype}")
     if projections.ndim != 2 or projections.shape != (x.shape[-1], K * L):
@@ -204,13 +206,14 @@ def collision_probability(q: Float[Array, "... D"], k: Float[Array, "... D"]) ->
       float32 ``[...]`` in ``[0, 1]``; NaN only where an input entry is not finite.
 
     Raises:
-      ValueError: ``q`` and ``k`` have different last dimensions D, or do not broadcast.
+      ValueError: ``q`` and ``k`` have different last dimensions D, D = 0, or do not broadcast.
 
     Source: arXiv 2410.16179, Section 4.2 (Goemans-Williamson / Charikar).
     """
     q, k = jnp.asarray(q), jnp.asarray(k)
-    if q.ndim == 0 or k.ndim == 0 or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must be [..., D] with the same D, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.ndim == 0 or k.ndim == 0 or q.shape[-1] != k.shape[-1] or q.shape[-1] == 0:
+        raise ValueError(f"q and k must be [..., D] with the same D >= 1, got shapes {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
     try:
         jnp.broadcast_shapes(q.shape, k.shape)
     except ValueError:

@@ -248,3 +248,80 @@ def test_tables_for_fraction_never_returns_more_than_max_l():
         with pytest.raises(ValueError, match=f"is not reached with K=3 and L <= {max_L}"):
             cost_model.tables_for_fraction(cos, 3, target, max_L=max_L)
     assert cost_model.tables_for_fraction(cos, 3, target, max_L=4) == 4
+
+
+def test_prefill_and_forward_refuse_what_they_would_read_wrongly():
+    """From a Raises audit: an int32 cache_dtype stored K and V rounded (logits off by 1.75, no error),
+    float16 failed only in decode, 'bf16' raised NumPy's error; a 2-D array or a flat list of ids
+    raised len()/truth-value errors; a float prefix length was cut; forward_logits returned NaN logits
+    of a broken model without a word (decode raises FloatingPointError)."""
+    from magicpig_jax.generation import prefill_with_prefixes
+
+    model = tiny_model(0)
+    for dtype in (jnp.int32, jnp.float16, "bf16", np.uint8):
+        with pytest.raises(ValueError, match="cache_dtype must be float32 or bfloat16"):
+            prefill(model, [[1, 2, 3]], 4, cache_dtype=dtype)
+    assert prefill(model, [[1, 2, 3]], 4, cache_dtype="bfloat16").cache.k[0].dtype == jnp.bfloat16
+    for prompts in (np.array([[1, 2, 3]]), [1, 2, 3], "abc"):
+        with pytest.raises(TypeError, match="prompts must be a list of token-id lists"):
+            prefill(model, prompts, 4)
+    np.testing.assert_array_equal(np.asarray(prefill(model, [np.array([1, 2, 3])], 4).last_logits),
+                                  np.asarray(prefill(model, [[1, 2, 3]], 4).last_logits))
+    for lengths in ([1.7], None, ["x"], [True]):
+        with pytest.raises(TypeError, match="prefix_lengths must be a list of ints"):
+            prefill_with_prefixes(model, [[1, 2, 3]], lengths, 4)
+    with pytest.raises(TypeError, match="ids must be a flat sequence"):
+        forward_logits(model, [[1, 2]])
+    broken = tiny_model(0)
+    w = broken.module.layers[1].self_attn.q_proj.kernel
+    w[...] = w[...].at[0, 0].set(jnp.nan)
+    with pytest.raises(FloatingPointError, match=r"the logits at position 0 \(of 3\) contain NaN"):
+        forward_logits(broken, [1, 2, 3])
+
+
+def test_decode_names_a_state_progress_or_mesh_of_the_wrong_kind():
+    from magicpig_jax.io.loader import load_model
+
+    model = tiny_model(0)
+    state = prefill(model, [[1, 2, 3]], 4)
+    with pytest.raises(TypeError, match="state must be a PrefillState"):
+        decode(model, None, attention="dense", max_new_tokens=2)
+    with pytest.raises(TypeError, match="progress must be callable"):
+        decode(model, state, attention="dense", max_new_tokens=2, progress="x")
+    with pytest.raises(ValueError, match=r"mesh must be a jax.sharding.Mesh with axes \('batch', 'kv_heads'\), "
+                                         "got 'x'"):
+        decode(model, state, attention="dense", max_new_tokens=2, mesh="x")
+    with pytest.raises(TypeError, match="path must be a str or os.PathLike"):
+        load_model(123)
+
+
+def test_simhash_refuses_vectors_of_no_coordinates_and_hyperplanes_that_are_not_arrays():
+    """D = 0 raised JAX's 'zero-size array to reduction operation' or a ZeroDivisionError; a list of
+    hyperplanes an AttributeError."""
+    from magicpig_jax.host import host_simhash_codes
+
+    x, proj = jnp.zeros((2, 3, 0)), jnp.zeros((0, 8))
+    with pytest.raises(ValueError, match="D >= 1"):
+        lsh.simhash_codes(x, proj, 4, 2)
+    with pytest.raises(ValueError, match="D >= 1"):
+        lsh.collision_probability(x, x)
+    with pytest.raises(ValueError, match="D >= 1"):
+        host_simhash_codes(x, proj, 4, 2)
+    with pytest.raises(TypeError, match="projections and center must be arrays"):
+        host_simhash_codes(jnp.ones((2, 4)), np.ones((4, 8)).tolist(), 4, 2)
+
+
+def test_convert_refuses_an_occupied_out_before_reading_the_source(tmp_path, monkeypatch):
+    """It read and hashed the whole source (4.4 s for the embedded model; minutes for a large one)
+    before the FileExistsError."""
+    from magicpig_jax.io import loader
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "file").write_text("x")
+
+    def no_read(path):
+        raise AssertionError("the source was read")
+
+    monkeypatch.setattr(loader, "_read_source", no_read)
+    with pytest.raises(FileExistsError, match="is not an empty directory"):
+        loader.convert_model("embedded", tmp_path / "out")

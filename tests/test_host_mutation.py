@@ -877,8 +877,15 @@ def test_quest_build_pages_against_float64_bounds_and_messages():
     np.testing.assert_array_equal(np.asarray(pages.start), [4, 37])
     np.testing.assert_array_equal(np.asarray(pages.end), [4, 37])
     assert np.isposinf(np.asarray(pages.kmin)).all() and np.isneginf(np.asarray(pages.kmax)).all()
-    pages = quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 5, capacity=1)
-    assert pages.kmin.shape == (2, 3, 1, 5)
+    # a capacity below a row's range dropped the pages past it (their keys had no bound)
+    with pytest.raises(ValueError, match=_exact("capacity (1) must hold every row's range [start, end); the longest "
+                                                "has 34 keys")):
+        quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 5, capacity=1)
+    assert quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 5, capacity=34).kmin.shape == (
+        2, 3, 7, 5)
+    for bad in (2.7, True, "34"):
+        with pytest.raises(TypeError, match="capacity must be an int"):
+            quest_build_pages(jnp.asarray(k), jnp.asarray(start), jnp.asarray(end), 5, capacity=bad)
     with jax.enable_x64(True):  # float64 keys and int64 bounds: float32 bounds, int32 range
         pages = quest_build_pages(jnp.asarray(k, jnp.float64), jnp.asarray(start, jnp.int64),
                                   jnp.asarray(end, jnp.int64), 5)

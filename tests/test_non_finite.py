@@ -195,9 +195,14 @@ def test_merge_never_reads_the_out_of_an_empty_part():
         out, lse = merge_attention(*args)
         np.testing.assert_array_equal(np.asarray(out), 2.0)
         np.testing.assert_array_equal(np.asarray(lse), [0.5, 1.0])
-    out, lse = merge_attention(bad, jnp.array([-jnp.inf] * 2), bad, jnp.array([-jnp.inf] * 2))
+    # two parts at -inf: empty (out 0) stays empty; out NaN is keys whose logits are all -inf (as the
+    # attention functions return them), 0/0 over the union too
+    zero, minus_inf = jnp.zeros((2, 3)), jnp.array([-jnp.inf] * 2)
+    out, lse = merge_attention(zero, minus_inf, zero, minus_inf)
     np.testing.assert_array_equal(np.asarray(out), 0.0)
     assert (np.asarray(lse) == -np.inf).all()
+    out, lse = merge_attention(bad, minus_inf, zero, minus_inf)
+    assert np.isnan(np.asarray(out)).all() and (np.asarray(lse) == -np.inf).all()
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

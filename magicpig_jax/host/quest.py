@@ -95,7 +95,9 @@ def quest_build_pages(k: Float[Array, "B Hkv N D"], start: Int[Array, " B"], end
       k: float ``[B, Hkv, N, D]``.
       start, end: int ``[B]`` (clipped to ``[0, N]``, ``end >= start``).
       page_size: static ``int >= 1``.
-      capacity: static; the positions the range may grow to (default N): ``P = ceil(capacity / page_size)``.
+      capacity: static int; the positions the range may grow to (default N):
+        ``P = ceil(capacity / page_size)``, pages counted from ``start``; at least every row's
+        ``end - start`` (checked where those are concrete).
 
     Returns:
       a :class:`QuestPages`.
@@ -106,14 +108,25 @@ def quest_build_pages(k: Float[Array, "B Hkv N D"], start: Int[Array, " B"], end
     Source: Tang et al., ICML 2024 (arXiv 2406.10774), Section 3.2 (each page's elementwise key min/max).
     """
     check_page_size(page_size)
+    if not hasattr(k, "ndim"):
+        raise TypeError(f"k must be an array [B, Hkv, N, D], got {type(k).__name__}")
     if k.ndim != 4:
         raise ValueError(f"k must be [B, Hkv, N, D], got shape {tuple(k.shape)}")
     B, _, N, _ = k.shape
-    capacity = N if capacity is None else int(capacity)
+    if capacity is None:
+        capacity = N
+    if isinstance(capacity, bool | np.bool_) or not isinstance(capacity, int | np.integer):
+        raise TypeError(f"capacity must be an int, got {capacity!r}")
+    capacity = int(capacity)
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     start = check_lengths(start, B, N, "start")
     end = jnp.maximum(check_lengths(end, B, N, "end"), start)
+    if not isinstance(end, jax.core.Tracer) and not isinstance(start, jax.core.Tracer) and B:
+        longest = int(jnp.max(end - start))
+        if capacity < longest:  # the pages past capacity were dropped: their keys had no bound
+            raise ValueError(f"capacity ({capacity}) must hold every row's range [start, end); the longest has "
+                             f"{longest} keys")
     P = -(-capacity // page_size)
     kmin, kmax = _bounds_of(k, start, end, page_size, P)
     return QuestPages(kmin=kmin, kmax=kmax, start=start, end=end, page_size=page_size)

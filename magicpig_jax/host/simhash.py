@@ -64,8 +64,11 @@ def host_simhash_codes(
     lsh.validate_k_l(K, L)
     code = impl_code(impl)
     max_threads = check_int("max_threads", max_threads, 0, 4096)
-    if getattr(x, "ndim", 0) < 1:
-        raise ValueError(f"x must be [..., D], got shape {tuple(getattr(x, 'shape', ()))}")
+    if getattr(x, "ndim", 0) < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must be [..., D] with D >= 1, got shape {tuple(getattr(x, 'shape', ()))}")
+    if not hasattr(projections, "shape") or (center is not None and not hasattr(center, "shape")):
+        raise TypeError("projections and center must be arrays (jax or NumPy), got "
+                        f"{type(projections).__name__} and {type(center).__name__}")
     D = x.shape[-1]
     if projections.ndim != 2 or projections.shape != (D, K * L):
         raise ValueError(

@@ -27,8 +27,8 @@ import numpy as np
 from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig
 
-__all__ = ["save_checkpoint", "leftover_partials", "read_checkpoint", "is_checkpoint", "checkpoint_files",
-           "recorded_source", "MARKER"]
+__all__ = ["save_checkpoint", "check_out_free", "leftover_partials", "read_checkpoint", "is_checkpoint",
+           "checkpoint_files", "recorded_source", "MARKER"]
 
 MARKER = "magicpig_model.json"
 # 1: also a float32 copy of the Q4_1/Q8_0 matrices; 2: the config without ``sliding_layers``
@@ -101,6 +101,25 @@ def leftover_partials(out: str | Path) -> list[Path]:
     return sorted(found)
 
 
+def check_out_free(out: str | Path) -> Path:
+    """``out`` as an absolute path, if a checkpoint can be written there (it does not exist, or is an
+    empty directory); :func:`save_checkpoint` checks it, and a caller checks it first to refuse
+    before the heavy work of reading a source.
+
+    Raises:
+      FileExistsError: ``out`` already holds a checkpoint, or is not an empty directory (naming a
+        leftover of an interrupted conversion inside it).
+    """
+    out = Path(out).absolute()
+    if is_checkpoint(out):
+        raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        left = [p.name for p in leftover_partials(out) if p.parent == out]
+        hint = f" (it holds {left[0]}, from an interrupted conversion: remove it)" if left else ""
+        raise FileExistsError(f"{out} exists and is not an empty directory{hint}; choose another OUT")
+    return out
+
+
 def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.ndarray], tokenizer,
                     freq_factors: np.ndarray | None = None, verify=None, source_sha1: str | None = None) -> Path:
     """Write a converted model to the directory ``out`` (created; must not already hold a checkpoint).
@@ -129,13 +148,7 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
 
     if source_sha1 is not None and not isinstance(source_sha1, str):
         raise TypeError(f"source_sha1 must be a str (io.digest.weights_identity) or None, got {source_sha1!r}")
-    out = Path(out).absolute()
-    if is_checkpoint(out):
-        raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        left = [p.name for p in leftover_partials(out) if p.parent == out]
-        hint = f" (it holds {left[0]}, from an interrupted conversion: remove it)" if left else ""
-        raise FileExistsError(f"{out} exists and is not an empty directory{hint}; choose another OUT")
+    out = check_out_free(out)
     # Written into a directory of this run's own (another run's, or a user's file, is never touched)
     # and moved when complete, so that an interrupted conversion leaves nothing that looks like a
     # checkpoint at ``out``. An existing empty ``out`` (a mount point, or in a read-only parent)

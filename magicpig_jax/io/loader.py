@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -50,6 +51,8 @@ def _source(path) -> Path:
     its argument); an empty path is refused (``Path("")`` would be the working directory)."""
     if path is None or (isinstance(path, str) and path == "embedded"):
         return embedded_model_path()
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike (or None: the embedded model), got {type(path).__name__}")
     if not str(path).strip():
         raise ValueError("--model is empty; give a model path, or leave it out for the embedded model")
     return Path(path)
@@ -255,6 +258,7 @@ def load_model(path: str | Path | None = None, packed_weights: bool = True) -> L
     Raises:
       FileNotFoundError: the path (or the embedded package) is missing; the
         message says how to install the embedded model.
+      TypeError: ``path`` is neither a str, an ``os.PathLike`` nor None.
       ValueError: unsupported architecture or malformed file; the subclasses name what:
         :class:`~magicpig_jax.models.limits.UnsupportedConfigError` (a field, tensor or type we
         do not implement), :class:`~magicpig_jax.io.gguf_model.GGUFMetadataError` (a missing or
@@ -368,9 +372,10 @@ def convert_model(path: str | Path | None, out: str | Path) -> Path:
     Raises:
       FileNotFoundError, ValueError: as :func:`load_model`; FileExistsError if ``out`` holds a checkpoint.
     """
-    from magicpig_jax.io.checkpoint import recorded_source, save_checkpoint
+    from magicpig_jax.io.checkpoint import check_out_free, recorded_source, save_checkpoint
     from magicpig_jax.io.digest import weights_identity
 
+    check_out_free(out)  # before reading the source (minutes for a large model)
     src, (config, weights, tokenizer, freq_factors) = _read_source(path)
     source = "the embedded model" if path in (None, "embedded") else str(path)
     # the original model's identity, through a checkpoint converted again
