@@ -27,6 +27,7 @@ __all__ = [
     "sampling_probability",
     "log_sampling_probability",
     "validate_k_l",
+    "check_prng_key",
 ]
 
 MAX_K = 32
@@ -67,6 +68,23 @@ def validate_k_l(K: int, L: int) -> None:
         raise ValueError(f"L must be <= {MAX_L} (tables of codes and [D, K*L] hyperplanes), got L={L}")
 
 
+def check_prng_key(name: str, key) -> None:
+    """Refuse a ``key`` that is not one ``jax.random`` key: a typed key of shape ``()``, or a raw
+    ``uint32[2]`` (JAX's own errors, such as 'invalid PRNG key data', name no argument).
+
+    Raises:
+      TypeError: as described, naming ``name``.
+    """
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+        return
+    if dtype == jnp.uint32 and shape == (2,):
+        return
+    raise TypeError(f"{name} must be one jax.random key (jax.random.key(seed), or a raw uint32[2] "
+                    f"jax.random.PRNGKey(seed)), got {type(key).__name__}"
+                    + (f" of dtype {dtype} and shape {tuple(shape)}" if shape is not None else ""))
+
+
 def simhash_projections(key: jax.Array, head_dim: int, K: int, L: int) -> Float[Array, "D KL"]:
     """Draw the Gaussian hyperplanes of K-bit SimHash in L tables.
 
@@ -81,11 +99,13 @@ def simhash_projections(key: jax.Array, head_dim: int, K: int, L: int) -> Float[
       bit ``j`` of table ``l`` is column ``l*K + j``.
 
     Raises:
-      ValueError / TypeError: for an invalid ``head_dim``, ``K`` or ``L``.
+      ValueError / TypeError: for an invalid ``head_dim``, ``K`` or ``L``; TypeError: ``key`` is not
+        one ``jax.random`` key.
 
     Source: arXiv 2410.16179, Section 4.2 (SimHash, Charikar 2002).
     """
     validate_k_l(K, L)
+    check_prng_key("key", key)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     return jax.random.normal(key, (head_dim, K * L), dtype=jnp.float32)

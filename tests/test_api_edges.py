@@ -325,3 +325,20 @@ def test_convert_refuses_an_occupied_out_before_reading_the_source(tmp_path, mon
     monkeypatch.setattr(loader, "_read_source", no_read)
     with pytest.raises(FileExistsError, match="is not an empty directory"):
         loader.convert_model("embedded", tmp_path / "out")
+
+
+def test_a_key_that_is_not_one_prng_key_is_named():
+    """rng=0, None, a float array or a batch of keys raised JAX's errors naming no argument, after the
+    oracle's softmax had run."""
+    from magicpig_jax.attention import oracle_sampling_attention
+    from tests._messages import without_jaxtyping
+
+    q, k = jnp.ones((1, 2, 4)), jnp.ones((1, 1, 8, 4))
+    for bad in (0, None, jnp.ones(2), jax.random.split(jax.random.key(0), 3), jnp.zeros(3, jnp.uint32)):
+        with without_jaxtyping(), pytest.raises(TypeError, match="rng must be one jax.random key"):
+            oracle_sampling_attention(bad, q, k, k, 4)
+        with without_jaxtyping(), pytest.raises(TypeError, match="key must be one jax.random key"):
+            lsh.simhash_projections(bad, 4, 2, 2)
+    for good in (jax.random.key(0), jax.random.PRNGKey(0)):
+        assert oracle_sampling_attention(good, q, k, k, 4)[0].shape == (1, 2, 4)
+        assert lsh.simhash_projections(good, 4, 2, 2).shape == (4, 4)

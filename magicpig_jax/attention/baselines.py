@@ -44,6 +44,7 @@ from magicpig_jax.attention._common import (
     selected_weighted_sum,
     valid_mask,
 )
+from magicpig_jax.lsh import check_prng_key
 
 __all__ = [
     "topk_attention",
@@ -491,10 +492,12 @@ def oracle_sampling_attention(
 
     Raises:
       ValueError: mismatched shapes, Hq not a multiple of Hkv, a budget or softcap out of range.
-      TypeError: non-float q/k/v, non-integer lengths, or a budget of the wrong type.
+      TypeError: non-float q/k/v, non-integer lengths, a budget of the wrong type, or an ``rng``
+        that is not one ``jax.random`` key.
 
     Source: arXiv 2410.16179, Section 3.2, Definition 3.1, Theorems 3.2 and 3.3.
     """
+    check_prng_key("rng", rng)
     B, Hq, Hkv, N, D = check_qkv(q, k, v)
     check_budget(budget)
     softcap = check_softcap(softcap)
