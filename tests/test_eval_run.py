@@ -229,3 +229,4 @@ def test_decodes_long_enough_to_append_generated_keys_are_refused():
     with pytest.raises(ValueError, match=r"--likelihood-tokens \(600\) must be at most 511"):
         _check_likelihood_and_answers(model, _settings(lengths=[2048], likelihood_tokens=600, tasks=[]))
     _check_likelihood_and_answers(model, _settings(max_new_tokens=600, tasks=[]))  # no task decodes an answer
+    _check_likelihood_and_answers(model, _settings(max_new_tokens=None))  # each task's own answer length

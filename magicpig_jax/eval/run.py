@@ -329,8 +329,8 @@ def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
     from magicpig_jax.attention.config import GENERATION_BUFFER
 
     longest = 2 * GENERATION_BUFFER - 1
-    for name, n in (("--likelihood-tokens", forced if n_lik > 0 else 0),
-                    ("--max-new-tokens", settings.max_new_tokens if settings.tasks else 0)):
+    for name, n in (("--likelihood-tokens", forced if n_lik > 0 else 0),  # None: each task's own (short) answer
+                    ("--max-new-tokens", (settings.max_new_tokens or 0) if settings.tasks else 0)):
         if n > longest:
             raise ValueError(f"{name} ({n}) must be at most {longest}: a longer decode appends generated keys to the "
                              "index, which the bytes-per-step count does not model")
