@@ -284,3 +284,17 @@ def test_an_all_dense_file_keeps_its_static_set(tmp_path):
     with pytest.raises(ValueError, match=r"static gives num_sink, num_local, seed, layers_per_projection \(8, 32, 7, "
                                          r"2\), the sparse layers \(4, 64, 0, 1\)"):
         LayerConfigs(((0, MagicPIGConfig()), (1, "dense")), static=base)
+
+
+def test_layers_of_the_wrong_form_and_a_dense_uniform_config_are_named():
+    """None, a dict or triples raised unpacking errors; uniform('dense', n) blamed 'static'."""
+    from tests._messages import without_jaxtyping
+
+    c = MagicPIGConfig()
+    with without_jaxtyping():  # the suite's hook refuses these first; a user has none
+        for bad in (None, {0: c}, ((0, c, 1),), "dense"):
+            with pytest.raises(TypeError, match=r"layers must be a sequence of \(layer index, MagicPIGConfig or "
+                                                "'dense'\\)"):
+                LayerConfigs(bad)
+        with pytest.raises(TypeError, match="config must be a MagicPIGConfig"):
+            LayerConfigs.uniform("dense", 3)

@@ -87,8 +87,8 @@ class LayerConfigs:
         sparse layers'. Not compared or hashed (dense layers do not read it).
 
     Raises:
-      TypeError: an entry is neither a MagicPIGConfig nor ``"dense"``; a layer index that is
-        not an integer; ``info`` not string pairs.
+      TypeError: ``layers`` not a sequence of pairs; an entry is neither a MagicPIGConfig nor
+        ``"dense"``; a layer index that is not an integer; ``info`` not string pairs.
       ValueError: layers not exactly ``0 .. n-1``, no layer at all, sparse layers that
         disagree on ``num_sink``, ``num_local``, ``seed`` or ``layers_per_projection`` (with each
         other or with ``static``), or a ``model_shape`` with an unknown key, a size below 1, or
@@ -101,6 +101,10 @@ class LayerConfigs:
     static: MagicPIGConfig | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layers, Sequence) or isinstance(self.layers, str) or not all(
+                isinstance(e, Sequence) and not isinstance(e, str) and len(e) == 2 for e in self.layers):
+            raise TypeError("layers must be a sequence of (layer index, MagicPIGConfig or 'dense') pairs, got "
+                            f"{self.layers!r}"[:300])
         bad = [i for i, _ in self.layers if not _is_index(i)]
         if bad:
             raise TypeError(f"LayerConfigs layer indices must be integers, got {bad[0]!r}")
@@ -155,8 +159,12 @@ class LayerConfigs:
         """One config for every layer except ``dense_layers`` (the paper's setting).
 
         Raises:
-          TypeError, ValueError: as :func:`check_layer_indices` for ``dense_layers``.
+          TypeError, ValueError: as :func:`check_layer_indices` for ``dense_layers``; TypeError:
+            ``config`` is not a MagicPIGConfig.
         """
+        if not isinstance(config, MagicPIGConfig):  # 'dense' here was blamed on 'static'
+            raise TypeError(f"config must be a MagicPIGConfig (for all-dense layers, dense_layers=range(n)), "
+                            f"got {config!r}")
         dense = set(check_layer_indices("dense_layers", dense_layers, num_layers))
         return cls(tuple((i, DENSE if i in dense else config) for i in range(num_layers)), static=config)
 
