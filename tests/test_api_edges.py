@@ -342,3 +342,20 @@ def test_a_key_that_is_not_one_prng_key_is_named():
     for good in (jax.random.key(0), jax.random.PRNGKey(0)):
         assert oracle_sampling_attention(good, q, k, k, 4)[0].shape == (1, 2, 4)
         assert lsh.simhash_projections(good, 4, 2, 2).shape == (4, 4)
+
+
+def test_lists_where_arrays_are_expected_are_named():
+    """A list of hyperplanes, or an index field holding a list, raised AttributeError ('shape')."""
+    from magicpig_jax import host
+    from tests._messages import without_jaxtyping
+
+    cfg = MagicPIGConfig(K=2, L=4, num_sink=1, num_local=2)
+    k = jnp.ones((1, 1, 16, 4))
+    proj = lsh.simhash_projections(jax.random.key(0), 4, 2, 4)
+    with without_jaxtyping():
+        with pytest.raises(TypeError, match="projections must be an array"):
+            host.host_build_index(k, np.asarray(proj).tolist(), cfg)
+        index = build_lsh_index(k, proj, cfg)
+        bad = dataclasses.replace(index, codes=np.asarray(index.codes).tolist())
+        with pytest.raises(TypeError, match="index.codes must be an array, got list"):
+            magicpig_attention(jnp.ones((1, 2, 4)), k, k, bad, cfg)

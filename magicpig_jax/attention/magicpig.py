@@ -256,7 +256,8 @@ def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, 
     """Raise unless ``index`` is an :class:`LSHIndex` of ``[B, Hkv, N]`` keys of dimension D built for ``config``.
 
     Raises:
-      TypeError: ``index`` is not an :class:`LSHIndex`, or its projections are not float.
+      TypeError: ``index`` is not an :class:`LSHIndex`, a field of it is not an array, or its
+        projections are not float.
       ValueError: ``index.codes`` is not ``[B, Hkv, N, L]``, ``index.projections`` not ``[D, K*L]``,
         ``index.mean`` not ``[B, Hkv, D]``, ``index.start``/``index.end`` not ``[B]``, or the
         index was built with another ``num_sink`` / ``num_local`` than ``config``'s (its static
@@ -265,6 +266,9 @@ def check_index_fits(index: LSHIndex, config: MagicPIGConfig, B: int, Hkv: int, 
     """
     if not isinstance(index, LSHIndex):
         raise TypeError(f"index must be an LSHIndex (build_lsh_index), got {type(index).__name__}")
+    for name in ("codes", "projections", "mean", "start", "end"):  # a hand-made index holding lists
+        if not hasattr(getattr(index, name), "shape"):
+            raise TypeError(f"index.{name} must be an array, got {type(getattr(index, name)).__name__}")
     for name in ("num_sink", "num_local"):
         built, asked = getattr(index, name), getattr(config, name)
         if built is not None and built != asked:

@@ -81,6 +81,8 @@ def host_build_index(
     if chunk_size is not None:
         chunk_size = check_int("chunk_size", chunk_size, 1, MAX_CHUNK)
     lengths = check_lengths_strict(lengths, B, N)
+    if not hasattr(projections, "shape"):
+        raise TypeError(f"projections must be an array [D, K*L] (jax or NumPy), got {type(projections).__name__}")
     if tuple(projections.shape) != (D, config.K * config.L):
         raise ValueError(f"projections must be [D, K*L] = [{D}, {config.K * config.L}] for K={config.K}, "
                          f"L={config.L}, got {tuple(projections.shape)}")
