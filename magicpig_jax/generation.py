@@ -197,8 +197,11 @@ def prefill_with_prefixes(model: LoadedModel, prompts: Sequence[Sequence[int]], 
       TypeError, ValueError: as :func:`prefill`; ValueError: a prefix length outside ``[1, len(prompt)]``.
     """
     check_prompt_lists(prompts)
-    if not isinstance(prefix_lengths, Sequence | np.ndarray) or not all(
-            isinstance(n, int | np.integer) and not isinstance(n, bool | np.bool_) for n in prefix_lengths):
+    try:
+        kind = np.asarray(prefix_lengths).dtype.kind if np.ndim(prefix_lengths) == 1 else None
+    except (TypeError, ValueError):
+        kind = None
+    if kind not in ("i", "u"):  # ints (Python, NumPy or JAX); a float was cut to an int, a bool read as 0/1
         raise TypeError(f"prefix_lengths must be a list of ints, one per prompt, got {prefix_lengths!r}")
     if len(prefix_lengths) != len(prompts):
         raise ValueError(f"prefix_lengths has {len(prefix_lengths)} entries for {len(prompts)} prompts")
@@ -277,11 +280,12 @@ def check_prompt_lists(prompts) -> None:
     Raises:
       TypeError: as described.
     """
-    if not isinstance(prompts, list | tuple) or not all(
-            isinstance(p, list | tuple | np.ndarray) and np.ndim(p) == 1 for p in prompts):
-        raise TypeError("prompts must be a list of token-id lists (one per row), got "
-                        f"{type(prompts).__name__}" + (" of ints" if isinstance(prompts, list | tuple) and prompts
-                                                       and isinstance(prompts[0], int | np.integer) else ""))
+    if not isinstance(prompts, list | tuple):
+        raise TypeError(f"prompts must be a list of token-id lists (one per row), got {type(prompts).__name__}")
+    for b, p in enumerate(prompts):  # a row: any 1-D sequence or array of ids (list, range, NumPy or JAX)
+        if isinstance(p, str | bytes) or np.ndim(p) != 1:
+            raise TypeError(f"prompts must be a list of token-id lists (one per row); prompts[{b}] is "
+                            f"{type(p).__name__}" + (f" of {np.ndim(p)} dimensions" if hasattr(p, 'ndim') else ""))
 
 
 def check_cache_dtype(cache_dtype) -> jnp.dtype:
@@ -462,7 +466,8 @@ def decode(model: LoadedModel, state: PrefillState, *, attention: str = "magicpi
       ValueError: unknown attention, ``max_new_tokens < 1``, bad sampling parameters, not enough cache capacity,
         ``page_size`` outside quest, or a ``state`` whose cache an earlier decode consumed.
       TypeError: ``dense_layers`` that are not integers, a ``max_new_tokens`` that is not an int, a
-        ``sampling`` that is not a :class:`Sampling`.
+        ``sampling`` that is not a :class:`Sampling`, a ``state`` that is not a :class:`PrefillState`,
+        or a ``progress`` that is not callable.
       FloatingPointError: a live row's logits held NaN or ±inf (a weight, activation or cache
         value that is not finite); raised at the step that produced them.
     """

@@ -70,7 +70,8 @@ def validate_k_l(K: int, L: int) -> None:
 
 def check_prng_key(name: str, key) -> None:
     """Refuse a ``key`` that is not one ``jax.random`` key: a typed key of shape ``()``, or a raw
-    ``uint32[2]`` (JAX's own errors, such as 'invalid PRNG key data', name no argument).
+    1-D ``uint32`` key (``[2]`` for threefry, ``[4]`` for rbg; JAX's own errors, such as 'invalid
+    PRNG key data', name no argument).
 
     Raises:
       TypeError: as described, naming ``name``.
@@ -78,9 +79,10 @@ def check_prng_key(name: str, key) -> None:
     dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
     if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
         return
-    if dtype == jnp.uint32 and shape == (2,):
+    # a raw key has the active implementation's shape: [2] for threefry, [4] for rbg
+    if dtype == jnp.uint32 and shape == jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape:
         return
-    raise TypeError(f"{name} must be one jax.random key (jax.random.key(seed), or a raw uint32[2] "
+    raise TypeError(f"{name} must be one jax.random key (jax.random.key(seed), or a raw uint32 "
                     f"jax.random.PRNGKey(seed)), got {type(key).__name__}"
                     + (f" of dtype {dtype} and shape {tuple(shape)}" if shape is not None else ""))
 

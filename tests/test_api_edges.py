@@ -359,3 +359,42 @@ def test_lists_where_arrays_are_expected_are_named():
         bad = dataclasses.replace(index, codes=np.asarray(index.codes).tolist())
         with pytest.raises(TypeError, match="index.codes must be an array, got list"):
             magicpig_attention(jnp.ones((1, 2, 4)), k, k, bad, cfg)
+
+
+def test_the_new_checks_take_every_valid_form():
+    """A re-review: rows that are JAX arrays or ranges, JAX prefix lengths, raw rbg keys and a 0-d
+    capacity were refused by the checks above; forced_decode of None or a consumed state raised
+    AttributeError."""
+    from magicpig_jax.eval.forcing import forced_decode
+    from magicpig_jax.generation import prefill_with_prefixes
+    from magicpig_jax.host.quest import quest_build_pages
+
+    model = tiny_model(0)
+    want = np.asarray(prefill(model, [[1, 2, 3]], 4).last_logits)
+    for row in (jnp.asarray([1, 2, 3]), range(1, 4), (1, 2, 3), np.asarray([1, 2, 3], np.int64)):
+        np.testing.assert_array_equal(np.asarray(prefill(model, [row], 4).last_logits), want)
+    for lengths in (jnp.asarray([2]), [np.int32(2)], (2,), np.asarray([2])):
+        assert list(prefill_with_prefixes(model, [[1, 2, 3]], lengths, 4)[1].prompt_lengths) == [2]
+    for prompts, row in (([[1, 2], "ab"], 1), ([[[1, 2]]], 0)):
+        with pytest.raises(TypeError, match=rf"prompts\[{row}\] is"):
+            prefill(model, prompts, 4)
+    from tests._messages import without_jaxtyping
+
+    impl = jax.config.jax_default_prng_impl
+    try:  # under rbg a raw key is uint32[4]
+        jax.config.update("jax_default_prng_impl", "rbg")
+        assert lsh.simhash_projections(jax.random.PRNGKey(0), 4, 2, 2).shape == (4, 4)
+    finally:
+        jax.config.update("jax_default_prng_impl", impl)
+    with without_jaxtyping(), pytest.raises(TypeError, match="key must be one jax.random key"):
+        lsh.simhash_projections(jnp.zeros(4, jnp.uint32), 4, 2, 2)  # not threefry's [2]
+    k = jnp.ones((1, 1, 8, 4))
+    assert quest_build_pages(k, jnp.asarray([0]), jnp.asarray([8]), 4, capacity=jnp.asarray(8)).kmin.shape[2] == 2
+    state = prefill(model, [[1, 2, 3]], 4)
+    from magicpig_jax.decode_loop import Sampling, start_decode
+
+    for _ in start_decode(model, state, decode_spec(model, "dense"), 2, Sampling(), consume_prefill=True):
+        pass
+    for bad, err in ((None, TypeError), (state, ValueError)):
+        with pytest.raises(err, match="PrefillState"):
+            forced_decode(model, bad, forced_tokens=[[1, 2]], attention="dense", max_new_tokens=2)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from magicpig_jax.decode_loop import DecodeHooks, Sampling, run_decode
+from magicpig_jax.decode_loop import DecodeHooks, Sampling, check_not_consumed, run_decode
 from magicpig_jax.generation import decode_spec
 
 __all__ = ["forced_decode"]
@@ -47,6 +47,7 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
         id outside ``[0, vocab_size)``, and every error of :func:`~magicpig_jax.generation.decode`.
       TypeError: a forced id that is not an integer.
     """
+    check_not_consumed(state)  # before reading state.cache (a consumed state or None: AttributeError)
     if spec is None:
         spec = decode_spec(model, attention, config, dense_layers, budget, page_size, mesh,
                            positions=state.cache.capacity)

@@ -115,6 +115,8 @@ def quest_build_pages(k: Float[Array, "B Hkv N D"], start: Int[Array, " B"], end
     B, _, N, _ = k.shape
     if capacity is None:
         capacity = N
+    if getattr(capacity, "ndim", None) == 0 and np.issubdtype(getattr(capacity, "dtype", object), np.integer):
+        capacity = int(capacity)  # a concrete 0-d NumPy or JAX integer
     if isinstance(capacity, bool | np.bool_) or not isinstance(capacity, int | np.integer):
         raise TypeError(f"capacity must be an int, got {capacity!r}")
     capacity = int(capacity)
