@@ -158,7 +158,6 @@ def start_decode(model, state, spec: DecodeSpec, max_new_tokens: int, sampling: 
         raise ValueError("forced_tokens needs one list of at least max_new_tokens ids per row")
     for b, forced in enumerate(hooks.forced_tokens or ()):
         check_token_ids(f"forced_tokens[{b}]", forced, model.config.vocab_size)
-    check_not_consumed(state)
     # A row stops at max_new_tokens or where its next token would need a position past the
     # context: token i is predicted at position prompt_length + i - 1.
     max_positions, limit_name = position_limit(model, state)
