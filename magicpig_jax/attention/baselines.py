@@ -54,6 +54,7 @@ __all__ = [
     "budget_tokens",
     "topk_mask",
     "quest_mask",
+    "quest_pages_kept",
     "quest_rows_read",
     "quest_page_scores",
 ]
@@ -344,12 +345,24 @@ def quest_mask(
     N = k.shape[2]
     scores = quest_page_scores(q, k, page_size, lengths)
     P = scores.shape[-1]
-    tokens = jnp.minimum(budget_tokens(budget, lengths), lengths)
-    all_pages = (lengths + page_size - 1) // page_size
-    pages = jnp.where(tokens >= lengths, all_pages, jnp.maximum(tokens // page_size, 1))
+    pages = quest_pages_kept(budget, lengths, page_size)
     keep_page = _rank_desc(scores) < pages[:, None, None, None]  # [B, Hkv, G, P]
     keep = jnp.repeat(keep_page, page_size, axis=-1, total_repeat_length=P * page_size)[..., :N]
     return keep & valid_mask(lengths, N).reshape(B, 1, 1, N)
+
+
+def quest_pages_kept(budget: Budget, lengths: Int[Array, " B"], page_size: int) -> Int[Array, " B"]:
+    """Pages each Quest query head keeps per row: ``max(1, floor(t / page_size))`` with
+    ``t = min(budget_tokens, lengths[b])``, or every page when ``t = lengths[b]`` (int32 ``[B]``).
+
+    Raises:
+      TypeError, ValueError: as :func:`budget_tokens`.
+
+    Source: Quest (arXiv 2406.10774), Section 3.2.
+    """
+    tokens = jnp.minimum(budget_tokens(budget, lengths), lengths)
+    all_pages = (lengths + page_size - 1) // page_size
+    return jnp.where(tokens >= lengths, all_pages, jnp.maximum(tokens // page_size, 1)).astype(jnp.int32)
 
 
 def quest_rows_read(budget: Budget, lengths: Int[Array, " B"], page_size: int) -> Int[Array, " B"]:
@@ -366,10 +379,7 @@ def quest_rows_read(budget: Budget, lengths: Int[Array, " B"], page_size: int) -
 
     Source: Quest (arXiv 2406.10774), Section 3.2.
     """
-    tokens = jnp.minimum(budget_tokens(budget, lengths), lengths)
-    all_pages = (lengths + page_size - 1) // page_size
-    pages = jnp.where(tokens >= lengths, all_pages, jnp.maximum(tokens // page_size, 1))
-    return jnp.minimum(pages * page_size, lengths).astype(jnp.int32)
+    return jnp.minimum(quest_pages_kept(budget, lengths, page_size) * page_size, lengths).astype(jnp.int32)
 
 
 def quest_attention(

@@ -27,7 +27,8 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap
-from magicpig_jax.attention.baselines import Budget, budget_tokens, check_budget, check_page_size
+from magicpig_jax.attention.baselines import Budget, check_budget, check_page_size
+from magicpig_jax.attention.baselines import quest_pages_kept as baseline_pages_kept
 from magicpig_jax.host._ext import impl_code, ops
 from magicpig_jax.host.exact import MAX_GROUP
 from magicpig_jax.host.validate import check_int, check_kv_dtypes
@@ -214,9 +215,7 @@ def quest_pages_kept(budget: Budget, n: jax.Array, page_size: int) -> jax.Array:
       TypeError, ValueError: as :func:`magicpig_jax.attention.budget_tokens` (a budget that is not a
         token count >= 0 or a fraction in (0, 1]).
     """
-    tokens = jnp.minimum(budget_tokens(budget, n), n)
-    all_pages = (n + page_size - 1) // page_size
-    return jnp.where(tokens >= n, all_pages, jnp.maximum(tokens // page_size, 1)).astype(jnp.int32)
+    return baseline_pages_kept(budget, n, page_size)
 
 
 def quest_page_bytes(pages: QuestPages) -> int:
