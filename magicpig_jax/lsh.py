@@ -229,10 +229,15 @@ def collision_probability(q: Float[Array, "... D"], k: Float[Array, "... D"]) ->
 
     Raises:
       ValueError: ``q`` and ``k`` have different last dimensions D, D = 0, or do not broadcast.
+      TypeError: ``q`` or ``k`` is complex or boolean (the cast to float32 would drop the imaginary
+        part; integer inputs are exact and accepted).
 
     Source: arXiv 2410.16179, Section 4.2 (Goemans-Williamson / Charikar).
     """
     q, k = jnp.asarray(q), jnp.asarray(k)
+    for name, x in (("q", q), ("k", k)):
+        if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+            raise TypeError(f"collision_probability: {name} must be a real float or integer array, got {x.dtype}")
     if q.ndim == 0 or k.ndim == 0 or q.shape[-1] != k.shape[-1] or q.shape[-1] == 0:
         raise ValueError(f"q and k must be [..., D] with the same D >= 1, got shapes {tuple(q.shape)} and "
                          f"{tuple(k.shape)}")

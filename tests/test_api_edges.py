@@ -398,3 +398,20 @@ def test_the_new_checks_take_every_valid_form():
     for bad, err in ((None, TypeError), (state, ValueError)):
         with pytest.raises(err, match="PrefillState"):
             forced_decode(model, bad, forced_tokens=[[1, 2]], attention="dense", max_new_tokens=2)
+
+
+def test_complex_inputs_are_refused_not_cast():
+    """A complex array cast to float32 keeps only its real part (NumPy warns, JAX does not): the
+    cosine and the merged output would be those of other vectors without a word."""
+    from tests._messages import without_jaxtyping
+
+    x = jnp.asarray([1 + 1j, 2 - 1j], jnp.complex64)
+    with without_jaxtyping():
+        with pytest.raises(TypeError, match="q must be a real float or integer array, got complex64"):
+            lsh.collision_probability(x, jnp.ones(2))
+        with pytest.raises(TypeError, match="out_b must be floating-point, got complex64"):
+            merge_attention(jnp.ones((1, 2)), jnp.zeros(1), x[None], jnp.zeros(1))
+        with pytest.raises(TypeError, match="lse_a must be floating-point, got int32"):
+            merge_attention(jnp.ones((1, 2)), jnp.zeros(1, jnp.int32), jnp.ones((1, 2)), jnp.zeros(1))
+        # integers stay accepted by the cosine (exact in float32 at these sizes)
+        assert float(lsh.collision_probability(jnp.asarray([1, 0]), jnp.asarray([2, 0]))) == 1.0

@@ -35,7 +35,8 @@ def merge_attention(
 
     Raises:
       ValueError: if the shapes disagree (``out`` must have the trailing D axis).
-      TypeError: an argument that is not an array (a list, say).
+      TypeError: an argument that is not an array (a list, say), or not floating-point (a complex
+        ``out`` would lose its imaginary part in the float32 cast).
 
     Source: the split-softmax identity used by FlashAttention/FlashDecoding;
     MagicPIG merges its host (sampled) part with its accelerator (static) part
@@ -44,6 +45,8 @@ def merge_attention(
     for name, a in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise TypeError(f"merge_attention: {name} must be an array (jax or NumPy), got {type(a).__name__}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"merge_attention: {name} must be floating-point, got {a.dtype}")
     if out_a.ndim < 1 or out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
         raise ValueError(
             "merge_attention needs out_a/out_b of shape [..., D] and lse_a/lse_b of shape [...]; got "
