@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 
-import numpy as np
 import pytest
 from scipy import stats as sst
 
@@ -274,10 +273,10 @@ def test_perplexity_is_exp_of_the_mean_nll():
     assert lo < 0 and dense["ppl_ci"] == pytest.approx([1.0, math.exp(hi)])  # an NLL is not negative: clipped at 0
 
 
-def test_fractional_scores_get_t_intervals_and_the_mean_over_tasks_a_conservative_width():
-    """A task scored in fractions (multi-value: 4 expected strings) pairs with dense by Student's t,
-    clipped to [-1, 1]; the mean over tasks is Wilson's at the effective size, wider than the t interval
-    of the fractions alone would be."""
+def test_fractional_scores_get_wilson_at_their_means_and_newcombe_pairs():
+    """A task scored in fractions (multi-value: 4 expected strings) has Wilson's interval at its mean
+    and pairs with dense by Newcombe's interval at the means (the t intervals have zero width when every
+    sample scores alike); the mean over tasks is Wilson's at the effective size."""
     settings = EvalSettings(tasks=["niah_single", "niah_multivalue"], lengths=[1024], samples=4,
                             methods=parse_methods("dense,topk:16"))
     frac = [0.75, 0.5, 1.0, 0.25]
@@ -288,11 +287,18 @@ def test_fractional_scores_get_t_intervals_and_the_mean_over_tasks_a_conservativ
         *[{**_rec("task", "topk:16", i, score=s, budget=16), "task": "niah_multivalue"} for i, s in enumerate(frac)],
     ]
     ta = summarize(records, settings)[1024]["topk:16"]["tasks"]["A"]
-    assert ta["ci_method"] == {"niah_single": "wilson", "niah_multivalue": "t"}
-    assert ta["diff_ci_method"] == {"niah_single": "newcombe", "niah_multivalue": "t"}
-    d = np.subtract(frac, 1.0)
-    lo, hi = sst.t.interval(0.95, 3, loc=d.mean(), scale=sst.tstd(d) / 2)
-    assert ta["diff_vs_dense"]["niah_multivalue"] == pytest.approx([d.mean(), max(lo, -1.0), min(hi, 1.0)])
+    assert ta["ci_method"] == {"niah_single": "wilson", "niah_multivalue": "wilson-mean"}
+    assert ta["diff_ci_method"] == {"niah_single": "newcombe", "niah_multivalue": "newcombe-mean"}
+    z = 1.959963984540054
+    m = 0.625  # Wilson at p = 0.625, n = 4
+    center, half = (m + z * z / 8) / (1 + z * z / 4), z * math.sqrt(m * (1 - m) / 4 + z * z / 64) / (1 + z * z / 4)
+    assert ta["accuracy_ci"]["niah_multivalue"] == pytest.approx([center - half, center + half])
+    # dense scores 1 everywhere: phi is 0, so the interval is -0.375 - sqrt((m - l1)^2 + 0), ... (+ dense's
+    # Wilson distance from 1 at 4 of 4)
+    w1 = 1.0 - (1 + z * z / 8 - z * math.sqrt(z * z / 64)) / (1 + z * z / 4)  # 4 of 4's Wilson lower limit
+    lo = (m - 1) - math.sqrt((m - (center - half)) ** 2 + 0.0)
+    hi = (m - 1) + math.sqrt(w1 ** 2 + ((center + half) - m) ** 2)
+    assert ta["diff_vs_dense"]["niah_multivalue"] == pytest.approx([m - 1, lo, min(hi, 1.0)])
     # both tasks' means (1.0 and 0.625) at the effective size 8: Wilson of 6.5 in 8, in [0, 1]
     mean = (1.0 + 0.625) / 2
     assert ta["mean_accuracy"] == pytest.approx(mean) and ta["needle_accuracy"] == pytest.approx(mean)
@@ -331,15 +337,18 @@ def test_reread_intervals_tool_flags_a_verdict_the_t_interval_gave_otherwise(tmp
                                  "(interval holds 0) differs from the paired t interval's in 1")
 
 
-def test_a_fractional_difference_is_clipped_to_its_range_and_needles_exclude_other_tasks():
-    """Fractional scores over two samples: the paired t interval of (-1, -0.25) leaves [-1, 1], where a
-    difference of two scores lies, and is clipped; the needle accuracy and its interval read the NIAH
-    tasks only (a variable-tracking task beside them is left out)."""
+def test_a_fractional_difference_keeps_a_width_and_needles_exclude_other_tasks():
+    """Fractional scores that differ alike on every pair (0.25 against 0.5 on 20 samples, a model that
+    repeats one of four needles): the paired t interval is a point, Newcombe's at the means is not and
+    holds the difference; the needle accuracy and its interval read the NIAH tasks only (a
+    variable-tracking task beside them is left out)."""
     from magicpig_jax.eval.report import _paired_scores
 
-    mean, lo, hi = _paired_scores([(0.0, 1.0), (0.75, 1.0)])[0]
-    t_lo, t_hi = paired_t_interval([0.0, 0.75], [1.0, 1.0])
-    assert t_lo < -1 and t_hi > 1 and (mean, lo, hi) == pytest.approx((-0.625, -1.0, 1.0))
+    (mean, lo, hi), how = _paired_scores([(0.25, 0.5)] * 20)
+    assert paired_t_interval([0.25] * 20, [0.5] * 20) == pytest.approx((-0.25, -0.25))
+    assert how == "newcombe-mean" and mean == pytest.approx(-0.25) and lo < -0.35 and -0.15 < hi < 0.05
+    (mean, lo, hi), _ = _paired_scores([(0.0, 1.0), (0.75, 1.0)])
+    assert mean == pytest.approx(-0.625) and -1.0 <= lo < mean < hi <= 1.0
     settings = EvalSettings(tasks=["niah_single", "vt"], lengths=[1024], samples=4,
                             methods=parse_methods("dense"))
     records = [*[_rec("task", "dense", i, score=1.0) for i in range(4)],

@@ -129,12 +129,18 @@ def test_t_interval_drops_missing_and_needs_two():
     assert lo < 2 < hi
 
 
-def test_interval_for_scores_picks_wilson_or_t():
+def test_interval_for_scores_is_wilson_at_the_mean():
     lo, hi, how = interval_for_scores([1, 0, 1, 1])
     assert how == "wilson" and (lo, hi) == wilson_interval(3, 4)
     lo, hi, how = interval_for_scores([0.5, 0.25, 1.0])
-    assert how == "t" and 0 <= lo < hi <= 1
+    rlo, rhi = wilson_ref(1.75, 3)
+    assert how == "wilson-mean" and (lo, hi) == pytest.approx((rlo, rhi), abs=1e-12)
+    # every sample alike: a t interval would be the point [0.25, 0.25]
+    lo, hi, how = interval_for_scores([0.25] * 20)
+    assert (lo, hi) == pytest.approx(wilson_ref(5, 20), abs=1e-12) and lo < 0.15 and hi > 0.4
     assert interval_for_scores([]) == (None, None, None)
+    with pytest.raises(ValueError, match=r"in \[0, 1\], got 1.5"):
+        interval_for_scores([0.5, 1.5])
 
 
 @given(st.integers(1, 200), st.data())
@@ -241,8 +247,10 @@ def test_newcombe_paired_interval_keeps_a_width_without_discordant_pairs():
     lo, hi = newcombe_paired_interval(xs, ys)
     w = 1.0 - wilson_ref(20, 20)[0]
     assert (lo, hi) == pytest.approx((-w, w), abs=1e-12) and 0.15 < w < 0.17
-    with pytest.raises(ValueError, match="0 or 1"):
-        newcombe_paired_interval([0.5], [1])
+    with pytest.raises(ValueError, match=r"in \[0, 1\], got 1.5"):
+        newcombe_paired_interval([0.5], [1.5])
+    with pytest.raises(ValueError, match=r"in \[0, 1\], got nan"):
+        newcombe_paired_interval([0.5], [float("nan")])
     with pytest.raises(ValueError, match="lengths"):
         newcombe_paired_interval([1], [1, 0])
 
@@ -311,3 +319,66 @@ def test_sign_test_is_exact_past_a_thousand_pairs_and_refuses_nan():
     assert n == 1500 and p == pytest.approx(sst.binomtest(higher, n, 0.5).pvalue, rel=1e-9)
     with pytest.raises(ValueError, match="a pair holds NaN"):
         sign_test([1.0, math.nan], [0.0, 0.0])
+
+
+def newcombe_fractional_ref(xs, ys):
+    """Newcombe's method 10 at the means of [0, 1] scores, in float64 from its moments: Wilson limits
+    at each mean (wilson_ref with a fractional count), phi the Pearson correlation with the numerator
+    n Σxy - ΣxΣy lowered by n/2 toward 0 when positive, 0 when a method scores every sample alike."""
+    x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    n = x.size
+    p1, p2 = x.mean(), y.mean()
+    l1, u1 = (min(max(v, 0.0), 1.0) for v in wilson_ref(x.sum(), n))
+    l2, u2 = (min(max(v, 0.0), 1.0) for v in wilson_ref(y.sum(), n))
+    num = n * np.sum(x * y) - x.sum() * y.sum()
+    num = max(num - n / 2, 0.0) if num > 0 else num
+    den = (n * np.sum(x * x) - x.sum() ** 2) * (n * np.sum(y * y) - y.sum() ** 2)
+    phi = num / math.sqrt(den) if den > 1e-12 else 0.0
+    dl, du, el, eu = p1 - l1, u2 - p2, p2 - l2, u1 - p1
+    return (max(p1 - p2 - math.sqrt(max(dl * dl - 2 * phi * dl * du + du * du, 0.0)), -1.0),
+            min(p1 - p2 + math.sqrt(max(el * el - 2 * phi * el * eu + eu * eu, 0.0)), 1.0))
+
+
+@given(st.lists(st.tuples(st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]), st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0])),
+                min_size=1, max_size=30))
+def test_newcombe_at_the_means_of_fractional_scores_matches_its_definition(pairs):
+    xs, ys = [a for a, _ in pairs], [b for _, b in pairs]
+    lo, hi = newcombe_paired_interval(xs, ys)
+    assert (lo, hi) == pytest.approx(newcombe_fractional_ref(xs, ys), abs=1e-9)
+    delta = float(np.mean(xs) - np.mean(ys))
+    assert -1.0 <= lo <= delta + 1e-12 and delta - 1e-12 <= hi <= 1.0 and hi - lo > 0.05  # never a point
+
+
+def test_newcombe_at_the_means_covers_where_the_paired_t_interval_does_not():
+    """Exact coverage (a sum over the multinomial of the 9 score pairs on {0, 1/2, 1}², 8 pairs) of the
+    true mean difference: at least 95% for these joint distributions, one of which (each pair differing
+    alike but for a tenth) leaves the paired t interval below 60%."""
+    vals = (0.0, 0.5, 1.0)
+    cells = [(x, y) for x in vals for y in vals]
+
+    def counts(n, k):
+        if k == 1:
+            yield (n,)
+            return
+        for i in range(n + 1):
+            for rest in counts(n - i, k - 1):
+                yield (i, *rest)
+
+    n = 8
+    for pi in ((0, 0, 0, 0.1, 0.7, 0, 0, 0.2, 0), (0, 0, 0, 0, 0, 0, 0, 0.9, 0.1),
+               (0.08, 0.1, 0.02, 0, 0, 0.26, 0.48, 0.01, 0.05), (0.1, 0.05, 0.05, 0.05, 0.3, 0.05, 0.05, 0.05, 0.3)):
+        truth = sum(p * (x - y) for p, (x, y) in zip(pi, cells, strict=True))
+        cover = t_cover = 0.0
+        for cnt in counts(n, 9):
+            if any(c and not p for c, p in zip(cnt, pi, strict=True)):
+                continue
+            pm = sst.multinomial.pmf(cnt, n, pi)
+            xs = [x for c, (x, _) in zip(cnt, cells, strict=True) for _ in range(c)]
+            ys = [y for c, (_, y) in zip(cnt, cells, strict=True) for _ in range(c)]
+            lo, hi = newcombe_paired_interval(xs, ys)
+            cover += pm * (lo - 1e-12 <= truth <= hi + 1e-12)
+            tlo, thi = paired_t_interval(xs, ys)
+            t_cover += pm * (tlo is not None and tlo - 1e-12 <= truth <= thi + 1e-12)
+        assert 0.95 <= cover <= 1.0 + 1e-9, (pi, cover)
+        if pi[7] == 0.9:
+            assert t_cover < 0.6, (pi, t_cover)

@@ -3,9 +3,9 @@
 Accuracy is RULER's ``string_match_all``; KL, perplexity and top-1 agreement come from the
 teacher-forced likelihood documents (:mod:`magicpig_jax.eval.likelihood`). Every figure is a
 mean over independent samples and carries a 95% interval (:mod:`magicpig_jax.eval.stats`):
-Wilson for a task whose scores are all 0 or 1, Student's t for fractional scores and for the
+Wilson for a task's scores (at their mean when they are fractions), Student's t for the
 per-document KL, perplexity, top-1 agreement and ms per step, Wilson's at an effective size for the
-mean over tasks; differences to dense (accuracy) and to TopK (KL) are paired over samples.
+mean over tasks; differences to dense (accuracy: Newcombe's) and to TopK (KL: t) are paired over samples.
 
 Cost is reported three ways (:mod:`magicpig_jax.eval.cost`): the fraction of the context's keys
 a method used per decode step in the sparse layers, the measured milliseconds per decode step,
@@ -81,17 +81,14 @@ def _bytes(recs: list[dict]) -> tuple[float | None, dict]:
 
 def _paired_scores(pairs: list[tuple[float, float]]) -> tuple[list, str | None]:
     """``[mean, low, high]`` of the paired score difference and the interval's method: Newcombe's
-    when every score is 0 or 1, else t (clipped to [-1, 1], where a difference of two scores lies)."""
+    (``"newcombe"`` when every score is 0 or 1, ``"newcombe-mean"`` at the means of fractional
+    scores: :func:`~magicpig_jax.eval.stats.newcombe_paired_interval`)."""
     if not pairs:
         return [None, None, None], None
     xs, ys = [a for a, _ in pairs], [b for _, b in pairs]
     mean = sum(a - b for a, b in pairs) / len(pairs)
-    if all(v in (0, 1) for v in (*xs, *ys)):
-        return [mean, *newcombe_paired_interval(xs, ys)], "newcombe"
-    lo, hi = paired_t_interval(xs, ys)
-    if lo is None:
-        return [mean, None, None], None
-    return [mean, max(lo, -1.0), min(hi, 1.0)], "t"
+    how = "newcombe" if all(v in (0, 1) for v in (*xs, *ys)) else "newcombe-mean"
+    return [mean, *newcombe_paired_interval(xs, ys)], how
 
 
 def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str]) -> dict:
@@ -247,7 +244,7 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
     Only records of the requested tasks, lengths, methods, setups and sample indices count.
     Per method and length: ``tasks`` (per setup: ``accuracy``, ``accuracy_ci``, ``ci_method``,
     ``samples``, ``diff_vs_dense`` ``[mean, low, high]`` of the paired score difference (its
-    interval's method in ``diff_ci_method``: ``"newcombe"`` or ``"t"``),
+    interval's method in ``diff_ci_method``: ``"newcombe"`` or ``"newcombe-mean"``),
     ``mean_accuracy`` (+ ``_ci``), ``needle_accuracy`` (+ ``_ci``, the NIAH tasks), ``cost``,
     ``ms_per_step`` (+ ``_ci``), ``bytes_per_step`` (+ ``_parts``)); from the likelihood
     documents ``kl``, ``nll``, ``top1`` (each + ``_ci``: means over the documents), ``ppl`` (+ ``_ci``:
@@ -452,11 +449,11 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         "likelihood table: the mean over its documents.")
     lines.append(
         "\nEvery cell is a mean with its 95% interval in brackets. Accuracy: RULER's string_match_all (percent "
-        "of expected strings in the answer) over the samples; interval: Wilson's when every score is 0 or 1, "
-        "else Student's t; mean over tasks: Wilson's at the effective sample size (Kish) of the mean of the "
+        "of expected strings in the answer) over the samples; interval: Wilson's (at the mean score when "
+        "scores are fractions); mean over tasks: Wilson's at the effective sample size (Kish) of the mean of the "
         "tasks' accuracies. Δ vs dense: the paired difference of scores to dense on the "
         "same samples (percentage points), per task; interval: Newcombe's paired score interval (1998, method 10) "
-        "when every score is 0 or 1, else Student's t. "
+        "(at the mean scores and their correlation when scores are fractions). "
         "Keys %: mean fraction of the context's keys sampled (MagicPIG, hybrid), selected (TopK, Quest) or "
         "distinctly drawn (oracle) per decode step in the sparse layers, static set excluded (dense = 100%). "
         "ms/step: measured wall time of a decode step (after the first), t interval over samples; on a shared "

@@ -7,8 +7,8 @@ documents), so each gets an interval:
   score interval (Wilson, JASA 1927), which stays inside [0, 1] and keeps close to its nominal
   coverage for small n and proportions near 0 or 1, where the normal ("Wald") interval fails
   (Brown, Cai & DasGupta, Statistical Science 2001).
-* :func:`t_interval` — the mean of real-valued per-sample figures (a fractional task score, a
-  document's KL, perplexity or top-1 agreement, ms per decode step): Student's t interval
+* :func:`t_interval` — the mean of real-valued per-sample figures (a document's KL, perplexity
+  or top-1 agreement, ms per decode step): Student's t interval
   ``mean ± t_{0.975, n-1} s / sqrt(n)``. The t quantile is computed here
   (:func:`t_quantile`, from the regularized incomplete beta function) so that SciPy is not a
   run-time dependency.
@@ -16,11 +16,13 @@ documents), so each gets an interval:
   accuracy): Wilson's interval at the equal-weight mean's effective sample size (Kish).
   A task whose samples all scored 1 keeps its share of the uncertainty, which a bootstrap over
   the samples gives it none of.
-* :func:`newcombe_paired_interval` — the difference of two methods' 0/1 scores on the same
+* :func:`newcombe_paired_interval` — the difference of two methods' scores in [0, 1] on the same
   samples: Newcombe's hybrid score interval for paired proportions (Newcombe 1998, method 10),
   which does not collapse to a point when the two methods agree on every sample, as the paired
-  t interval does.
-* :func:`interval_for_scores` picks Wilson for 0/1 scores and t otherwise.
+  t interval does; fractional scores take it at their means and their Pearson correlation.
+* :func:`interval_for_scores` — a mean score in [0, 1]: Wilson's interval at the mean, exact
+  Wilson for 0/1 scores. A t interval has zero width when every sample scores alike (0.25 on
+  each multi-value sample).
 
 An interval over fewer than 2 samples is ``(None, None)`` except the score intervals, which are
 defined for n >= 1.
@@ -240,21 +242,37 @@ def t_interval(xs: Sequence[float | None], confidence: float = 0.95) -> tuple[fl
 
 
 def interval_for_scores(scores: Sequence[float | None]) -> tuple[float | None, float | None, str | None]:
-    """The interval of a mean score in [0, 1]: Wilson when every score is 0 or 1, else t (clipped to [0, 1]).
+    """The interval of a mean score in [0, 1] over independent samples.
+
+    Wilson's score interval (:func:`wilson_interval`) when every score is 0 or 1. Fractional
+    scores (e.g. 3 of 4 expected strings: 0.75) get Wilson's interval at their mean ``p̄`` and
+    sample count, i.e. with the variance ``p (1 - p)`` of a 0/1 score of that mean, the largest
+    any score in [0, 1] of mean ``p`` can have: wider than the t interval, and unlike it not of
+    zero width when every sample scores alike (0.25 on each of 20 samples gives t ``[25, 25]``).
+
+    Args:
+      scores: per-sample scores in [0, 1]; None and non-finite values are dropped.
 
     Returns:
-      ``(low, high, method)`` with method ``"wilson"``, ``"t"`` or None (no interval).
+      ``(low, high, method)`` in [0, 1] with method ``"wilson"`` (0/1 scores), ``"wilson-mean"``
+      (fractional) or None (no score).
+
+    Raises:
+      ValueError: a score outside [0, 1].
+
+    Source: E. B. Wilson (1927); the bound on the variance of a [0, 1] variable is Bhatia–Davis.
     """
     x = _clean(scores)
     if x.size == 0:
         return None, None, None
+    bad = [float(v) for v in x if not 0.0 <= v <= 1.0]
+    if bad:
+        raise ValueError(f"interval_for_scores: scores must be in [0, 1], got {bad[0]}")
     if np.all((x == 0) | (x == 1)):
         lo, hi = wilson_interval(float(x.sum()), int(x.size))
         return lo, hi, "wilson"
-    lo, hi = t_interval(x)
-    if lo is None:
-        return None, None, None
-    return max(0.0, lo), min(1.0, hi), "t"
+    lo, hi = effective_size_wilson_interval([x])
+    return lo, hi, "wilson-mean"
 
 
 def effective_size_wilson_interval(groups: Sequence[Sequence[float | None]],
@@ -305,11 +323,11 @@ def effective_size_wilson_interval(groups: Sequence[Sequence[float | None]],
 
 def newcombe_paired_interval(xs: Sequence[float], ys: Sequence[float],
                              z: float = Z95) -> tuple[float | None, float | None]:
-    """The interval of the mean paired difference ``x_i - y_i`` of 0/1 scores (same samples).
+    """The interval of the mean paired difference ``x_i - y_i`` of scores in [0, 1] (same samples).
 
-    With ``a`` samples where both score 1, ``b`` where only x does, ``c`` where only y does and
-    ``d`` where neither does, the difference of the proportions ``p1 = (a + b) / n`` and
-    ``p2 = (a + c) / n`` has the interval
+    For 0/1 scores, with ``a`` samples where both score 1, ``b`` where only x does, ``c`` where
+    only y does and ``d`` where neither does, the difference of the proportions
+    ``p1 = (a + b) / n`` and ``p2 = (a + c) / n`` has the interval
 
         ``δ - sqrt((p1 - l1)² - 2 φ (p1 - l1)(u2 - p2) + (u2 - p2)²)``,
         ``δ + sqrt((p2 - l2)² - 2 φ (p2 - l2)(u1 - p1) + (u1 - p1)²)``
@@ -320,38 +338,45 @@ def newcombe_paired_interval(xs: Sequence[float], ys: Sequence[float],
     width when the two agree on every sample (no discordant pair in 20: about ±16 pp when both
     always score 1).
 
+    Fractional scores use the same formula with the moments it is written in: ``p1, p2`` the mean
+    scores, their Wilson intervals at ``n`` (:func:`interval_for_scores`'s, the largest variance a
+    score of that mean can have), and ``φ``'s numerator ``n Σ x y - Σ x Σ y`` (which is ``ad - bc``
+    for 0/1 scores) over ``sqrt((n Σ x² - (Σ x)²)(n Σ y² - (Σ y)²))``, 0 when either method scores
+    every sample alike. It is identical to method 10 on 0/1 scores; on fractional ones an
+    approximation (no published coverage), chosen because the paired t interval has zero width
+    when every pair differs alike (0.25 against 0.25 on each sample: Δ 0 [0, 0]).
+
     Args:
-      xs, ys: the two methods' scores, each 0 or 1, in the same sample order.
+      xs, ys: the two methods' scores, each in [0, 1], in the same sample order.
       z: the normal quantile (default: 95% two-sided).
 
     Returns:
       ``(low, high)`` within [-1, 1]; ``(None, None)`` for no pair.
 
     Raises:
-      ValueError: ``xs`` and ``ys`` differ in length, or a score is not 0 or 1.
+      ValueError: ``xs`` and ``ys`` differ in length, or a score is outside [0, 1] or not finite.
 
     Source: R. G. Newcombe, "Improved confidence intervals for the difference between binomial
     proportions based on paired data", Statistics in Medicine 17 (1998), method 10.
     """
     if len(xs) != len(ys):
         raise ValueError(f"paired samples need equal lengths, got {len(xs)} and {len(ys)}")
-    bad = [v for v in (*xs, *ys) if v not in (0, 1)]
+    bad = [v for v in (*xs, *ys) if not (isinstance(v, (int, float, np.integer, np.floating)) and 0 <= v <= 1)]
     if bad:
-        raise ValueError(f"newcombe_paired_interval: scores must be 0 or 1, got {bad[0]}")
+        raise ValueError(f"newcombe_paired_interval: scores must be in [0, 1], got {bad[0]}")
     n = len(xs)
     if n == 0:
         return None, None
-    a = sum(1 for x, y in zip(xs, ys, strict=True) if x == 1 and y == 1)
-    b = sum(1 for x, y in zip(xs, ys, strict=True) if x == 1 and y == 0)
-    c = sum(1 for x, y in zip(xs, ys, strict=True) if x == 0 and y == 1)
-    d = n - a - b - c
-    p1, p2 = (a + b) / n, (a + c) / n
-    l1, u1 = wilson_interval(a + b, n, z)
-    l2, u2 = wilson_interval(a + c, n, z)
-    margins = (a + b) * (c + d) * (a + c) * (b + d)
-    num = a * d - b * c
+    x, y = np.asarray(xs, np.float64), np.asarray(ys, np.float64)
+    sx, sy = float(x.sum()), float(y.sum())
+    p1, p2 = sx / n, sy / n
+    l1, u1 = _score_interval(p1, n, z, sx == 0, sx == n)
+    l2, u2 = _score_interval(p2, n, z, sy == 0, sy == n)
+    # 0/1 scores: these are the table's ad - bc and (a+b)(c+d)(a+c)(b+d), exactly (integer sums)
+    margins = (n * float(x @ x) - sx * sx) * (n * float(y @ y) - sy * sy)
+    num = n * float(x @ y) - sx * sy
     num = max(num - n / 2, 0.0) if num > 0 else num
-    phi = num / math.sqrt(margins) if margins else 0.0
+    phi = num / math.sqrt(margins) if margins > 0 else 0.0
     delta = p1 - p2
     lo = delta - math.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
     hi = delta + math.sqrt(max((p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2, 0.0))
