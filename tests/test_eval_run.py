@@ -230,3 +230,18 @@ def test_decodes_long_enough_to_append_generated_keys_are_refused():
         _check_likelihood_and_answers(model, _settings(lengths=[2048], likelihood_tokens=600, tasks=[]))
     _check_likelihood_and_answers(model, _settings(max_new_tokens=600, tasks=[]))  # no task decodes an answer
     _check_likelihood_and_answers(model, _settings(max_new_tokens=None))  # each task's own answer length
+
+
+def test_setup_b_counts_its_question_tokens_in_the_decode_length():
+    """Setup B decodes the question part (teacher-forced) before the answer: --max-new-tokens 500 is within
+    the limit alone, not with the question's tokens (a fresh reviewer's finding: every sparse layer
+    appended generated keys to its index while the byte count assumed none)."""
+    from magicpig_jax.eval.run import _check_before_writing
+
+    model = char_model()
+    settings = _settings(tasks=["niah_single"], lengths=[2048], max_new_tokens=500, likelihood_tokens=0,
+                         setups=["A"])
+    _check_before_writing(model, settings, (0,))
+    with pytest.raises(ValueError, match=r"setup B of niah_single at 2048 \(sample 0: \d+ question tokens \+ 500 new "
+                                         r"tokens\) must be at most 511 decoded tokens"):
+        _check_before_writing(model, dataclasses.replace(settings, setups=["A", "B"]), (0,))

@@ -282,13 +282,22 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
             raise ValueError(f"length {length} exceeds the model's context of {ctx_limit} tokens")
     _check_likelihood_and_answers(model, settings)
     if settings.tasks and settings.samples > 0:  # a length too small for a task's haystack fails its samples
-        from magicpig_jax.eval.tasks import check_length_fits
+        from magicpig_jax.eval.tasks import MAX_NEW_TOKENS, check_length_fits
 
+        longest = _longest_decode()
         for task in settings.tasks:  # every sample of every length: each draws its own keys and words
+            new = MAX_NEW_TOKENS[task] if settings.max_new_tokens is None else settings.max_new_tokens
             for length in settings.lengths:
-                check_length_fits(task, length, lambda p, a: len(prompt_ids(model, p, a)), seed=settings.seed,
-                                  haystack=settings.haystack, max_new_tokens=settings.max_new_tokens,
-                                  samples=settings.samples)
+                smallest = check_length_fits(task, length, lambda p, a: len(prompt_ids(model, p, a)),
+                                             seed=settings.seed, haystack=settings.haystack,
+                                             max_new_tokens=settings.max_new_tokens, samples=settings.samples)
+                if "B" not in settings.setups:
+                    continue
+                for index, (prompt, prefix) in enumerate(smallest):  # setup B decodes its question part too
+                    ids = prompt_ids(model, prompt, prefix)
+                    question = len(ids) - question_split(model.tokenizer.decode, ids, prompt.rsplit("\n", 1)[-1])
+                    _check_decode_length(question + new, longest, f"setup B of {task} at {length} (sample "
+                                         f"{index}: {question} question tokens + {new} new tokens)")
     # a sample's prompt and its decoded tokens fill its length (RULER's sizing; the likelihood task's too)
     positions = cache_capacity(model, max(settings.lengths), 1)
     for m in settings.methods:
@@ -298,6 +307,21 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
         # positions of the longest run (sliding windows shorter than it make their layers dense)
         _method_spec(model, settings, dense_layers, m, 1 if m.budgeted and m.budget is None else m.budget,
                      positions)
+
+
+def _longest_decode() -> int:
+    """The most tokens an eval decodes after a prefill: longer decodes append generated keys to the host
+    indices (every 2 x GENERATION_BUFFER tokens), which the bytes-per-step count (eval.cost), holding the
+    generated tokens in the static tail, does not model."""
+    from magicpig_jax.attention.config import GENERATION_BUFFER
+
+    return 2 * GENERATION_BUFFER - 1
+
+
+def _check_decode_length(n: int, longest: int, what: str) -> None:
+    if n > longest:
+        raise ValueError(f"{what} must be at most {longest} decoded tokens: a longer decode appends generated keys "
+                         "to the index, which the bytes-per-step count does not model")
 
 
 def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
@@ -324,16 +348,10 @@ def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
         # the corpus must hold the longest sample (the same text the run builds; a short FILE fails here)
         make_likelihood_sample(document_encoder(model.tokenizer), max(settings.lengths), 0, seed=settings.seed,
                                haystack=settings.haystack, forced=forced)
-    # Longer decodes append generated keys to the host indices (every 2 x GENERATION_BUFFER tokens): the byte
-    # count (eval.cost), which holds the generated tokens in the static tail, does not model that.
-    from magicpig_jax.attention.config import GENERATION_BUFFER
-
-    longest = 2 * GENERATION_BUFFER - 1
+    longest = _longest_decode()
     for name, n in (("--likelihood-tokens", forced if n_lik > 0 else 0),  # None: each task's own (short) answer
                     ("--max-new-tokens", (settings.max_new_tokens or 0) if settings.tasks else 0)):
-        if n > longest:
-            raise ValueError(f"{name} ({n}) must be at most {longest}: a longer decode appends generated keys to the "
-                             "index, which the bytes-per-step count does not model")
+        _check_decode_length(n, longest, f"{name} ({n})")
     if sparse and settings.tasks and "A" in settings.setups and settings.max_new_tokens == 1:
         raise ValueError("--max-new-tokens 1 with setup A: the answer's only token comes from the dense prefill, so "
                          "every sparse method would answer as dense; use >= 2 or --setups B")
@@ -434,6 +452,10 @@ class _Loop:
         new = sample.max_new_tokens
         split = len(ids) if setup == "A" else question_split(model.tokenizer.decode, ids, sample.question)
         prefix, forced = ids[:split], ids[split:]
+        # checked for every sample before the run (_check_before_writing); the full haystack's tokens here
+        _check_decode_length(len(forced) + new, _longest_decode(),
+                             f"setup {setup} of {task} at {length} (sample {index}: {len(forced)} question tokens + "
+                             f"{new} new tokens)")
         # capacity = round_up(length): every sample of a length shares the jit compilations
         capacity = max(length - len(prefix) - 1, len(forced) + new)
         sample_key = (task, length, index)

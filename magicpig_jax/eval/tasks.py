@@ -384,10 +384,15 @@ def _check(task: str, prompt: str, outputs: tuple[str, ...]) -> None:
 
 def check_length_fits(task: str, length: int, count_tokens: Callable[[str, str], int], *, seed: int = 0,
                       haystack: str = DEFAULT_HAYSTACK, max_new_tokens: int | None = None,
-                      samples: int = 1) -> None:
+                      samples: int = 1) -> list[tuple[str, str]]:
     """Refuse a ``length`` too small for ``task``'s smallest haystack in any of samples
     ``0 .. samples - 1`` (their keys and words differ in length), as :func:`make_sample` would,
     with one tokenization per sample instead of its whole search.
+
+    Returns:
+      each sample's ``(prompt, answer_prefix)`` at the smallest haystack: its question (the last
+      line) and answer prefix are the sample's own, so setup B's decoded part can be measured
+      from it without the search.
 
     Raises:
       ValueError: unknown task, or ``length`` too small (the message of :func:`make_sample`,
@@ -396,9 +401,12 @@ def check_length_fits(task: str, length: int, count_tokens: Callable[[str, str],
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
     new = MAX_NEW_TOKENS[task] if max_new_tokens is None else int(max_new_tokens)
+    smallest = []
     for index in range(samples):
-        _smallest_fits(task, length, new, _builder(task, length, sample_seed(task, length, index, seed), haystack),
-                       count_tokens, index)
+        build = _builder(task, length, sample_seed(task, length, index, seed), haystack)
+        _smallest_fits(task, length, new, build, count_tokens, index)
+        smallest.append(tuple(build(_min_units(task))[:2]))
+    return smallest
 
 
 def _smallest_fits(task: str, length: int, new: int, build, count_tokens, index: int = 0) -> None:
