@@ -123,8 +123,9 @@ def test_json_refuses_what_it_would_otherwise_drop_or_truncate():
             layers={"0": "dense", "1": {"K": 9, "L": 120, "num_local": 0}})
     refused(r"unknown field 'layers_per_projections' \(did you mean 'layers_per_projection'\?\)",
             layers_per_projections=16)
-    for bad in ([1, 2], "calibrated"):
-        refused("'info' must be an object", info=bad)
+    for bad in ([1, 2], "calibrated", None, [], 0, False, "", {"a": 1}, {"b": None}):  # none read as no notes
+        refused("'info' must be an object of strings", info=bad)
+    assert LayerConfigs.from_json({**base, "info": {"model": "tiny"}}).info == (("model", "tiny"),)
     refused("seed must be < 2\\*\\*32", seed=2**32)
     # the calibration's report keys are kept in the file and not read
     assert LayerConfigs.from_json({**base, "kl_budget": 0.01, "per_layer": [1]}) == LayerConfigs.from_json(base)

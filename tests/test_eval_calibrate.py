@@ -93,8 +93,34 @@ def test_budget_checks():
         cal.calibrate(model, TEXT, kl_budget=0.1, length=40, forced_tokens=8, progress=False)
     # one forced token is predicted by the dense prefill: every assignment measured KL 0 (a file
     # claiming its budget met, 147x over it when re-measured over 32)
-    with pytest.raises(ValueError, match=r"need 2 <= --forced-tokens < --length \(the first forced token"):
+    with pytest.raises(ValueError, match=r"--forced-tokens must be >= 2: the first forced token"):
         cal.calibrate(model, TEXT, kl_budget=0.1, length=600, forced_tokens=1, progress=False)
+
+
+def test_the_api_refuses_what_the_command_refuses_before_any_model_work(monkeypatch):
+    """calibrate() checked only some of its arguments (a fresh reviewer's finding): repeats=0 wrote an
+    all-dense file of NaN costs, probes=0 failed after the prefill, no candidate or max_evals=0 gave
+    all-dense, an infinite budget passed; forced tokens past 511 were priced as if no generated key
+    were appended to the index. Each is now refused before the prefill."""
+    model = char_model()
+    monkeypatch.setattr("magicpig_jax.generation.prefill", lambda *a, **k: pytest.fail("the prefill ran"))
+    ok = dict(kl_budget=0.1, length=700, forced_tokens=12, candidates=((4, 8),), num_local=16, probes=2,
+              repeats=1, max_evals=2, progress=False)
+    for change, error, message in (
+            ({"repeats": 0}, ValueError, "--repeats must be >= 1, got 0"),
+            ({"probes": 0}, ValueError, "--probes must be >= 1, got 0"),
+            ({"max_evals": 0}, ValueError, "--max-evals must be >= 1, got 0"),
+            ({"probes": 2.0}, TypeError, "--probes must be an int, got float 2.0"),
+            ({"candidates": ()}, ValueError, "--candidates is empty"),
+            ({"candidates": ((4, 8), (4, 8))}, ValueError, "--candidates lists 4x8 more than once"),
+            ({"candidates": (4, 8)}, TypeError, r"each candidate must be a \(K, L\) pair, got 4"),
+            ({"candidates": ((0, 8),)}, ValueError, r"--candidates 0x8: K must be in \[1, 16\] \(the host index\)"),
+            ({"candidates": ((4, 8.0),)}, TypeError, "--candidates 4x8.0: L must be an int"),
+            ({"kl_budget": float("inf")}, ValueError, "--kl-budget must be a positive finite number, got inf"),
+            ({"forced_tokens": 600}, ValueError, r"--forced-tokens \(600\) must be at most 511: a longer decode"),
+            ({"cost": "flops"}, ValueError, "--cost must be one of")):
+        with pytest.raises(error, match=message):
+            cal.calibrate(model, TEXT, **{**ok, **change})
 
 
 def test_windowed_layers_stay_dense():
@@ -232,6 +258,7 @@ def test_command_line_is_wired(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == ("magicpig-jax: error: calibrate: --candidates 6x5000: L must be in [2, 4096] "
                                        "(the host index)\n")
     for extra, message in ((["--forced-tokens", "1"], "--forced-tokens must be >= 2: the first forced token"),
+                           (["--forced-tokens", "600"], r"--forced-tokens (600) must be at most 511"),
                            (["--length", "9000"], "--length 9000 is past the model's context of 8192 tokens")):
         # refused before the model loads (the heavy part)
         monkeypatch.setattr("magicpig_jax.io.loader.load_model", lambda *a, **k: pytest.fail("the model loaded"))

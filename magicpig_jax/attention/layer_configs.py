@@ -290,14 +290,15 @@ class LayerConfigs:
                 layers.append((i, cfg))
             else:
                 raise ValueError(f"layer-configs: layer {i} must be 'dense' or {{'K': .., 'L': ..}}, got {val!r}")
-        info = obj.get("info") or {}
-        if not isinstance(info, Mapping):
-            raise ValueError(f"layer-configs 'info' must be an object, got {type(info).__name__}")
+        info = obj.get("info", {})
+        if not isinstance(info, Mapping) or not all(isinstance(v, str) for v in info.values()):
+            # null, [] or 0 read as no notes, and 1 or null values as the strings "1" and "None"
+            raise ValueError(f"layer-configs 'info' must be an object of strings, got {info!r}")
         shape = obj.get("model_shape", {})
         if not isinstance(shape, Mapping):  # null, [] or 0 would switch the model check off
             raise ValueError(f"layer-configs 'model_shape' must be an object, got {shape!r}")
         shape = {str(k): _json_int(f"model_shape {k!r}", v) for k, v in shape.items()}
-        return cls(tuple(layers), tuple((str(k), str(v)) for k, v in info.items()), shape,
+        return cls(tuple(layers), tuple(info.items()), shape,
                    static=MagicPIGConfig(**common))
 
     def save(self, path: str | Path, extra: Mapping | None = None) -> Path:

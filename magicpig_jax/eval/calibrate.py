@@ -61,7 +61,7 @@ from magicpig_jax.eval.corpus import CALIBRATION_TEXT
 
 __all__ = ["main", "make_parser", "calibrate", "measure_layers", "assignments", "to_layer_configs",
            "paragraph_hashes", "check_config_for_eval", "other_model_note", "recorded_identities", "pool_ms",
-           "DEFAULT_TEXT", "DEFAULT_CANDIDATES", "COST_KINDS"]
+           "DEFAULT_TEXT", "DEFAULT_CANDIDATES", "COST_KINDS", "check_calibration_args"]
 
 DEFAULT_TEXT = CALIBRATION_TEXT  # held out of the default evaluation haystack
 DEFAULT_CANDIDATES = "8x75,9x120,10x150,11x300,12x600"
@@ -229,8 +229,6 @@ def check_config_for_eval(path: str | Path, model, settings) -> None:
 
 
 def _pairs(text: str) -> list[tuple[int, int]]:
-    from magicpig_jax.lsh import validate_k_l
-
     out = []
     for item in text.split(","):
         if not item.strip():
@@ -239,21 +237,74 @@ def _pairs(text: str) -> list[tuple[int, int]]:
             k, l_ = (int(x) for x in item.lower().split("x"))
         except ValueError as err:
             raise ValueError(f"--candidates takes KxL pairs like 10x150,11x300, got {text!r}") from err
-        from magicpig_jax.argparsing import in_flag_terms
-        from magicpig_jax.host.index import HOST_MAX_K, HOST_MAX_L
+        out.append((k, l_))
+    _check_candidates(out)
+    return out
 
-        with in_flag_terms(K=f"--candidates {k}x{l_}: K", L=f"--candidates {k}x{l_}: L"):
-            validate_k_l(k, l_)
-        if k > HOST_MAX_K:
+
+def _check_candidates(candidates) -> None:
+    """Each (K, L) a layer may take, valid for the host index, none twice, at least one."""
+    from magicpig_jax.host.index import HOST_MAX_K, HOST_MAX_L
+
+    seen = []
+    for pair in candidates:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"--candidates: each candidate must be a (K, L) pair, got {pair!r}")
+        k, l_ = pair
+        for name, v in (("K", k), ("L", l_)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"--candidates {k}x{l_}: {name} must be an int, got {type(v).__name__} {v!r}")
+        k, l_ = int(k), int(l_)
+        if not 1 <= k <= HOST_MAX_K:  # within lsh.validate_k_l's ranges
             raise ValueError(f"--candidates {k}x{l_}: K must be in [1, {HOST_MAX_K}] (the host index)")
         if not 2 <= l_ <= HOST_MAX_L:  # refused after the model load and the prefill otherwise
             raise ValueError(f"--candidates {k}x{l_}: L must be in [2, {HOST_MAX_L}] (the host index)")
-        if (k, l_) in out:  # each candidate is measured on every layer: a repeat costs a whole pass
+        if (k, l_) in seen:  # each candidate is measured on every layer: a repeat costs a whole pass
             raise ValueError(f"--candidates lists {k}x{l_} more than once")
-        out.append((k, l_))
-    if not out:
+        seen.append((k, l_))
+    if not seen:
         raise ValueError("--candidates is empty")
-    return out
+
+
+def check_calibration_args(*, kl_budget: float, length: int, forced_tokens: int, candidates, num_sink: int,
+                           num_local: int, probes: int, repeats: int, max_evals: int, cost: str,
+                           layers_per_projection: int) -> None:
+    """Refuse settings :func:`calibrate` cannot honour, before any model work (the CLI and the API share it).
+
+    Raises:
+      ValueError: a budget that is not a positive finite number, an unknown ``cost``, a size below 1,
+        ``forced_tokens`` outside ``[2, min(length - 1, LONGEST_MODELLED_DECODE)]`` (the first forced
+        token is predicted by the dense prefill; a longer decode appends generated keys to the index,
+        which neither the per-layer error nor the byte count models), a prefix no longer than the
+        static set, or an invalid candidate (K, L).
+      TypeError: a size that is not an int, or a candidate that is not an int pair.
+    """
+    from magicpig_jax.eval.cost import LONGEST_MODELLED_DECODE
+
+    if not (isinstance(kl_budget, (int, float)) and not isinstance(kl_budget, bool) and math.isfinite(kl_budget)
+            and kl_budget > 0):
+        raise ValueError(f"--kl-budget must be a positive finite number, got {kl_budget!r}")
+    if cost not in COST_KINDS:
+        raise ValueError(f"--cost must be one of {COST_KINDS}, got {cost!r}")
+    sizes = {"length": length, "forced_tokens": forced_tokens, "probes": probes, "repeats": repeats,
+             "max_evals": max_evals, "layers_per_projection": layers_per_projection}
+    for name, v in sizes.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{flag} must be an int, got {type(v).__name__} {v!r}")
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    if forced_tokens < 2:
+        raise ValueError("--forced-tokens must be >= 2: the first forced token is predicted by the dense prefill, "
+                         "so one would measure KL 0 whatever the layers")
+    if forced_tokens >= length:
+        raise ValueError(f"need --forced-tokens < --length, got {forced_tokens} and {length}")
+    if forced_tokens > LONGEST_MODELLED_DECODE:
+        raise ValueError(f"--forced-tokens ({forced_tokens}) must be at most {LONGEST_MODELLED_DECODE}: a longer "
+                         "decode appends generated keys to the index, which the per-layer error and the byte count "
+                         "do not model")
+    _check_prefix(length, forced_tokens, num_sink, num_local)
+    _check_candidates(candidates)
 
 
 @dataclasses.dataclass
@@ -514,26 +565,23 @@ def calibrate(model, text: str, kl_budget: float, *, length: int = 4096, forced_
     is False when ``max_evals`` ran out before the search converged (a note is printed).
 
     Raises:
-      ValueError: a budget <= 0, ``forced_tokens`` < 2 (the first is predicted by the dense prefill:
-        one would measure KL 0), a prefix (``length - forced_tokens``) no longer than the static
-        set (``num_sink + num_local``), a ``length`` past the model's context (``max_position_embeddings``:
-        the teacher-forced tokens are decoded after the prefix, so all ``length`` positions must
-        be in it), a text shorter than ``length`` tokens, bad sizes, or a model whose every layer
-        has a sliding window shorter than ``length`` (layers with one are kept dense).
+      ValueError: the settings :func:`check_calibration_args` refuses (a budget that is not positive
+        and finite, ``forced_tokens`` outside ``[2, 511]``, sizes below 1, a prefix
+        ``length - forced_tokens`` no longer than the static set ``num_sink + num_local``, an invalid
+        or repeated candidate, no candidate), a ``length`` past the model's context
+        (``max_position_embeddings``: the teacher-forced tokens are decoded after the prefix, so all
+        ``length`` positions must be in it), a text shorter than ``length`` tokens, or a model whose
+        every layer has a sliding window shorter than ``length`` (layers with one are kept dense).
+      TypeError: a size or candidate of the wrong type.
     """
     from magicpig_jax.attention import MagicPIGConfig
     from magicpig_jax.eval.forcing import forced_decode
     from magicpig_jax.eval.likelihood import LogitsRecorder
     from magicpig_jax.generation import cache_capacity, prefill
 
-    if not kl_budget > 0:
-        raise ValueError(f"--kl-budget must be > 0, got {kl_budget}")
-    if cost not in COST_KINDS:
-        raise ValueError(f"--cost must be one of {COST_KINDS}, got {cost!r}")
-    if not 2 <= forced_tokens < length:  # the first is predicted by the dense prefill: KL 0 whatever the layers
-        raise ValueError(f"need 2 <= --forced-tokens < --length (the first forced token is predicted by the dense "
-                         f"prefill, so one would measure KL 0), got {forced_tokens} and {length}")
-    _check_prefix(length, forced_tokens, num_sink, num_local)
+    check_calibration_args(kl_budget=kl_budget, length=length, forced_tokens=forced_tokens, candidates=candidates,
+                           num_sink=num_sink, num_local=num_local, probes=probes, repeats=repeats,
+                           max_evals=max_evals, cost=cost, layers_per_projection=layers_per_projection)
     _check_context(length, model.config.max_position_embeddings)
     base = MagicPIGConfig(num_sink=num_sink, num_local=num_local, seed=seed,
                           layers_per_projection=layers_per_projection)
@@ -662,16 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     candidates = _pairs(args.candidates)
     if not args.text.is_file():
         raise FileNotFoundError(f"--text {args.text} is not a file")
-    for name in ("length", "forced_tokens", "probes", "repeats", "max_evals", "layers_per_projection"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.forced_tokens < 2:
-        raise ValueError("--forced-tokens must be >= 2: the first forced token is predicted by the dense prefill, "
-                         "so one would measure KL 0 whatever the layers")
-    if not args.kl_budget > 0 or not math.isfinite(args.kl_budget):
-        raise ValueError(f"--kl-budget must be a positive finite number, got {args.kl_budget}")
-    if args.forced_tokens < args.length:
-        _check_prefix(args.length, args.forced_tokens, args.num_sink, args.num_local)
+    check_calibration_args(kl_budget=args.kl_budget, length=args.length, forced_tokens=args.forced_tokens,
+                           candidates=candidates, num_sink=args.num_sink, num_local=args.num_local,
+                           probes=args.probes, repeats=args.repeats, max_evals=args.max_evals, cost=args.cost,
+                           layers_per_projection=args.layers_per_projection)
     from magicpig_jax.argparsing import check_output, in_flag_terms, model_input
     from magicpig_jax.attention import MagicPIGConfig
 

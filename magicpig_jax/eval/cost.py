@@ -35,8 +35,8 @@ What the ``G`` query heads of a KV head share (the static keys, TopK's scored K,
 bounds) is counted once per KV head: the ops read it per query head, back to back, so the
 siblings' reads hit the cache (``docs/host_op.md``); what each query head selects on its own
 (sampled or kept rows) is counted per query head. The model assumes the eval's decodes, which
-never append generated keys to an index (``magicpig-jax eval`` refuses longer ones): the tokens
-generated so far belong to the static tail.
+never append generated keys to an index (``magicpig-jax eval`` and ``calibrate`` refuse longer
+ones, :data:`LONGEST_MODELLED_DECODE`): the tokens generated so far belong to the static tail.
 """
 
 from __future__ import annotations
@@ -44,7 +44,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-__all__ = ["ms_per_step", "step_bytes", "BYTE_PARTS"]
+from magicpig_jax.attention.config import GENERATION_BUFFER
+
+__all__ = ["ms_per_step", "step_bytes", "BYTE_PARTS", "LONGEST_MODELLED_DECODE"]
+
+# The most tokens a decode after one prefill may take for :func:`step_bytes` to hold: generated tokens
+# stay in the static set until 2 x GENERATION_BUFFER of them are held, then the decoder hashes them
+# into the index, which the count does not model.
+LONGEST_MODELLED_DECODE = 2 * GENERATION_BUFFER - 1
 
 BYTE_PARTS = ("k", "v", "index", "pages")
 

@@ -85,6 +85,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from magicpig_jax.eval.cost import LONGEST_MODELLED_DECODE
 from magicpig_jax.eval.methods import DEFAULT_METHODS, Method, parse_lengths, parse_method, parse_methods
 from magicpig_jax.eval.plots import write_plots
 from magicpig_jax.eval.report import finish, format_summary, summarize
@@ -284,7 +285,6 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
     if settings.tasks and settings.samples > 0:  # a length too small for a task's haystack fails its samples
         from magicpig_jax.eval.tasks import MAX_NEW_TOKENS, check_length_fits
 
-        longest = _longest_decode()
         for task in settings.tasks:  # every sample of every length: each draws its own keys and words
             new = MAX_NEW_TOKENS[task] if settings.max_new_tokens is None else settings.max_new_tokens
             for length in settings.lengths:
@@ -296,7 +296,7 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
                 for index, (prompt, prefix) in enumerate(smallest):  # setup B decodes its question part too
                     ids = prompt_ids(model, prompt, prefix)
                     question = len(ids) - question_split(model.tokenizer.decode, ids, prompt.rsplit("\n", 1)[-1])
-                    _check_decode_length(question + new, longest, f"setup B of {task} at {length} (sample "
+                    _check_decode_length(question + new, f"setup B of {task} at {length} (sample "
                                          f"{index}: {question} question tokens + {new} new tokens)")
     # a sample's prompt and its decoded tokens fill its length (RULER's sizing; the likelihood task's too)
     positions = cache_capacity(model, max(settings.lengths), 1)
@@ -309,19 +309,11 @@ def _check_before_writing(model, settings: EvalSettings, dense_layers) -> None:
                      positions)
 
 
-def _longest_decode() -> int:
-    """The most tokens an eval decodes after a prefill: longer decodes append generated keys to the host
-    indices (every 2 x GENERATION_BUFFER tokens), which the bytes-per-step count (eval.cost), holding the
-    generated tokens in the static tail, does not model."""
-    from magicpig_jax.attention.config import GENERATION_BUFFER
-
-    return 2 * GENERATION_BUFFER - 1
-
-
-def _check_decode_length(n: int, longest: int, what: str) -> None:
-    if n > longest:
-        raise ValueError(f"{what} must be at most {longest} decoded tokens: a longer decode appends generated keys "
-                         "to the index, which the bytes-per-step count does not model")
+def _check_decode_length(n: int, what: str) -> None:
+    """Refuse a decode longer than the byte count models (:data:`~magicpig_jax.eval.cost.LONGEST_MODELLED_DECODE`)."""
+    if n > LONGEST_MODELLED_DECODE:
+        raise ValueError(f"{what} must be at most {LONGEST_MODELLED_DECODE} decoded tokens: a longer decode appends "
+                         "generated keys to the index, which the bytes-per-step count does not model")
 
 
 def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
@@ -348,10 +340,9 @@ def _check_likelihood_and_answers(model, settings: EvalSettings) -> None:
         # the corpus must hold the longest sample (the same text the run builds; a short FILE fails here)
         make_likelihood_sample(document_encoder(model.tokenizer), max(settings.lengths), 0, seed=settings.seed,
                                haystack=settings.haystack, forced=forced)
-    longest = _longest_decode()
     for name, n in (("--likelihood-tokens", forced if n_lik > 0 else 0),  # None: each task's own (short) answer
                     ("--max-new-tokens", (settings.max_new_tokens or 0) if settings.tasks else 0)):
-        _check_decode_length(n, longest, f"{name} ({n})")
+        _check_decode_length(n, f"{name} ({n})")
     if sparse and settings.tasks and "A" in settings.setups and settings.max_new_tokens == 1:
         raise ValueError("--max-new-tokens 1 with setup A: the answer's only token comes from the dense prefill, so "
                          "every sparse method would answer as dense; use >= 2 or --setups B")
@@ -453,7 +444,7 @@ class _Loop:
         split = len(ids) if setup == "A" else question_split(model.tokenizer.decode, ids, sample.question)
         prefix, forced = ids[:split], ids[split:]
         # checked for every sample before the run (_check_before_writing); the full haystack's tokens here
-        _check_decode_length(len(forced) + new, _longest_decode(),
+        _check_decode_length(len(forced) + new,
                              f"setup {setup} of {task} at {length} (sample {index}: {len(forced)} question tokens + "
                              f"{new} new tokens)")
         # capacity = round_up(length): every sample of a length shares the jit compilations
