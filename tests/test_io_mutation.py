@@ -238,7 +238,7 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
     assert checkpoint.save_checkpoint(out, config, weights, tok, freq) == out.absolute()
     assert checkpoint.is_checkpoint(str(out)) and (out / checkpoint.MARKER).is_file()
     meta = json.loads((out / checkpoint.MARKER).read_text())
-    assert meta["format_version"] == 5 and "source_sha1" not in meta  # recorded only when given (convert)
+    assert meta["format_version"] == 6 and "source_sha1" not in meta  # recorded only when given (convert)
     with pytest.raises(TypeError, match="source_sha1 must be a str"):
         checkpoint.save_checkpoint(tmp_path / "typed", config, weights, tok, source_sha1=5)
     assert checkpoint.read_checkpoint_config(out) == config
@@ -299,11 +299,11 @@ def test_checkpoint_round_trip_defaults_and_messages(tmp_path):
     assert freq3 is None and sorted(got) == ["w"]
     assert (tok3.chat_template, tok3.eos_token_ids, tok3.bos_token_id, tok3.eos_token_id, tok3.add_bos_token,
             tok3.add_eos_token) == (None, (), None, None, False, False)
-    meta["format_version"] = 6
+    meta["format_version"] = 7
     (bare / checkpoint.MARKER).write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 6 in {bare.absolute()}")):
+    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 7 in {bare.absolute()}")):
         checkpoint.read_checkpoint(bare)
-    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 6 in {bare.absolute()}")):
+    with pytest.raises(ValueError, match=_exact(f"unsupported checkpoint format_version 7 in {bare.absolute()}")):
         checkpoint.read_checkpoint_config(bare)
     with pytest.raises(FileNotFoundError, match=_exact(f"{tmp_path.absolute()} is not a magicpig_jax checkpoint (no "
                                                        "magicpig_model.json)")):
@@ -368,7 +368,7 @@ def test_checkpoint_damage_is_refused_and_conversions_touch_only_their_own_files
 
     cases = [
         (damaged("nobos", lambda m: m.pop("add_bos_token")),
-         "lacks the keys ['add_bos_token'], which format_version 5"),
+         "lacks the keys ['add_bos_token'], which format_version 6"),
         (damaged("true", lambda m: m.update(format_version=True)), "unsupported checkpoint format_version True"),
         (damaged("eos", lambda m: m.update(eos_token_ids=[2, 10**9])), "'eos_token_ids' [2, 1000000000] has ids "
                                                                       f"outside the model's vocabulary [0, {vocab})"),
@@ -408,6 +408,72 @@ def test_checkpoint_damage_is_refused_and_conversions_touch_only_their_own_files
     with pytest.raises(ValueError, match=re.escape(f"weight {key.replace('/', '.')} is int32, but checkpoints hold "
                                                    "float32 or uint8")):
         load_model(retyped)
+
+
+
+def test_every_byte_of_a_checkpoint_is_checked_and_names_round_trip(tmp_path):
+    """Format 6 records a CRC-32 of every weight byte and a SHA-256 of tokenizer.json: the sampled
+    weights_sha1 (64 pieces of 4 KiB per array) let a byte between its pieces through (a fresh
+    reviewer flipped bytes of the embedded model's store: logits off by up to 44.7, loaded without a
+    word) and tokenizer.json was never checked. A weight name that does not come back as itself
+    ('/', an empty part, 'rope_freqs': the RoPE factors' key) is refused when saving. A version-4 file
+    lacking a key that version always wrote, a null nope_layers and an OUT name too long for its
+    partial directory are refused, named."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from magicpig_jax.io import checkpoint
+    from magicpig_jax.io.digest import array_digest
+    from magicpig_jax.io.hf_model import read_hf_dir
+    from magicpig_jax.io.tokenizer import Tokenizer
+
+    family = Path(__file__).parent / "fixtures" / "families" / "llama3"
+    config, _ = read_hf_dir(family)
+    tok = Tokenizer.from_hf_dir(family)
+    w = np.random.default_rng(0).normal(size=(512, 1024)).astype(np.float32)  # 2 MiB: sampled, not read whole
+    out = checkpoint.save_checkpoint(tmp_path / "ck", config, {"w": w}, tok)
+    checkpoint.read_checkpoint(out)
+    with ocp.StandardCheckpointer() as ckpt:
+        tree = {k: np.asarray(v) for k, v in ckpt.restore(out / "weights").items()}
+    changed = dict(tree, w=tree["w"].copy())
+    changed["w"].reshape(-1)[(4096 + 100) // 4] += 1.0  # a byte between the first two sampled pieces
+    assert array_digest(changed) == array_digest(tree)  # the sampled digest cannot see it
+    shutil.rmtree(out / "weights")
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(out / "weights", changed)
+    with pytest.raises(ValueError, match=r"records the checksum weights_crc32 [0-9a-f]{8}, but its weights give "
+                                         r"[0-9a-f]{8}: damaged or replaced"):
+        checkpoint.read_checkpoint(out)
+    tok_out = checkpoint.save_checkpoint(tmp_path / "tok", config, {"w": w}, tok)
+    text = json.loads((tok_out / "tokenizer.json").read_text())
+    (tok_out / "tokenizer.json").write_text(json.dumps(text, indent=3))  # the same tokenizer, other bytes
+    with pytest.raises(ValueError, match="records the checksum tokenizer.json [0-9a-f]{64}, but its tokenizer.json"):
+        checkpoint.read_checkpoint(tok_out)
+    for name in ("rope_freqs", "model/norm/weight", "model..norm", "model.norm.weight.", ""):
+        with pytest.raises(ValueError, match=f"weight {re.escape(repr(name))} cannot be stored in a checkpoint"):
+            checkpoint.save_checkpoint(tmp_path / "names", config, {name: w[:2]}, tok)
+    assert not (tmp_path / "names").exists()
+    # a version-4 file lacking add_bos_token (a default would stand in); without the keys 5 and 6 added: read
+    v4 = checkpoint.save_checkpoint(tmp_path / "v4", config, {"w": w[:2]}, tok)
+    meta = json.loads((v4 / checkpoint.MARKER).read_text())
+    meta = {k: v for k, v in meta.items() if k not in ("chat_templates", "checksums")} | {"format_version": 4}
+    (v4 / checkpoint.MARKER).write_text(json.dumps(meta))
+    checkpoint.read_checkpoint(v4)
+    (v4 / checkpoint.MARKER).write_text(json.dumps({k: v for k, v in meta.items() if k != "add_bos_token"}))
+    with pytest.raises(ValueError, match=re.escape("lacks the keys ['add_bos_token'], which format_version 4 always "
+                                                   "writes")):
+        checkpoint.read_checkpoint(v4)
+    for key, value in (("nope_layers", None), ("nope_layers", 5), ("sliding_layers", 5)):
+        (v4 / checkpoint.MARKER).write_text(json.dumps({**meta, "config": {**meta["config"], key: value}}))
+        with pytest.raises(ValueError, match=re.escape(f"config '{key}' must be a list of layer indices")):
+            checkpoint.read_checkpoint_config(v4)
+    with pytest.raises(ValueError, match="NAME may have at most 237 bytes here"):
+        checkpoint.check_out_free(tmp_path / ("x" * 238))
+    assert checkpoint.check_out_free(tmp_path / ("x" * 237)) == (tmp_path / ("x" * 237)).absolute()
 
 
 # -- tokenizer -------------------------------------------------------------------------------------

@@ -35,11 +35,19 @@ MARKER = "magicpig_model.json"
 # (both still readable, except a model with a sliding window: which layers it covers is not recorded);
 # 3: without ``source_sha1`` (4 adds it: a version before 4 refuses the key, so it says so by the version);
 # 4: without ``chat_templates`` (a model's named chat templates; 5 adds them)
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# 5: without ``checksums`` (a CRC-32 of every byte of the weights and a SHA-256 of tokenizer.json; 6 adds
+# them: ``weights_sha1`` samples pieces of each array, so a byte changed between them went unseen)
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 # The keys of MARKER that _write_checkpoint writes (earlier versions wrote a subset).
 _META_KEYS = ("format_version", "config", "chat_template", "eos_token_ids", "bos_token_id", "eos_token_id",
-              "add_bos_token", "add_eos_token", "template_tokens", "weights_sha1", "source_sha1", "chat_templates")
+              "add_bos_token", "add_eos_token", "template_tokens", "weights_sha1", "source_sha1", "chat_templates",
+              "checksums")
+# The version that first wrote each key (the others: 4 or earlier). From version 4 on every writer wrote
+# every key of its version (source_sha1 only when given) and every LlamaConfig field, so a file of
+# version 4 or later lacking one is edited or damaged: a default would stand in for what the model had.
+_KEY_SINCE = {"chat_templates": 5, "checksums": 6}
+_COMPLETE_SINCE = 4
 
 
 def is_checkpoint(path: str | Path) -> bool:
@@ -109,10 +117,23 @@ def check_out_free(out: str | Path) -> Path:
     Raises:
       FileExistsError: ``out`` already holds a checkpoint, or is not an empty directory (naming a
         leftover of an interrupted conversion inside it).
+      ValueError: ``out``'s name is too long for the file system once the partial directory's
+        affixes are added.
     """
     out = Path(out).absolute()
     if is_checkpoint(out):
         raise FileExistsError(f"{out} already holds a checkpoint; choose another OUT or remove it")
+    # the conversion writes into '.{name}.XXXXXXXX.partial' first (save_checkpoint): its name must fit too
+    folder = out if out.is_dir() else out.parent
+    try:
+        name_max = os.pathconf(folder, "PC_NAME_MAX") if folder.is_dir() else 255
+    except (OSError, ValueError):
+        name_max = 255
+    extra = len(".") + len(".XXXXXXXX.partial")
+    if len(os.fsencode(out.name)) + extra > name_max:
+        raise ValueError(f"OUT's name {out.name[:40]!r}... is {len(os.fsencode(out.name))} bytes: the conversion "
+                         f"writes into a directory named '.NAME.XXXXXXXX.partial' first, so NAME may have at most "
+                         f"{name_max - extra} bytes here")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         left = [p.name for p in leftover_partials(out) if p.parent == out]
         hint = f" (it holds {left[0]}, from an interrupted conversion: remove it)" if left else ""
@@ -180,6 +201,14 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
                       source_sha1: str | None = None) -> None:
     import orbax.checkpoint as ocp
 
+    for k in weights:
+        # orbax's nested keys are the name's "."-separated parts (read back with "." again), and
+        # "rope_freqs" holds the RoPE frequency factors: a name with "/", an empty part or that name
+        # would come back as another weight, or as the factors (two names on one key: one dropped)
+        if not isinstance(k, str) or not re.fullmatch(r"[^./]+(\.[^./]+)*", k) or k == "rope_freqs":
+            raise ValueError(f"weight {k!r} cannot be stored in a checkpoint: a weight's name is non-empty "
+                             "'.'-separated parts without '/', and 'rope_freqs' names the RoPE frequency factors "
+                             "(a tensor the model does not use?)")
     # float weights as float32; raw GGUF blocks (uint8, see io.gguf_model.packed_key) as they are
     tree = {k.replace(".", "/"): np.asarray(v, np.uint8 if np.asarray(v).dtype == np.uint8 else np.float32)
             for k, v in weights.items()}
@@ -190,7 +219,9 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
     tokenizer.backend.save(str(out / "tokenizer.json"))
     # orbax's files differ between two saves of the same arrays (random names, timestamps): this
     # names the weights for eval's model_sha1 (eval.settings.model_digest)
-    from magicpig_jax.io.digest import array_digest
+    import hashlib
+
+    from magicpig_jax.io.digest import array_checksum, array_digest
 
     meta = {
         "format_version": FORMAT_VERSION,
@@ -207,6 +238,9 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
         # the model it was converted from (io.digest.weights_identity), so that a file calibrated on
         # that model is known to fit this one (eval.calibrate.other_model_note)
         **({"source_sha1": source_sha1} if source_sha1 is not None else {}),
+        # integrity: every byte of the weights (read_checkpoint checks it) and of tokenizer.json
+        "checksums": {"weights_crc32": array_checksum(tree),
+                      "tokenizer.json": hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()},
     }
     (out / MARKER).write_text(json.dumps(meta, indent=1))
 
@@ -229,13 +263,14 @@ def _read_meta(path: Path) -> dict:
         raise ValueError(f"checkpoint {path}: its config has fields {unknown} that LlamaConfig does not have "
                          "(written by another version? convert the model again)")
     missing = sorted(fields - set(meta["config"]))
-    if missing and meta["format_version"] == FORMAT_VERSION:  # this version writes every field
+    if missing and version >= _COMPLETE_SINCE:  # these versions write every field
         raise ValueError(f"checkpoint {path}: its config lacks the fields {missing} (a default would stand in for "
                          "what the model had); convert the model again")
-    missing = sorted(set(_META_KEYS) - set(meta) - {"source_sha1"})
-    if missing and version == FORMAT_VERSION:  # this version writes them all: a default would stand in
+    written = {k for k in _META_KEYS if _KEY_SINCE.get(k, _COMPLETE_SINCE) <= version} - {"source_sha1"}
+    missing = sorted(written - set(meta))
+    if missing and version >= _COMPLETE_SINCE:  # these versions write them all: a default would stand in
         raise ValueError(f"checkpoint {path}: {MARKER} lacks the keys {missing}, which format_version "
-                         f"{FORMAT_VERSION} always writes (edited or damaged); convert the model again")
+                         f"{version} always writes (edited or damaged); convert the model again")
     _check_meta_types(path, meta)
     return meta
 
@@ -259,7 +294,10 @@ def _check_meta_types(path: Path, meta: dict) -> None:
                   k in TEMPLATE_TOKEN_NAMES and isinstance(t, str) for k, t in v.items()),
                   f"an object mapping some of {', '.join(TEMPLATE_TOKEN_NAMES)} to token texts"),
               "weights_sha1": (lambda v: isinstance(v, str), "a string"),
-              "source_sha1": (lambda v: isinstance(v, str), "a string")}
+              "source_sha1": (lambda v: isinstance(v, str), "a string"),
+              "checksums": (lambda v: isinstance(v, dict) and set(v) == {"weights_crc32", "tokenizer.json"}
+                            and all(isinstance(x, str) for x in v.values()),
+                            "an object of the strings 'weights_crc32' and 'tokenizer.json'")}
     for key, (ok, allowed) in checks.items():
         if key in meta and not ok(meta[key]):
             raise ValueError(f"checkpoint {path}: {MARKER} '{key}' must be {allowed}, got {meta[key]!r}")
@@ -269,6 +307,11 @@ def _check_meta_types(path: Path, meta: dict) -> None:
             isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in scaling)):
         raise ValueError(f"checkpoint {path}: {MARKER} config 'rope_scaling' must be a list of [key, value] "
                          f"pairs or null, got {scaling!r}")
+    for key, nullable in (("sliding_layers", True), ("nope_layers", False)):
+        v = cfg.get(key, [])
+        if not ((nullable and v is None) or (isinstance(v, list) and all(token_id(i) for i in v))):
+            allowed = "a list of layer indices" + (" or null" if nullable else "")
+            raise ValueError(f"checkpoint {path}: {MARKER} config '{key}' must be {allowed}, got {v!r}")
     ids = cfg.get("eos_token_ids", [])
     if not (isinstance(ids, list) and all(map(token_id, ids))):
         raise ValueError(f"checkpoint {path}: {MARKER} config 'eos_token_ids' must be a list of token ids, "
@@ -339,9 +382,11 @@ def read_checkpoint(path: str | Path):
 
     Raises:
       FileNotFoundError: not a checkpoint directory.
-      ValueError: an unknown format version; a current-version file lacking a key it always writes;
-        token ids outside the vocabulary; a damaged weights store; a weight of a dtype the writer
-        does not write; weights that do not match the recorded ``weights_sha1``.
+      ValueError: an unknown format version; a file of version 4 or later lacking a key or config
+        field its version always writes; token ids outside the
+        vocabulary; a damaged weights store; a weight of a dtype the writer does not write; weights
+        or a tokenizer.json that do not match the recorded ``checksums`` (format 6: every byte), or
+        weights that do not match the recorded ``weights_sha1`` (sampled pieces).
     """
     import orbax.checkpoint as ocp
 
@@ -369,6 +414,20 @@ def read_checkpoint(path: str | Path):
                          "convert the model again") from None
     sys.unraisablehook = previous  # kept after a failure: the reads still pending report later
     _check_weight_dtypes(path, tree)
+    if "checksums" in meta:
+        import hashlib
+
+        from magicpig_jax.io.digest import array_checksum
+
+        found = {"weights_crc32": lambda: array_checksum({k: np.asarray(v) for k, v in tree.items()}),
+                 # (a missing file is named by read_tokenizer_json below)
+                 "tokenizer.json": lambda: hashlib.sha256((path / "tokenizer.json").read_bytes()).hexdigest()
+                 if (path / "tokenizer.json").is_file() else meta["checksums"]["tokenizer.json"]}
+        for key, recorded in meta["checksums"].items():
+            if (got := found[key]()) != recorded:
+                what = "weights" if key == "weights_crc32" else "tokenizer.json"
+                raise ValueError(f"checkpoint {path}: {MARKER} records the checksum {key} {recorded}, but its {what} "
+                                 f"give {got}: damaged or replaced; convert the model again")
     if "weights_sha1" in meta:
         from magicpig_jax.io.digest import array_digest
 
