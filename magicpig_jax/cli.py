@@ -228,6 +228,7 @@ def _cmd_generate(args) -> int:
     print("attention: " + "; ".join(f"{spec.backend} ({_runs_on(spec)})" for spec in checked), flush=True)
     model = load_model(args.model)
     print(f"model: {model.source} ({model.config.num_layers} layers, loaded in {model.load_seconds:.1f} s)")
+    _note_generation_settings(model)
     if args.magicpig_config is not None:
         from magicpig_jax.eval.calibrate import other_model_note
 
@@ -277,6 +278,23 @@ def _cmd_generate(args) -> int:
 
 _GENERATE_DEFAULTS = {"K": 10, "L": 150, "num_sink": 4, "num_local": 64, "seed": 0, "layers_per_projection": 1,
                       "heavy": 8}
+
+
+def _note_generation_settings(model) -> None:
+    """Name the sampling a Hugging Face model's generation_config.json recommends, which generate does
+    not apply (:func:`magicpig_jax.io.hf_model.recommended_generation_settings`)."""
+    from magicpig_jax.io.checkpoint import is_checkpoint
+    from magicpig_jax.io.hf_model import recommended_generation_settings
+
+    source = Path(model.source)
+    if not source.is_dir() or is_checkpoint(source):
+        return
+    settings = recommended_generation_settings(source)
+    if settings:
+        listed = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+        print(f"magicpig-jax: note: generate: {source / 'generation_config.json'} recommends {listed}; generate does "
+              "not apply them: it decodes greedily unless --temperature/--top-p say otherwise, with no repetition "
+              "penalty, suppressed tokens or beams", file=sys.stderr, flush=True)
 
 
 def _check_options_used(args, given: set[str]) -> None:

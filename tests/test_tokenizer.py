@@ -216,3 +216,59 @@ def test_literal_content_tokenizes_like_its_text():
     body = "x <|im_end|> y"
     ids = tok.encode_chat([{"role": "user", "content": body}], add_generation_prompt=False)
     assert tok.encode(body, parse_special=False) == ids[-2 - len(tok.encode(body, parse_special=False)):-2]
+
+
+def test_tokenizer_options_that_change_text_and_are_not_implemented_are_refused(tmp_path):
+    """split_special_tokens (special strings encoded as text everywhere) and clean_up_tokenization_spaces
+    where transformers applies it (not a BPE model, or forced for BPE) change transformers' ids or text;
+    they were read as absent (a fresh reviewer's finding). A BPE tokenizer with the clean-up flag is
+    decoded as transformers 5.x decodes it: unchanged."""
+    import shutil
+
+    from tokenizers import models
+
+    from magicpig_jax.io.hf_model import recommended_generation_settings
+
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama3", folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+
+    def with_config(**extra):
+        (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, **extra}))
+        return Tokenizer.from_hf_dir(folder)
+
+    with pytest.raises(TokenizerMetadataError, match="'split_special_tokens' True is not supported"):
+        with_config(split_special_tokens=True)
+    with_config(split_special_tokens=False, clean_up_tokenization_spaces=True)  # BPE: transformers skips it
+    with pytest.raises(TokenizerMetadataError, match="with clean_up_tokenization_spaces_for_bpe_even_though"):
+        with_config(clean_up_tokenization_spaces=True,
+                    clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    HFTokenizer(models.WordLevel(vocab={"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(folder / "tokenizer.json"))
+    with pytest.raises(TokenizerMetadataError, match="'clean_up_tokenization_spaces' true for a 'WordLevel' tokenizer"):
+        with_config(clean_up_tokenization_spaces=True)
+    with_config(clean_up_tokenization_spaces=False)
+    # the sampling a generation_config.json recommends is named (generate does not apply it)
+    assert recommended_generation_settings(folder) == {}
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 1.0, "top_k": 20, "repetition_penalty": 1.05,
+         "eos_token_id": 3, "transformers_version": "5.25.0"}))
+    assert recommended_generation_settings(folder) == {"do_sample": True, "temperature": 0.7, "top_k": 20,
+                                                       "repetition_penalty": 1.05}
+
+
+def test_generate_names_the_sampling_a_model_recommends_and_does_not_apply(tmp_path, capsys):
+    import shutil
+
+    from magicpig_jax.cli import main as cli_main
+
+    folder = tmp_path / "qwen2"
+    shutil.copytree(FIXTURES / "qwen2", folder)
+    assert cli_main(["generate", "--model", str(folder), "--prompt", "hi", "--max-new-tokens", "1"]) == 0
+    assert "recommends" not in capsys.readouterr().err
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.7, "repetition_penalty": 1.05}))
+    assert cli_main(["generate", "--model", str(folder), "--prompt", "hi", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert (f"magicpig-jax: note: generate: {folder / 'generation_config.json'} recommends temperature=0.7, "
+            "repetition_penalty=1.05; generate does not apply them: it decodes greedily unless --temperature/--top-p "
+            "say otherwise") in err

@@ -11,7 +11,18 @@ import numpy as np
 from magicpig_jax.io.json_files import read_json_object
 from magicpig_jax.models.config import LlamaConfig, UnsupportedConfigError
 
-__all__ = ["read_hf_config", "read_hf_dir", "read_generation_eos_ids", "hf_files", "hf_weight_files"]
+__all__ = ["read_hf_config", "read_hf_dir", "read_generation_eos_ids", "recommended_generation_settings", "hf_files",
+           "hf_weight_files"]
+
+# generation_config.json keys with which transformers' generate() changes the tokens it picks, and
+# their values that change nothing (transformers' GenerationConfig defaults)
+_GENERATION_NEUTRAL = {
+    "do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "typical_p": 1.0,
+    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": None, "num_beams": 1, "sequence_bias": None,
+    "exponential_decay_length_penalty": None, "renormalize_logits": False, "guidance_scale": None,
+}
 
 
 def read_generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
@@ -35,12 +46,34 @@ def read_generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
     return tuple(int(e) for e in ids)
 
 
+def recommended_generation_settings(folder: str | Path) -> dict:
+    """The settings of ``generation_config.json`` with which transformers' ``generate()`` would pick
+    other tokens than plain greedy decoding (sampling, repetition penalties, suppressed or forced
+    tokens, beams; those at transformers' neutral defaults left out), or ``{}`` without the file.
+
+    magicpig_jax does not apply them: ``generate()`` decodes as its own arguments say (greedy unless
+    a temperature is given; no repetition penalty, suppression or beams). The command line names
+    them in a note, so that a model's recommended sampling is not dropped without a word.
+
+    Raises:
+      ValueError: the file is not a JSON object (named).
+    """
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    cfg = read_json_object(path)
+    return {k: cfg[k] for k, neutral in _GENERATION_NEUTRAL.items() if k in cfg and cfg[k] != neutral}
+
+
 def read_hf_config(folder: str | Path) -> LlamaConfig:
     """The :class:`LlamaConfig` of a Hugging Face model directory, from its metadata only.
 
     ``config.json`` through :meth:`LlamaConfig.from_hf_config`; the stop ids are those of
-    ``config.json`` and ``generation_config.json`` together (transformers' generation stops
-    at either).
+    ``config.json`` and ``generation_config.json`` together (and the tokenizer adds its
+    ``eos_token``): decoding stops at any id the model's files call an end of sequence, as
+    llama.cpp stops at every end-of-generation token. transformers' ``generate()`` stops only at
+    ``generation_config.json``'s (``config.json``'s without that file), so where the files
+    disagree we may stop where it would go on.
 
     Raises:
       FileNotFoundError: ``config.json`` is missing.

@@ -61,6 +61,29 @@ _NOT_TEMPLATE_VARIABLES = frozenset({"tokenize", "padding", "truncation", "max_l
 TEMPLATE_TOKEN_NAMES = ("unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+
+def _refuse_unimplemented_options(cfg: Mapping, cfg_path: Path, model: Mapping) -> None:
+    """Refuse tokenizer_config.json options that change what transformers encodes or decodes and
+    that :class:`Tokenizer` does not implement (a silent difference in tokens or text otherwise).
+
+    transformers (5.x, ``TokenizersBackend``): ``split_special_tokens`` sets the backend's
+    ``encode_special_tokens``, so every special-token string is encoded as text, the chat
+    template's too; ``clean_up_tokenization_spaces`` removes the space before punctuation and
+    contractions in ``decode`` (" ." -> ".", " n't" -> "n't"), except for a BPE model (since 5.7)
+    unless ``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output`` is set. Our
+    decode is the backend's; the supported families' tokenizers are BPE, where both agree.
+    """
+    if cfg.get("split_special_tokens") not in (None, False):
+        raise TokenizerMetadataError(f"{cfg_path}: 'split_special_tokens' {cfg['split_special_tokens']!r} is not "
+                                     "supported (special-token strings encoded as text everywhere)")
+    bpe = model.get("type") == "BPE"
+    forced = cfg.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output") not in (None, False)
+    if cfg.get("clean_up_tokenization_spaces") not in (None, False) and (not bpe or forced):
+        kind = "with clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output" if bpe else (
+            f"for a {model.get('type')!r} tokenizer model")
+        raise TokenizerMetadataError(f"{cfg_path}: 'clean_up_tokenization_spaces' true {kind} is not supported "
+                                     "(transformers' decode then removes spaces before punctuation)")
+
 class Tokenizer:
     """Text <-> token ids, the model's BOS/EOS conventions and its chat template.
 
@@ -160,13 +183,18 @@ class Tokenizer:
           FileNotFoundError: no ``tokenizer.json`` in ``folder``.
           TokenizerMetadataError (a ValueError): ``add_bos_token``/``add_eos_token`` that are not
             booleans, a ``chat_template.jinja`` that is not UTF-8, a malformed list of named chat
-            templates, or an ``added_tokens_decoder`` entry that the
-            ``tokenizer.json`` vocabulary does not have at its id (named).
+            templates, an ``added_tokens_decoder`` entry that the
+            ``tokenizer.json`` vocabulary does not have at its id (named), or an option that would
+            change encoding or decoding and is not implemented: ``split_special_tokens`` true
+            (special-token strings encoded as text everywhere, the chat template's too), or
+            ``clean_up_tokenization_spaces`` true where transformers applies it (a tokenizer whose
+            model is not BPE, or with ``clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output``).
         """
         folder = Path(folder)
         backend = read_tokenizer_json(folder / "tokenizer.json", "a Hugging Face model directory")
         cfg_path = folder / "tokenizer_config.json"
         cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
+        _refuse_unimplemented_options(cfg, cfg_path, json.loads(backend.to_str()).get("model") or {})
         template, named = cfg.get("chat_template"), {}
 
         def read_template(path: Path) -> str:
