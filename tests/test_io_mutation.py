@@ -660,3 +660,44 @@ def test_leftover_partials_match_mkdtemps_names_of_that_out_only(tmp_path):
     for other in (".m.v2.abcdefgh.partial", ".mx.abcdefgh.partial", ".m.abc.partial", ".m.abcdefgh.partial.x"):
         (tmp_path / other).mkdir()
     assert leftover_partials(tmp_path / "m") == [] and leftover_partials(tmp_path / "m?") == []
+
+
+def test_a_failed_weights_write_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk made orbax's save log the failure from each of its threads (hundreds of lines of
+    tracebacks) and its pending writes create the partial directory's folders again after the cleanup
+    (a fresh reviewer's finding, converting onto a 100 KiB tmpfs). The failure is now one OSError line,
+    and the partial directory is removed until it stays gone."""
+    import logging
+    import threading
+    import time
+    from pathlib import Path
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from magicpig_jax.io import checkpoint
+    from magicpig_jax.io.hf_model import read_hf_dir
+    from magicpig_jax.io.tokenizer import Tokenizer
+
+    family = Path(__file__).parent / "fixtures" / "families" / "llama3"
+    config, _ = read_hf_dir(family)
+    tok = Tokenizer.from_hf_dir(family)
+
+    def failing_save(self, directory, tree, *args, **kwargs):
+        logging.getLogger("absl").error("a thread's report of the failure")
+        late = Path(directory).parent / "weights.orbax-checkpoint-tmp" / "ocdbt.process_0" / "d"
+
+        def recreate():  # a write still in flight after the error
+            time.sleep(0.2)
+            late.mkdir(parents=True, exist_ok=True)
+
+        threading.Thread(target=recreate).start()
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing "w/0.0": No space left on device\nsecond line')
+
+    monkeypatch.setattr(ocp.StandardCheckpointer, "save", failing_save)
+    with pytest.raises(OSError, match=r"^writing the checkpoint's weights failed: RESOURCE_EXHAUSTED: Error writing "
+                                      r"\"w/0.0\": No space left on device$"):
+        checkpoint.save_checkpoint(tmp_path / "full", config, {"w": np.ones((2, 2), np.float32)}, tok)
+    time.sleep(0.3)
+    assert list(tmp_path.iterdir()) == []
+    assert logging.getLogger("absl").level != logging.CRITICAL  # the logger's level is given back

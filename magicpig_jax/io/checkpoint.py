@@ -163,9 +163,9 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
     Raises:
       FileExistsError: ``out`` already holds a checkpoint, or is not an empty directory.
       TypeError: ``source_sha1`` is neither a str nor None.
+      OSError: writing failed (a full disk, say; one line, and nothing is left behind).
       what ``verify`` raises.
     """
-    import shutil
 
     if source_sha1 is not None and not isinstance(source_sha1, str):
         raise TypeError(f"source_sha1 must be a str (io.digest.weights_identity) or None, got {source_sha1!r}")
@@ -192,9 +192,28 @@ def save_checkpoint(out: str | Path, config: LlamaConfig, weights: dict[str, np.
         else:
             partial.rename(out)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove(partial)
         raise
     return out
+
+
+def _remove(folder: Path, seconds: float = 5.0, quiet: float = 1.0) -> None:
+    """Remove ``folder`` until it has stayed absent for ``quiet`` seconds (at most ``seconds``): after a
+    failed write, orbax's pending writes create its folders again for a moment."""
+    import shutil
+    import time
+
+    deadline = time.monotonic() + seconds
+    absent_since = None
+    while time.monotonic() < deadline:
+        shutil.rmtree(folder, ignore_errors=True)
+        if folder.exists():
+            absent_since = None
+        elif absent_since is None:
+            absent_since = time.monotonic()
+        elif time.monotonic() - absent_since >= quiet:
+            return
+        time.sleep(0.05)
 
 
 def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, freq_factors,
@@ -214,8 +233,23 @@ def _write_checkpoint(out: Path, config: LlamaConfig, weights: dict, tokenizer, 
             for k, v in weights.items()}
     if freq_factors is not None:
         tree["rope_freqs"] = np.asarray(freq_factors, np.float32)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(out / "weights", tree)
+    # A failed write (a full disk) is raised once, as one line: orbax also logs it through absl from each
+    # of its threads, with tracebacks, and its pending writes report into its closed event loop
+    import logging
+
+    absl = logging.getLogger("absl")
+    level = absl.level
+    previous = _quiet_closed_loop_reports()
+    absl.setLevel(logging.CRITICAL)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(out / "weights", tree)
+    except (OSError, ValueError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(f"writing the checkpoint's weights failed: {first[:300]}") from None
+    finally:
+        absl.setLevel(level)
+    sys.unraisablehook = previous  # kept after a failure: the writes still pending report later
     tokenizer.backend.save(str(out / "tokenizer.json"))
     # orbax's files differ between two saves of the same arrays (random names, timestamps): this
     # names the weights for eval's model_sha1 (eval.settings.model_digest)
