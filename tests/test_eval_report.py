@@ -418,3 +418,20 @@ def test_an_infinite_kl_gives_no_interval_and_no_verdict():
     s = summarize(records, settings)[1024]["magicpig:10x150"]
     assert s["kl"] == math.inf and all(math.isnan(x) for x in s["kl_ci"])
     assert all(math.isnan(x) for x in s["kl_minus_topk"])
+
+
+def test_the_task_heading_gives_the_prompts_real_lengths():
+    """A haystack grows by whole sentences, so a 1K sample's prompt may fill only 85% of it (a fresh
+    reviewer's count); the heading gives the shortest and longest whole prompt (setup B: the document
+    plus its decoded question part), and the summary records them."""
+    settings = EvalSettings(tasks=["niah_single"], lengths=[1024], samples=2, methods=parse_methods("dense"),
+                            likelihood_samples=0, setups=["A", "B"])
+    records = [_rec("task", "dense", 0, score=1.0, prompt_tokens=871),
+               _rec("task", "dense", 1, score=1.0, prompt_tokens=1003),
+               *[_rec("task", "dense", i, setup="B", score=1.0, prompt_tokens=n - 40, question_tokens=40)
+                 for i, n in enumerate((871, 1003))]]
+    s = summarize(records, settings)
+    assert s[1024]["dense"]["tasks"]["B"]["prompt_tokens_range"] == [871, 1003]
+    text = format_summary(s, settings)
+    assert "#### Tasks, setup A (2 samples per task; prompts of 871–1003 tokens before the answer)" in text
+    assert "#### Tasks, setup B (2 samples per task; prompts of 871–1003 tokens before the answer)" in text

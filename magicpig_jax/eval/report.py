@@ -117,7 +117,15 @@ def _task_entry(task_recs: list[dict], dense_recs: list[dict], tasks: list[str])
         "ms_per_step": _mean([r.get("ms_per_step") for r in task_recs]),
         "ms_per_step_ci": _ci([r.get("ms_per_step") for r in task_recs]),
         "bytes_per_step": b_total, "bytes_per_step_parts": b_parts,
+        # the whole prompt (setup B: the document plus its decoded question part): the haystack grows by
+        # whole sentences, so a prompt may fall short of the length less the answer's tokens
+        "prompt_tokens_range": _range([r["prompt_tokens"] + (r.get("question_tokens") or 0) for r in task_recs
+                                       if r.get("prompt_tokens") is not None]),
     }
+
+
+def _range(xs: list[int]) -> list[int] | None:
+    return [min(xs), max(xs)] if xs else None
 
 
 def topk_reference(settings: EvalSettings) -> str | None:
@@ -246,7 +254,8 @@ def summarize(records: Sequence[dict], settings: EvalSettings) -> dict:
     ``samples``, ``diff_vs_dense`` ``[mean, low, high]`` of the paired score difference (its
     interval's method in ``diff_ci_method``: ``"newcombe"`` or ``"newcombe-mean"``),
     ``mean_accuracy`` (+ ``_ci``), ``needle_accuracy`` (+ ``_ci``, the NIAH tasks), ``cost``,
-    ``ms_per_step`` (+ ``_ci``), ``bytes_per_step`` (+ ``_parts``)); from the likelihood
+    ``ms_per_step`` (+ ``_ci``), ``bytes_per_step`` (+ ``_parts``), ``prompt_tokens_range`` (the
+    shortest and longest whole prompt, question included)); from the likelihood
     documents ``kl``, ``nll``, ``top1`` (each + ``_ci``: means over the documents), ``ppl`` (+ ``_ci``:
     ``exp`` of the mean NLL, the perplexity of all their tokens), ``kl_minus_topk`` and
     ``ms_minus_topk`` ``[mean, low, high]`` (paired over the documents, against
@@ -376,7 +385,11 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         lines.append(f"\n### Context {length} tokens\n")
         for setup in setups if settings.tasks else []:
             n_task = max((max(v["tasks"][setup]["samples"].values(), default=0) for v in per.values()), default=0)
-            lines.append(f"\n#### Tasks, setup {setup} ({n_task} samples per task)\n")
+            spans = [v["tasks"][setup].get("prompt_tokens_range") for v in per.values()]
+            spans = [x for x in spans if x]
+            span = (f"; prompts of {min(x[0] for x in spans)}–{max(x[1] for x in spans)} tokens before the answer"
+                    if spans else "")
+            lines.append(f"\n#### Tasks, setup {setup} ({n_task} samples per task{span})\n")
             cols = [_SHORT.get(t, t) + " %" for t in settings.tasks]
             head = ["method", *cols, "mean %", "Δ vs dense (pp)", "keys %", "ms/step", "MB/step"]
             lines.append("| " + " | ".join(head) + " |")
