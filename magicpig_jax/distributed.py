@@ -365,10 +365,26 @@ def sharded_append(
         raise ValueError(f"k_new {tuple(k_new.shape)} does not match the index (mean {tuple(index.mean.shape)})")
     _check_rows("counts", counts, B, T)
     counts = jnp.full((B,), T, jnp.int32) if counts is None else jnp.asarray(counts).astype(jnp.int32)
+    _check_room(index, counts)
     # onto their shards, as sharded_build_index and sharded_magicpig_attention place theirs (an array
     # committed to one device was refused by jit as on incompatible devices)
     k_new, counts = _placed(mesh, k_new, KV_SPEC), _placed(mesh, counts, ROW_SPEC)
     return _append(index, k_new, counts, mesh=mesh, max_threads=max_threads)
+
+
+def _check_room(index: host.HostIndex, counts) -> None:
+    """Refuse an append past the capacity naming the global row: inside the shard_map the host op
+    sees its shard's rows only, and would name the row by its index there."""
+    arrays = (index.bounds, counts)
+    if any(isinstance(a, jax.core.Tracer) or (isinstance(a, jax.Array) and not a.is_fully_addressable)
+           for a in arrays):
+        return  # traced, or values on other hosts: the host op checks them
+    end, cnt = np.asarray(index.end).astype(np.int64), np.asarray(counts).astype(np.int64)
+    over = np.flatnonzero(end + cnt > index.capacity)
+    if over.size:
+        b = int(over[0])
+        raise ValueError(f"appending {int(cnt[b])} keys to row {b} at position {int(end[b])} exceeds the index "
+                         f"capacity {index.capacity}")
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "config", "static_window", "impl", "max_threads", "softcap"))

@@ -143,6 +143,13 @@ _CHECKS = textwrap.dedent(r'''
 
     check("committed", committed)
 
+    def overflow(mesh):
+        # global row 6 (the second shard's row 2), hashed to 291 of 320 positions: 12 keys fit twice, not thrice
+        index = dist.sharded_build_index(mesh, dist.shard_kv(mesh, k), proj, cfg, lengths, capacity=CAP)
+        six = np.array([0, 0, 0, 0, 0, 0, 12, 0], np.int32)
+        for _ in range(3):
+            index = dist.sharded_append(mesh, index, dist.shard_kv(mesh, k_new), six)
+
     def errors():
         out = {}
         mesh = dist.make_mesh(batch=2, kv_heads=4)
@@ -157,6 +164,7 @@ _CHECKS = textwrap.dedent(r'''
             "q_dim": lambda: dist.sharded_magicpig_attention(mesh, q[..., :8], k, v, ref_index, cfg),
             "q_rows": lambda: dist.sharded_magicpig_attention(mesh, q[:4], k, v, ref_index, cfg),
             "v_shape": lambda: dist.sharded_magicpig_attention(mesh, q, k, v[:, :, :10], ref_index, cfg),
+            "overflow": lambda: overflow(mesh),
         }
         for name, fn in cases.items():
             try:
@@ -235,6 +243,9 @@ def test_errors_name_the_problem(results):
     assert "needs 16 devices" in e["too_many"]
     # a device twice in one mesh failed later with a bare AssertionError inside jax.device_put
     assert "devices must be distinct" in e["repeated"] and "cpu:0" in e["repeated"]
+    # the host op inside the shard_map saw the second shard's rows only and named this row 2
+    assert e["overflow"] == ("ValueError: appending 12 keys to row 6 at position 315 exceeds the index capacity "
+                             "320")
     assert "lengths must be in [0, 300]" in e["lengths"]
     assert "multiple of Hkv" in e["gqa"]
     # these named per-device shapes ("q (1, 4, 16) and k (1, 1, 512, 32) disagree") or JAX's own split error
