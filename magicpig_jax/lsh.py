@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, UInt32
 
 __all__ = [
@@ -108,9 +109,11 @@ def simhash_projections(key: jax.Array, head_dim: int, K: int, L: int) -> Float[
     """
     validate_k_l(K, L)
     check_prng_key("key", key)
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+    if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
+        raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
+    if head_dim < 1:
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
-    return jax.random.normal(key, (head_dim, K * L), dtype=jnp.float32)
+    return jax.random.normal(key, (int(head_dim), K * L), dtype=jnp.float32)
 
 
 def simhash_codes(

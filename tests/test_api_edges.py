@@ -54,6 +54,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(model):
 
 
 def test_lengths_past_int32_clip_instead_of_wrapping():
+    from magicpig_jax.attention import dense_attention
     from magicpig_jax.attention._common import check_lengths
 
     # NumPy lengths (what a caller without the suite's annotation checks may pass): int64 past
@@ -63,6 +64,17 @@ def test_lengths_past_int32_clip_instead_of_wrapping():
     np.testing.assert_array_equal(np.asarray(check_lengths(jnp.array([2**32 - 1, 0], jnp.uint32), 2, 16)), [16, 0])
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda n: check_lengths(n, 2, 16))(
         jnp.array([2**32 - 1, 3], jnp.uint32))), [16, 3])
+    # a narrow JAX integer array: N = 300 clipped in int8 wrapped to 44, so every function read 44 keys of 100
+    # (a fresh reviewer's finding: dense, TopK, MagicPIG and the host index all agreed on the wrong count)
+    for dtype in (jnp.int8, jnp.uint8, jnp.int16, jnp.uint16):
+        lengths = jnp.array([100, 0], dtype)
+        np.testing.assert_array_equal(np.asarray(check_lengths(lengths, 2, 300)), [100, 0])
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda n: check_lengths(n, 2, 300))(lengths)), [100, 0])
+    k = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, 300, 4)), jnp.float32)
+    q = jnp.ones((1, 1, 4), jnp.float32)
+    _, lse8 = dense_attention(q, k, k, jnp.array([100], jnp.int8))
+    _, lse32 = dense_attention(q, k, k, jnp.array([100], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(lse8), np.asarray(lse32))
 
 
 def test_layer_indices_must_be_integers_in_range(model):
@@ -415,3 +427,16 @@ def test_complex_inputs_are_refused_not_cast():
             merge_attention(jnp.ones((1, 2)), jnp.zeros(1, jnp.int32), jnp.ones((1, 2)), jnp.zeros(1))
         # integers stay accepted by the cosine (exact in float32 at these sizes)
         assert float(lsh.collision_probability(jnp.asarray([1, 0]), jnp.asarray([2, 0]))) == 1.0
+
+
+def test_simhash_projections_takes_a_numpy_head_dim():
+    """np.int64(4) was refused as 'must be a positive int, got np.int64(4)' (a fresh reviewer's finding);
+    a float or bool head_dim is a TypeError naming its type."""
+    from tests._messages import without_jaxtyping
+
+    with without_jaxtyping():
+        assert lsh.simhash_projections(jax.random.key(0), np.int64(4), 3, 2).shape == (4, 6)
+        with pytest.raises(TypeError, match="head_dim must be an int, got float 4.0"):
+            lsh.simhash_projections(jax.random.key(0), 4.0, 3, 2)
+        with pytest.raises(ValueError, match="head_dim must be a positive int, got 0"):
+            lsh.simhash_projections(jax.random.key(0), 0, 3, 2)

@@ -49,6 +49,8 @@ def check_lengths(lengths: jax.Array | np.ndarray | None, B: int, N: int, name: 
         raise TypeError(f"{name} must be an integer array, got {lengths.dtype}")
     if isinstance(lengths, np.ndarray):
         return jnp.asarray(np.clip(lengths, 0, N).astype(np.int32))
+    if lengths.dtype.itemsize < 4:  # int8/int16/uint8/uint16: N itself would wrap in their width (300 -> 44)
+        lengths = lengths.astype(jnp.int32)
     return jnp.clip(lengths, 0, N).astype(jnp.int32)  # clip first: a uint32 past int32 must not wrap
 
 
