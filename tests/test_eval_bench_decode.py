@@ -84,3 +84,21 @@ def test_bench_decode_tiny(tmp_path, monkeypatch):
     assert data["meta"]["cpu"]
     # every configuration frees the earlier ones' compiled programs before its peak is measured
     assert events == ["drop", "reset"] * 4
+
+
+def test_even_repeats_give_one_median_and_the_text_input_is_not_overwritten(tmp_path, capsys):
+    """With 4 repeats the median of the tokens/s values differed from B x 1000 / the ms median (130.552 and
+    130.536 in a reviewer's run), so a row's ms_per_token and ratios disagreed; and --out could name the
+    --text input's file and overwrite it (a fresh reviewer's findings)."""
+    from magicpig_jax.eval.bench_decode import throughput_spread
+
+    ms = [7.0, 7.4, 7.6, 8.0]
+    t = throughput_spread(ms, 3)
+    assert t["median"] == pytest.approx(3000.0 / 7.5) and t["min"] == pytest.approx(3000.0 / 8.0)
+    assert t["max"] == pytest.approx(3000.0 / 7.0) and t["values"] == pytest.approx([3000.0 / m for m in ms])
+    text = tmp_path / "prose.json"
+    text.write_text("some prose " * 100)
+    with pytest.raises(SystemExit) as exc:
+        bench_decode.main(["--lengths", "300", "--batch", "1", "--text", str(text), "--out", str(tmp_path / "prose")])
+    assert exc.value.code == 2 and "--text" in capsys.readouterr().err
+    assert text.read_text() == "some prose " * 100

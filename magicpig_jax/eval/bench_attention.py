@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--L must be >= 2, got {args.L}")
     if args.ref_max_n < 0:
         p.error(f"--ref-max-n must be >= 0 (0: never run the pure-JAX reference), got {args.ref_max_n}")
+    versions = software_versions()  # the checkout as the run starts (a commit during the run is not its source)
     rng = np.random.default_rng(args.seed)
     copy_bw = _copy_bandwidth()
     results = []
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_one(shape, n, args, rng, copy_bw))
     copy_end = _copy_bandwidth()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    meta = {**software_versions(), "reps": args.reps, "huge_pages": args.huge_pages, "llc_bytes": _llc_bytes(),
+    meta = {**versions, "reps": args.reps, "huge_pages": args.huge_pages, "llc_bytes": _llc_bytes(),
             "timing": "op alone and op + static + merge interleaved, each call after a timed copy of "
                       f"{_evict_bytes() >> 20} MiB (>= 4x the LLC and >= 256 MiB: cold, as in a decode step); "
                       "*_warm: the same calls back to back (the query's rows partly in L3); "

@@ -11,8 +11,10 @@ Every timed figure is reported as the median of the repeats with their min and m
 peak RSS of each (length, B, method) is the process's peak during that configuration (the
 kernel's mark is reset before it, :mod:`magicpig_jax.eval.rss`), so it includes the loaded
 model and the one-row prefill; the compiled programs of the configurations and prefills before
-it are freed first (:func:`magicpig_jax.memory.drop_compiled_programs`), so it does not depend
-on what ran earlier in the process.
+it are freed first (:func:`magicpig_jax.memory.drop_compiled_programs`), but what earlier
+configurations left in the allocator stays in the process, so a peak can grow with what ran
+before it (a fresh reviewer measured 547 MB alone and 591 MB after B = 16 at 1K): one
+configuration per process (``tools/memory_run.py``) gives a clean peak.
 
 With ``--peer llama.cpp`` the same GGUF file decodes the same prompt ids in llama.cpp
 (``llama-cpp-python``, the optional ``peer`` extra) the same way: one prefill, its cache copied
@@ -64,6 +66,14 @@ def spread(xs: Sequence[float]) -> dict:
     """``{median, min, max, values}`` of the repeats of one figure."""
     return {"median": float(np.median(xs)), "min": float(np.min(xs)), "max": float(np.max(xs)),
             "values": [float(x) for x in xs]}
+
+
+def throughput_spread(ms: Sequence[float], batch: int) -> dict:
+    """``{median, min, max, values}`` of the aggregate tokens/s of repeats that took ``ms`` per step of
+    ``batch`` rows, its median ``batch * 1000 / median(ms)`` (with an even number of repeats the median
+    of the reciprocals is another number, and the two medians of one JSON row disagreed)."""
+    return {"median": 1000.0 * batch / float(np.median(ms)), "min": 1000.0 * batch / float(np.max(ms)),
+            "max": 1000.0 * batch / float(np.min(ms)), "values": [1000.0 * batch / float(m) for m in ms]}
 
 
 def batched_state(state, batch: int):
@@ -134,7 +144,7 @@ def time_method(model, state, method: str, batch: int, steps: int, repeats: int,
         rows = outs
     return {
         "batch": batch, "method": method,
-        "ms_per_step": spread(ms), "tokens_per_s": spread([1000.0 * batch / m for m in ms]),
+        "ms_per_step": spread(ms), "tokens_per_s": throughput_spread(ms, batch),
         "ms_per_token": float(np.median(ms)) / batch,  # aggregate: the median step over its B tokens
         "sampled_fraction": None if fracs[0] is None else float(np.mean(fracs)),
         "index_build_seconds": None if builds[0] is None else float(np.median(builds)),
@@ -246,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if not text.strip():
         p.error(f"--text {args.text} is empty")
     try:
-        check_output("--out", args.out, "prefix", inputs={"--model": model_input(args.model)})
+        check_output("--out", args.out, "prefix", inputs={"--model": model_input(args.model), "--text": args.text})
     except ValueError as err:
         p.error(str(err))
     from magicpig_jax.host.index import HOST_MAX_K
@@ -287,9 +297,13 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"--lengths {prompts[n]} and {length} both give a prompt of {n} tokens (the model's context "
                         f"{ctx} less --steps {args.steps} and 1): keep one")
             prompts[n] = length
+    from magicpig_jax.io.embedded import embedded_model_path
+
+    source = embedded_model_path() if args.model in (None, "embedded") else Path(args.model)
+    if args.peer and Path(source).suffix != ".gguf":  # before the load (minutes for a large model)
+        p.error(f"--peer needs a .gguf --model (llama.cpp reads GGUF only), got {source}")
+    versions, started = software_versions(), time.strftime("%Y-%m-%d %H:%M")  # the checkout as the run starts
     model = load_model(args.model)
-    if args.peer and Path(model.source).suffix != ".gguf":
-        p.error(f"--peer needs a .gguf --model (llama.cpp reads GGUF only), got {model.source}")
     cfg = MagicPIGConfig(K=args.K, L=args.L, layers_per_projection=args.layers_per_projection)
     from magicpig_jax.generation import cache_capacity, decode_spec
 
@@ -323,15 +337,16 @@ def main(argv: list[str] | None = None) -> int:
         for B in args.batch:
             for method in args.methods:
                 r = time_method(model, state, method, B, args.steps, args.repeats, args.warmup, cfg, rss)
-                r.update(length=length, prompt_tokens=n, prefill_seconds=state.seconds)
+                r.update(length=length, prompt_tokens=n, prefill_seconds=state.seconds,
+                         prefill_compile_seconds=state.compile_seconds)
                 results.append(r)
                 bar.update(1)
         del state
     bar.close()
     _agreement(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-    meta = {**software_versions(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "time": time.strftime("%Y-%m-%d %H:%M"),
+    meta = {**versions, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "time": started,
             "K": args.K, "L": args.L, "layers_per_projection": args.layers_per_projection,
             "steps": args.steps, "repeats": args.repeats, "warmup": args.warmup,
             "kv_dtype": args.kv_dtype, "peak_rss_resettable": rss.resettable,
@@ -341,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
                     "the one-row prefill; llama.cpp: its own child process); tokens_equal_to_dense: greedy tokens "
                     "of row 0 equal position by position to our dense decode of the same prompt and B; "
                     "ratios: magicpig_over_X is MagicPIG's median tokens/s over X's (above 1: MagicPIG is faster, "
-                    "at every B)"}
+                    "at every B); tokens_per_s median: B x 1000 / the ms_per_step median (with an even number of "
+                    "repeats the median of the reciprocals differs); prefill_seconds: ours includes its "
+                    "compilation (prefill_compile_seconds), llama.cpp's has none; peak_rss_bytes also holds what "
+                    "earlier configurations of the process left in the allocator (one configuration per process "
+                    "for a clean peak: tools/memory_run.py)"}
     _print(results)
     _warn_if_busy(results)
     with open(args.out + ".json", "w") as f:

@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = _cases(args, profiles)
     per_case = 3 * len(settings.fractions) + sum(2 + sum(3 <= m <= L + 1 for m in settings.heavy)
                                                  for _, L in settings.lsh)
+    from magicpig_jax.eval.rss import software_versions
+
+    versions = software_versions()  # the checkout as the run starts (a commit during the run is not its source)
     records: list[dict] = []
     t0 = time.perf_counter()
     with tqdm(total=per_case * len(cases), desc="study attention", unit="run") as bar:
@@ -288,14 +291,12 @@ def main(argv: list[str] | None = None) -> int:
                                 **r})
     summary = summarize(records)
     args.out.mkdir(parents=True, exist_ok=True)
-    from magicpig_jax.eval.rss import software_versions
-
     synthetic = None if args.no_synthetic else {"n": args.n, "head_dim": args.head_dim, "heads": args.heads,
                                                 "profiles": [p.strip() for p in args.profiles.split(",") if p.strip()]}
     result = {
         "settings": dataclasses.asdict(settings) | {"capture": str(args.capture) if args.capture else None,
                                                     "synthetic": synthetic},
-        "meta": software_versions(),  # jax, jaxlib, the source revision and the CPU
+        "meta": versions,  # jax, jaxlib, the source revision and the CPU
         "seconds": time.perf_counter() - t0,
         "summary": summary,
         "records": records,
