@@ -701,3 +701,15 @@ def test_a_failed_weights_write_is_one_error_and_leaves_nothing(tmp_path, monkey
     time.sleep(0.3)
     assert list(tmp_path.iterdir()) == []
     assert logging.getLogger("absl").level != logging.CRITICAL  # the logger's level is given back
+
+
+def test_a_checkpoint_whose_marker_is_not_a_file_is_named(tmp_path):
+    """A folder whose magicpig_model.json is a directory was read as a Hugging Face folder: 'config.json not
+    found: a Hugging Face model directory needs config.json' (a fresh reviewer's finding)."""
+    from magicpig_jax.io.loader import load_model, read_model_config
+
+    (tmp_path / "magicpig_model.json").mkdir()
+    for read in (load_model, read_model_config):
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'magicpig_model.json'} is not a file: {tmp_path} "
+                                                       "is not a valid magicpig_jax checkpoint")):
+            read(tmp_path)

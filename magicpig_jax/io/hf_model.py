@@ -83,6 +83,11 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
+        from magicpig_jax.io.checkpoint import MARKER
+
+        if (folder / MARKER).exists():  # not a file (is_checkpoint said no): a damaged checkpoint, not an HF folder
+            raise ValueError(f"{folder / MARKER} is not a file: {folder} is not a valid magicpig_jax checkpoint "
+                             "(damaged?); convert the model again")
         raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face model directory needs config.json")
     config = LlamaConfig.from_hf_config(read_json_object(cfg_path))
     eos = list(config.eos_token_ids)
