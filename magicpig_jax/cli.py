@@ -87,7 +87,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
     p.add_argument("--K", type=int, default=None,
                    help="SimHash bits per table (1..16 with the host op, 1..32 with magicpig-ref; default 10)")
-    p.add_argument("--L", type=int, default=None, help="hash tables (>= 2; default 150)")
+    p.add_argument("--L", type=int, default=None, help="hash tables (>= 2; default 150; at most 4096 on the host op)")
     p.add_argument("--heavy", type=int, default=None,
                    help="hybrid only: keys colliding in at least this many tables are kept exactly, the rest "
                         "importance-weighted (3 <= heavy <= L + 1; default 8)")
