@@ -72,6 +72,13 @@ def test_lengths_past_int32_clip_instead_of_wrapping():
         np.testing.assert_array_equal(np.asarray(jax.jit(lambda n: check_lengths(n, 2, 300))(lengths)), [100, 0])
     k = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, 300, 4)), jnp.float32)
     q = jnp.ones((1, 1, 4), jnp.float32)
+    from magicpig_jax.attention.baselines import quest_pages_kept, quest_rows_read
+    from tests._messages import without_jaxtyping
+
+    with without_jaxtyping():  # (the suite's annotation check takes uint8 for no Int)
+        for dtype, n, pages in ((jnp.int8, 120, 8), (jnp.uint8, 250, 16)):  # were -8 and 0 pages (120 + 15 wrapped)
+            assert int(quest_pages_kept(1.0, jnp.array([n], dtype), 16)[0]) == pages
+            assert int(quest_rows_read(1.0, jnp.array([n], dtype), 16)[0]) == n
     _, lse8 = dense_attention(q, k, k, jnp.array([100], jnp.int8))
     _, lse32 = dense_attention(q, k, k, jnp.array([100], jnp.int32))
     np.testing.assert_array_equal(np.asarray(lse8), np.asarray(lse32))

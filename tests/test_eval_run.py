@@ -245,3 +245,18 @@ def test_setup_b_counts_its_question_tokens_in_the_decode_length():
     with pytest.raises(ValueError, match=r"setup B of niah_single at 2048 \(sample 0: \d+ question tokens \+ 500 new "
                                          r"tokens\) must be at most 511 decoded tokens"):
         _check_before_writing(model, dataclasses.replace(settings, setups=["A", "B"]), (0,))
+
+
+def test_runs_log_records_the_checkout_the_run_started_from(tmp_path, monkeypatch):
+    """runs.jsonl named the source as the run ended: a commit made during a run was recorded as its
+    source (a fresh reviewer's finding; the benchmarks had the same defect)."""
+    import magicpig_jax.eval.rss as rss
+
+    state = {"committed": False}
+    monkeypatch.setattr(rss, "source_revision", lambda: "bbbbbbb" if state["committed"] else "aaaaaaa")
+    settings = _settings(tasks=["niah_single"], samples=1, likelihood_tokens=0, methods=parse_methods("dense"),
+                         setups=["A"])
+    run_eval(char_model(), settings, tmp_path / "run", progress=False,
+             on_record=lambda rec: state.update(committed=True))  # a commit lands during the run
+    (entry,) = [json.loads(line) for line in (tmp_path / "run" / "runs.jsonl").read_text().splitlines()]
+    assert state["committed"] and entry["machine"]["source"] == "aaaaaaa"

@@ -254,6 +254,10 @@ def test_tokenizer_options_that_change_text_and_are_not_implemented_are_refused(
          "eos_token_id": 3, "transformers_version": "5.25.0"}))
     assert recommended_generation_settings(folder) == {"do_sample": True, "temperature": 0.7, "top_k": 20,
                                                        "repetition_penalty": 1.05}
+    # without do_sample transformers reads no sampling setting (it warns): only the penalty is named
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.9,
+                                                               "repetition_penalty": 1.05}))
+    assert recommended_generation_settings(folder) == {"repetition_penalty": 1.05}
 
 
 def test_generate_names_the_sampling_a_model_recommends_and_does_not_apply(tmp_path, capsys):
@@ -266,9 +270,11 @@ def test_generate_names_the_sampling_a_model_recommends_and_does_not_apply(tmp_p
     assert cli_main(["generate", "--model", str(folder), "--prompt", "hi", "--max-new-tokens", "1"]) == 0
     assert "recommends" not in capsys.readouterr().err
     gen = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.7, "repetition_penalty": 1.05}))
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, "temperature": 0.7,
+                                                               "repetition_penalty": 1.05}))
     assert cli_main(["generate", "--model", str(folder), "--prompt", "hi", "--max-new-tokens", "1"]) == 0
     err = capsys.readouterr().err
-    assert (f"magicpig-jax: note: generate: {folder / 'generation_config.json'} recommends temperature=0.7, "
+    assert (f"magicpig-jax: note: generate: {folder / 'generation_config.json'} recommends do_sample=True, "
+            "temperature=0.7, "
             "repetition_penalty=1.05; generate does not apply them: it decodes greedily unless --temperature/--top-p "
             "say otherwise") in err

@@ -49,9 +49,16 @@ def check_lengths(lengths: jax.Array | np.ndarray | None, B: int, N: int, name: 
         raise TypeError(f"{name} must be an integer array, got {lengths.dtype}")
     if isinstance(lengths, np.ndarray):
         return jnp.asarray(np.clip(lengths, 0, N).astype(np.int32))
-    if lengths.dtype.itemsize < 4:  # int8/int16/uint8/uint16: N itself would wrap in their width (300 -> 44)
-        lengths = lengths.astype(jnp.int32)
-    return jnp.clip(lengths, 0, N).astype(jnp.int32)  # clip first: a uint32 past int32 must not wrap
+    return jnp.clip(widened(lengths), 0, N).astype(jnp.int32)  # clip first: a uint32 past int32 must not wrap
+
+
+def widened(x):
+    """``x`` as a JAX array, int32 if it is an integer array narrower than 32 bits (int8/int16/uint8/uint16:
+    a position or page count past their range, N = 300 say, would wrap in their width: 300 -> 44)."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.integer) and x.dtype.itemsize < 4:
+        return x.astype(jnp.int32)
+    return x
 
 
 # The soft-capping values accepted: far around Gemma 2's 50 and 30, and such that c, s / c and

@@ -43,6 +43,7 @@ from magicpig_jax.attention._common import (
     masked_softmax_attention,
     selected_weighted_sum,
     valid_mask,
+    widened,
 )
 from magicpig_jax.lsh import check_prng_key
 
@@ -360,6 +361,7 @@ def quest_pages_kept(budget: Budget, lengths: Int[Array, " B"], page_size: int) 
 
     Source: Quest (arXiv 2406.10774), Section 3.2.
     """
+    lengths = widened(lengths)  # an int8 120 + 15 wrapped: -8 pages
     tokens = jnp.minimum(budget_tokens(budget, lengths), lengths)
     all_pages = (lengths + page_size - 1) // page_size
     return jnp.where(tokens >= lengths, all_pages, jnp.maximum(tokens // page_size, 1)).astype(jnp.int32)
@@ -379,6 +381,7 @@ def quest_rows_read(budget: Budget, lengths: Int[Array, " B"], page_size: int) -
 
     Source: Quest (arXiv 2406.10774), Section 3.2.
     """
+    lengths = widened(lengths)
     return jnp.minimum(quest_pages_kept(budget, lengths, page_size) * page_size, lengths).astype(jnp.int32)
 
 

@@ -541,6 +541,7 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
     store = ResultStore(out / RESULTS)
     _check_config_files_unchanged(store, settings, out)
     t_start, n_before = time.time(), len(store.records)
+    machine = machine_info()  # the checkout as the run starts (a commit during the run is not its source)
     loop = _Loop(model, settings, store, fp["dense_layers"], on_record, progress)
     units = _units(settings)
     labels = [m.label for m in settings.methods]
@@ -557,7 +558,7 @@ def run_eval(model, settings: EvalSettings, out: Path, *, on_record: Callable[[d
             outer.update(1)
     finally:
         outer.close()
-        log_invocation(out, t_start, len(store.records) - n_before)
+        log_invocation(out, t_start, len(store.records) - n_before, machine)
     return store
 
 

@@ -180,10 +180,12 @@ def _write_config(path: Path, fingerprint: dict, unread: set[str]) -> None:
     path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def log_invocation(out: Path, t_start: float, added: int) -> None:
+def log_invocation(out: Path, t_start: float, added: int, machine: dict | None = None) -> None:
     """Append one line to ``out/runs.jsonl``: start (UTC), wall seconds, records added, machine, argv.
 
-    ``t_start`` is the invocation's start in ``time.time()`` seconds.
+    ``t_start`` is the invocation's start in ``time.time()`` seconds; ``machine`` the
+    :func:`machine_info` taken as it started (default: now; a commit made during a run would be
+    recorded as its source).
 
     Skipped when the invocation added nothing and took at most a second (a no-op rerun).
     """
@@ -191,7 +193,8 @@ def log_invocation(out: Path, t_start: float, added: int) -> None:
     if not added and wall <= 1:
         return
     entry = {"start": datetime.datetime.fromtimestamp(t_start, datetime.UTC).isoformat(timespec="seconds"),
-             "wall_seconds": round(wall, 1), "records_added": added, "machine": machine_info(),
+             "wall_seconds": round(wall, 1), "records_added": added,
+             "machine": machine if machine is not None else machine_info(),
              "argv": sys.argv}
     path = Path(out) / "runs.jsonl"
     _parse_runs(path, truncate=True)  # a line cut by a crash would swallow this one's start

@@ -23,6 +23,7 @@ _GENERATION_NEUTRAL = {
     "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": None, "num_beams": 1, "sequence_bias": None,
     "exponential_decay_length_penalty": None, "renormalize_logits": False, "guidance_scale": None,
 }
+_SAMPLING_ONLY = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
 def read_generation_eos_ids(folder: str | Path) -> tuple[int, ...]:
@@ -62,7 +63,10 @@ def recommended_generation_settings(folder: str | Path) -> dict:
     if not path.is_file():
         return {}
     cfg = read_json_object(path)
-    return {k: cfg[k] for k, neutral in _GENERATION_NEUTRAL.items() if k in cfg and cfg[k] != neutral}
+    found = {k: cfg[k] for k, neutral in _GENERATION_NEUTRAL.items() if k in cfg and cfg[k] != neutral}
+    if cfg.get("do_sample") is not True:  # transformers reads these only when sampling (it warns otherwise)
+        found = {k: v for k, v in found.items() if k not in _SAMPLING_ONLY}
+    return found
 
 
 def read_hf_config(folder: str | Path) -> LlamaConfig:
