@@ -447,3 +447,30 @@ def test_simhash_projections_takes_a_numpy_head_dim():
             lsh.simhash_projections(jax.random.key(0), 4.0, 3, 2)
         with pytest.raises(ValueError, match="head_dim must be a positive int, got 0"):
             lsh.simhash_projections(jax.random.key(0), 0, 3, 2)
+
+
+def test_traced_counts_past_int32_are_not_wrapped_into_range():
+    """Traced int64 counts of 2**32 + 1 were cast to int32 (1): host_append appended one key without an
+    error and quest_append_pages clipped 1, not max_count (a fresh reviewer's finding). They are now
+    bounded in their own width, so the op refuses the first and the documented clip holds for the second."""
+    from magicpig_jax import host
+    from magicpig_jax.attention import MagicPIGConfig
+
+    cfg = MagicPIGConfig(K=3, L=6, num_sink=2, num_local=4)
+    with jax.enable_x64(True):
+        k = jnp.asarray(np.random.default_rng(0).standard_normal((2, 2, 40, 16)), jnp.float32)
+        proj = lsh.simhash_projections(jax.random.key(1), 16, 3, 6)
+        idx = host.host_build_index(k, proj, cfg, jnp.asarray([30, 30], jnp.int32), capacity=40)
+        counts = jnp.asarray([2**32 + 1, 1], jnp.int64)
+        append = jax.jit(lambda ix, c: host.host_append(ix, k[:, :, 30:33], c))
+        with pytest.raises(Exception, match=r"counts\[0\] = 4 must be in \[0, T=3\]"):
+            np.asarray(append(idx, counts).bounds)
+        ok = append(idx, jnp.asarray([3, 1], jnp.int64))
+        end = np.asarray(idx.bounds)[:, 1]
+        assert np.asarray(ok.bounds)[:, 1].tolist() == [end[0] + 3, end[1] + 1]
+        kq = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 64, 8)), jnp.float32)
+        pages = host.quest_build_pages(kq, jnp.zeros(2, jnp.int32), jnp.asarray([20, 20], jnp.int32), page_size=4,
+                                       capacity=64)
+        grow = jax.jit(lambda p, c: host.quest_append_pages(p, kq, c, 8))
+        for c in ([9, 1], [2**32 + 1, 1], [2**31, 1]):  # each clipped to max_count 8 (were 28, 21 and 20)
+            assert np.asarray(grow(pages, jnp.asarray(c, jnp.int64)).end).tolist() == [28, 21]

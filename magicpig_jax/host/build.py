@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
+from magicpig_jax.attention._common import widened
 from magicpig_jax.attention.config import MagicPIGConfig
 from magicpig_jax.attention.magicpig import hashed_mean, mean_or_nan_for_projections
 from magicpig_jax.host._ext import ops
@@ -165,6 +166,12 @@ def _check_counts(counts, B: int, T: int) -> jax.Array:
     counts = jnp.asarray(counts)
     if counts.shape != (B,) or not jnp.issubdtype(counts.dtype, jnp.integer):
         raise ValueError(f"counts must be int [B] = [{B}], got {counts.dtype} {list(counts.shape)}")
+    counts = widened(counts)
+    info = jnp.iinfo(counts.dtype)
+    if info.max > np.iinfo(np.int32).max or info.min < np.iinfo(np.int32).min:
+        # traced int64/uint32 counts past int32 wrapped into range (2**32 + 1 appended 1 key): bounded in
+        # their own width to [-1, T + 1], so the op still refuses them
+        counts = jnp.clip(counts, max(int(info.min), -1), T + 1)
     return counts.astype(jnp.int32)
 
 

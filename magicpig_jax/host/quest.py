@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap
+from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap, widened
 from magicpig_jax.attention.baselines import Budget, check_budget, check_page_size
 from magicpig_jax.attention.baselines import quest_pages_kept as baseline_pages_kept
 from magicpig_jax.host._ext import impl_code, ops
@@ -184,7 +184,7 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
             raise ValueError(f"row {int(b)}: appending {int(want[b])} keys at position {int(np.asarray(pages.end)[b])} "
                              f"exceeds the {P} pages of {ps} positions built from position "
                              f"{int(np.asarray(pages.start)[b])}")
-    counts = jnp.clip(jnp.asarray(counts, jnp.int32), 0, max_count)
+    counts = jnp.clip(widened(counts), 0, max_count).astype(jnp.int32)  # in their own width: 2**32 + 1 wrapped to 1
     new_end = jnp.minimum(pages.end + counts, N)
     first = (pages.end - pages.start) // ps  # the page the first new key falls in
     W = -(-max_count // ps) + 1  # pages a block of max_count keys can touch
