@@ -474,3 +474,27 @@ def test_traced_counts_past_int32_are_not_wrapped_into_range():
         grow = jax.jit(lambda p, c: host.quest_append_pages(p, kq, c, 8))
         for c in ([9, 1], [2**32 + 1, 1], [2**31, 1]):  # each clipped to max_count 8 (were 28, 21 and 20)
             assert np.asarray(grow(pages, jnp.asarray(c, jnp.int64)).end).tolist() == [28, 21]
+
+
+def test_wide_lengths_and_counts_are_clipped_before_the_int32_cast():
+    """quest_pages_kept/quest_rows_read and MagicPIGConfig.hashed_range cast a uint32 3e9 to int32 first
+    (-1294967296), and quest_append_pages skipped its check of NumPy counts when the pages were traced
+    (2**32 + 1 wrapped to 1): a re-reviewer's findings."""
+    from magicpig_jax import host
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.attention.baselines import quest_pages_kept, quest_rows_read
+    from tests._messages import without_jaxtyping
+
+    big = np.array([3_000_000_000, 100], np.uint32)
+    with without_jaxtyping():
+        for lengths in (big, jnp.asarray(big)):
+            assert np.asarray(quest_rows_read(1.0, lengths, 16)).tolist() == [2**31 - 1, 100]
+            assert np.asarray(quest_pages_kept(1.0, lengths, 16)).tolist() == [2**27, 7]
+            start, end = MagicPIGConfig(num_sink=2, num_local=4).hashed_range(lengths)
+            assert np.asarray(start).tolist() == [2, 2] and np.asarray(end).tolist() == [2**31 - 5, 96]
+    kq = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 64, 8)), jnp.float32)
+    pages = host.quest_build_pages(kq, jnp.zeros(2, jnp.int32), jnp.asarray([20, 20], jnp.int32), page_size=4,
+                                   capacity=64)
+    for counts in (np.array([2**32 + 1, 1], np.int64), np.array([9, 1])):
+        with pytest.raises(ValueError, match=r"counts must be int \[B\] = \[2\] in \[0, max_count = 8\]"):
+            jax.jit(lambda p, c=counts: host.quest_append_pages(p, kq, c, 8))(pages)

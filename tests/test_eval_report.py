@@ -333,6 +333,11 @@ def test_reread_intervals_tool_flags_a_verdict_the_t_interval_gave_otherwise(tmp
     assert t_hi < 0 <= n_hi  # the case the tool exists to find
     assert f"Δ -20.0 [{100 * n_lo:+.1f}, {100 * n_hi:+.1f}] (newcombe); paired t [{100 * t_lo:+.1f}, " in out
     assert "<- verdict differs" in out
+    # a logged argv with an option given twice (eval15's): the run kept the last value, today's parser refuses it
+    from magicpig_jax.eval.settings import make_parser
+
+    twice = ["--likelihood-samples", "16", "--no-progress", "--likelihood-samples=0", "--samples", "20"]
+    assert tool._last_wins(make_parser(), twice) == ["--no-progress", "--likelihood-samples=0", "--samples", "20"]
     assert out.rstrip().endswith("1 Δ cells, 1 of them with a paired t interval (two samples or more); the verdict "
                                  "(interval holds 0) differs from the paired t interval's in 1")
 

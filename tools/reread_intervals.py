@@ -34,6 +34,21 @@ def _holds_zero(lo, hi) -> bool | None:
     return None if lo is None else lo <= 0.0 <= hi
 
 
+def _last_wins(parser, args: list[str]) -> list[str]:
+    """``args`` with each repeated value option kept at its last occurrence: the eval that logged them
+    kept the last value of a repeated option, today's parser refuses a repeat (eval15's runs give
+    --likelihood-samples twice)."""
+    groups, i = [], 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        action = parser._option_string_actions.get(name) if name.startswith("--") else None
+        takes = action is not None and action.nargs != 0 and "=" not in args[i]
+        groups.append((action.dest if action is not None else None, args[i:i + 1 + takes]))
+        i += 1 + takes
+    last = {dest: k for k, (dest, _) in enumerate(groups) if dest is not None}
+    return [tok for k, (dest, toks) in enumerate(groups) if dest is None or last[dest] == k for tok in toks]
+
+
 def reread(folder: Path) -> tuple[int, int]:
     """Print the Δ cells of every logged invocation of ``folder``; return (cells, cells with a paired t
     interval, verdict flips)."""
@@ -43,7 +58,8 @@ def reread(folder: Path) -> tuple[int, int]:
     seen = set()
     for run in runs:
         argv = run["argv"]
-        settings = settings_from_args(make_parser().parse_args(argv[argv.index("eval") + 1:]))
+        parser = make_parser()
+        settings = settings_from_args(parser.parse_args(_last_wins(parser, argv[argv.index("eval") + 1:])))
         summary = summarize(records, settings)
         for length, per in summary.items():
             for label, entry in per.items():

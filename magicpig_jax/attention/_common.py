@@ -52,6 +52,15 @@ def check_lengths(lengths: jax.Array | np.ndarray | None, B: int, N: int, name: 
     return jnp.clip(widened(lengths), 0, N).astype(jnp.int32)  # clip first: a uint32 past int32 must not wrap
 
 
+def int32_clipped(x, lo: int = 0, hi: int = 2**31 - 1) -> jax.Array:
+    """``x`` (integers) clipped to ``[lo, hi]`` in its own width, then int32: host values in NumPy, a
+    narrow JAX type widened first, so neither a uint32 or int64 past int32 nor a bound past int8
+    wraps (3e9 as uint32 cast first gave -1294967296)."""
+    if not isinstance(x, jax.Array):
+        return jnp.asarray(np.clip(np.asarray(x), lo, hi).astype(np.int32))
+    return jnp.clip(widened(x), lo, hi).astype(jnp.int32)
+
+
 def widened(x):
     """``x`` as a JAX array, int32 if it is an integer array narrower than 32 bits (int8/int16/uint8/uint16:
     a position or page count past their range, N = 300 say, would wrap in their width: 300 -> 44)."""

@@ -40,10 +40,10 @@ from magicpig_jax.attention._common import (
     check_qkv,
     check_softcap,
     grouped_logits,
+    int32_clipped,
     masked_softmax_attention,
     selected_weighted_sum,
     valid_mask,
-    widened,
 )
 from magicpig_jax.lsh import check_prng_key
 
@@ -361,9 +361,9 @@ def quest_pages_kept(budget: Budget, lengths: Int[Array, " B"], page_size: int) 
 
     Source: Quest (arXiv 2406.10774), Section 3.2.
     """
-    lengths = widened(lengths)  # an int8 120 + 15 wrapped: -8 pages
+    lengths = int32_clipped(lengths)  # an int8 120 + 15 wrapped to -8 pages, a uint32 3e9 to a negative count
     tokens = jnp.minimum(budget_tokens(budget, lengths), lengths)
-    all_pages = (lengths + page_size - 1) // page_size
+    all_pages = -(-lengths // page_size)  # ceil division (lengths + page_size - 1 overflowed near 2**31)
     return jnp.where(tokens >= lengths, all_pages, jnp.maximum(tokens // page_size, 1)).astype(jnp.int32)
 
 
@@ -381,8 +381,11 @@ def quest_rows_read(budget: Budget, lengths: Int[Array, " B"], page_size: int) -
 
     Source: Quest (arXiv 2406.10774), Section 3.2.
     """
-    lengths = widened(lengths)
-    return jnp.minimum(quest_pages_kept(budget, lengths, page_size) * page_size, lengths).astype(jnp.int32)
+    lengths = int32_clipped(lengths)
+    pages = quest_pages_kept(budget, lengths, page_size)
+    # every page kept: the row's own keys (pages * page_size may pass int32 there)
+    every = pages >= -(-lengths // page_size)
+    return jnp.where(every, lengths, jnp.minimum(pages * page_size, lengths)).astype(jnp.int32)
 
 
 def quest_attention(

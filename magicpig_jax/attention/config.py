@@ -91,7 +91,9 @@ class MagicPIGConfig:
         Returns:
           ``(start, end)``, int32 ``[B]`` each, ``0 <= start <= end <= length``.
         """
-        lengths = jnp.asarray(lengths).astype(jnp.int32)
+        from magicpig_jax.attention._common import int32_clipped
+
+        lengths = int32_clipped(lengths)  # a negative row holds no key; a uint32 3e9 cast first was negative
         start = jnp.minimum(jnp.int32(self.num_sink), lengths)
         return start, jnp.maximum(lengths - jnp.int32(self.num_local), start)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap, widened
+from magicpig_jax.attention._common import check_lengths, check_qkv, check_softcap, int32_clipped
 from magicpig_jax.attention.baselines import Budget, check_budget, check_page_size
 from magicpig_jax.attention.baselines import quest_pages_kept as baseline_pages_kept
 from magicpig_jax.host._ext import impl_code, ops
@@ -170,10 +170,11 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
                          f"{list(built)}")
     if isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 1:
         raise ValueError(f"max_count must be an int >= 1, got {max_count!r}")
-    if not any(isinstance(x, jax.core.Tracer) for x in (pages.start, pages.end, counts)):
+    if not isinstance(counts, jax.core.Tracer):  # concrete counts are checked whether or not the pages are traced
         want = np.asarray(counts)
         if want.shape != (B,) or ((want < 0) | (want > max_count)).any():
             raise ValueError(f"counts must be int [B] = [{B}] in [0, max_count = {max_count}], got {want.tolist()}")
+    if not any(isinstance(x, jax.core.Tracer) for x in (pages.start, pages.end, counts)):
         past = np.nonzero(np.asarray(pages.end) + want > N)[0]
         if past.size:
             b = int(past[0])
@@ -184,7 +185,7 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
             raise ValueError(f"row {int(b)}: appending {int(want[b])} keys at position {int(np.asarray(pages.end)[b])} "
                              f"exceeds the {P} pages of {ps} positions built from position "
                              f"{int(np.asarray(pages.start)[b])}")
-    counts = jnp.clip(widened(counts), 0, max_count).astype(jnp.int32)  # in their own width: 2**32 + 1 wrapped to 1
+    counts = int32_clipped(counts, 0, max_count)  # in their own width: 2**32 + 1 cast first wrapped to 1
     new_end = jnp.minimum(pages.end + counts, N)
     first = (pages.end - pages.start) // ps  # the page the first new key falls in
     W = -(-max_count // ps) + 1  # pages a block of max_count keys can touch

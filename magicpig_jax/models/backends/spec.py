@@ -20,6 +20,7 @@ from magicpig_jax.attention import (
     MagicPIGConfig,
     dense_attention,
 )
+from magicpig_jax.attention._common import int32_clipped
 from magicpig_jax.attention.baselines import Budget, check_budget, check_page_size
 from magicpig_jax.attention.layer_configs import LayerConfigs
 
@@ -231,7 +232,7 @@ def decode_range_lengths(lengths: jax.Array, num_sink: int, capacity: int | None
       capacity: the cache's positions, an upper bound on the result (default: none).
     """
     bound = num_sink if capacity is None else min(num_sink, capacity)
-    return jnp.maximum(jnp.asarray(lengths).astype(jnp.int32), jnp.int32(bound))
+    return jnp.maximum(int32_clipped(lengths), jnp.int32(bound))
 
 
 def layer_projections(config: MagicPIGConfig, layer: int | jax.Array, head_dim: int) -> jax.Array:
