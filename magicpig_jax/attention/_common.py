@@ -47,9 +47,7 @@ def check_lengths(lengths: jax.Array | np.ndarray | None, B: int, N: int, name: 
         raise ValueError(f"{name} must be [B] = [{B}], got shape {tuple(lengths.shape)}")
     if not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array, got {lengths.dtype}")
-    if isinstance(lengths, np.ndarray):
-        return jnp.asarray(np.clip(lengths, 0, N).astype(np.int32))
-    return jnp.clip(widened(lengths), 0, N).astype(jnp.int32)  # clip first: a uint32 past int32 must not wrap
+    return int32_clipped(lengths, 0, N)  # clipped first: a uint32 past int32 must not wrap
 
 
 def int32_clipped(x, lo: int = 0, hi: int = 2**31 - 1) -> jax.Array:
