@@ -466,7 +466,7 @@ def format_summary(summary: dict, settings: EvalSettings, header: str = "", equa
         "scores are fractions); mean over tasks: Wilson's at the effective sample size (Kish) of the mean of the "
         "tasks' accuracies. Δ vs dense: the paired difference of scores to dense on the "
         "same samples (percentage points), per task; interval: Newcombe's paired score interval (1998, method 10) "
-        "(at the mean scores and their correlation when scores are fractions). "
+        "(at the mean scores and their covariance when scores are fractions). "
         "Keys %: mean fraction of the context's keys sampled (MagicPIG, hybrid), selected (TopK, Quest) or "
         "distinctly drawn (oracle) per decode step in the sparse layers, static set excluded (dense = 100%). "
         "ms/step: measured wall time of a decode step (after the first), t interval over samples; on a shared "

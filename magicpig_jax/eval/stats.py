@@ -19,7 +19,8 @@ documents), so each gets an interval:
 * :func:`newcombe_paired_interval` — the difference of two methods' scores in [0, 1] on the same
   samples: Newcombe's hybrid score interval for paired proportions (Newcombe 1998, method 10),
   which does not collapse to a point when the two methods agree on every sample, as the paired
-  t interval does; fractional scores take it at their means and their Pearson correlation.
+  t interval does; fractional scores take it at their means, with their covariance over the
+  variances Wilson assumes.
 * :func:`interval_for_scores` — a mean score in [0, 1]: Wilson's interval at the mean, exact
   Wilson for 0/1 scores. A t interval has zero width when every sample scores alike (0.25 on
   each multi-value sample).
