@@ -249,17 +249,30 @@ def note_program_shape(key) -> bool:
 
 
 def _signature(jitted, args, kwargs):
-    """A hashable key of a call's signature (array leaves by shape, dtype and weak type; other
-    leaves by value), or None when a leaf is not hashable."""
+    """A hashable key of a call's signature, or None when a leaf is not hashable.
+
+    Array leaves (JAX and NumPy arrays, ``jax.ShapeDtypeStruct``) count by shape, dtype, weak type
+    and sharding (a program compiled for device 0 refuses an array on device 1); every other leaf,
+    NumPy scalars included, by type and value: either may be a static argument, which jit keys by
+    value (``np.float32(2.0)`` and ``np.float32(3.0)`` had shared one program, as had ``2`` and
+    ``2.0``, which jit tells apart).
+    """
     import jax
+    import numpy as np
 
     leaves, treedef = jax.tree.flatten((args, kwargs))
+    device = jax.config.jax_default_device  # a Device, a platform name, or None
+    if not isinstance(device, jax.Device):
+        device = jax.devices(device)[0] if isinstance(device, str) else jax.devices()[0]
+    default = jax.sharding.SingleDeviceSharding(device)
     sig = []
     for x in leaves:
-        if hasattr(x, "shape") and hasattr(x, "dtype"):
-            sig.append((tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False))))
+        if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            sharding = getattr(x, "sharding", None)  # the default device's is a shape's (None): one program
+            sig.append((tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)),
+                        None if sharding == default else sharding))
         else:
-            sig.append(x)
+            sig.append((type(x), x))
     key = (jitted, treedef, tuple(sig))
     try:
         hash(key)

@@ -498,3 +498,27 @@ def test_wide_lengths_and_counts_are_clipped_before_the_int32_cast():
     for counts in (np.array([2**32 + 1, 1], np.int64), np.array([9, 1])):
         with pytest.raises(ValueError, match=r"counts must be int \[B\] = \[2\] in \[0, max_count = 8\]"):
             jax.jit(lambda p, c=counts: host.quest_append_pages(p, kq, c, 8))(pages)
+
+
+def test_float_lengths_and_counts_are_refused_not_cut_or_wrapped():
+    """A float lengths array reached quest_pages_kept/quest_rows_read, MagicPIGConfig.hashed_range and
+    decode_range_lengths once they clipped before checking: 10.7 read as 10, and a float32 3e9,
+    clipped to 2**31 - 1 (which rounds to 2**31), wrapped to -2**31 (start -2147483648); float counts
+    were cut (2.5 appended 2 keys). A re-reviewer's findings."""
+    from magicpig_jax import host
+    from magicpig_jax.attention import MagicPIGConfig
+    from magicpig_jax.attention.baselines import quest_pages_kept, quest_rows_read
+    from magicpig_jax.models.backends.spec import decode_range_lengths
+    from tests._messages import without_jaxtyping
+
+    with without_jaxtyping():
+        for lengths in (np.array([10.7, 3e9], np.float32), jnp.array([10.7, 3e9], jnp.float32)):
+            for fn in (lambda n: quest_pages_kept(0.5, n, 4), lambda n: quest_rows_read(0.5, n, 4),
+                       MagicPIGConfig().hashed_range, lambda n: decode_range_lengths(n, 4)):
+                with pytest.raises(TypeError, match="lengths must be an integer array, got float32"):
+                    fn(lengths)
+        kq = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 64, 8)), jnp.float32)
+        pages = host.quest_build_pages(kq, jnp.zeros(2, jnp.int32), jnp.asarray([20, 20], jnp.int32), page_size=4,
+                                       capacity=64)
+        with pytest.raises(TypeError, match="counts must be an integer array, got float"):
+            host.quest_append_pages(pages, kq, np.array([2.5, 1.0]), 8)

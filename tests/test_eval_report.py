@@ -338,6 +338,10 @@ def test_reread_intervals_tool_flags_a_verdict_the_t_interval_gave_otherwise(tmp
 
     twice = ["--likelihood-samples", "16", "--no-progress", "--likelihood-samples=0", "--samples", "20"]
     assert tool._last_wins(make_parser(), twice) == ["--no-progress", "--likelihood-samples=0", "--samples", "20"]
+    # a repeatable option (action="append") keeps every occurrence: two calibrated configs are two methods
+    configs = ["--magicpig-config", "a.json", "--samples", "3", "--magicpig-config=b.json", "--samples", "20"]
+    assert tool._last_wins(make_parser(), configs) == ["--magicpig-config", "a.json", "--magicpig-config=b.json",
+                                                       "--samples", "20"]
     assert out.rstrip().endswith("1 Δ cells, 1 of them with a paired t interval (two samples or more); the verdict "
                                  "(interval holds 0) differs from the paired t interval's in 1")
 

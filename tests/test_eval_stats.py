@@ -394,3 +394,26 @@ def test_newcombe_at_the_means_covers_where_the_paired_t_interval_does_not():
             lo, hi = newcombe_paired_interval(xs, [0.25 + 0.5 * x for x in xs])
             cover += sst.binom.pmf(k, n, 0.5) * (lo - 1e-12 <= 0.0 <= hi + 1e-12)  # E x = E y = 1/2
         assert cover >= 0.95, (n, cover)
+
+
+def test_a_bad_z_or_n_is_refused_not_turned_into_an_interval():
+    """z was never checked: -1.96 gave (0.763, 0.237), low above high; NaN the whole [0, 1]; 0 a point.
+    n = 2.5 or inf were accepted (inf gave (0, 0)). A re-reviewer's findings."""
+    for bad in (-1.96, 0, float("nan"), float("inf"), "1.96", True):
+        for fn in (lambda z: wilson_interval(5, 10, z=z), lambda z: effective_size_wilson_interval([[0.5, 1, 0]], z=z),
+                   lambda z: newcombe_paired_interval([1, 0, 1], [0, 0, 1], z=z)):
+            with pytest.raises(ValueError, match="z must be a finite number > 0"):
+                fn(bad)
+    for n in (2.5, math.inf, True, -1):
+        with pytest.raises(ValueError, match="n must be an integer >= 0"):
+            wilson_interval(1, n)
+    with pytest.raises(ValueError, match="need 0 <= successes <= n"):
+        wilson_interval(math.nan, 3)
+    assert wilson_interval(np.int64(3), np.int64(10)) == wilson_interval(3, 10)
+
+
+def test_a_jax_scalar_score_is_named_by_its_type():
+    import jax.numpy as jnp
+
+    with pytest.raises(ValueError, match="of type ArrayImpl"):
+        newcombe_paired_interval([jnp.float32(0.5)], [0.5])

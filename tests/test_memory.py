@@ -232,3 +232,52 @@ def test_the_prefill_keeps_the_programs_of_the_last_few_cache_shapes(monkeypatch
     with pytest.raises(ValueError, match="RETAINED_SHAPES must be an int >= 1, got 0"):
         memory.note_program_shape(("z",))
     drop_compiled_programs()
+
+
+def test_compile_then_trim_keys_static_values_by_type_and_value():
+    """A NumPy scalar static argument was keyed by shape and dtype alone (np.float32(3.0) got the
+    program of 2.0), 2 and 2.0 fell on one key although jit tells them apart, and an array on
+    another device reused a program compiled for the first (a re-reviewer's findings)."""
+    from functools import partial
+
+    from magicpig_jax import memory
+
+    @partial(jax.jit, static_argnames="scale")
+    def f(x, scale):
+        return x * scale
+
+    drop_compiled_programs()
+    x = jnp.ones(2)
+    c2 = memory.compile_then_trim(f, x, scale=np.float32(2.0))
+    c3 = memory.compile_then_trim(f, x, scale=np.float32(3.0))
+    np.testing.assert_array_equal(np.asarray(c3(x)), [3.0, 3.0])
+    assert c2 is not c3 and memory.compile_then_trim(f, x, scale=np.float32(2.0)) is c2
+    assert memory.compile_then_trim(f, x, scale=2) is not memory.compile_then_trim(f, x, scale=2.0)
+    np.testing.assert_array_equal(np.asarray(memory.compile_then_trim(f, x, scale=2.0)(x)), jax.jit(
+        f, static_argnames="scale")(x, scale=2.0))
+    drop_compiled_programs()
+
+
+_TWO_DEVICES = """
+import jax, jax.numpy as jnp, numpy as np
+from magicpig_jax.memory import compile_then_trim
+f = jax.jit(lambda x: x + 1)
+x0 = jnp.ones(2)
+x1 = jax.device_put(x0, jax.devices()[1])
+c0 = compile_then_trim(f, jax.ShapeDtypeStruct((2,), jnp.float32))  # a shape: the default device's program
+assert compile_then_trim(f, x0) is c0
+c1 = compile_then_trim(f, x1)  # was c0, which refused x1 (compiled for other input shardings)
+assert c1 is not c0 and np.asarray(c1(x1)).tolist() == [2.0, 2.0] and c1(x1).devices() == {jax.devices()[1]}
+print("ok")
+"""
+
+
+def test_compile_then_trim_keeps_a_program_per_device():
+    import os
+    import subprocess
+
+    from tests._xla import with_test_flag
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_test_flag("--xla_force_host_platform_device_count=2"))
+    out = subprocess.run([sys.executable, "-c", _TWO_DEVICES], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -37,13 +37,15 @@ def _holds_zero(lo, hi) -> bool | None:
 def _last_wins(parser, args: list[str]) -> list[str]:
     """``args`` with each repeated value option kept at its last occurrence: the eval that logged them
     kept the last value of a repeated option, today's parser refuses a repeat (eval15's runs give
-    --likelihood-samples twice)."""
+    --likelihood-samples twice). Options that gather their repeats (``action="append"``, such as
+    --magicpig-config) keep every occurrence."""
     groups, i = [], 0
     while i < len(args):
         name = args[i].split("=", 1)[0]
         action = parser._option_string_actions.get(name) if name.startswith("--") else None
         takes = action is not None and action.nargs != 0 and "=" not in args[i]
-        groups.append((action.dest if action is not None else None, args[i:i + 1 + takes]))
+        single = action is not None and not isinstance(action, (argparse._AppendAction, argparse._CountAction))
+        groups.append((action.dest if single else None, args[i:i + 1 + takes]))
         i += 1 + takes
     last = {dest: k for k, (dest, _) in enumerate(groups) if dest is not None}
     return [tok for k, (dest, toks) in enumerate(groups) if dest is None or last[dest] == k for tok in toks]

@@ -50,12 +50,21 @@ def check_lengths(lengths: jax.Array | np.ndarray | None, B: int, N: int, name: 
     return int32_clipped(lengths, 0, N)  # clipped first: a uint32 past int32 must not wrap
 
 
-def int32_clipped(x, lo: int = 0, hi: int = 2**31 - 1) -> jax.Array:
+def int32_clipped(x, lo: int = 0, hi: int = 2**31 - 1, name: str = "lengths") -> jax.Array:
     """``x`` (integers) clipped to ``[lo, hi]`` in its own width, then int32: host values in NumPy, a
     narrow JAX type widened first, so neither a uint32 or int64 past int32 nor a bound past int8
-    wraps (3e9 as uint32 cast first gave -1294967296)."""
+    wraps (3e9 as uint32 cast first gave -1294967296).
+
+    Raises:
+      TypeError: ``x`` (``name``) is not an integer array (a float 10.7 would be cut to 10, and a
+        float32 3e9 clipped to 2**31 - 1, which rounds to 2**31, wraps to -2**31).
+    """
     if not isinstance(x, jax.Array):
-        return jnp.asarray(np.clip(np.asarray(x), lo, hi).astype(np.int32))
+        x = np.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(np.clip(x, lo, hi).astype(np.int32))
     return jnp.clip(widened(x), lo, hi).astype(jnp.int32)
 
 

@@ -357,6 +357,7 @@ def quest_pages_kept(budget: Budget, lengths: Int[Array, " B"], page_size: int) 
     ``t = min(budget_tokens, lengths[b])``, or every page when ``t = lengths[b]`` (int32 ``[B]``).
 
     Raises:
+      TypeError: ``lengths`` not an integer array.
       TypeError, ValueError: as :func:`budget_tokens`.
 
     Source: Quest (arXiv 2406.10774), Section 3.2.
@@ -377,6 +378,7 @@ def quest_rows_read(budget: Budget, lengths: Int[Array, " B"], page_size: int) -
     4 keeps a whole page of 16).
 
     Raises:
+      TypeError: ``lengths`` not an integer array.
       TypeError, ValueError: as :func:`budget_tokens`.
 
     Source: Quest (arXiv 2406.10774), Section 3.2.

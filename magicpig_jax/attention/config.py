@@ -90,6 +90,9 @@ class MagicPIGConfig:
 
         Returns:
           ``(start, end)``, int32 ``[B]`` each, ``0 <= start <= end <= length``.
+
+        Raises:
+          TypeError: ``lengths`` not an integer array.
         """
         from magicpig_jax.attention._common import int32_clipped
 

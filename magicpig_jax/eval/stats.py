@@ -68,16 +68,32 @@ def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float | N
       ``(low, high)`` in ``[0, 1]``; ``(None, None)`` for ``n == 0``.
 
     Raises:
-      ValueError: ``successes`` outside ``[0, n]`` or ``n < 0``.
+      ValueError: ``n`` not an integer ``>= 0``, ``successes`` outside ``[0, n]``, or ``z`` not a
+        finite number ``> 0``.
 
     Source: E. B. Wilson, "Probable inference, the law of succession, and statistical
     inference", JASA 22 (1927).
     """
-    if n < 0 or not 0 <= successes <= n:
-        raise ValueError(f"need 0 <= successes <= n, got successes={successes}, n={n}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"n must be an integer >= 0, got n={n!r}")
+    if not (_is_number(successes) and 0 <= successes <= n):
+        raise ValueError(f"need 0 <= successes <= n, got successes={successes!r}, n={n}")
+    _check_z(z)
     if n == 0:
         return None, None
     return _score_interval(successes / n, n, z, successes == 0, successes == n)
+
+
+def _is_number(v) -> bool:
+    """A real Python or NumPy number (not a bool, nor a JAX or NumPy array)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _check_z(z) -> None:
+    """Refuse a ``z`` that is not a finite number > 0: a negative one swapped the limits (low above
+    high), 0 gave a point and NaN the whole of [0, 1], each without a word."""
+    if not (_is_number(z) and 0.0 < z < math.inf):
+        raise ValueError(f"z must be a finite number > 0 (a normal quantile: {Z95} for 95%), got z={z!r}")
 
 
 def _score_interval(p: float, n: float, z: float, at_zero: bool, at_one: bool) -> tuple[float, float]:
@@ -304,12 +320,13 @@ def effective_size_wilson_interval(groups: Sequence[Sequence[float | None]],
       ``(low, high)`` in [0, 1]; ``(None, None)`` when no group has a score.
 
     Raises:
-      ValueError: a score outside [0, 1].
+      ValueError: a score outside [0, 1], or ``z`` not a finite number ``> 0``.
 
     Source: E. B. Wilson (1927) at L. Kish's effective sample size (*Survey Sampling*, 1965). It
     is not the stratified Wilson interval of Yan & Su (2010), which combines each group's Wilson
     limits and agrees with this one only when the groups' proportions are equal.
     """
+    _check_z(z)
     gs = [g for g in (_clean(g) for g in groups) if g.size]
     if not gs:
         return None, None
@@ -359,17 +376,22 @@ def newcombe_paired_interval(xs: Sequence[float], ys: Sequence[float],
       ``(low, high)`` within [-1, 1]; ``(None, None)`` for no pair.
 
     Raises:
-      ValueError: ``xs`` and ``ys`` differ in length, or a score is outside [0, 1] or not finite.
+      ValueError: ``xs`` and ``ys`` differ in length, a score is not a number in [0, 1] (NumPy
+        numbers and booleans are, a JAX scalar is not: convert with ``float``), or ``z`` is not a
+        finite number ``> 0``.
 
     Source: R. G. Newcombe, "Improved confidence intervals for the difference between binomial
     proportions based on paired data", Statistics in Medicine 17 (1998), method 10.
     """
     if len(xs) != len(ys):
         raise ValueError(f"paired samples need equal lengths, got {len(xs)} and {len(ys)}")
+    _check_z(z)
     bad = [v for v in (*xs, *ys)
            if not (isinstance(v, (int, float, np.integer, np.floating, np.bool_)) and 0 <= v <= 1)]
     if bad:
-        raise ValueError(f"newcombe_paired_interval: scores must be in [0, 1], got {bad[0]}")
+        kind = "" if isinstance(bad[0], (int, float, np.integer, np.floating, np.bool_)) else \
+            f" of type {type(bad[0]).__name__} (scores must be Python or NumPy numbers)"
+        raise ValueError(f"newcombe_paired_interval: scores must be in [0, 1], got {bad[0]!r}{kind}")
     n = len(xs)
     if n == 0:
         return None, None

@@ -153,6 +153,7 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
       the updated :class:`QuestPages` (``end`` advanced by ``counts``).
 
     Raises:
+      TypeError: ``counts`` not an integer array.
       ValueError: a ``k`` whose B, Hkv or D differ from the pages'; a ``max_count`` below 1;
         concrete ``counts`` outside ``[0, max_count]``, or ``end + counts`` past the cache's N
         positions or the ``P * page_size`` positions the pages were built for
@@ -170,6 +171,9 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
                          f"{list(built)}")
     if isinstance(max_count, bool) or not isinstance(max_count, int) or max_count < 1:
         raise ValueError(f"max_count must be an int >= 1, got {max_count!r}")
+    dtype = counts.dtype if hasattr(counts, "dtype") else np.asarray(counts).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):  # a float 2.5 would be cut to 2
+        raise TypeError(f"counts must be an integer array, got {dtype}")
     if not isinstance(counts, jax.core.Tracer):  # concrete counts are checked whether or not the pages are traced
         want = np.asarray(counts)
         if want.shape != (B,) or ((want < 0) | (want > max_count)).any():
@@ -185,7 +189,7 @@ def quest_append_pages(pages: QuestPages, k: Float[Array, "B Hkv N D"], counts: 
             raise ValueError(f"row {int(b)}: appending {int(want[b])} keys at position {int(np.asarray(pages.end)[b])} "
                              f"exceeds the {P} pages of {ps} positions built from position "
                              f"{int(np.asarray(pages.start)[b])}")
-    counts = int32_clipped(counts, 0, max_count)  # in their own width: 2**32 + 1 cast first wrapped to 1
+    counts = int32_clipped(counts, 0, max_count, "counts")  # in their own width: 2**32 + 1 cast first wrapped to 1
     new_end = jnp.minimum(pages.end + counts, N)
     first = (pages.end - pages.start) // ps  # the page the first new key falls in
     W = -(-max_count // ps) + 1  # pages a block of max_count keys can touch

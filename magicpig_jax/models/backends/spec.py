@@ -229,7 +229,14 @@ def decode_range_lengths(lengths: jax.Array, num_sink: int, capacity: int | None
     Args:
       lengths: int ``[B]`` the prompts' lengths.
       num_sink: sink tokens.
-      capacity: the cache's positions, an upper bound on the result (default: none).
+      capacity: the cache's positions, which bounds the ``num_sink`` floor (a length past it stays
+        as it is; default: no bound).
+
+    Returns:
+      int32 ``[B]``.
+
+    Raises:
+      TypeError: ``lengths`` not an integer array.
     """
     bound = num_sink if capacity is None else min(num_sink, capacity)
     return jnp.maximum(int32_clipped(lengths), jnp.int32(bound))
