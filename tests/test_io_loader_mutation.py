@@ -822,3 +822,25 @@ def test_rope_freqs_with_a_yarn_scaling_is_refused_from_the_header(tmp_path):
     with _raises(UnsupportedConfigError, f"{path}: the rope_freqs.weight tensor with a 'yarn' RoPE scaling "
                                          "(llama.rope.scaling.type) is not implemented (only with none or linear)"):
         read_gguf_config(path)
+
+
+def test_a_declared_end_token_llama_cpp_drops_is_no_stop_of_the_config(tmp_path):
+    """A declared EOT ``<|end|>`` beside ``<|return|>`` and ``<|call|>`` (gpt-oss): llama.cpp takes it out
+    of its stops, and so did the tokenizer, but the config kept it (the decoder stops at both lists')
+    union, so it stopped at ``<|end|>``). A re-reviewer's finding."""
+    from magicpig_jax.io.tokenizer import Tokenizer
+
+    toks = list(TOKENS)
+    types = [1] * (V - 1) + [3]
+    for i, s in zip((100, 101, 102), ("<|return|>", "<|call|>", "<|end|>"), strict=True):
+        toks[i], types[i] = s, 3
+    kv = {"tokenizer.ggml.tokens": toks, "tokenizer.ggml.token_type": types, "tokenizer.ggml.eot_token_id": 102}
+    path = _write(tmp_path / "m.gguf", weights=_hf_weights(1), kv=kv)
+    cfg, _, meta, _ = read_gguf(path)
+    assert 102 not in cfg.eos_token_ids and EOS in cfg.eos_token_ids
+    assert read_gguf_config(path).eos_token_ids == cfg.eos_token_ids
+    assert 102 not in Tokenizer.from_gguf_metadata(meta).eos_token_ids
+    # without <|call|>, <|end|> stays a stop in both
+    toks[101] = "<|other|>"
+    path = _write(tmp_path / "n.gguf", weights=_hf_weights(1), kv=kv)
+    assert 102 in read_gguf_config(path).eos_token_ids

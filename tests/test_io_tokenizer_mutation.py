@@ -525,3 +525,80 @@ def test_end_of_generation_as_llama_cpp_derives_it():
                                   "tokenizer.ggml.token_type": types + [NORMAL],
                                   "tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.fim_pad_token_id": 3})
     assert 3 in parts["eos_token_ids"] and n not in parts["eos_token_ids"]
+
+
+def test_fim_prefix_suffix_and_middle_found_by_their_text_are_control_tokens():
+    """llama.cpp makes the FIM prefix, suffix and middle tokens control tokens when found by their text
+    (keys missing), as it does FIM pad/rep/sep, but not ends of generation: a user-defined
+    ``<|fim_prefix|>`` was matched in literal text (a message could write it). A reviewer's finding."""
+    meta = _llama3_meta()
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    n = len(tokens)
+    extra = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
+    meta = {**meta, "tokenizer.ggml.tokens": tokens + extra, "tokenizer.ggml.token_type": types + [USER_DEFINED] * 3,
+            "tokenizer.ggml.add_bos_token": False}
+    parts = gguf_tokenizer_parts(meta)
+    tok = Tokenizer(**parts)
+    added = {t.content: t.special for t in tok.backend.get_added_tokens_decoder().values()}
+    assert all(added[t] is True for t in extra)
+    assert not {n, n + 1, n + 2} & set(parts["eos_token_ids"])
+    assert n not in tok.encode("a <|fim_prefix|> b", parse_special=False, add_special_tokens=False)
+    assert n in tok.encode("a <|fim_prefix|> b", parse_special=True, add_special_tokens=False)
+    # a declared id (or llama.cpp's legacy key) takes precedence: the text stays user-defined
+    for key in ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"):
+        added = {t.content: t.special for t in Tokenizer(**gguf_tokenizer_parts({**meta, key: 3})).backend
+                 .get_added_tokens_decoder().values()}
+        assert added["<|fim_prefix|>"] is False and added["<|fim_suffix|>"] is True
+
+
+def test_a_phi3_token_made_control_by_its_text_swallows_the_whitespace_after_it():
+    """llama.cpp gives Phi-3's RSTRIP to its special tokens after making control tokens of those it
+    finds by their text: a NORMAL-typed ``<|im_end|>`` kept the newline after it. A reviewer's finding."""
+    meta = _llama3_meta()
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    n = len(tokens)
+    for name, want in (("Phi-3-mini", 1), ("Llama", 2)):
+        tok = Tokenizer(**gguf_tokenizer_parts({**meta, "tokenizer.ggml.tokens": tokens + ["<|im_end|>"],
+                                                "tokenizer.ggml.token_type": types + [NORMAL],
+                                                "tokenizer.ggml.add_bos_token": False, "general.name": name}))
+        ids = tok.encode("<|im_end|>\n", parse_special=True, add_special_tokens=False)
+        assert ids[0] == n and len(ids) == want, (name, ids)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("tokenizer.ggml.token_type", "type 0", r"token_type\[\d+\] = 0: .* integers in \[1, 6\]"),
+    ("tokenizer.ggml.token_type", "type 7", r"token_type\[\d+\] = 7: "),
+    ("tokenizer.ggml.token_type", "float", r"token_type\[0\] = 3.0: "),
+    ("tokenizer.ggml.token_type", "bool", r"token_type\[0\] = False: "),
+    ("tokenizer.ggml.tokens", "int", r"tokenizer.ggml.tokens\[0\] = 5: .* strings"),
+    ("tokenizer.ggml.merges", "int", r"tokenizer.ggml.merges\[0\] = 5: "),
+    ("tokenizer.chat_template.tool_use", 5, r"tokenizer.chat_template.tool_use = 5 must be a string"),
+    ("tokenizer.chat_template", ["a"], r"tokenizer.chat_template = \['a'\] must be a string"),
+    ("tokenizer.ggml.add_bos_token", "false", r"add_bos_token = 'false' must be a bool"),
+])
+def test_tokenizer_metadata_of_the_wrong_type_is_refused(key, value, message):
+    """An unknown token type (0, 7, 99, -1) loaded (a type-0 token decoded as text, where llama.cpp gives
+    nothing); a float or bool token type went through int(); a named chat template of 5 became '5';
+    ``add_bos_token = "false"`` read as true. A reviewer's findings."""
+    meta = _llama3_meta()
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    if key == "tokenizer.ggml.token_type":
+        if value.startswith("type"):
+            types[-1] = int(value.split()[1])
+        else:
+            types = [float(t) for t in types] if value == "float" else [t == 1 for t in types]
+        value = types
+    elif key == "tokenizer.ggml.tokens":
+        value = [5, *tokens[1:]]
+    elif key == "tokenizer.ggml.merges":
+        value = [5, *meta["tokenizer.ggml.merges"][1:]]
+    with pytest.raises(TokenizerMetadataError, match=message):
+        gguf_tokenizer_parts({**meta, key: value})
+
+
+def test_spm_scores_must_be_finite_numbers():
+    meta = _spm_meta()
+    scores = list(meta["tokenizer.ggml.scores"])
+    for bad in ("1.0", float("nan"), True):
+        with pytest.raises(TokenizerMetadataError, match=r"tokenizer.ggml.scores\[3\] = .* finite numbers"):
+            gguf_tokenizer_parts({**meta, "tokenizer.ggml.scores": scores[:3] + [bad] + scores[4:]})

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from magicpig_jax.io import gguf_tokenizer
 from magicpig_jax.io.gguf_blocks import QUANT_TYPES
 from magicpig_jax.models.config import MAX_POSITIONS, SOFTCAP_RANGE, LlamaConfig, UnsupportedConfigError
 from magicpig_jax.models.rope import normalize_rope_scaling, yarn_context_length
@@ -260,6 +261,26 @@ class GGUFWeights(MutableMapping):
     def qtype(self, key: str) -> str:
         """The GGUF type name of a key's tensor."""
         return self._entries[key].qtype
+
+
+def _without_llama_cpp_exceptions(reader, eos_ids: list[int]) -> list[int]:
+    """``eos_ids`` without those llama.cpp does not end generation at although declared (a declared
+    ``<|end|>`` beside ``<|return|>`` and ``<|call|>``: :func:`gguf_tokenizer.not_end_of_generation`),
+    so that the config's stop ids agree with the tokenizer's. The vocabulary is read only when a
+    declared id is one of those texts."""
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is None or not eos_ids:
+        return eos_ids
+    n = len(field.data)
+    if not any(0 <= i < n and str(field.contents(i)) in ("<|end|>", "</s>") for i in eos_ids):
+        return eos_ids
+    tokens = [str(t) for t in field.contents()]
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    keys = {k: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.ggml.") and k.endswith("_token_id")}
+    if len(types) != len(tokens):  # the tokenizer names this malformation
+        return eos_ids
+    dropped = gguf_tokenizer.not_end_of_generation(keys, tokens, [int(t) for t in types])
+    return [i for i in eos_ids if i not in dropped]
 
 
 def _field(reader, name, default=None):
@@ -514,6 +535,7 @@ def _config(reader, arch: str, path: Path) -> tuple[LlamaConfig, dict]:
         value = _field(reader, key)
         if value is not None and int(value) not in eos_ids:
             eos_ids.append(int(value))
+    eos_ids = _without_llama_cpp_exceptions(reader, eos_ids)
     window = _field(reader, f"{arch}.attention.sliding_window")
     nope = tuple(i for i in range(n_layers) if (i + 1) % _SMOLLM3_NOPE_STEP == 0) if arch == "smollm3" else ()
     if window is not None and (isinstance(window, (bool, str, list)) or int(window) != window):

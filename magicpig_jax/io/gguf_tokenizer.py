@@ -6,12 +6,14 @@ stop ids and BOS/EOS conventions this follows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-__all__ = ["TokenizerMetadataError", "PRE_TOKENIZERS", "EOG_TEXTS", "gguf_tokenizer_parts"]
+__all__ = ["TokenizerMetadataError", "PRE_TOKENIZERS", "EOG_TEXTS", "gguf_tokenizer_parts", "not_end_of_generation"]
 
 
 class TokenizerMetadataError(ValueError):
@@ -93,6 +95,19 @@ _FIM_TEXTS = {"tokenizer.ggml.fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<
               "tokenizer.ggml.fim_rep_token_id": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
                                                   "<reponame>"),
               "tokenizer.ggml.fim_sep_token_id": ("<|file_sep|>",)}
+# ... and of the prefix, suffix and middle tokens (control tokens, not ends of generation), each with the
+# legacy key llama.cpp also reads
+_FIM_CONTROL_TEXTS = {
+    ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"): (
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+        "<|prefix|>"),
+    ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"): (
+        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>",
+        "<|suffix|>"),
+    ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"): (
+        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>",
+        "<|middle|>"),
+}
 
 
 def _end_of_generation(meta: Mapping, tokens: list[str], types: list[int]):
@@ -100,7 +115,8 @@ def _end_of_generation(meta: Mapping, tokens: list[str], types: list[int]):
     (``llama-vocab.cpp``): the end-of-generation ids (the declared EOS, EOT, EOM and FIM
     pad/rep/sep ids, the FIM tokens found by their text when undeclared, and every token whose
     text is in :data:`EOG_TEXTS`, whatever its type); the tokens it makes control tokens (those
-    found by their text, unused ones excepted); and its two exceptions: with ``<|return|>`` and
+    found by their text, the FIM prefix, suffix and middle tokens included, unused ones excepted);
+    and its two exceptions: with ``<|return|>`` and
     ``<|call|>`` (or ``<|calls|>`` and ``<|flush|>``) ``<|end|>`` is no end of generation but a
     user-defined token (gpt-oss, solar-open), and with ``<|tool_response>`` ``</s>`` is a normal one
     (gemma4)."""
@@ -113,6 +129,11 @@ def _end_of_generation(meta: Mapping, tokens: list[str], types: list[int]):
             found = next((i for i, tok in enumerate(tokens) if tok in texts), None)
             if found is not None:
                 eog.add(found)
+                control.add(found)
+    for keys, texts in _FIM_CONTROL_TEXTS.items():
+        if all(meta.get(key) is None for key in keys):
+            found = next((i for i, tok in enumerate(tokens) if tok in texts), None)
+            if found is not None:
                 control.add(found)
     for i, tok in enumerate(tokens):
         if tok in EOG_TEXTS:
@@ -129,6 +150,37 @@ def _end_of_generation(meta: Mapping, tokens: list[str], types: list[int]):
         eog.discard(by_text["</s>"])
         normal.add(by_text["</s>"])
     return eog, control - user_defined - normal, user_defined, normal
+
+
+def not_end_of_generation(meta: Mapping, tokens: list[str], types: list[int]) -> set[int]:
+    """The ids llama.cpp takes out of the end-of-generation set even where the metadata declares them
+    EOS, EOT or EOM (``<|end|>`` beside ``<|return|>`` and ``<|call|>``; ``</s>`` beside
+    ``<|tool_response>``: :func:`_end_of_generation`'s exceptions), so that a model's configured stop
+    ids agree with its tokenizer's."""
+    _, _, user_defined, normal = _end_of_generation(meta, tokens, types)
+    return user_defined | normal
+
+
+def _check_array(values, key: str, ok, kind: str) -> None:
+    """Refuse a tokenizer array that is not a list of ``kind`` (``int()`` of a float token type 3.9 or
+    ``str()`` of a number would build another tokenizer, silently), naming ``key`` and the entry."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple, np.ndarray)):
+        raise TokenizerMetadataError(f"{key} must be an array of {kind}, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if not ok(v):
+            raise TokenizerMetadataError(f"{key}[{i}] = {v!r}: {key} must be an array of {kind}")
+
+
+def _check_scalars(meta: Mapping) -> None:
+    """Refuse a flag that is not a bool or a chat template that is not a string (``bool("false")`` is
+    true), as the GGUF reader does for a file's keys, here for metadata passed directly."""
+    for key in ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix"):
+        if meta.get(key) is not None and not isinstance(meta[key], (bool, np.bool_)):
+            raise TokenizerMetadataError(f"{key} = {meta[key]!r} must be a bool")
+    for key, value in meta.items():
+        if (key == "tokenizer.chat_template" or key.startswith(_NAMED_TEMPLATE)) and value is not None \
+                and not isinstance(value, str):
+            raise TokenizerMetadataError(f"{key} = {value!r} must be a string (a Jinja2 chat template)")
 
 
 def _meta(meta: Mapping, key: str, required: bool = True):
@@ -156,8 +208,15 @@ def _spm_merges(tokens: list[str], scores: Sequence[float], types: Sequence[int]
 
 def _vocabulary(meta: Mapping) -> tuple[list[str], list[int], dict[str, int]]:
     """``(tokens, token types, vocab)`` of the GGUF vocabulary, checked."""
-    tokens = [str(t) for t in _meta(meta, "tokenizer.ggml.tokens")]
+    tokens = _meta(meta, "tokenizer.ggml.tokens")
+    _check_array(tokens, "tokenizer.ggml.tokens", lambda t: isinstance(t, str), "strings")
+    tokens = list(tokens)
     types = meta.get("tokenizer.ggml.token_type")
+    if types is not None:
+        # llama.cpp's token types: 0 (undefined) and others have no meaning it applies consistently
+        _check_array(types, "tokenizer.ggml.token_type",
+                     lambda t: isinstance(t, (int, np.integer)) and not isinstance(t, bool) and _NORMAL <= t <= _BYTE,
+                     f"integers in [{_NORMAL}, {_BYTE}] (normal, unknown, control, user-defined, unused, byte)")
     types = [int(t) for t in types] if types is not None else [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise TokenizerMetadataError(
@@ -175,8 +234,10 @@ def _byte_level_backend(meta: Mapping, pre: str, vocab: dict[str, int]) -> tuple
     """Byte-level BPE (``tokenizer.ggml.model = gpt2``) and llama.cpp's default of ``add_bos_token``."""
     family = PRE_TOKENIZERS[pre]
     merges = []
-    for i, m in enumerate(_meta(meta, "tokenizer.ggml.merges")):
-        pair = tuple(str(m).split(" ", 1))
+    raw = _meta(meta, "tokenizer.ggml.merges")
+    _check_array(raw, "tokenizer.ggml.merges", lambda m: isinstance(m, str), "strings ('LEFT RIGHT')")
+    for i, m in enumerate(raw):
+        pair = tuple(m.split(" ", 1))
         if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
             # the tokenizers library fails later with a message naming neither the key nor the entry
             raise TokenizerMetadataError(
@@ -198,6 +259,9 @@ def _sentencepiece_backend(meta: Mapping, tokens: list[str], types: list[int],
                            vocab: dict[str, int]) -> HFTokenizer:
     """SentencePiece BPE (``tokenizer.ggml.model = llama``): merges from the scores, byte fallback."""
     scores = _meta(meta, "tokenizer.ggml.scores")
+    _check_array(scores, "tokenizer.ggml.scores",
+                 lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                 and math.isfinite(v), "finite numbers")
     if len(scores) != len(tokens):
         raise TokenizerMetadataError(
             f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
@@ -218,22 +282,22 @@ def _sentencepiece_backend(meta: Mapping, tokens: list[str], types: list[int],
     return backend
 
 
-def _rstrip_tokens(meta: Mapping, tokens: list[str], types: list[int]) -> set[int]:
-    """Ids of the added tokens that swallow the whitespace after them (``AddedToken(rstrip=True)``).
+def _rstrip_tokens(meta: Mapping, tokens: list[str], special: set[int], user: set[int]) -> set[int]:
+    """Ids of the added tokens that swallow the whitespace after them (``AddedToken(rstrip=True)``),
+    of the ``special`` (control and unknown) and ``user`` (user-defined) ids as llama.cpp ends up
+    classing them (a token made a control token by its text included).
 
     A GGUF does not record this attribute. llama.cpp (``llama_vocab::load``, "set attributes by
     model name") gives it to every control, user-defined and unknown token of a model whose
     ``general.name`` contains "phi-3" or "phi3" (case-insensitive), except ``<unk>``, ``<s>`` and
-    ``<|endoftext|>``, as Phi-3's ``tokenizer.json`` marks its chat tokens: ``<|end|>\n`` is one
-    token there. No other model gets it.
+    ``<|endoftext|>``, as Phi-3's ``tokenizer.json`` marks its chat tokens:
+    ``<|end|>\n`` is one token there. No other model gets it.
     """
     name = str(meta.get("general.name") or "").lower()
     if "phi-3" not in name and "phi3" not in name:
         return set()
     keep = {"<unk>", "<s>", "<|endoftext|>"}
-    return {i for i, t in enumerate(types)
-            if t in (_CONTROL, _USER_DEFINED, _UNKNOWN) and tokens[i] not in keep} | {
-        i for i, tok in enumerate(tokens) if tok == "</s>" and types[i] != _UNUSED}
+    return {i for i in special | user if tokens[i] not in keep}
 
 
 def gguf_tokenizer_parts(meta: Mapping) -> dict:
@@ -246,6 +310,7 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
         supported (named), or the vocabulary is malformed.
     """
     kind = _meta(meta, "tokenizer.ggml.model")
+    _check_scalars(meta)
     tokens, types, vocab = _vocabulary(meta)
     # UNUSED tokens (the converter's [PADn] fillers up to the model's vocabulary size, SentencePiece's
     # unused pieces) are left out: encoding never makes them and llama.cpp decodes them to nothing,
@@ -281,7 +346,6 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
         raise TokenizerMetadataError(
             f"unsupported tokenizer.ggml.model {kind!r}; supported: 'gpt2' (byte-level BPE), "
             "'llama' (SentencePiece)")
-    rstrip = _rstrip_tokens(meta, tokens, types)
     declared = []
     for key in _EOG_ID_KEYS:
         value = meta.get(key)
@@ -290,11 +354,12 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
                 raise TokenizerMetadataError(f"{key} = {value} is outside the vocabulary of {len(tokens)} tokens")
             declared.append(int(value))
     eog, control, user_defined, normal = _end_of_generation(meta, tokens, types)
-    special = [AddedToken(tokens[i], special=True, normalized=False, rstrip=i in rstrip)
-               for i, t in enumerate(types)
-               if (t in (_CONTROL, _UNKNOWN) or i in control) and i not in user_defined | normal]
-    user = [AddedToken(tokens[i], special=False, normalized=False, rstrip=i in rstrip)
-            for i, t in enumerate(types) if (t == _USER_DEFINED and i not in control) or i in user_defined]
+    special_ids = {i for i, t in enumerate(types)
+                   if (t in (_CONTROL, _UNKNOWN) or i in control) and i not in user_defined | normal}
+    user_ids = {i for i, t in enumerate(types) if (t == _USER_DEFINED and i not in control) or i in user_defined}
+    rstrip = _rstrip_tokens(meta, tokens, special_ids, user_ids)
+    special = [AddedToken(tokens[i], special=True, normalized=False, rstrip=i in rstrip) for i in sorted(special_ids)]
+    user = [AddedToken(tokens[i], special=False, normalized=False, rstrip=i in rstrip) for i in sorted(user_ids)]
     if special:
         backend.add_special_tokens(special)
     if user:
@@ -312,7 +377,7 @@ def gguf_tokenizer_parts(meta: Mapping) -> dict:
     return dict(
         backend=backend,
         chat_template=meta.get("tokenizer.chat_template"),
-        chat_templates={k[len(_NAMED_TEMPLATE):]: str(v) for k, v in meta.items()
+        chat_templates={k[len(_NAMED_TEMPLATE):]: v for k, v in meta.items()
                         if k.startswith(_NAMED_TEMPLATE) and v is not None},
         eos_token_ids=eos_ids,
         bos_token_id=None if bos is None else int(bos),

@@ -6,8 +6,9 @@ GGUF tokenizers (``tokenizer.ggml.model``):
   that ``tokenizer.ggml.pre`` names, built as the family's Hugging Face ``tokenizer.json``
   builds it (see :data:`PRE_TOKENIZERS`): ``llama-bpe`` (Llama 3.x; also ``llama3``,
   ``llama-v3``), ``smaug-bpe``, ``qwen2`` (Qwen2/2.5/3, NFC-normalized; also
-  ``deepseek-r1-qwen``), ``tekken`` (Mistral Nemo), ``smollm`` and ``default``/``gpt-2``
-  (GPT-2's byte-level split). Another name is an error naming it.
+  ``deepseek-r1-qwen``), ``tekken`` (Mistral Nemo), ``smollm`` and ``gpt-2`` (GPT-2's
+  byte-level split). Another name is an error naming it, ``default`` too (llama.cpp's own
+  DEFAULT split, which is not GPT-2's).
 * ``llama``: SentencePiece BPE (Llama 2, Mistral 7B, TinyLlama) from the pieces and their
   ``tokenizer.ggml.scores``: merges ranked by the score of the merged piece, byte fallback,
   spaces escaped to ``▁`` and one prefixed to every text fragment (llama.cpp's
@@ -26,7 +27,8 @@ only from the template, so a message cannot close its turn or open a system turn
 Stop ids of a GGUF, as llama.cpp's: ``tokenizer.ggml.eos_token_id``, ``eot_token_id``, ``eom_token_id``,
 ``fim_pad_token_id``, ``fim_rep_token_id``, ``fim_sep_token_id``, and the tokens whose text
 llama.cpp treats as end of generation (:data:`EOG_TEXTS`; such a token is made a control token
-whatever its type, as llama.cpp does).
+whatever its type, as llama.cpp does, and so are the fill-in-the-middle prefix, suffix and middle
+tokens found by their text when their ids are not declared).
 
 BOS/EOS. ``add_bos_token``/``add_eos_token`` come from the GGUF flags (defaults as
 llama.cpp: true for SentencePiece, ``llama-bpe`` and ``tekken``, else false) or from
