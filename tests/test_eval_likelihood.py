@@ -45,3 +45,36 @@ def test_likelihood_samples_of_a_length_are_distinct_documents():
     assert len({d.paragraph for d in docs}) == 16 and len({d.ids for d in docs}) == 16
     with pytest.raises(ValueError, match="num_paragraphs"):
         likelihood_start(0, 2048, 0)
+
+
+def test_ruled_out_tokens_nan_and_bad_targets():
+    """Dense compared with itself gave KL NaN when both rule a token out (0 * (-inf - -inf)); a NaN
+    row still gave a finite top-1; a target of -1 read the last token's probability. A reviewer's
+    findings; the float64 reference takes 0 log 0 = 0."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4, 9))
+    logits[:, 3] = -np.inf  # a token both rule out
+    ld = log_softmax(logits)
+    m = compare_to_dense(ld, ld, [0, 1, 2, 4])
+    assert m["kl"] == 0.0 and m["kl_max"] == 0.0 and m["top1"] == 1.0
+    other = log_softmax(logits + rng.normal(size=logits.shape))
+    p = np.exp(ld[:, [0, 1, 2, 4, 5, 6, 7, 8]])
+    want = (p * (ld - other)[:, [0, 1, 2, 4, 5, 6, 7, 8]]).sum(-1)
+    got = compare_to_dense(other, ld, [0, 1, 2, 4])
+    assert got["kl"] == pytest.approx(want.mean(), rel=1e-12) and got["kl_max"] == pytest.approx(want.max())
+    ruled_out = other.copy()
+    ruled_out[1, 0] = -np.inf  # the method rules out a token dense does not: infinitely far
+    assert compare_to_dense(ruled_out, ld, [0, 1, 2, 4])["kl_max"] == np.inf
+    nan = other.copy()
+    nan[2, 5] = np.nan
+    with pytest.raises(ValueError, match="logp holds NaN at row 2"):
+        compare_to_dense(nan, ld, [0, 1, 2, 4])
+    with pytest.raises(ValueError, match="logp_dense holds NaN at row 2"):
+        compare_to_dense(ld, nan, [0, 1, 2, 4])
+    for bad in ([0, 1, 2, -1], [0, 1, 2, 9], [0.0, 1.0, 2.0, 4.0]):
+        with pytest.raises(ValueError, match=r"targets must be integer token ids in \[0, 9\)"):
+            compare_to_dense(other, ld, bad)
+    with pytest.raises(ValueError, match="with n >= 1"):
+        compare_to_dense(ld[:0], ld[:0], [])
+    with pytest.raises(ValueError, match="must be an int"):
+        make_likelihood_sample(lambda x: [ord(c) % 97 for c in x], 500, 0, haystack=HAY, forced=2.5)

@@ -28,7 +28,9 @@ def forced_decode(model, state, *, forced_tokens: Sequence[Sequence[int]] | None
     Args:
       model, state: as for :func:`~magicpig_jax.generation.decode`.
       forced_tokens: B lists of at least ``max_new_tokens`` ids fed instead of the sampled
-        ones (the returned ids are then these ids); None samples as usual.
+        ones (the returned ids are then these ids); None samples as usual. With ``stop_on_eos``
+        (the default, as for decode) a row still stops at a forced stop id: to score a whole
+        continuation that may hold one, pass ``stop_on_eos=False`` (what eval and calibrate do).
       logits_callback: ``callback(step, logits)`` receiving the float32 ``[B, V]`` NumPy
         logits that predict token ``step`` (step 0 = the prefill's).
       attention, max_new_tokens, config, dense_layers, budget, page_size, sampling, stop_on_eos,

@@ -111,8 +111,12 @@ def make_likelihood_sample(encode: Callable[[str], list[int]], length: int, inde
       forced: teacher-forced tokens at the end (``1 <= forced < length``).
 
     Raises:
-      ValueError: ``forced`` out of range, or the corpus is shorter than ``length`` tokens.
+      ValueError: ``forced`` or ``length`` not an int, ``forced`` out of range, or the corpus is
+        shorter than ``length`` tokens.
     """
+    for name, value in (("forced", forced), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"{name} must be an int, got {value!r}")
     if not 1 <= forced < length:
         raise ValueError(f"need 1 <= forced < length, got forced={forced}, length={length}")
     paras = load_prose(haystack)
@@ -165,20 +169,36 @@ def compare_to_dense(logp: np.ndarray, logp_dense: np.ndarray, targets: Sequence
     """NLL, perplexity, mean KL(dense || method) and top-1 agreement (see the module docstring).
 
     Args:
-      logp: ``[n, V]`` log-probabilities of the method.
-      logp_dense: ``[n, V]`` log-probabilities of dense attention.
-      targets: the ``n`` true next tokens.
+      logp: ``[n, V]`` float log-probabilities of the method (nats; ``-inf`` for a token it rules out).
+      logp_dense: ``[n, V]`` float log-probabilities of dense attention.
+      targets: the ``n`` true next tokens, integer ids in ``[0, V)``.
 
     Returns:
-      ``{"nll", "ppl", "kl", "kl_max", "top1"}`` (floats).
+      ``{"nll", "ppl", "kl", "kl_max", "top1"}`` (floats; nats for ``nll`` and the KLs). A token
+      dense rules out (``-inf``) adds nothing to the KL (``0 log 0 = 0``); one the method rules out
+      where dense does not makes it ``inf``. Top-1 ties go to the lowest id (``argmax``).
+
+    Raises:
+      ValueError: shapes that are not ``[n, V]``, ``[n, V]`` and ``[n]`` with ``n >= 1``; a NaN in
+        either log-probability array (a top-1 agreement would still read as measured); a target
+        that is not an integer in ``[0, V)`` (-1 had read the last token's probability).
     """
     lp = np.asarray(logp, np.float64)
     ld = np.asarray(logp_dense, np.float64)
-    t = np.asarray(targets, np.int64)
-    if lp.shape != ld.shape or lp.shape[0] != t.shape[0]:
-        raise ValueError(f"shape mismatch: {lp.shape}, {ld.shape}, {t.shape}")
+    t = np.asarray(targets)
+    if lp.ndim != 2 or lp.shape != ld.shape or t.shape != (lp.shape[0],) or lp.shape[0] == 0:
+        raise ValueError(f"logp, logp_dense and targets must be [n, V], [n, V] and [n] with n >= 1, got "
+                         f"{lp.shape}, {ld.shape} and {t.shape}")
+    for name, x in (("logp", lp), ("logp_dense", ld)):
+        if np.isnan(x).any():
+            raise ValueError(f"{name} holds NaN at row {int(np.isnan(x).any(axis=-1).argmax())}")
+    V = lp.shape[1]
+    if t.dtype.kind not in "iu" or ((t < 0) | (t >= V)).any():
+        raise ValueError(f"targets must be integer token ids in [0, {V}), got {t.dtype} {t.tolist()[:8]}")
     nll = float(-lp[np.arange(t.shape[0]), t].mean())
-    kl_t = (np.exp(ld) * (ld - lp)).sum(axis=-1)
+    with np.errstate(invalid="ignore"):  # -inf - -inf where both rule a token out: that term is 0
+        terms = np.where(np.isneginf(ld), 0.0, np.exp(ld) * (ld - lp))
+    kl_t = terms.sum(axis=-1)
     kl_t = np.maximum(kl_t, 0.0)  # rounding can give -1e-12
     top1 = float((lp.argmax(-1) == ld.argmax(-1)).mean())
     return {"nll": nll, "ppl": float(np.exp(nll)), "kl": float(kl_t.mean()), "kl_max": float(kl_t.max()),
