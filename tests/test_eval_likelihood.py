@@ -65,6 +65,9 @@ def test_ruled_out_tokens_nan_and_bad_targets():
     ruled_out = other.copy()
     ruled_out[1, 0] = -np.inf  # the method rules out a token dense does not: infinitely far
     assert compare_to_dense(ruled_out, ld, [0, 1, 2, 4])["kl_max"] == np.inf
+    tiny = ld.copy()
+    tiny[1, 0] = -800.0  # dense's probability underflows to 0, the method rules the token out: inf, not NaN
+    assert compare_to_dense(ruled_out, tiny, [0, 1, 2, 4])["kl_max"] == np.inf
     nan = other.copy()
     nan[2, 5] = np.nan
     with pytest.raises(ValueError, match="logp holds NaN at row 2"):

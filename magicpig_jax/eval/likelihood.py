@@ -196,8 +196,11 @@ def compare_to_dense(logp: np.ndarray, logp_dense: np.ndarray, targets: Sequence
     if t.dtype.kind not in "iu" or ((t < 0) | (t >= V)).any():
         raise ValueError(f"targets must be integer token ids in [0, {V}), got {t.dtype} {t.tolist()[:8]}")
     nll = float(-lp[np.arange(t.shape[0]), t].mean())
-    with np.errstate(invalid="ignore"):  # -inf - -inf where both rule a token out: that term is 0
-        terms = np.where(np.isneginf(ld), 0.0, np.exp(ld) * (ld - lp))
+    # a token dense rules out adds 0; one only the method rules out adds inf, even where dense's
+    # probability underflows to 0 (exp(-800) * inf would be NaN); elsewhere lp is finite
+    dense_out, method_out = np.isneginf(ld), np.isneginf(lp)
+    finite = ~dense_out & ~method_out
+    terms = np.where(finite, np.exp(ld) * np.where(finite, ld - lp, 0.0), np.where(dense_out, 0.0, np.inf))
     kl_t = terms.sum(axis=-1)
     kl_t = np.maximum(kl_t, 0.0)  # rounding can give -1e-12
     top1 = float((lp.argmax(-1) == ld.argmax(-1)).mean())
