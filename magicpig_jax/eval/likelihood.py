@@ -200,7 +200,9 @@ def compare_to_dense(logp: np.ndarray, logp_dense: np.ndarray, targets: Sequence
     # probability underflows to 0 (exp(-800) * inf would be NaN); elsewhere lp is finite
     dense_out, method_out = np.isneginf(ld), np.isneginf(lp)
     finite = ~dense_out & ~method_out
-    terms = np.where(finite, np.exp(ld) * np.where(finite, ld - lp, 0.0), np.where(dense_out, 0.0, np.inf))
+    with np.errstate(invalid="ignore"):  # -inf - -inf, masked out below
+        diff = np.where(finite, ld - lp, 0.0)
+    terms = np.where(finite, np.exp(ld) * diff, np.where(dense_out, 0.0, np.inf))
     kl_t = terms.sum(axis=-1)
     kl_t = np.maximum(kl_t, 0.0)  # rounding can give -1e-12
     top1 = float((lp.argmax(-1) == ld.argmax(-1)).mean())
