@@ -60,3 +60,16 @@ def test_bench_decode_refuses_the_peer_without_the_library(monkeypatch):
         bench_decode.main(["--peer", "llama.cpp", "--lengths", "128"])
     with pytest.raises(SystemExit):
         bench_decode.main(["--repeats", "2"])
+
+
+def test_the_peer_threads_default_to_the_cpus_this_process_may_use(monkeypatch):
+    """Under ``taskset -c 0`` os.cpu_count() still says 2 while XLA uses 1: the peer had 2 threads."""
+    import os
+
+    from magicpig_jax.eval import peer
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert peer.default_threads() == 1
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert peer.default_threads() == 2

@@ -122,7 +122,8 @@ def llama_cpp_batch_decode(model_path: str | Path, prompt_ids: Sequence[int], ba
       repeats: timed repeats per B, ``>= 1``.
       warmup: untimed decodes per B before them, ``>= 0`` (as ``bench decode --warmup`` runs on our
         side).
-      n_threads: llama.cpp threads (default: every CPU).
+      n_threads: llama.cpp threads (default: every CPU this process may run on, as XLA's count;
+        ``os.cpu_count()`` counts the machine's, more than a ``taskset`` allows).
       n_batch: prefill batch size (tokens per ``llama_decode``).
       rss: optional object with ``reset()`` and ``peak_bytes()`` (the peak RSS of each B).
 
@@ -155,7 +156,7 @@ def llama_cpp_batch_decode(model_path: str | Path, prompt_ids: Sequence[int], ba
     import llama_cpp.llama_cpp as low
     import numpy as np
 
-    threads = n_threads or os.cpu_count() or 1
+    threads = n_threads or default_threads()
     low.llama_backend_init()
     mparams = low.llama_model_default_params()
     # llama.cpp's AMX "extra buffer type" (chosen automatically on CPUs with AMX) crashed in
@@ -183,6 +184,14 @@ def llama_cpp_batch_decode(model_path: str | Path, prompt_ids: Sequence[int], ba
     finally:
         low.llama_model_free(model)
     return results
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (``os.sched_getaffinity``; ``os.cpu_count()`` where it is
+    missing): the threads XLA uses, and so the peer's default. ``os.cpu_count()`` counts the
+    machine's CPUs, more than ``taskset -c 0`` allows."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return allowed or 1
 
 
 def _one_batch(low, model, n_vocab, prompt_ids, B, steps, repeats, threads, n_batch, np, warmup=0) -> dict:
