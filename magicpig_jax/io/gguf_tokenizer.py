@@ -261,7 +261,7 @@ def _sentencepiece_backend(meta: Mapping, tokens: list[str], types: list[int],
     scores = _meta(meta, "tokenizer.ggml.scores")
     _check_array(scores, "tokenizer.ggml.scores",
                  lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-                 and math.isfinite(v), "finite numbers")
+                 and not math.isnan(v), "numbers (not NaN: the merges are ranked by them)")
     if len(scores) != len(tokens):
         raise TokenizerMetadataError(
             f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
