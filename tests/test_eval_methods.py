@@ -70,3 +70,19 @@ def test_page_size_is_read_by_measured_budgets():
     for methods in ("dense,topk", "dense,oracle"):
         s = settings_from_args(make_parser().parse_args(["--out", "x", "--methods", methods, "--page-size", "1"]))
         assert s.page_size == 1
+
+
+def test_one_budget_written_two_ways_is_one_method_and_a_length_twice_is_refused():
+    """topk:016 and topk:16 (or :.5 and :0.5) ran as two methods with the same budget, each sample
+    decoded twice and the summary showing one method twice; --lengths 2K,2048 ran 2048 twice; a
+    non-ASCII digit was read as a number. A reviewer's findings."""
+    for text in ("topk:16,topk:016", "topk:0.5,topk:.5", "quest:16,quest: 16"):
+        with pytest.raises(ValueError, match="duplicate methods"):
+            parse_methods(text)
+    # a fraction 1.0 (every key) and one token are two budgets
+    assert [m.label for m in parse_methods("topk:016,topk:1.0,topk:1")] == ["topk:16", "topk:1.0", "topk:1"]
+    assert parse_methods("topk: 16")[0].label == "topk:16" and parse_methods("oracle:5e-2")[0].label == "oracle:0.05"
+    with pytest.raises(ValueError, match="budget must be"):
+        parse_methods("topk:\u0663")  # ARABIC-INDIC DIGIT THREE
+    with pytest.raises(ValueError, match="2048 tokens twice"):
+        parse_lengths("2K,2048")

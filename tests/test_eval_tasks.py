@@ -102,3 +102,22 @@ def test_scoring_matches_ruler():
     assert score("vt", " they are: ABCDE, FGHIJ", ["ABCDE", "FGHIJ", "KLMNO", "PQRST"]) == 0.5
     with pytest.raises(ValueError):
         string_match_all("x", [])
+
+
+def test_a_needle_value_never_sits_inside_a_longer_number_of_the_haystack(tmp_path):
+    """A 7-digit value was refused only where it occurred as a whole number: inside the haystack's
+    957727603 it was drawn, and copying that number scored 1 (the scorer matches substrings).
+    A reviewer's finding."""
+    para = "This is a plain sentence of prose that has more than twelve words in it for the haystack. " * 3
+    plain = tmp_path / "plain.txt"
+    plain.write_text((para.strip() + "\n\n") * 20)
+
+    def count(p, a):
+        return (len(p) + len(a)) // 4
+
+    drawn = make_sample("niah_single", 1024, 0, count, haystack=str(plain)).outputs[0]
+    extra = f"The serial number printed on every copy of this document is 9{drawn}3, to be kept with every copy."
+    numbered = tmp_path / "numbered.txt"
+    numbered.write_text((extra + "\n\n" + para.strip() + "\n\n") * 20)
+    s = make_sample("niah_single", 1024, 0, count, haystack=str(numbered))
+    assert f"9{drawn}3" in s.prompt and s.outputs[0] != drawn and s.prompt.count(s.outputs[0]) == 1

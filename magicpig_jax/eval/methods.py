@@ -94,7 +94,7 @@ def parse_method(text: str) -> Method:
                     _check_host_index(f"method {text!r}: layer {i}", c.K, c.L, hint="")
         return Method(f"magicpig@{path.stem}", "magicpig", config_file=str(path))
     name, _, arg = text.partition(":")
-    name = name.strip().lower()
+    name, arg = name.strip().lower(), arg.strip()
     if name == "hybrid":
         parts = (arg or "10x150").lower().split("x")
         try:
@@ -128,7 +128,7 @@ def parse_method(text: str) -> Method:
         if not arg:
             return Method(name, backend, host=host)
         try:
-            budget: int | float = int(arg) if arg.isdigit() else float(arg)
+            budget: int | float = int(arg) if arg.isascii() and arg.isdigit() else float(arg)
         except ValueError as err:
             raise ValueError(f"{name} takes a budget in tokens or a fraction, got {text!r}") from err
         from magicpig_jax.attention.baselines import MAX_BUDGET_TOKENS
@@ -137,7 +137,8 @@ def parse_method(text: str) -> Method:
                 isinstance(budget, float) and not 0 < budget <= 1):
             raise ValueError(f"{name} budget must be in [1, {MAX_BUDGET_TOKENS}] tokens or a fraction in (0, 1], "
                              f"got {arg!r}")
-        return Method(f"{name}:{arg}", backend, budget=budget, host=host)
+        # the label from the parsed budget: topk:016 and topk:16 (or :.5 and :0.5) are one method
+        return Method(f"{name}:{budget!r}", backend, budget=budget, host=host)
     raise ValueError(f"unknown method {text!r}; methods: dense, magicpig[:KxL], magicpig-ref[:KxL], "
                      "hybrid[:KxL[xM]], magicpig@FILE, topk[:B], quest[:B], oracle[:B], topk-ref[:B], quest-ref[:B]")
 
@@ -173,7 +174,7 @@ def parse_lengths(text: str) -> list[int]:
     """``2K,4K,8K`` or ``2048,4096`` -> token counts (K = 1024).
 
     Raises:
-      ValueError: a malformed or non-positive length.
+      ValueError: a malformed or non-positive length, or one given twice (``2K,2048``).
     """
     out = []
     for x in (x.strip() for x in text.split(",")):
@@ -185,6 +186,8 @@ def parse_lengths(text: str) -> list[int]:
             raise ValueError(f"bad length {x!r} (use e.g. 2K,4K,8K or 2048)") from err
         if n < 64:
             raise ValueError(f"length must be >= 64 tokens, got {x!r}")
+        if n in out:
+            raise ValueError(f"--lengths gives {n} tokens twice (got {text!r})")
         out.append(n)
     if not out:
         raise ValueError("--lengths is empty")

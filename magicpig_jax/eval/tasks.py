@@ -11,7 +11,7 @@ answer prefixes, RULER's ``synthetic.yaml`` complexity), with these documented c
   Jargon File, or the license texts) instead of Paul Graham's essays / the repeated
   "grass is green" noise; variable tracking uses the same prose as its haystack;
 * words come from ``wonderwords`` (as in RULER); keys are ``adjective-noun``, values 7-digit
-  numbers that never occur anywhere in the corpus, variable names 5 upper-case letters
+  numbers that never occur anywhere in the corpus (not even inside a longer number), variable names 5 upper-case letters
   that never occur as a word of the corpus;
 * every random choice that is not the haystack size is drawn before the haystack is sized,
   so a sample's keys, values, needle depths and answers do not change while
@@ -198,6 +198,12 @@ def _forbidden_numbers(haystack: str) -> frozenset[str]:
     return frozenset(re.findall(r"\d+", _corpus_text(haystack)))
 
 
+def _in_corpus_number(value: str, haystack: str) -> bool:
+    """Whether the digits ``value`` occur in the corpus, alone or inside a longer number: the scorer
+    matches substrings, so a value inside the haystack's 957727603 could be copied from it."""
+    return any(value in run for run in _forbidden_numbers(haystack) if len(run) >= len(value))
+
+
 @functools.cache
 def _forbidden_upper(haystack: str) -> frozenset[str]:
     return frozenset(w.upper() for w in re.findall(r"[A-Za-z]+", _corpus_text(haystack)))
@@ -222,7 +228,6 @@ def _niah(task: str, seed: int, haystack: str) -> Builder:
     num_k, num_v, num_q = _NIAH[task]
     rng = random.Random(seed)
     words = word_lists()
-    forbidden = _forbidden_numbers(haystack)
     keys: list[str] = []
     while len(keys) < num_k:
         k = f"{rng.choice(words['adjectives'])}-{rng.choice(words['nouns'])}"
@@ -234,7 +239,7 @@ def _niah(task: str, seed: int, haystack: str) -> Builder:
         vs = []
         while len(vs) < num_v:
             v = str(rng.randint(10**6, 10**7 - 1))
-            if v not in used and v not in forbidden:
+            if v not in used and not _in_corpus_number(v, haystack):
                 used.add(v)
                 vs.append(v)
         values.append(vs)
@@ -277,10 +282,9 @@ def _vt(seed: int, haystack: str, num_hops: int = 4) -> Builder:
         name = "".join(rng.choices(string.ascii_uppercase, k=5))
         if name not in names and name not in forbidden:
             names.append(name)
-    numbers = _forbidden_numbers(haystack)
     while True:
         value = str(rng.randint(10000, 99999))
-        if value not in numbers:
+        if not _in_corpus_number(value, haystack):
             break
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[j + 1]} = VAR {names[j]}." for j in range(num_hops)]
     fracs = sorted(rng.random() for _ in chain)
